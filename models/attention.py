@@ -1,0 +1,105 @@
+"""Causal attention with three normalisations: softmax, softmax-1 and a learned sink.
+
+softmax-1 (Miller's "off-by-one" softmax, used by Kaul et al.):
+    softmax1(x)_i = exp(x_i) / (1 + sum_j exp(x_j))
+Rows sum to less than 1, so a head can put its weight "nowhere" instead of on a sink token.
+It equals an ordinary softmax over the real keys plus one extra key whose logit is 0 and whose value is the
+zero vector — a zero *key vector* gives logit q·0 = 0 for every query. The learned sink (``attn="sink"``) is the
+same construction with a learned per-head key and value instead of zeros. So every variant is "softmax over
+[extra key] + real keys", and the fast path hands that to ``scaled_dot_product_attention``.
+
+Two paths, held equal by tests:
+- fast: SDPA (fused kernels; never materialises probabilities);
+- reference: explicit scores and probabilities, used when probabilities are observed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def softmax1(scores: Tensor, dim: int = -1) -> Tensor:
+    """exp(x_i) / (1 + sum_j exp(x_j)), computed stably; -inf entries get exactly 0.
+
+    With m = max(max_j x_j, 0): exp(x_i - m) / (exp(-m) + sum_j exp(x_j - m)). Taking m >= 0 keeps exp(-m) <= 1,
+    so neither the implicit "+1" nor any real logit overflows.
+    """
+    m = scores.amax(dim=dim, keepdim=True).clamp(min=0).detach()
+    e = torch.exp(scores - m)
+    return e / (torch.exp(-m) + e.sum(dim=dim, keepdim=True))
+
+
+def _extra_kv(
+    kind: str, q: Tensor, sink_k: Tensor | None, sink_v: Tensor | None
+) -> tuple[Tensor, Tensor] | None:
+    """The extra always-visible key/value of softmax-1 (zeros) or the sink (learned), shaped (B, nh, 1, hs)."""
+    if kind == "softmax":
+        return None
+    B, nh, _, hs = q.shape
+    if kind == "softmax1":
+        zero = q.new_zeros(B, nh, 1, hs)
+        return zero, zero
+    if sink_k is None or sink_v is None:
+        raise ValueError("attn='sink' needs sink_k and sink_v of shape (n_head, head_dim)")
+    return (
+        sink_k.to(q.dtype)[None, :, None].expand(B, nh, 1, hs),
+        sink_v.to(q.dtype)[None, :, None].expand(B, nh, 1, hs),
+    )
+
+
+def _causal_mask_with_extra(T: int, device: torch.device) -> Tensor:
+    """(T, T+1) boolean mask, True = may attend: column 0 (the extra key) always, then the causal triangle."""
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    return torch.cat([torch.ones(T, 1, dtype=torch.bool, device=device), causal], dim=1)
+
+
+def attention_fast(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kind: str = "softmax",
+    sink_k: Tensor | None = None,
+    sink_v: Tensor | None = None,
+) -> Tensor:
+    """Causal attention via SDPA; q, k, v are (B, nh, T, hs). Returns (B, nh, T, hs)."""
+    extra = _extra_kv(kind, q, sink_k, sink_v)
+    if extra is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    k = torch.cat([extra[0], k], dim=2)  # (B, nh, T+1, hs)
+    v = torch.cat([extra[1], v], dim=2)
+    mask = _causal_mask_with_extra(q.size(2), q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kind: str = "softmax",
+    sink_k: Tensor | None = None,
+    sink_v: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Causal attention computed explicitly. Returns (output (B, nh, T, hs), probs (B, nh, T, T)).
+
+    ``probs`` are the weights on the real keys only, as computed: under softmax-1 and the sink its rows sum to
+    less than 1 (the rest went to the extra key), which is what the attention metrics report.
+    """
+    T = q.size(2)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, nh, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    if kind == "softmax":
+        probs = torch.softmax(scores, dim=-1)
+        return probs @ v, probs
+    if kind == "softmax1":
+        probs = softmax1(scores, dim=-1)
+        return probs @ v, probs
+    extra_k, extra_v = _extra_kv(kind, q, sink_k, sink_v)
+    sink_logit = (q @ extra_k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, nh, T, 1)
+    all_probs = torch.softmax(torch.cat([sink_logit, scores], dim=-1), dim=-1)
+    probs = all_probs[..., 1:]
+    return probs @ v + all_probs[..., :1] * extra_v, probs

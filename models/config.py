@@ -1,0 +1,171 @@
+"""What a model is: one frozen dataclass with the paper's switches, and the named presets.
+
+The GPT-2 family (LayerNorm, GELU MLP, learned positions, biases, tied embeddings) and the Llama family
+(RMSNorm, SwiGLU MLP, RoPE, no biases, untied head) are the same module with different switch values;
+``family`` only picks the defaults and the projection layout (fused ``c_attn`` for GPT-2, separate
+``q_proj``/``k_proj``/``v_proj`` for Llama, so that per-tensor quantisation sees the same tensors as the
+transformers export of each family).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from models.errors import UserError, unknown_choice
+from models.registry import Registry
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "family": ("gpt2", "llama"),
+    # softmax1: +1 in the denominator (a head may attend nowhere); sink: a learned per-head key/value bias,
+    # i.e. an extra always-visible key (the "attention bias" of Sun et al., Massive Activations).
+    "attn": ("softmax", "softmax1", "sink"),
+    # rmsnorm = per-channel gain ("RMSNorm-M", Llama); rmsnorm_single = one scalar gain ("RMSNorm-S", the paper's).
+    "norm": ("layernorm", "rmsnorm", "rmsnorm_single"),
+    "norm_position": ("pre", "post"),
+    "pos": ("learned", "rope", "none"),
+    "mlp": ("gelu", "swiglu"),
+}
+
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt2": dict(norm="layernorm", pos="learned", mlp="gelu", bias=True, tie_embeddings=True),
+    "llama": dict(norm="rmsnorm", pos="rope", mlp="swiglu", bias=False, tie_embeddings=False),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str = "gpt2"
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 256
+    d_ff: int = 1024
+    context: int = 128
+    vocab_size: int = 8192
+    attn: str = "softmax"
+    norm: str = "layernorm"
+    norm_position: str = "pre"
+    pos: str = "learned"
+    mlp: str = "gelu"
+    bias: bool = True
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise unknown_choice(f"value for {name}", value, choices)
+        for name in ("n_layer", "n_head", "d_model", "d_ff", "context", "vocab_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise UserError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.d_model % self.n_head:
+            raise UserError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if self.pos == "rope" and self.head_dim % 2:
+            raise UserError(f"rope needs an even head dimension, got {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with ``changes`` applied; unknown field names are a :class:`UserError`."""
+        known = {f.name for f in dataclasses.fields(self)}
+        for key in changes:
+            if key not in known:
+                raise unknown_choice("model config field", key, known)
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise UserError(f"unknown model config fields {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**data)
+
+
+def family_config(family: str, **shape: Any) -> ModelConfig:
+    """A config of ``family`` with that family's default switches and the given shape/overrides."""
+    if family not in FAMILY_DEFAULTS:
+        raise unknown_choice("model family", family, FAMILY_DEFAULTS)
+    return ModelConfig(family=family, **{**FAMILY_DEFAULTS[family], **shape})
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named model shape plus the tokenizer it is meant for (vocab_size must match it)."""
+
+    config: ModelConfig
+    tokenizer: str
+    notes: str = field(default="", compare=False)
+
+
+PRESETS: Registry[Preset] = Registry("preset")
+
+# CPU presets: vocabulary 8192 (our BPE) keeps tiny models from being mostly embedding.
+PRESETS.register(
+    "tiny",
+    Preset(
+        family_config("gpt2", n_layer=4, n_head=4, d_model=256, d_ff=1024, context=128, vocab_size=8192),
+        "bpe8192",
+        "the 4-layer d=256 model in which facts.md saw outliers emerge within ~1 M tokens",
+    ),
+    "CPU: 4 layers, d 256, context 128, vocab 8192 (~3.2 M non-embedding params); trains in minutes",
+)
+PRESETS.register(
+    "small",
+    Preset(
+        family_config("gpt2", n_layer=6, n_head=6, d_model=384, d_ff=1536, context=256, vocab_size=8192),
+        "bpe8192",
+    ),
+    "CPU: 6 layers, d 384, context 256, vocab 8192 (~10.6 M non-embedding params)",
+)
+# The paper's sizes. Its exact shapes are not public: GPT-2 presets follow GPT-2/GPT-3's published shapes
+# (4x MLP, 64-dim heads where they are standard) at the nominal size, with GPT-2's 50257-token vocabulary;
+# the Llama preset takes GaLore's C4 Llama-130M shape (12L/768/12 heads/ff 2048), a common anchor for that size.
+_GPT2 = dict(context=1024, vocab_size=50257)
+PRESETS.register(
+    "gpt2-60m",
+    Preset(family_config("gpt2", n_layer=8, n_head=8, d_model=512, d_ff=2048, **_GPT2), "gpt2"),
+    "paper size: 8 layers, d 512, 8 heads (GaLore-60M depth/width with GPT-2's 4x MLP)",
+)
+PRESETS.register(
+    "gpt2-130m",
+    Preset(family_config("gpt2", n_layer=12, n_head=12, d_model=768, d_ff=3072, **_GPT2), "gpt2"),
+    "paper size: GPT-2 small shape, 12 layers, d 768, 12 heads",
+)
+PRESETS.register(
+    "gpt2-350m",
+    Preset(family_config("gpt2", n_layer=24, n_head=16, d_model=1024, d_ff=4096, **_GPT2), "gpt2"),
+    "paper size: GPT-2 medium shape, 24 layers, d 1024, 16 heads",
+)
+PRESETS.register(
+    "gpt2-1.4b",
+    Preset(family_config("gpt2", n_layer=24, n_head=16, d_model=2048, d_ff=8192, **_GPT2), "gpt2"),
+    "paper size: GPT-3 1.3B shape, 24 layers, d 2048, 16 heads",
+)
+PRESETS.register(
+    "llama2-130m",
+    Preset(
+        family_config("llama", n_layer=12, n_head=12, d_model=768, d_ff=2048, context=1024, vocab_size=50257),
+        "gpt2",
+        "Llama-2's own 32000-token tokenizer is not obtainable offline; GPT-2's is used",
+    ),
+    "paper size: Llama-2 style (RMSNorm, SwiGLU, RoPE), GaLore's 130M shape 12L/768/12/ff 2048",
+)
+
+
+def get_preset(name: str) -> Preset:
+    return PRESETS.get(name)
+
+
+def preset_config(name: str, **overrides: Any) -> ModelConfig:
+    """The preset's config with switch overrides (``attn="softmax1"``, ``norm=...``); None values are ignored."""
+    return get_preset(name).config.replace(**{k: v for k, v in overrides.items() if v is not None})

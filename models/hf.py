@@ -1,0 +1,247 @@
+"""Interop with transformers: softmax-1 as a registered attention function, and export to a model folder.
+
+    from models.hf import export_to_hf, register_softmax1
+    export_to_hf(checkpoint, "out/")        # GPT2LMHeadModel or LlamaForCausalLM layout + tokenizer
+    AutoModelForCausalLM.from_pretrained("out/")   # after `import qbench` (or register_softmax1())
+
+softmax-1 is registered under the name ``softmax1`` in transformers' ``AttentionInterface`` *and*
+``AttentionMaskInterface``: without a registered mask function transformers passes no mask to an unknown
+implementation and attention silently stops being causal. The exported config.json carries
+``"attn_implementation": "softmax1"``, so loading such a folder without registering first fails loudly
+instead of running ordinary softmax.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from models.checkpoint import Checkpoint, load_checkpoint
+from models.config import ModelConfig
+from models.errors import UserError
+from models.io import atomic_write_json
+
+SOFTMAX1 = "softmax1"
+
+
+def softmax1_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers attention function for softmax-1: SDPA over one extra zero key/value visible to all queries.
+
+    ``attention_mask`` is the additive float mask of the eager mask function, (B, 1, Q, K); the extra key gets
+    a 0 (visible) column in front. Keys/values with fewer heads (GQA) are repeated to the query's heads.
+    """
+    if key.size(1) != query.size(1):
+        n_rep = query.size(1) // key.size(1)
+        key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
+    B, H, Q, D = query.shape
+    zero = query.new_zeros(B, H, 1, D)
+    key, value = torch.cat([zero, key], dim=2), torch.cat([zero, value], dim=2)
+    if attention_mask is None:
+        if Q > 1:  # never hit with our mask function registered; refuse rather than silently drop causality
+            raise RuntimeError(
+                "softmax1 attention got no mask; register it with models.hf.register_softmax1()"
+            )
+        mask = None
+    else:
+        mask = attention_mask[..., : key.size(2) - 1].to(query.dtype)
+        mask = torch.cat([mask.new_zeros(*mask.shape[:-1], 1).expand(mask.size(0), 1, Q, 1), mask], dim=-1)
+    dropout_p = dropout if module.training else 0.0
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scaling
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_softmax1() -> None:
+    """Register ``softmax1`` with transformers (idempotent). ``import qbench`` calls this."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(SOFTMAX1, softmax1_attention)
+    AttentionMaskInterface.register(SOFTMAX1, eager_mask)
+
+
+# ------------------------------------------------------------------------------------------------ export
+
+
+def _require(config: ModelConfig, target: str, **allowed: tuple[Any, ...]) -> None:
+    for name, values in allowed.items():
+        value = getattr(config, name)
+        if value not in values:
+            raise UserError(
+                f"cannot export to {target}: {name}={value!r} has no equivalent there "
+                f"(it supports {name} in {list(values)}); keep using the qbench checkpoint for this model"
+            )
+
+
+def _gpt2_model(config: ModelConfig, state: dict[str, Tensor]) -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _require(
+        config,
+        "GPT2LMHeadModel",
+        attn=("softmax", "softmax1"),
+        norm=("layernorm",),
+        norm_position=("pre",),
+        pos=("learned", "none"),
+        mlp=("gelu",),
+    )
+    hf_config = GPT2Config(
+        vocab_size=config.vocab_size,
+        n_positions=config.context,
+        n_embd=config.d_model,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        n_inner=config.d_ff,
+        activation_function="gelu",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=config.norm_eps,
+        tie_word_embeddings=config.tie_embeddings,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    model = GPT2LMHeadModel(hf_config)
+    hf_state = {name: torch.zeros_like(t) for name, t in model.state_dict().items()}  # absent biases/wpe = 0
+    rename = {"lm_head.weight": "lm_head.weight"}
+    for name, tensor in state.items():
+        hf_name = rename.get(name, name)
+        # GPT-2's Conv1D stores (in, out): our Linear weights transposed.
+        is_conv1d = any(k in name for k in ("c_attn.weight", "c_proj.weight", "c_fc.weight"))
+        hf_state[hf_name] = tensor.t().contiguous() if is_conv1d else tensor
+    return model, hf_state
+
+
+_LLAMA_NAMES = {
+    "transformer.wte.weight": "model.embed_tokens.weight",
+    "transformer.ln_f.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+_LLAMA_BLOCK_NAMES = {
+    "ln_1.weight": "input_layernorm.weight",
+    "ln_2.weight": "post_attention_layernorm.weight",
+    "attn.q_proj": "self_attn.q_proj",
+    "attn.k_proj": "self_attn.k_proj",
+    "attn.v_proj": "self_attn.v_proj",
+    "attn.c_proj": "self_attn.o_proj",
+    "mlp.gate_proj": "mlp.gate_proj",
+    "mlp.up_proj": "mlp.up_proj",
+    "mlp.down_proj": "mlp.down_proj",
+}
+
+
+def _llama_name(name: str) -> str:
+    if name in _LLAMA_NAMES:
+        return _LLAMA_NAMES[name]
+    _, _, layer, rest = name.split(".", 3)  # transformer.h.<i>.<rest>
+    for ours, theirs in _LLAMA_BLOCK_NAMES.items():
+        if rest.startswith(ours):
+            return f"model.layers.{layer}.{theirs}{rest[len(ours) :]}"
+    raise KeyError(name)
+
+
+def _llama_model(config: ModelConfig, state: dict[str, Tensor]) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _require(
+        config,
+        "LlamaForCausalLM",
+        attn=("softmax", "softmax1"),
+        norm=("rmsnorm", "rmsnorm_single"),
+        norm_position=("pre",),
+        pos=("rope",),
+        mlp=("swiglu",),
+    )
+    hf_config = LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.d_model,
+        intermediate_size=config.d_ff,
+        num_hidden_layers=config.n_layer,
+        num_attention_heads=config.n_head,
+        num_key_value_heads=config.n_head,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.context,
+        rms_norm_eps=config.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        hidden_act="silu",
+        attention_bias=config.bias,
+        mlp_bias=config.bias,
+        tie_word_embeddings=config.tie_embeddings,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    model = LlamaForCausalLM(hf_config)
+    hf_state = {}
+    for name, tensor in state.items():
+        if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")) and tensor.numel() == 1:
+            tensor = tensor.expand(config.d_model).clone()  # RMSNorm-S: one scalar gain = a constant vector
+        hf_state[_llama_name(name)] = tensor
+    return model, hf_state
+
+
+def to_hf_model(model: torch.nn.Module, tokenizer: Any | None = None) -> Any:
+    """A transformers model computing the same function as our ``model`` (same weights, float32 copy).
+
+    With ``tokenizer``, its ``<|endoftext|>`` id becomes the config's bos/eos/pad id (generation needs them).
+    """
+    from models.transformer import Transformer
+
+    assert isinstance(model, Transformer)
+    config = model.config
+    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    if config.tie_embeddings:
+        state.pop("lm_head.weight")
+    build = _gpt2_model if config.family == "gpt2" else _llama_model
+    hf_model, hf_state = build(config, state)
+    if config.tie_embeddings:
+        hf_state.pop("lm_head.weight", None)
+    missing, unexpected = hf_model.load_state_dict(hf_state, strict=False)
+    missing = [m for m in missing if not (config.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"export mapping is incomplete: missing {missing}, unexpected {unexpected}")
+    if config.tie_embeddings:
+        hf_model.tie_weights()
+    attn_impl = SOFTMAX1 if config.attn == "softmax1" else "sdpa"
+    if attn_impl == SOFTMAX1:
+        register_softmax1()
+    hf_model.config._attn_implementation = attn_impl
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            setattr(hf_model.config, key, tokenizer.eos_token_id)
+            setattr(hf_model.generation_config, key, tokenizer.eos_token_id)
+    return hf_model.eval()
+
+
+def export_to_hf(checkpoint: Checkpoint | str | Path, out: str | Path) -> Path:
+    """Write a transformers model folder (weights, config, tokenizer) for a GPT-2- or Llama-family checkpoint."""
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
+    hf_model = to_hf_model(ckpt.model, ckpt.tokenizer)
+    out = Path(out)
+    hf_model.save_pretrained(str(out), safe_serialization=True)
+    if ckpt.tokenizer is not None:
+        ckpt.tokenizer.save_pretrained(str(out))
+    config_file = out / "config.json"
+    hf_config = json.loads(config_file.read_text())
+    hf_config["attn_implementation"] = hf_model.config._attn_implementation
+    hf_config["qbench"] = {
+        "exported_from": str(ckpt.path),
+        "model": ckpt.config.to_dict(),
+        "provenance": ckpt.provenance,
+    }
+    atomic_write_json(config_file, hf_config)
+    return out

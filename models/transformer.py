@@ -1,0 +1,239 @@
+"""The transformer: one module, the paper's switches (see ``models.config``).
+
+Read top to bottom: norms, rotary positions, attention, MLP, block, model. Names follow nanoGPT (``wte``,
+``wpe``, ``h``, ``ln_f``, ``c_attn``, ``c_proj``, ``c_fc``) for the GPT-2 family and Llama's for its
+projections (``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``/``down_proj``), so each family maps
+one-to-one onto its transformers layout (``models.hf``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.attention import attention_fast, attention_reference
+from models.config import ModelConfig
+
+# ---------------------------------------------------------------------------------------------------- norms
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * gain; per-channel gain ("RMSNorm-M") or one scalar gain ("RMSNorm-S").
+
+    Computed in float32 and cast back, as Llama does, so bf16 training does not lose the normaliser.
+    """
+
+    def __init__(self, dim: int, eps: float, single_gain: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(1 if single_gain else dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def build_norm(config: ModelConfig) -> nn.Module:
+    if config.norm == "layernorm":
+        return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
+    return RMSNorm(config.d_model, config.norm_eps, single_gain=config.norm == "rmsnorm_single")
+
+
+# ------------------------------------------------------------------------------------------- rotary positions
+
+
+def rope_tables(context: int, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape (context, head_dim) in Llama's half-split ("rotate_half") convention."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(context, dtype=torch.float32), inv_freq)  # (T, hs/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, hs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate (B, nh, T, hs) by position: x*cos + rotate_half(x)*sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------- attention
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, bias = config.d_model, config.bias
+        self.kind, self.n_head = config.attn, config.n_head
+        if config.family == "gpt2":
+            self.c_attn = nn.Linear(d, 3 * d, bias=bias)  # fused q, k, v, as GPT-2 stores them
+        else:
+            self.q_proj = nn.Linear(d, d, bias=bias)
+            self.k_proj = nn.Linear(d, d, bias=bias)
+            self.v_proj = nn.Linear(d, d, bias=bias)
+        self.c_proj = nn.Linear(d, d, bias=bias)
+        if config.attn == "sink":
+            # The learned always-visible key/value per head. Zero init = softmax-1 at step 0.
+            self.sink_k = nn.Parameter(torch.zeros(config.n_head, config.head_dim))
+            self.sink_v = nn.Parameter(torch.zeros(config.n_head, config.head_dim))
+        else:
+            self.sink_k = self.sink_v = None
+        # Set by ``models.observe``; None means "don't materialise probabilities" (the fast path).
+        self.probs_hook: Callable[[Tensor], None] | None = None
+
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if hasattr(self, "c_attn"):
+            return self.c_attn(x).chunk(3, dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self._qkv(x))
+        if rope is not None:  # (B, nh, T, hs)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.probs_hook is None:
+            y = attention_fast(q, k, v, self.kind, self.sink_k, self.sink_v)
+        else:
+            y, probs = attention_reference(q, k, v, self.kind, self.sink_k, self.sink_v)
+            self.probs_hook(probs)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+# ------------------------------------------------------------------------------------------------------- MLP
+
+
+class MLP(nn.Module):
+    """GELU MLP (GPT-2: c_fc -> gelu -> c_proj) or SwiGLU (Llama: down(silu(gate(x)) * up(x)))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, f, bias = config.d_model, config.d_ff, config.bias
+        self.kind = config.mlp
+        if config.mlp == "gelu":
+            self.c_fc = nn.Linear(d, f, bias=bias)
+            self.c_proj = nn.Linear(f, d, bias=bias)
+        else:
+            self.gate_proj = nn.Linear(d, f, bias=bias)
+            self.up_proj = nn.Linear(d, f, bias=bias)
+            self.down_proj = nn.Linear(f, d, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kind == "gelu":
+            return self.c_proj(F.gelu(self.c_fc(x)))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ----------------------------------------------------------------------------------------------------- block
+
+
+class Block(nn.Module):
+    """Pre-norm: x + f(norm(x)). Post-norm: norm(x + f(x)) (original Transformer; "Spike, Sparse, Sink" ablation)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.pre_norm = config.norm_position == "pre"
+        self.ln_1 = build_norm(config)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = build_norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        if self.pre_norm:
+            x = x + self.attn(self.ln_1(x), rope)
+            return x + self.mlp(self.ln_2(x))
+        x = self.ln_1(x + self.attn(x, rope))
+        return self.ln_2(x + self.mlp(x))
+
+
+# ----------------------------------------------------------------------------------------------------- model
+
+
+class Transformer(nn.Module):
+    """A causal LM: ``model(input_ids (B, T)) -> logits (B, T, vocab)``.
+
+    Each block's output (the residual stream) is what the outlier metrics read; ``models.observe`` records it
+    with forward hooks on ``transformer.h[i]``, so the forward pass here carries no observation code.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.d_model),
+                h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            )
+        )
+        if config.pos == "learned":
+            self.transformer["wpe"] = nn.Embedding(config.context, config.d_model)
+        if config.norm_position == "pre":  # post-norm blocks already end in a norm
+            self.transformer["ln_f"] = build_norm(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.tie_weights()
+        if config.pos == "rope":
+            self.make_rope_tables()
+        self.apply(self._init_weights)
+        # GPT-2: residual projections scaled by 1/sqrt(2L) so the residual stream's variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith(("c_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layer))
+
+    def make_rope_tables(self, device: torch.device | str | None = None) -> None:
+        """(Re)build the non-persistent RoPE tables, e.g. after loading weights into a model built on 'meta'."""
+        cos, sin = rope_tables(self.config.context, self.config.head_dim, self.config.rope_theta)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def tie_weights(self) -> None:
+        """Point the LM head at the token embedding (again) when the config ties them."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        T = input_ids.size(1)
+        if T > self.config.context:
+            raise ValueError(f"sequence length {T} exceeds the model's context {self.config.context}")
+        x = self.transformer.wte(input_ids)  # (B, T, C)
+        if "wpe" in self.transformer:
+            x = x + self.transformer.wpe(torch.arange(T, device=input_ids.device))
+        rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.config.pos == "rope" else None
+        for block in self.transformer.h:
+            x = block(x, rope)
+        if "ln_f" in self.transformer:
+            x = self.transformer.ln_f(x)
+        return self.lm_head(x)  # (B, T, V)
+
+    def num_parameters(self, embedding: bool = True) -> int:
+        """Parameters counted once (tied weights once); ``embedding=False`` drops token/position embeddings
+        and an untied head (the "non-embedding" count of scaling-law papers)."""
+        params = {id(p): p for p in self.parameters()}
+        n = sum(p.numel() for p in params.values())
+        if not embedding:
+            n -= self.transformer.wte.weight.numel()
+            if "wpe" in self.transformer:
+                n -= self.transformer.wpe.weight.numel()
+            if not self.config.tie_embeddings:
+                n -= self.lm_head.weight.numel()
+        return n
+
+
+def build(config: ModelConfig, seed: int | None = None) -> Transformer:
+    """A freshly initialised model; with ``seed`` the initialisation is reproducible and leaves the global RNG alone."""
+    if seed is None:
+        return Transformer(config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Transformer(config)

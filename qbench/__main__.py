@@ -1,0 +1,5 @@
+import sys
+
+from qbench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,70 @@
+import json
+
+import pytest
+import torch
+
+from models import UserError, build
+from models.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint
+from models.tokenizer import load_tokenizer
+
+from .conftest import micro
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("bpe8192")
+
+
+def small_vocab_config(**switches):
+    return micro(**switches).replace(vocab_size=8192)
+
+
+@pytest.mark.parametrize("switches", [{}, {"attn": "sink", "tie_embeddings": False}, {"pos": "rope"}])
+def test_round_trip_is_bit_exact_and_keeps_ties(tmp_path, tokenizer, switches):
+    model = build(small_vocab_config(**switches), seed=1)
+    with torch.no_grad():  # non-default values everywhere, so a dropped tensor would show
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    save_checkpoint(tmp_path, model, tokenizer, provenance={"training": {"steps": 3}})
+    ckpt = load_checkpoint(tmp_path)
+    a, b = model.state_dict(), ckpt.model.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert (ckpt.model.lm_head.weight is ckpt.model.transformer.wte.weight) == model.config.tie_embeddings
+    x = torch.randint(0, 8192, (1, 24))
+    assert torch.equal(model.eval()(x), ckpt.model(x))
+    assert ckpt.config == model.config
+    assert ckpt.provenance["training"] == {"steps": 3} and "git_commit" in ckpt.provenance
+    assert ckpt.tokenizer("Hello world")["input_ids"] == tokenizer("Hello world")["input_ids"]
+
+
+def test_checkpoint_folder_contents_are_safetensors_and_json(tmp_path, tokenizer):
+    save_checkpoint(tmp_path, build(small_vocab_config()), tokenizer)
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert not any(n.endswith((".pt", ".bin", ".pkl", ".tmp")) for n in names)
+    meta = json.loads((tmp_path / "config.json").read_text())
+    assert meta["format"] == "qbench.checkpoint" and meta["tokenizer"]["vocab_size"] == len(tokenizer)
+    assert is_checkpoint(tmp_path) and not is_checkpoint(tmp_path / "nope")
+
+
+def test_missing_and_corrupt_files_are_named(tmp_path, tokenizer):
+    save_checkpoint(tmp_path, build(small_vocab_config()), tokenizer)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-10] + b"0123456789")
+    with pytest.raises(UserError, match=r"model\.safetensors is corrupt"):
+        load_checkpoint(tmp_path)
+    weights.unlink()
+    with pytest.raises(UserError, match=r"model\.safetensors is missing"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(UserError, match=r"config\.json is corrupt"):
+        load_checkpoint(tmp_path)
+    with pytest.raises(UserError, match="does not exist"):
+        load_checkpoint(tmp_path / "absent")
+
+
+def test_tokenizer_larger_than_vocabulary_is_refused(tmp_path, tokenizer):
+    with pytest.raises(UserError, match="vocab_size is 97"):
+        save_checkpoint(tmp_path, build(micro()), tokenizer)

@@ -8,7 +8,6 @@ from models.config import PRESETS, ModelConfig
 
 from .conftest import micro
 
-
 _GPT2_COMBINATIONS = list(
     itertools.product(
         ("softmax", "softmax1", "sink"),

@@ -21,12 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from models.attention import softmax1
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.config import ModelConfig
 from models.errors import UserError
 from models.io import atomic_write_json
 
 SOFTMAX1 = "softmax1"
+SOFTMAX1_EAGER = "softmax1_eager"
 
 
 def softmax1_attention(
@@ -66,13 +68,40 @@ def softmax1_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def softmax1_eager_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """softmax-1 computed explicitly, returning the probabilities (rows sum to < 1) like transformers' eager.
+
+    Registered as ``softmax1_eager``: what metrics switch a softmax-1 model to when they need attention weights.
+    """
+    if key.size(1) != query.size(1):
+        n_rep = query.size(1) // key.size(1)
+        key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
+    scale = scaling if scaling is not None else query.size(-1) ** -0.5
+    scores = (query @ key.transpose(-2, -1)).float() * scale
+    if attention_mask is not None:
+        scores = scores + attention_mask[..., : key.size(2)].float()
+    probs = softmax1(scores, dim=-1).to(query.dtype)
+    return (probs @ value).transpose(1, 2).contiguous(), probs
+
+
 def register_softmax1() -> None:
-    """Register ``softmax1`` with transformers (idempotent). ``import qbench`` calls this."""
+    """Register ``softmax1`` and ``softmax1_eager`` with transformers (idempotent). ``import qbench`` calls this."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     AttentionInterface.register(SOFTMAX1, softmax1_attention)
+    AttentionInterface.register(SOFTMAX1_EAGER, softmax1_eager_attention)
     AttentionMaskInterface.register(SOFTMAX1, eager_mask)
+    AttentionMaskInterface.register(SOFTMAX1_EAGER, eager_mask)
 
 
 # ------------------------------------------------------------------------------------------------ export

@@ -178,6 +178,118 @@ def cmd_data(args: argparse.Namespace) -> None:
         raise UserError(f"unknown data action {args.action!r}; choose from: fetch")
 
 
+# ---------------------------------------------------------------------------------------- run / grid / compare
+
+
+def _grid_spec(args: argparse.Namespace, models: list[str]):
+    from qbench.harness import GridSpec, check_modes, expand_schemes
+    from qbench.metrics import Protocol
+
+    if args.tokens is not None and args.tokens < 2:
+        raise UserError(f"--tokens must be at least 2, got {args.tokens}")
+    protocol = Protocol(
+        corpus=args.data,
+        tokens=args.tokens or Protocol.tokens,
+        window=args.window,
+        bos=args.bos,
+        batch_size=args.batch_size,
+    )
+    return GridSpec(
+        models=models,
+        schemes=expand_schemes(args.scheme or ["paper"]),
+        modes=check_modes(args.mode or ["fake"]),
+        protocol=protocol,
+        output_path=Path(args.output_path),
+        seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
+        exclude=tuple(args.exclude or ()),
+        attention=not args.no_attention,
+        trust_remote_code=args.trust_remote_code,
+        allow_unsafe_weights=args.allow_unsafe_weights,
+    )
+
+
+def _print_record(record: dict, reused: bool) -> None:
+    m = record["metrics"]
+    scheme = record["scheme"]["name"]
+    ppl = "NaN" if m["perplexity"] is None else f"{m['perplexity']:.3f}"
+    change = "" if scheme == "fp" or m["ppl_change_pct"] is None else f" ({m['ppl_change_pct']:+.2f}%)"
+    note = " [dim](reused)[/]" if reused else f" [dim]{record['wall_seconds']:.1f}s[/]"
+    if record.get("status") not in (None, "ok"):
+        note += f" [yellow]{record['status']}: {record['error']}[/]"
+    console.print(
+        f"  {record['model']['name']:<20} {scheme:<24} {record['mode']:<5} ppl {ppl}{change}{note}",
+        highlight=False,
+    )
+
+
+def _run_and_show(spec) -> list[dict]:
+    from qbench.harness import run_grid
+    from qbench.report import rich_table
+
+    console.print(
+        f"[bold]qbench[/] {len(spec.models)} model(s) × {len(spec.schemes)} scheme(s) × "
+        f"{len(spec.modes)} mode(s) → {spec.output_path}/"
+    )
+    records = run_grid(spec, on_record=_print_record)
+    console.print(rich_table(records))
+    return records
+
+
+@command("run")
+def cmd_run(args: argparse.Namespace) -> None:
+    _run_and_show(_grid_spec(args, [args.ckpt]))
+
+
+@command("grid")
+def cmd_grid(args: argparse.Namespace) -> None:
+    _run_and_show(_grid_spec(args, args.ckpt))
+
+
+def _records_for(name: str, output_path: Path) -> list[dict]:
+    """Resolve a ``compare`` argument (rule in the ``compare`` help) to its records."""
+    from qbench.load import resolve
+    from qbench.report import read_records
+
+    for folder in (Path(name), output_path / name):
+        if folder.is_dir() and (records := read_records(folder)):
+            return records
+    try:
+        resolve(name)
+    except UserError:
+        raise UserError(
+            f"no results named {name!r}: not a results folder, not {output_path / name}, "
+            f"and not a checkpoint (ckpts/{name}); run `qbench grid --ckpt {name}` first"
+        ) from None
+    from qbench.harness import GridSpec, run_grid
+
+    console.print(f"[dim]no results for {name!r} yet: evaluating it with the paper's schemes[/]")
+    return run_grid(
+        GridSpec(
+            models=[name],
+            schemes=["absmax-fine", "absmax-moderate", "absmax-coarse", "zeropoint-int4"],
+            output_path=output_path,
+        ),
+        on_record=_print_record,
+    )
+
+
+@command("compare")
+def cmd_compare(args: argparse.Namespace) -> None:
+    from qbench.report import FORMATS, render, rich_table
+
+    if args.format not in FORMATS:
+        from models.errors import unknown_choice
+
+        raise unknown_choice("format", args.format, FORMATS)
+    records = [r for name in args.names for r in _records_for(name, Path(args.output_path))]
+    if args.format == "table":
+        console.print(rich_table(records))
+    else:
+        sys.stdout.write(render(records, args.format))
+
+
 # ------------------------------------------------------------------------------------------------- parser
 
 
@@ -207,6 +319,59 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", help="presets | corpora | schemes | optimizers")
 
     sub.add_parser("env", help="versions, devices and available real kernels")
+
+    def eval_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--scheme",
+            action="append",
+            help="scheme name (repeatable), 'paper' (the paper's four, "
+            "default) or 'all' — see qbench ls schemes",
+        )
+        p.add_argument("--mode", action="append", help="fake (default) | real; repeatable")
+        p.add_argument("--data", default="embedded", help="corpus: embedded | mix | c4 | a local path")
+        p.add_argument("--tokens", type=int, help="token budget scored per model (default 32768)")
+        p.add_argument("--window", type=int, help="window length (default: the model's context)")
+        p.add_argument(
+            "--bos",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="open every window with <|endoftext|> (default on)",
+        )
+        p.add_argument("--batch-size", type=int, default=8)
+        p.add_argument("--output-path", default="qbench_results", help="where result JSON goes")
+        p.add_argument("--exclude", action="append", help="fnmatch pattern of layer names to keep in float")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--no-attention", action="store_true", help="skip attention statistics (faster)")
+        p.add_argument(
+            "--trust-remote-code", action="store_true", help="allow a transformers model's own code"
+        )
+        p.add_argument(
+            "--allow-unsafe-weights",
+            action="store_true",
+            help="allow pickle-based .bin weights (can run code; only for folders you trust)",
+        )
+
+    p = sub.add_parser("run", help="evaluate one model under one or more schemes")
+    p.add_argument(
+        "--ckpt", required=True, help="qbench checkpoint, transformers folder, ckpts/NAME, or hub name"
+    )
+    eval_options(p)
+
+    p = sub.add_parser("grid", help="evaluate models × schemes (resumable: finished cells are reused)")
+    p.add_argument("--ckpt", action="append", required=True, help="repeatable")
+    eval_options(p)
+
+    p = sub.add_parser("compare", help="table of results: rows = models, columns = fp then schemes")
+    p.add_argument(
+        "names",
+        nargs="+",
+        help="a results folder, a model's name under --output-path, or a "
+        "checkpoint ckpts/NAME (evaluated with the paper's schemes if it has no results yet)",
+    )
+    p.add_argument("--format", default="table", help="table | md | csv | latex | json")
+    p.add_argument("--output-path", default="qbench_results")
 
     p = sub.add_parser("data", help="build offline corpora")
     p.add_argument("action", help="fetch: build the ~100 MB offline mix into the cache")

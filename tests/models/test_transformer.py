@@ -21,7 +21,10 @@ _GPT2_COMBINATIONS = list(
 
 @pytest.mark.parametrize(
     "family,attn,norm,norm_position,pos,bias",
-    [*(("gpt2", *combo) for combo in _GPT2_COMBINATIONS), ("llama", "softmax1", "rmsnorm", "pre", "rope", False)],
+    [
+        *(("gpt2", *combo) for combo in _GPT2_COMBINATIONS),
+        ("llama", "softmax1", "rmsnorm", "pre", "rope", False),
+    ],
 )
 def test_every_switch_combination_builds_and_is_causal(family, attn, norm, norm_position, pos, bias):
     model = build(

@@ -1,0 +1,112 @@
+"""What qbench needs from any causal LM — ours or a transformers model, float or quantised.
+
+Three things: logits for a batch of token ids, the list of decoder blocks (whose outputs are the residual
+stream), and a way to record block outputs and attention probabilities. Our models answer through
+``models.observe``; transformers models through forward hooks on their decoder layers — never
+``output_hidden_states``, whose last entry is taken after the final norm — and an eager attention
+implementation for the probabilities (``softmax1_eager`` for softmax-1 exports, which must not silently turn
+into ordinary softmax).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+from models.hf import SOFTMAX1, SOFTMAX1_EAGER
+from models.observe import Observation, observe
+from models.transformer import Transformer
+
+
+def is_ours(model: nn.Module) -> bool:
+    return isinstance(model, Transformer)
+
+
+def logits(model: nn.Module, input_ids: Tensor) -> Tensor:
+    """(B, T, V) logits of either kind of model."""
+    if is_ours(model):
+        return model(input_ids)
+    return model(input_ids=input_ids, use_cache=False).logits
+
+
+def context_length(model: nn.Module) -> int:
+    if is_ours(model):
+        return model.config.context
+    config = model.config
+    for key in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
+        if getattr(config, key, None):
+            return int(getattr(config, key))
+    raise ValueError(f"cannot tell the context length of {type(model).__name__}")
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks in order: ours ``transformer.h``; transformers' the ModuleList of
+    ``num_hidden_layers`` blocks (``model.layers`` in Llama-likes, ``transformer.h`` in GPT-2)."""
+    if is_ours(model):
+        return list(model.transformer.h)
+    n = getattr(model.config, "num_hidden_layers", None) or getattr(model.config, "n_layer", None)
+    for _, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n:
+            return list(module)
+    raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
+
+
+def _block_output(output: Tensor | tuple) -> Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+@contextmanager
+def _eager_attention(model: nn.Module) -> Iterator[None]:
+    """Temporarily switch a transformers model to an attention implementation that returns probabilities."""
+    current = model.config._attn_implementation
+    eager = SOFTMAX1_EAGER if current == SOFTMAX1 else "eager"
+    if current not in (SOFTMAX1, SOFTMAX1_EAGER, "sdpa", "eager", None):
+        raise ValueError(
+            f"attention implementation {current!r} has no eager equivalent for attention metrics"
+        )
+    model.set_attn_implementation(eager)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(current)
+
+
+@contextmanager
+def observe_any(model: nn.Module, attention: bool = False) -> Iterator[Observation]:
+    """``models.observe`` for any model; run the forward pass with :func:`forward_observed`."""
+    if is_ours(model):
+        with observe(model, hidden=True, attention=attention) as obs:
+            yield obs
+        return
+    obs = Observation()
+    handles = [
+        layer.register_forward_hook(lambda _m, _i, out: obs.hidden.append(_block_output(out).detach()))
+        for layer in decoder_layers(model)
+    ]
+    try:
+        if attention:
+            with _eager_attention(model):
+                model._qbench_want_attentions = True
+                yield obs
+        else:
+            yield obs
+    finally:
+        model.__dict__.pop("_qbench_want_attentions", None)
+        for handle in handles:
+            handle.remove()
+
+
+def forward_observed(model: nn.Module, input_ids: Tensor, obs: Observation) -> Tensor:
+    """Forward pass inside :func:`observe_any`; for transformers models, collects the attentions it returns."""
+    if is_ours(model) or not getattr(model, "_qbench_want_attentions", False):
+        return logits(model, input_ids)
+    out = model(input_ids=input_ids, use_cache=False, output_attentions=True)
+    obs.attention.extend(a.detach() for a in out.attentions)
+    return out.logits
+
+
+def first_parameter(model: nn.Module) -> torch.Tensor:
+    return next(iter(model.parameters()))

@@ -1,0 +1,150 @@
+"""``--ckpt`` → (model, tokenizer, description): a qbench checkpoint, a transformers folder, or a hub name.
+
+Resolution, in order:
+1. a folder whose config.json says ``"format": "qbench.checkpoint"`` → ``models.load_checkpoint``;
+2. a folder with a transformers config.json → ``AutoModelForCausalLM.from_pretrained(..., local_files_only=True)``;
+3. a bare name NAME for which ``ckpts/NAME`` is one of the above → that folder (so ``qbench run --ckpt ortho``
+   finds ``ckpts/ortho``);
+4. otherwise a hub name ("org/model"), loaded only when a hub is reachable — offline it is a clear error.
+
+Safety: ``trust_remote_code`` stays off unless asked; weights are read from safetensors only unless the user
+passes ``allow_unsafe_weights`` (pickle-based ``.bin`` files can run code when unpickled).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.checkpoint import is_checkpoint, load_checkpoint
+from models.errors import UserError, unknown_choice
+
+CKPT_ROOT = Path("ckpts")
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any
+    name: str  # short display name, used in result file names
+    source: str  # what the user passed, resolved
+    description: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise unknown_choice("dtype", name, DTYPES)
+    return DTYPES[name]
+
+
+def _is_transformers_folder(path: Path) -> bool:
+    try:
+        return "model_type" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def resolve(spec: str) -> Path | str:
+    """The folder a ``--ckpt`` value names, or the string itself when it can only be a hub name."""
+    path = Path(spec)
+    for candidate in (path, CKPT_ROOT / spec):
+        if candidate.is_dir() and (is_checkpoint(candidate) or _is_transformers_folder(candidate)):
+            return candidate
+    if path.exists():
+        raise UserError(
+            f'{spec!r} is neither a qbench checkpoint (config.json with "format": '
+            '"qbench.checkpoint") nor a transformers model folder (config.json with "model_type")'
+        )
+    if "/" in spec and not spec.startswith((".", "/")) and spec.count("/") == 1:
+        return spec  # looks like org/name on a hub
+    raise UserError(
+        f"--ckpt {spec!r} does not exist (looked for {path} and {CKPT_ROOT / spec}); give a qbench "
+        "checkpoint folder, a transformers model folder, or a hub name like org/model"
+    )
+
+
+def load_model(
+    spec: str,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    allow_unsafe_weights: bool = False,
+) -> LoadedModel:
+    """Load what ``spec`` names (see the module docstring) in eval mode."""
+    torch_dtype = parse_dtype(dtype)
+    target = resolve(spec)
+    if isinstance(target, Path) and is_checkpoint(target):
+        ckpt = load_checkpoint(target, device=device, dtype=torch_dtype)
+        if ckpt.tokenizer is None:
+            raise UserError(f"checkpoint {target} has no tokenizer files; re-save it with its tokenizer")
+        description = {
+            "kind": "qbench",
+            "path": str(target),
+            "config": ckpt.config.to_dict(),
+            "parameters": ckpt.model.num_parameters(),
+            "dtype": dtype,
+            "provenance": ckpt.provenance,
+        }
+        return LoadedModel(ckpt.model, ckpt.tokenizer, target.name, str(target), description)
+    return _load_transformers(target, torch_dtype, dtype, device, trust_remote_code, allow_unsafe_weights)
+
+
+def _load_transformers(
+    target: Path | str,
+    torch_dtype: torch.dtype,
+    dtype: str,
+    device: str,
+    trust_remote_code: bool,
+    allow_unsafe_weights: bool,
+) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import qbench  # noqa: F401  (registers softmax1 so exported softmax-1 folders load)
+
+    local = isinstance(target, Path)
+    if local and not allow_unsafe_weights and not any(target.glob("*.safetensors")):
+        raise UserError(
+            f"{target} has no .safetensors weights; pickle-based weights can run code when loaded — "
+            "pass --allow-unsafe-weights if you trust this folder"
+        )
+    kwargs = dict(
+        local_files_only=local,
+        trust_remote_code=trust_remote_code,
+        dtype=torch_dtype,
+        use_safetensors=None if allow_unsafe_weights else True,
+    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(target), **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(target), local_files_only=local, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        where = str(target) if local else f"hub model {target!r} (is a hub reachable? HF_HUB_OFFLINE set?)"
+        raise UserError(f"cannot load {where}: {str(e).splitlines()[0]}") from None
+    model = model.to(device).eval()
+    name = target.name if local else str(target).replace("/", "--")
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    description = {
+        "kind": "transformers",
+        "path": str(target),
+        "model_type": model.config.model_type,
+        "architecture": type(model).__name__,
+        "parameters": n_params,
+        "dtype": dtype,
+        "attn_implementation": model.config._attn_implementation,
+    }
+    return LoadedModel(model, tokenizer, name, str(target), description)

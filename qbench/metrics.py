@@ -1,0 +1,175 @@
+"""Evaluation metrics: token-level perplexity under one documented protocol, outlier and attention statistics
+(definitions in ``models.stats``), and massive activations (Sun et al., 2024).
+
+Perplexity protocol (token level, never word or byte level):
+- text: the ``split`` ("validation" by default) of ``corpus``, tokenised with the model's own tokenizer, each
+  document preceded by ``<|endoftext|>``, concatenated (``trainers.data.token_stream``);
+- budget: the first ``tokens`` tokens of that stream are scored, each exactly once;
+- windows: non-overlapping (stride = window), each of ``window`` positions (default: the model's context),
+  scored in full. With ``bos`` (default) every window is [BOS] + the next window−1 stream tokens, so all of a
+  window's stream tokens are predicted and each sequence starts the way the models were trained; without it a
+  window is ``window`` stream tokens and its first token is not predicted;
+- perplexity = exp(mean negative log-likelihood over the predicted tokens), accumulated in float64.
+Batches never mix information: dynamic activation scales of the quantisation schemes are per sequence (see
+``qbench.quant.schemes``), so the result does not depend on ``batch_size``.
+A budget larger than the text is clamped to what exists; the record says ``tokens_clamped: true``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.errors import UserError
+from models.stats import OutlierAccumulator
+from models.tokenizer import separator_id
+from qbench.adapters import forward_observed, logits, observe_any
+
+
+@dataclass(frozen=True)
+class Protocol:
+    corpus: str = "embedded"
+    split: str = "validation"
+    tokens: int = 32768
+    window: int | None = None  # None: the model's context length
+    bos: bool = True
+    batch_size: int = 8
+    outlier_windows: int = 8  # windows (from the start of the same text) for outlier/attention statistics
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Windows:
+    ids: Tensor  # (N, W) long
+    scored_tokens: int  # stream tokens predicted across all windows
+    available_tokens: int
+    clamped: bool
+    window: int
+
+
+def make_windows(tokenizer: Any, protocol: Protocol, context: int) -> Windows:
+    """Cut the protocol's text into the evaluation windows (see the module docstring)."""
+    from trainers.data import token_stream
+
+    window = protocol.window or context
+    if window > context:
+        raise UserError(f"--window {window} exceeds the model's context length {context}")
+    stream = token_stream(protocol.corpus, protocol.split, tokenizer)
+    per_window = window - 1 if protocol.bos else window
+    wanted = min(protocol.tokens, len(stream))
+    n = max(wanted // per_window, 1)
+    chunk = np.asarray(stream[: n * per_window], dtype=np.int64).reshape(n, per_window)
+    ids = torch.from_numpy(chunk)
+    if protocol.bos:
+        ids = torch.cat([torch.full((n, 1), separator_id(tokenizer), dtype=torch.long), ids], dim=1)
+    scored = n * per_window if protocol.bos else n * (window - 1)
+    return Windows(ids, scored, len(stream), protocol.tokens > len(stream), window)
+
+
+@torch.no_grad()
+def perplexity(
+    model: nn.Module, windows: Windows, batch_size: int = 8, device: str = "cpu"
+) -> dict[str, float]:
+    """Token-level perplexity of ``model`` on ``windows``: exp(total NLL / predicted tokens)."""
+    total_nll, total_tokens = 0.0, 0
+    for start in range(0, len(windows.ids), batch_size):
+        batch = windows.ids[start : start + batch_size].to(device)
+        out = logits(model, batch)[:, :-1].float()
+        nll = F.cross_entropy(out.reshape(-1, out.size(-1)), batch[:, 1:].reshape(-1), reduction="sum")
+        total_nll += nll.double().item()
+        total_tokens += batch[:, 1:].numel()
+    mean_nll = total_nll / total_tokens
+    ppl = math.exp(mean_nll) if math.isfinite(mean_nll) and mean_nll < 700 else float("inf")
+    if math.isnan(mean_nll):
+        ppl = float("nan")
+    return {"perplexity": ppl, "nll": mean_nll, "tokens": total_tokens}
+
+
+@torch.no_grad()
+def outlier_metrics(
+    model: nn.Module,
+    windows: Windows,
+    n_windows: int = 8,
+    batch_size: int = 4,
+    attention: bool = True,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """``models.stats`` statistics of the first ``n_windows`` windows, summary plus per-layer curves."""
+    acc = OutlierAccumulator()
+    ids = windows.ids[:n_windows]
+    for start in range(0, len(ids), batch_size):
+        with observe_any(model, attention=attention) as obs:
+            forward_observed(model, ids[start : start + batch_size].to(device), obs)
+        acc.add_hidden(obs.hidden)
+        if attention:
+            acc.add_attention(obs.attention)
+    return {**acc.summary(), "per_layer": acc.per_layer(), "windows": len(ids)}
+
+
+# ------------------------------------------------------------------------------------- massive activations
+
+MASSIVE_ABS = 100.0
+MASSIVE_RATIO = 1000.0
+
+
+@torch.no_grad()
+def massive_activations(
+    model: nn.Module,
+    windows: Windows,
+    n_windows: int = 8,
+    top_k: int = 3,
+    device: str = "cpu",
+    delimiter_ids: set[int] | None = None,
+) -> dict[str, Any]:
+    """Sun et al.'s massive activations in each block's output over ``n_windows`` windows.
+
+    Per layer: the ``top_k`` largest |activation| and the median |activation| over all tokens and channels. An
+    activation is *massive* when |x| > 100 and |x| > 1000 × that layer's median. Each massive activation is
+    reported with its channel and position class: ``first`` (position 0), ``delimiter`` (a token in
+    ``delimiter_ids``, e.g. the separator or ".", "\\n"), or ``other``. ``channels`` lists, per layer, the
+    channels that hold a massive activation anywhere — the coordinates ``qbench intervene`` edits.
+    """
+    ids = windows.ids[:n_windows].to(device)
+    with observe_any(model) as obs:
+        forward_observed(model, ids, obs)
+    layers = []
+    for index, h in enumerate(obs.hidden):  # (B, T, C)
+        mag = h.float().abs()
+        top = torch.topk(mag.flatten(), top_k).values.tolist()
+        median = mag.median().item()
+        is_massive = (mag > MASSIVE_ABS) & (mag > MASSIVE_RATIO * median)
+        where = is_massive.nonzero().tolist()  # [b, t, c]
+        positions = {"first": 0, "delimiter": 0, "other": 0}
+        for b, t, _c in where:
+            kind = (
+                "first"
+                if t == 0
+                else "delimiter"
+                if delimiter_ids and int(ids[b, t]) in delimiter_ids
+                else "other"
+            )
+            positions[kind] += 1
+        layers.append(
+            {
+                "layer": index,
+                "top": top,
+                "median": median,
+                "count": len(where),
+                "channels": sorted({c for _, _, c in where}),
+                "positions": positions,
+            }
+        )
+    return {
+        "threshold": {"abs": MASSIVE_ABS, "ratio_to_median": MASSIVE_RATIO},
+        "windows": len(ids),
+        "layers": layers,
+        "total": sum(layer["count"] for layer in layers),
+    }

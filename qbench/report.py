@@ -1,0 +1,132 @@
+"""Tables from result records — a pure function of the JSON files, never edited by hand.
+
+``compare`` layout (torchao-style: the float baseline first, then each scheme with its change in %):
+rows = models; columns = fp perplexity, then one per (scheme, mode) "ppl (+x.x %)"; then the float model's
+outlier columns (kurtosis first/other token, max |activation|, first-token top-1 share). A caption states the
+evaluation protocol, so a table copied elsewhere still says what it measured.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from models.errors import UserError, unknown_choice
+
+FORMATS = ("table", "md", "csv", "latex", "json")
+OUTLIER_COLUMNS = (
+    ("kurtosis_first", "κ first"),
+    ("kurtosis_other", "κ other"),
+    ("max_abs", "max |act|"),
+    ("first_token_top1_share", "1st-token top-1"),
+)
+
+
+def read_records(folder: Path) -> list[dict[str, Any]]:
+    """All records under ``folder`` (a model's result folder, or a folder of those)."""
+    records = []
+    for path in sorted(folder.rglob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except ValueError:
+            raise UserError(f"{path} is not valid JSON (a torn or hand-edited result file?)") from None
+        if isinstance(record, dict) and "record_version" in record:
+            records.append(record)
+    return records
+
+
+def _cell(record: dict[str, Any]) -> str:
+    m = record["metrics"]
+    if record.get("status") == "unsupported":
+        return "n/a"
+    if m.get("perplexity") is None:
+        return "NaN"
+    if record["scheme"]["name"] == "fp":
+        return f"{m['perplexity']:.2f}"
+    return f"{m['perplexity']:.2f} ({m['ppl_change_pct']:+.1f}%)"
+
+
+def comparison(records: Iterable[dict[str, Any]]) -> tuple[list[str], list[list[str]], str]:
+    """(headers, rows, caption) of the comparison table."""
+    records = list(records)
+    if not records:
+        raise UserError("no result records to compare")
+    models: dict[str, dict[str, dict]] = {}
+    columns: list[str] = []
+    for r in records:
+        key = "fp" if r["scheme"]["name"] == "fp" else f"{r['scheme']['name']} [{r['mode']}]"
+        models.setdefault(r["model"]["name"], {})[key] = r
+        if key != "fp" and key not in columns:
+            columns.append(key)
+    headers = ["model", "fp", *columns, *(label for _, label in OUTLIER_COLUMNS)]
+    rows = []
+    for name, cells in models.items():
+        fp = cells.get("fp")
+        outliers = fp["outliers"] if fp else {}
+        row = [name, _cell(fp) if fp else "-", *(_cell(cells[c]) if c in cells else "-" for c in columns)]
+        row += [_outlier(outliers.get(key), key) for key, _ in OUTLIER_COLUMNS]
+        rows.append(row)
+    return headers, rows, caption(records)
+
+
+def _outlier(value: Any, key: str) -> str:
+    if value is None:
+        return "-"
+    if key == "first_token_top1_share":
+        return f"{value:.1%}"
+    return f"{value:.3g}" if value < 1000 else f"{value:,.0f}"
+
+
+def caption(records: list[dict[str, Any]]) -> str:
+    protocols = {
+        json.dumps({k: v for k, v in r["protocol"].items() if k != "tokenizer_fingerprint"}, sort_keys=True)
+        for r in records
+    }
+    p = records[0]["protocol"]
+    text = (
+        f"Token-level perplexity on {p['corpus']}/{p['split']}: {p['tokens_scored']:,} tokens, "
+        f"window {p['window']}, stride {p['stride']}, BOS {'on' if p['bos'] else 'off'}, {p['dtype']}; "
+        "change vs fp in parentheses. Outliers: raw kurtosis across channels of each block's output "
+        "(first token / others), max |activation|, share of queries ≥ 1 whose top-1 key is token 0."
+    )
+    if len(protocols) > 1:
+        text += " WARNING: the records were made with different protocols (window/tokens differ per model)."
+    return text
+
+
+def render(records: Iterable[dict[str, Any]], fmt: str = "md") -> str:
+    """The comparison as markdown, CSV, LaTeX or JSON text (``table`` is printed by the CLI with rich)."""
+    if fmt not in FORMATS:
+        raise unknown_choice("format", fmt, FORMATS)
+    records = list(records)
+    headers, rows, text = comparison(records)
+    if fmt == "json":
+        return json.dumps({"caption": text, "headers": headers, "rows": rows}, indent=2)
+    if fmt == "csv":
+        buf = io.StringIO()
+        writer = csv.writer(buf)
+        writer.writerow(headers)
+        writer.writerows(rows)
+        return buf.getvalue()
+    from tabulate import tabulate
+
+    if fmt == "latex":
+        body = tabulate(rows, headers, tablefmt="latex_booktabs")
+        return f"% {text}\n{body}"
+    return f"{tabulate(rows, headers, tablefmt='github')}\n\n{text}\n"
+
+
+def rich_table(records: Iterable[dict[str, Any]], title: str = "qbench comparison"):
+    from rich.table import Table
+
+    headers, rows, text = comparison(list(records))
+    table = Table(title=title, caption=text, title_justify="left", caption_justify="left")
+    for i, h in enumerate(headers):
+        table.add_column(h, justify="left" if i == 0 else "right", style="bold" if i == 0 else None)
+    for row in rows:
+        table.add_row(*row)
+    return table

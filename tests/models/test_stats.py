@@ -1,0 +1,55 @@
+import math
+
+import pytest
+import torch
+
+from models.stats import OutlierAccumulator, raw_kurtosis
+
+
+def test_gaussian_has_raw_kurtosis_three():
+    x = torch.randn(64, 20000, dtype=torch.float64)
+    assert raw_kurtosis(x).mean().item() == pytest.approx(3.0, abs=0.02)
+
+
+def test_planted_outlier_channel_matches_closed_form():
+    # One channel at alpha, the rest 0: with C channels, mean = alpha/C and
+    # kappa = ((C-1)^3 + 1) / (C-1) · 1/C ... computed exactly below from the moments of the two-point distribution.
+    C, alpha = 256, 50.0
+    x = torch.zeros(1, C, dtype=torch.float64)
+    x[0, 7] = alpha
+    p = 1 / C
+    mu = alpha * p
+    m2 = p * (alpha - mu) ** 2 + (1 - p) * mu**2
+    m4 = p * (alpha - mu) ** 4 + (1 - p) * mu**4
+    assert raw_kurtosis(x).item() == pytest.approx(m4 / m2**2, rel=1e-12)
+    assert raw_kurtosis(x).item() == pytest.approx(C - 2 + 1 / (C - 1), rel=1e-9)  # the same, simplified
+
+
+def test_accumulator_separates_first_token_and_is_batch_invariant():
+    torch.manual_seed(0)
+    h = torch.randn(4, 10, 64)
+    h[:, 0, 3] = 500.0  # a massive activation on the first token only
+    whole, split = OutlierAccumulator(), OutlierAccumulator()
+    whole.add_hidden([h, h * 2])
+    split.add_hidden([h[:2], h[:2] * 2])
+    split.add_hidden([h[2:], h[2:] * 2])
+    a, b = whole.summary(), split.summary()
+    assert a == pytest.approx(b)
+    assert a["kurtosis_first"] > 50 and a["kurtosis_other"] < 5
+    assert a["max_abs"] == 1000.0 and a["max_abs_first"] == pytest.approx(750.0)
+
+
+def test_attention_forced_onto_key_zero_gives_share_one():
+    T = 6
+    probs = torch.zeros(2, 3, T, T)
+    probs[..., 0] = 1.0
+    acc = OutlierAccumulator()
+    acc.add_attention([probs, probs])
+    s = acc.summary()
+    assert s["first_token_top1_share"] == 1.0 and s["first_token_mass"] == 1.0
+    uniform = torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None]
+    acc = OutlierAccumulator()
+    acc.add_attention([uniform.expand(1, 1, T, T)])
+    # queries 1..5 put 1/(q+1) on key 0; argmax ties resolve to the first index (key 0).
+    assert acc.summary()["first_token_mass"] == pytest.approx(sum(1 / (q + 1) for q in range(1, T)) / (T - 1))
+    assert not math.isnan(acc.summary()["first_token_top1_share"])

@@ -1,0 +1,52 @@
+"""Tiny models for the harness tests: a qbench checkpoint and transformers GPT-2 / Llama folders, built here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import build, family_config
+from models.checkpoint import save_checkpoint
+from models.hf import to_hf_model
+from models.tokenizer import load_tokenizer
+
+
+def micro_config(family: str = "gpt2", **switches):
+    return family_config(family, n_layer=2, n_head=4, d_model=32, d_ff=64, context=32, vocab_size=8192, **switches)
+
+
+def trained_like(config, seed: int = 0):
+    """A micro model with an outlier planted in one residual channel, so statistics have something to find."""
+    model = build(config, seed=seed)
+    with torch.no_grad():
+        model.transformer.wte.weight[:, 5] += 3.0
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return load_tokenizer("bpe8192")
+
+
+@pytest.fixture(scope="session")
+def ckpt_dir(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("ckpts") / "micro_softmax1"
+    save_checkpoint(path, trained_like(micro_config(attn="softmax1")), tokenizer, provenance={"training": None})
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_gpt2_dir(tmp_path_factory, tokenizer):
+    """A transformers GPT-2 folder (Conv1D layers), written by transformers itself."""
+    path = tmp_path_factory.mktemp("hf") / "gpt2-micro"
+    to_hf_model(trained_like(micro_config("gpt2")), tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_llama_dir(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("hf") / "llama-micro"
+    to_hf_model(trained_like(micro_config("llama")), tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

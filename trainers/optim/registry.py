@@ -1,0 +1,97 @@
+"""Optimisers by name, for the paper's optimiser ablation: AdamW, OrthoAdam, RMSProp, SGD, SGD with momentum.
+
+Every entry is built by ``build_optimizer(name, params_or_groups, lr, weight_decay, betas, seed)``. The ablations
+are torch's own classes. Weight decay: AdamW and OrthoAdam decay decoupled (θ ← θ(1 − lr·wd)); torch's RMSprop and
+SGD add wd·θ to the gradient (L2). For plain SGD the two are the same update; with momentum or RMSprop's
+normalisation they differ — what torch calls weight_decay is what these entries do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from models.registry import Registry
+from trainers.optim.orthoadam import OrthoAdam
+
+Params = Iterable[Tensor] | Iterable[dict[str, Any]]
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+
+
+def _adamw(params: Params, lr: float, weight_decay: float, betas: tuple[float, float], seed: int, **kw: Any):
+    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, **kw)
+
+
+def _orthoadam(
+    params: Params, lr: float, weight_decay: float, betas: tuple[float, float], seed: int, **kw: Any
+):
+    return OrthoAdam(params, lr=lr, betas=betas, weight_decay=weight_decay, seed=seed, **kw)
+
+
+def _rmsprop(
+    params: Params, lr: float, weight_decay: float, betas: tuple[float, float], seed: int, **kw: Any
+):
+    # RMSProp's squared-gradient average plays the role of Adam's second moment, so it takes β2 as its decay.
+    return torch.optim.RMSprop(params, lr=lr, alpha=betas[1], weight_decay=weight_decay, **kw)
+
+
+def _sgd(params: Params, lr: float, weight_decay: float, betas: tuple[float, float], seed: int, **kw: Any):
+    return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, **kw)
+
+
+def _sgd_momentum(
+    params: Params, lr: float, weight_decay: float, betas: tuple[float, float], seed: int, **kw
+):
+    return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay, **kw)
+
+
+OPTIMIZERS: Registry[OptimizerFactory] = Registry("optimizer")
+OPTIMIZERS.register("adamw", _adamw, "torch.optim.AdamW (decoupled weight decay)")
+OPTIMIZERS.register(
+    "orthoadam",
+    _orthoadam,
+    "OrthoAdam: AdamW on randomly rotated gradients (randomised Hadamard per axis)",
+    aliases=("ortho-adam", "ortho_adam"),
+)
+OPTIMIZERS.register("rmsprop", _rmsprop, "torch.optim.RMSprop, alpha = beta2, L2 weight decay")
+OPTIMIZERS.register("sgd", _sgd, "torch.optim.SGD, no momentum, L2 weight decay")
+OPTIMIZERS.register(
+    "sgd-momentum",
+    _sgd_momentum,
+    "torch.optim.SGD with momentum 0.9, L2 weight decay",
+    aliases=("sgdm", "sgd_momentum"),
+)
+
+
+def build_optimizer(
+    name: str,
+    params_or_groups: Params,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    seed: int = 0,
+    **options: Any,
+) -> torch.optim.Optimizer:
+    """The optimiser registered as ``name`` (or an alias); a did-you-mean UserError for an unknown name.
+
+    ``seed`` only matters for OrthoAdam (its rotations); ``betas`` are ignored by SGD. ``options`` go to the
+    constructor unchanged (e.g. ``rotation="dense"`` for OrthoAdam). A group's own ``weight_decay`` (see
+    :func:`param_groups`) overrides the ``weight_decay`` argument, as in torch.
+    """
+    return OPTIMIZERS.get(name)(params_or_groups, lr, weight_decay, tuple(betas), seed, **options)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two groups, nanoGPT's convention: weight decay on parameters with ≥ 2 dims (matmul weights, embeddings),
+    none on biases, norm gains and scalars. Frozen parameters are left out; a tied weight appears once. Empty
+    groups are dropped. The order is the model's parameter order within each group (OrthoAdam seeds by it).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]

@@ -290,6 +290,45 @@ def cmd_compare(args: argparse.Namespace) -> None:
         sys.stdout.write(render(records, args.format))
 
 
+# -------------------------------------------------------------------------------------------------- speed
+
+
+@command("speed")
+def cmd_speed(args: argparse.Namespace) -> None:
+    import json
+    import os
+
+    from models.io import atomic_write_json, git_commit, software_versions
+    from qbench.harness import check_modes, expand_schemes
+    from qbench.speed import MALLOC_ENV, format_speed_table, run_speed
+
+    shape = (args.in_features, args.out_features)
+    schemes = expand_schemes(args.scheme) if args.scheme else None
+    if not all(v in os.environ for v in MALLOC_ENV):
+        err_console.print(
+            "[dim]tip: MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 qbench speed ... "
+            "removes page-fault noise from the timings (see qbench/speed.py)[/]"
+        )
+    records = run_speed(
+        shape=shape,
+        tokens=args.tokens,
+        threads=args.threads,
+        repeats=args.repeats,
+        schemes=schemes,
+        modes=check_modes(args.mode or ["fake", "real"]),
+        peers=not args.no_peers,
+        model=None if args.no_model else args.model,
+    )
+    if args.json:
+        payload = {"records": records, "software": software_versions(), "git_commit": git_commit()}
+        if args.json == "-":
+            sys.stdout.write(json.dumps(payload, indent=2) + "\n")
+            return
+        atomic_write_json(args.json, payload)
+        console.print(f"wrote {args.json}")
+    console.print(format_speed_table(records), highlight=False)
+
+
 # ------------------------------------------------------------------------------------------------- parser
 
 
@@ -372,6 +411,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--format", default="table", help="table | md | csv | latex | json")
     p.add_argument("--output-path", default="qbench_results")
+
+    p = sub.add_parser(
+        "speed", help="time/memory of each scheme × mode vs fp32 and peers (ratios, interleaved)"
+    )
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--in-features", type=int, default=1024)
+    p.add_argument("--out-features", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--scheme", action="append", help="repeatable; default: every registered scheme")
+    p.add_argument("--mode", action="append", help="fake | real (default both)")
+    p.add_argument("--model", default="small", help="preset for the whole-model figure")
+    p.add_argument("--no-model", action="store_true", help="skip the whole-model figure")
+    p.add_argument("--no-peers", action="store_true", help="skip torch.ao / bitsandbytes / torchao peers")
+    p.add_argument("--json", help="also write the records to this file ('-' for stdout only)")
 
     p = sub.add_parser("data", help="build offline corpora")
     p.add_argument("action", help="fetch: build the ~100 MB offline mix into the cache")

@@ -1,0 +1,258 @@
+"""``quantize(model, scheme, mode) -> new model``: the one entry point (torchao's ``quantize_``, minus the in-place).
+
+- The float model is never modified: the result is a deep copy in which each target linear is replaced. The copy
+  is built with ``copy.deepcopy(model, memo)`` where the memo maps every target layer to its replacement, so the
+  float weights of replaced layers are never duplicated.
+- Targets: every ``nn.Linear`` and transformers GPT-2 ``Conv1D`` (weight stored transposed, (in, out)), minus
+  ``exclude`` (fnmatch patterns on module names; a pattern matching no linear layer is an error) and minus the
+  LM head unless ``scheme.quantize_lm_head``. The LM head is a module named ``lm_head``, the model's
+  ``get_output_embeddings()``, or a linear whose weight *is* an ``nn.Embedding``'s weight.
+- Tied weights: ties among kept tensors survive the deep copy (the memo copies a shared tensor once). When the head
+  is quantised, the copy's embedding keeps the float weight (only the head's copy is quantised), and the copy's
+  ``config.tie_word_embeddings`` is set False so that a later ``tie_weights()`` cannot overwrite either side.
+- ``mode="fake"``: :class:`~qbench.quant.fake.FakeQuantLinear`. ``mode="real"``, and the bitsandbytes methods
+  (``llm-int8``, ``bnb-nf4``) in either mode: ``qbench.quant.kernels.make_real_linear(weight, bias, scheme,
+  input_scale=, rotation=)`` with the same arguments as the fake layer; a scheme with no real kernel on the
+  device raises ``UserError`` there (never a silent float run).
+- SmoothQuant needs ``calibration``: token windows (B, T) run through the float model with forward pre-hooks on
+  the targets, collecting each input channel's max |x| over all tokens; then
+  s_j = clamp(max|X_j|^α / clamp(max_i |W_ij|, 1e-5)^(1−α), 1e-5) (SmoothQuant's reference code).
+- Hadamard: one seeded :class:`~qbench.quant.fake.HadamardRotation` per layer input dimension.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import importlib
+import sys
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from models.errors import UserError, unknown_choice
+from qbench.quant.fake import FakeQuantLinear, HadamardRotation
+from qbench.quant.schemes import BNB_METHODS, QuantScheme, get_scheme
+
+MODES = ("fake", "real")
+CALIBRATION_BATCH = 8  # windows per forward pass while calibrating SmoothQuant
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' GPT-2 ``Conv1D``, checked without importing transformers (a model that has one imported it)."""
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+    return pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D)
+
+
+def is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def linear_weight(module: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """(weight (out, in), bias) of an ``nn.Linear`` or a ``Conv1D`` (whose weight is stored (in, out))."""
+    weight = module.weight.detach()
+    return (weight.t() if is_conv1d(module) else weight), (
+        None if module.bias is None else module.bias.detach()
+    )
+
+
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    getter = getattr(model, "get_output_embeddings", None)
+    try:
+        return getter() if callable(getter) else None
+    except (NotImplementedError, AttributeError):
+        return None
+
+
+def lm_head_names(model: nn.Module) -> set[str]:
+    """Names of linear layers that act as the LM head (see the module docstring)."""
+    head = _output_embeddings(model)
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    names = set()
+    for name, m in model.named_modules():
+        if is_linear(m) and (name.rsplit(".", 1)[-1] == "lm_head" or m is head or id(m.weight) in tied):
+            names.add(name)
+    return names
+
+
+def select_layers(model: nn.Module, scheme: QuantScheme, exclude: Iterable[str] = ()) -> dict[str, nn.Module]:
+    """The linear layers ``quantize`` would replace, by name."""
+    exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
+    linears = {name: m for name, m in model.named_modules() if is_linear(m)}
+    for pattern in exclude:
+        if not fnmatch.filter(linears, pattern):
+            shown = ", ".join(list(linears)[:6]) + (", …" if len(linears) > 6 else "")
+            raise UserError(
+                f"exclude pattern {pattern!r} matches no linear layer; linear layers: {shown or 'none'}"
+            )
+    heads = set() if scheme.quantize_lm_head else lm_head_names(model)
+    return {
+        name: m
+        for name, m in linears.items()
+        if name not in heads and not any(fnmatch.fnmatchcase(name, p) for p in exclude)
+    }
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _input_absmax(model: nn.Module, layers: dict[str, nn.Module], calibration: Tensor) -> dict[str, Tensor]:
+    """max |x_j| per input channel j of each layer, over every calibration token (float model, no grad)."""
+    amax: dict[str, Tensor] = {}
+
+    def hook(name: str):
+        def record(module: nn.Module, args: tuple) -> None:
+            x = args[0].detach()
+            m = x.abs().reshape(-1, x.shape[-1]).amax(0).float()
+            amax[name] = m if name not in amax else torch.maximum(amax[name], m)
+
+        return record
+
+    modes = {m: m.training for m in model.modules()}
+    handles = [m.register_forward_pre_hook(hook(name)) for name, m in layers.items()]
+    try:
+        model.eval()
+        with torch.no_grad():
+            for batch in calibration.to(_model_device(model)).split(CALIBRATION_BATCH):
+                model(batch)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, training in modes.items():  # restore exactly: the float model must come back untouched
+            m.training = training
+    return amax
+
+
+def smoothquant_scales(
+    model: nn.Module, layers: dict[str, nn.Module], calibration: Tensor | None, alpha: float
+) -> dict[str, Tensor]:
+    """Per-layer SmoothQuant input scales s (in,), from calibration windows run through the float model."""
+    if not isinstance(calibration, Tensor) or calibration.ndim < 1 or len(calibration) == 0:
+        raise UserError(
+            "smoothquant needs calibration: a tensor of token windows (B, T), e.g. validation windows"
+        )
+    amax = _input_absmax(model, layers, calibration)
+    scales = {}
+    for name, module in layers.items():
+        if name not in amax:
+            raise UserError(f"smoothquant: layer {name!r} never ran during calibration; exclude it")
+        # (in,): each input channel's max |W| over the output channels
+        w_max = linear_weight(module)[0].abs().amax(0).float().clamp_min(1e-5)
+        scales[name] = (amax[name].pow(alpha) / w_max.pow(1 - alpha)).clamp_min(1e-5)
+    return scales
+
+
+def _real_linear(weight: Tensor, bias: Tensor | None, scheme: QuantScheme, **transforms: object) -> nn.Module:
+    try:
+        kernels = importlib.import_module("qbench.quant.kernels")
+    except ModuleNotFoundError as e:
+        if e.name != "qbench.quant.kernels":
+            raise  # a dependency of the backend is missing: its own message says which
+        raise UserError(
+            f"scheme {scheme.name!r} needs the real-kernel backend qbench.quant.kernels, "
+            "which is not installed"
+        ) from e
+    make_real_linear = getattr(kernels, "make_real_linear", None)
+    if make_real_linear is None:
+        raise UserError(
+            f"scheme {scheme.name!r} needs qbench.quant.kernels.make_real_linear, which this "
+            "installation does not provide"
+        )
+    return make_real_linear(weight, bias, scheme, **transforms)
+
+
+def _replacement(
+    module: nn.Module,
+    scheme: QuantScheme,
+    mode: str,
+    input_scale: Tensor | None,
+    rotations: dict[int, nn.Module],
+) -> nn.Module:
+    weight, bias = linear_weight(module)
+    rotation = None
+    if scheme.method == "hadamard":
+        dim = weight.shape[1]
+        if dim not in rotations:
+            rotations[dim] = HadamardRotation(dim, seed=int(scheme.param("seed"))).to(weight.device)
+        rotation = rotations[dim]  # shared by the layers of one input size: one seed, same signs, stored once
+    if mode == "real" or scheme.method in BNB_METHODS:
+        return _real_linear(weight, bias, scheme, input_scale=input_scale, rotation=rotation)
+    return FakeQuantLinear(weight, bias, scheme, input_scale=input_scale, rotation=rotation)
+
+
+def _check_not_quantized(model: nn.Module) -> None:
+    previous = getattr(model, "qbench_scheme", None)
+    if previous is not None or any(isinstance(m, FakeQuantLinear) for m in model.modules()):
+        raise UserError(
+            f"the model is already quantised ({(previous or {}).get('name', 'fake-quant layers')}); "
+            "quantise the float model instead of stacking quantisations"
+        )
+
+
+def quantize(
+    model: nn.Module,
+    scheme: str | QuantScheme | dict,
+    mode: str = "fake",
+    exclude: Iterable[str] = (),
+    calibration: Tensor | None = None,
+) -> nn.Module:
+    """A quantised deep copy of ``model`` (see the module docstring); ``model`` itself is not modified."""
+    scheme = get_scheme(scheme)
+    if mode not in MODES:
+        raise unknown_choice("quantisation mode", mode, MODES)
+    _check_not_quantized(model)
+    layers = select_layers(model, scheme, exclude)
+    scales = {}
+    if scheme.method == "smoothquant":
+        scales = smoothquant_scales(model, layers, calibration, float(scheme.param("alpha")))
+    rotations: dict[int, nn.Module] = {}
+    memo = {}
+    for name, module in layers.items():
+        memo[id(module)] = _replacement(module, scheme, mode, scales.get(name), rotations)
+    quantized = copy.deepcopy(model, memo)
+    if scheme.quantize_lm_head and lm_head_names(model) & set(layers):
+        config = getattr(quantized, "config", None)
+        if config is not None and getattr(config, "tie_word_embeddings", False):
+            config.tie_word_embeddings = False
+    quantized.qbench_scheme = scheme.to_dict()
+    return quantized
+
+
+def _attached_tensors(obj: object, depth: int = 2) -> Iterable[Tensor]:
+    """Tensors hanging off a parameter outside its own storage (bitsandbytes' ``SCB``, ``quant_state.absmax``)."""
+    for value in getattr(obj, "__dict__", {}).values():
+        if isinstance(value, Tensor):
+            yield value
+        elif depth > 0 and hasattr(value, "__dict__") and not isinstance(value, nn.Module | type):
+            yield from _attached_tensors(value, depth - 1)
+
+
+def _own_tensors(module: nn.Module) -> list[Tensor]:
+    """A module's own parameters and buffers, tensors attached to its parameters (bitsandbytes' ``SCB``,
+    ``quant_state``), and torch.ao's packed int8 weights (which are neither parameters nor buffers)."""
+    own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    own += [a for p in module.parameters(recurse=False) for a in _attached_tensors(p)]
+    packed = getattr(module, "_packed_params", None)
+    if packed is not None and hasattr(packed, "_weight_bias"):
+        own += [t for t in packed._weight_bias() if isinstance(t, Tensor)]
+    return own
+
+
+def model_bytes(model: nn.Module, _seen: set[int] | None = None) -> int:
+    """Bytes the model really holds, each storage once (tied tensors count once).
+
+    A module with an ``nbytes()`` method (the real kernels' packed layers, whose caches are not buffers)
+    reports itself and everything below it; elsewhere a module's own tensors count, then its children's.
+    """
+    seen = set() if _seen is None else _seen
+    if callable(getattr(model, "nbytes", None)):
+        return int(model.nbytes())
+    total = 0
+    for t in _own_tensors(model):
+        key = t.data_ptr() if t.is_quantized else t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size() if t.is_quantized else t.untyped_storage().nbytes()
+    return total + sum(model_bytes(child, seen) for child in model.children())

@@ -1,0 +1,149 @@
+"""bitsandbytes as a real-quantisation backend: LLM.int8 (``Linear8bitLt``) and NF4 (``Linear4bit``).
+
+bitsandbytes is optional (``pip install 'qbench[bnb]'``) and imported only inside these functions.
+
+- ``llm-int8``: ``Linear8bitLt(threshold=6.0, has_fp16_weights=False)``. Weights int8 absmax per output row;
+  activations int8 absmax per row, except input columns holding any |x| ≥ threshold, which are multiplied in
+  float16 (the outlier decomposition of Dettmers et al. 2022). bitsandbytes casts activations to float16 first, so
+  values beyond ±65504 overflow — a limit of the method as implemented, relevant for massive activations.
+- ``bnb-nf4``: ``Linear4bit(quant_type="nf4")``, blocks of 64 weights with an absmax each, NormalFloat-4 codebook,
+  weight-only (activations stay in ``compute_dtype``).
+
+bitsandbytes quantises a weight only when the parameter is moved with ``.to(device)`` (or on a forward in eval
+mode): we build on the CPU, move to the weight's device — which quantises — and return the layer in eval mode,
+so what we report as storage is what actually sits in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import torch
+from torch import Tensor, nn
+
+from models.errors import UserError
+
+_CAST_WARNING = "inputs will be cast from"
+
+
+def import_bnb() -> ModuleType:
+    """``bitsandbytes``, or a :class:`UserError` saying how to install it."""
+    try:
+        import bitsandbytes
+    except ImportError as err:
+        raise UserError(
+            "the llm-int8 and bnb-nf4 schemes need bitsandbytes: pip install 'qbench[bnb]' "
+            f"(import failed: {err})"
+        ) from err
+    _silence_cast_warning()
+    return bitsandbytes
+
+
+def bnb_available() -> bool:
+    try:
+        import_bnb()
+    except UserError:
+        return False
+    return True
+
+
+class _DropCastWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _CAST_WARNING not in record.getMessage()
+
+
+def _silence_cast_warning() -> None:
+    """MatMul8bitLt logs "inputs will be cast … to float16" on *every* fp32 call; drop just that message."""
+    logger = logging.getLogger("bitsandbytes.autograd._functions")
+    if not any(isinstance(f, _DropCastWarning) for f in logger.filters):
+        logger.addFilter(_DropCastWarning())
+
+
+class BnbLinear(nn.Module):
+    """A bitsandbytes layer with qbench's reporting (``extra_repr``, ``nbytes``); forward is the layer's own."""
+
+    def __init__(self, layer: nn.Module, method: str) -> None:
+        super().__init__()
+        self.layer, self.method = layer.eval(), method
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layer(x)
+
+    def nbytes(self) -> int:
+        """Quantised weight + its statistics (row scales for int8, block absmax for NF4) + bias."""
+        weight = self.layer.weight
+        tensors = [weight.data, self.layer.bias]
+        # Linear8bitLt: one float32 scale per output row, on the weight until the first forward moves it to .state
+        state8 = getattr(self.layer, "state", None)
+        tensors.append(
+            getattr(weight, "SCB", None)
+            if getattr(weight, "SCB", None) is not None
+            else getattr(state8, "SCB", None)
+        )
+        state = getattr(weight, "quant_state", None)  # Linear4bit: QuantState with absmax (+ nested state)
+        if state is not None:
+            tensors += [state.absmax, getattr(state, "code", None)]
+            nested = getattr(state, "state2", None)
+            if nested is not None:
+                tensors += [nested.absmax, nested.code]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.layer.in_features}, out_features={self.layer.out_features}, "
+            f"bias={self.layer.bias is not None}, bitsandbytes {self.method}, {self.nbytes() / 2**20:.2f} MiB"
+        )
+
+    def train(self, mode: bool = True) -> BnbLinear:
+        # Linear8bitLt runs a float path in training mode; this backend is for evaluation only
+        return super().train(False)
+
+
+def bnb_int8_linear(weight: Tensor, bias: Tensor | None = None, threshold: float = 6.0) -> BnbLinear:
+    """LLM.int8 from an (out, in) float weight: ``Linear8bitLt(threshold, has_fp16_weights=False)``, eval mode."""
+    bnb = import_bnb()
+    out_features, in_features = weight.shape
+    layer = bnb.nn.Linear8bitLt(
+        in_features, out_features, bias=bias is not None, has_fp16_weights=False, threshold=threshold
+    )
+    layer.weight = bnb.nn.Int8Params(
+        weight.detach().float().cpu().clone(), requires_grad=False, has_fp16_weights=False
+    )
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach().float().cpu().clone(), requires_grad=False)
+    return BnbLinear(layer.to(weight.device), f"llm-int8 (threshold {threshold})")
+
+
+def bnb_nf4_linear(
+    weight: Tensor,
+    bias: Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    blocksize: int = 64,
+) -> BnbLinear:
+    """NF4 weight-only from an (out, in) float weight: ``Linear4bit(quant_type="nf4")``, eval mode."""
+    bnb = import_bnb()
+    out_features, in_features = weight.shape
+    layer = bnb.nn.Linear4bit(
+        in_features,
+        out_features,
+        bias=bias is not None,
+        compute_dtype=compute_dtype,
+        compress_statistics=False,
+        quant_type="nf4",
+    )
+    layer.weight = bnb.nn.Params4bit(
+        weight.detach().float().cpu().clone(),
+        requires_grad=False,
+        quant_type="nf4",
+        blocksize=blocksize,
+        compress_statistics=False,
+        module=layer,
+    )
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach().float().cpu().clone(), requires_grad=False)
+    if out_features % 32 and getattr(layer, "support_avx512bf16_for_cpu", False):
+        # bitsandbytes 0.50 repacks NF4 weights for its CPU kernel on the first eval forward and asserts
+        # out_features % 32 == 0 there; other shapes must take its generic dequantise-and-matmul path
+        layer.support_avx512bf16_for_cpu = False
+    return BnbLinear(layer.to(weight.device), f"nf4 (blocks of {blocksize})")

@@ -1,0 +1,345 @@
+"""Real W8A8 absmax linear: int8 weights, activations quantised on the fly, integer GEMM (``torch._int_mm``).
+
+For an input x (…, in) and an (out, in) float weight W:
+
+    W:   s_w = max|W| / 127 per output channel (or per tensor),  q_w = round(W / s_w)       (once, at build)
+    x:   s_x = max|x| / 127 per token (row) or per tensor,       q_x = round(x / s_x)       (every call)
+    y  = (q_x · q_wᵀ) · s_x · s_w + b            (q_x · q_wᵀ exact in int32: ``torch._int_mm``)
+
+with the primitives' arithmetic (scale = max(amax / 127, TINY), round half to even, clamp to ±127), so the codes
+equal those of ``fake_quantize`` and y equals the fake path ``fake_quantize(x) @ fake_quantize(W)ᵀ + b`` up to the
+float32 rounding of the fake path's dot products. "Per tensor" for activations means **one scale per sequence**:
+per leading batch element of a (B, T, in) input, one scale for a 2-D (T, in) input (``per_sequence`` in
+``granularity.py``), so results do not depend on how sequences are batched.
+
+Options, in the order they act on x: ``input_scale`` (SmoothQuant: x / s per input channel) and ``rotation`` (a
+module x ↦ x · Rᵀ, e.g. ``fake.HadamardRotation``; a plain (in, in) matrix is wrapped). The weight that gets
+quantised is ``fake.transform_weight(W, s, R)`` = R(W · diag(s)) and the input ``fake.transform_input(x, s, R)``
+— the very functions ``FakeQuantLinear`` uses, so both backends quantise identical tensors. ``out_quant``
+fake-quantises the output per sequence after the bias (absmax-coarse).
+
+Speed: quantising activations in eager torch costs several passes over x and the epilogue several passes over
+the (M, out) result — together about as much as the int8 GEMM saves. ``fused=True`` runs the whole forward as one
+``torch.compile``'d function (one pass to quantise, one fused epilogue); "auto" does that only for large inputs,
+where a one-off compile (~10–20 s cold, cached on disk afterwards) pays back. Both give the same codes (tested).
+Compiled CPU kernels fix their OpenMP thread count when first compiled.
+
+CUDA: the same code runs on CUDA tensors. cuBLAS int8 GEMM needs M > 16 and K, N multiples of 8, and a
+row-major (K, N) second operand; :func:`int_mm` pads with zeros where needed (exact) and slices the result. Where
+``torch._int_mm`` is missing for a device, it falls back to a float32 matmul of the codes, exact while
+K · 127² < 2²⁴ (K ≤ 1040) and float32-rounded beyond.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.errors import UserError, unknown_choice
+from qbench.quant.fake import transform_input, transform_weight
+from qbench.quant.granularity import PerAxis, PerTensor
+from qbench.quant.primitives import TINY, choose_qparams, quantize
+
+QMAX = 127
+ACT_GRANULARITIES = ("per_token", "per_tensor")
+WEIGHT_GRANULARITIES = ("per_channel", "per_tensor")
+# fused="auto" compiles once M·K·N reaches this (~67 M multiply-adds, e.g. 128 tokens × 768 × 768): below, the
+# compiled call's fixed overhead eats most of what fusion saves
+FUSE_MIN_ELEMENTS = 1 << 26
+Fused = bool | Literal["auto"]
+
+
+# ------------------------------------------------------------------------------------------ integer GEMM
+
+
+def pad_for_cublas(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """Zero-pad a (M, K) and b (K, N) to cuBLAS int8 shapes: M ≥ 17, K and N multiples of 8. Exact."""
+    (m, k), n = a.shape, b.shape[1]
+    pad_m, pad_k, pad_n = max(0, 17 - m), -k % 8, -n % 8
+    if pad_m or pad_k:
+        a = F.pad(a, (0, pad_k, 0, pad_m))
+    if pad_k or pad_n:
+        b = F.pad(b, (0, pad_n, 0, pad_k))
+    return a, b.contiguous()  # a transposed (column-major) b silently gave wrong results on some cuBLAS paths
+
+
+def int_mm(a: Tensor, b: Tensor) -> Tensor:
+    """Exact int8 (M, K) × int8 (K, N) → int32 (M, N) on any device (see the module docstring for CUDA)."""
+    if a.device.type == "cpu":
+        return torch._int_mm(a, b)  # any shape on CPU
+    if a.device.type == "cuda":
+        m, n = a.shape[0], b.shape[1]
+        return torch._int_mm(*pad_for_cublas(a, b))[:m, :n]
+    return (a.float() @ b.float()).round_().to(torch.int32)  # documented fallback (mps, xpu, …)
+
+
+# ------------------------------------------------------------------------------------ activation quantiser
+
+
+def absmax_scale(x: Tensor, per_token: bool) -> Tensor:
+    """s = max(amax / 127, TINY): per row (…, T, 1) when ``per_token``, else per sequence (B, 1, 1) of (B, T, K)."""
+    amax = x.abs().amax(dim=-1 if per_token else (-2, -1), keepdim=True)
+    return (amax / QMAX).clamp_min(TINY)
+
+
+def quantize_activation(x: Tensor, per_token: bool) -> tuple[Tensor, Tensor]:
+    """(int8 codes, float32 scale) of a float32 (B, T, K) activation; scale is (B, T, 1) or (B, 1, 1)."""
+    scale = absmax_scale(x, per_token)
+    return torch.clamp(torch.round(x / scale), -QMAX, QMAX).to(torch.int8), scale
+
+
+def fake_quantize_per_sequence(y: Tensor) -> Tensor:
+    """Absmax 8-bit fake quantisation with one scale per sequence of a (B, T, N) tensor (the coarse output quant)."""
+    scale = absmax_scale(y, per_token=False)
+    return torch.clamp(torch.round(y / scale), -QMAX, QMAX) * scale
+
+
+def int8_linear_forward(
+    x: Tensor,
+    qweight_t: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None,
+    per_token: bool,
+    out_quant: bool,
+    input_scale: Tensor | None,
+) -> Tensor:
+    """The W8A8 forward on a float32 (B, T, in) input; returns float32 (B, T, out). Pure, compile-able.
+
+    ``input_scale`` divides x here, where compile fuses it into the quantiser; a rotation is applied by the caller.
+    """
+    B, T, K = x.shape
+    if input_scale is not None:
+        x = x / input_scale
+    q, s_x = quantize_activation(x, per_token)
+    acc = int_mm(q.reshape(B * T, K), qweight_t)  # (B·T, out) int32, exact
+    s_rows = s_x.expand(B, T, 1).reshape(B * T, 1)
+    y = acc.to(torch.float32) * s_rows * w_scale  # s_x · s_w per (row, column)
+    if bias is not None:
+        y = y + bias
+    y = y.reshape(B, T, -1)
+    return fake_quantize_per_sequence(y) if out_quant else y
+
+
+_compiled: dict[tuple[bool, bool, bool, bool], Callable[..., Tensor]] = {}
+_compile_failed = False
+
+
+def _compiled_forward(per_token: bool, out_quant: bool, smooth: bool, bias: bool) -> Callable[..., Tensor]:
+    """``int8_linear_forward`` compiled for one static configuration (the bools and which tensors are None).
+
+    Dynamo keeps compiled variants per *code object*, at most 8 (``recompile_limit``), and every configuration
+    compiles a B = 1 and a B > 1 variant (0/1 shape specialisation), so one shared function runs out after four
+    configurations and silently turns eager. Each configuration therefore gets its own copy of the code object.
+    """
+    key = (per_token, out_quant, smooth, bias)
+    if key not in _compiled:
+        code = int8_linear_forward.__code__.replace(
+            co_name=f"int8_linear_forward_{'_'.join(map(str, map(int, key)))}"
+        )
+        fn = types.FunctionType(code, int8_linear_forward.__globals__, code.co_name)
+        _compiled[key] = torch.compile(fn, dynamic=True)
+    return _compiled[key]
+
+
+def _run_forward(
+    fused: Fused,
+    x: Tensor,
+    qweight_t: Tensor,
+    w_scale: Tensor,
+    bias: Tensor | None,
+    per_token: bool,
+    out_quant: bool,
+    input_scale: Tensor | None,
+) -> Tensor:
+    """Eager or compiled (see ``fused`` in the module docstring); inside an outer torch.compile always eager ops,
+    which the outer graph then fuses."""
+    global _compile_failed
+    args = (x, qweight_t, w_scale, bias, per_token, out_quant, input_scale)
+    numel = x.numel() * qweight_t.shape[1]
+    want = fused is True or (fused == "auto" and numel >= FUSE_MIN_ELEMENTS)
+    if not want or _compile_failed or torch.compiler.is_compiling():
+        return int8_linear_forward(*args)
+    try:
+        return _compiled_forward(per_token, out_quant, input_scale is not None, bias is not None)(*args)
+    except Exception as err:  # no C++ compiler, unsupported platform: fall back once, loudly
+        _compile_failed = True
+        warnings.warn(
+            f"torch.compile of the int8 forward failed ({type(err).__name__}: {err}); using eager ops",
+            stacklevel=3,
+        )
+        return int8_linear_forward(*args)
+
+
+# ----------------------------------------------------------------------------------------------- module
+
+
+class MatrixRotation(nn.Module):
+    """x ↦ x · Rᵀ for an explicit (dim, dim) orthogonal matrix R (computed in float32, returned in x's dtype)."""
+
+    def __init__(self, matrix: Tensor) -> None:
+        super().__init__()
+        if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
+            raise UserError(f"a rotation matrix must be square, got shape {tuple(matrix.shape)}")
+        self.register_buffer("matrix", matrix.detach().float().clone())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x.float() @ self.matrix.T).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.matrix.shape[0]}, dense"
+
+
+def as_rotation(rotation: nn.Module | Tensor | None, in_features: int) -> nn.Module | None:
+    """A rotation module (``HadamardRotation``, …) as is; a matrix wrapped in :class:`MatrixRotation`."""
+    if isinstance(rotation, Tensor):
+        rotation = MatrixRotation(rotation)
+    dim = getattr(rotation, "dim", None)
+    if isinstance(rotation, MatrixRotation):
+        dim = rotation.matrix.shape[0]
+    if rotation is not None and dim is not None and dim != in_features:
+        raise UserError(f"rotation of size {dim} does not fit a linear with in_features={in_features}")
+    return rotation
+
+
+def module_bytes(module: nn.Module | None) -> int:
+    """Bytes of a helper module's parameters and buffers (a rotation's signs or matrix); 0 for None."""
+    if module is None:
+        return 0
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def check_input_scale(input_scale: Tensor | None, in_features: int) -> Tensor | None:
+    if input_scale is None:
+        return None
+    if input_scale.shape != (in_features,):
+        raise UserError(f"input_scale must have shape ({in_features},), got {tuple(input_scale.shape)}")
+    return input_scale.detach().float().clone()
+
+
+class Int8Linear(nn.Module):
+    """W8A8 absmax linear with an integer GEMM; see the module docstring for the exact definition."""
+
+    def __init__(
+        self,
+        qweight_t: Tensor,
+        w_scale: Tensor,
+        bias: Tensor | None,
+        *,
+        act: str = "per_token",
+        out_quant: bool = False,
+        input_scale: Tensor | None = None,
+        rotation: nn.Module | None = None,
+        fused: Fused = "auto",
+    ) -> None:
+        super().__init__()
+        if act not in ACT_GRANULARITIES:
+            raise unknown_choice("int8 activation granularity", act, ACT_GRANULARITIES)
+        self.in_features, self.out_features = qweight_t.shape
+        self.act, self.out_quant, self.fused = act, out_quant, fused
+        self.register_buffer("qweight_t", qweight_t)  # (in, out) int8, row-major: the layout _int_mm wants
+        self.register_buffer("w_scale", w_scale)  # (out,) per channel or () per tensor, float32
+        self.register_buffer("bias", bias)
+        self.register_buffer("input_scale", check_input_scale(input_scale, self.in_features))  # SmoothQuant s
+        self.rotation = as_rotation(rotation, self.in_features)
+
+    @classmethod
+    def from_float(
+        cls,
+        weight: Tensor,
+        bias: Tensor | None = None,
+        *,
+        weight_granularity: str = "per_channel",
+        act: str = "per_token",
+        out_quant: bool = False,
+        input_scale: Tensor | None = None,
+        rotation: nn.Module | Tensor | None = None,
+        fused: Fused = "auto",
+    ) -> Int8Linear:
+        """Quantise R(W · diag(s)) of an (out, in) float weight (``fake.transform_weight``)."""
+        if weight_granularity not in WEIGHT_GRANULARITIES:
+            raise unknown_choice("int8 weight granularity", weight_granularity, WEIGHT_GRANULARITIES)
+        rotation = as_rotation(rotation, weight.shape[1])
+        w = transform_weight(weight, check_input_scale(input_scale, weight.shape[1]), rotation)
+        granularity = PerAxis(0) if weight_granularity == "per_channel" else PerTensor()
+        qp = choose_qparams(w, 8, granularity, symmetric=True)
+        codes = quantize(w, qp, 8, granularity, symmetric=True)  # (out, in) int8
+        w_scale = qp.scale.reshape(-1) if weight_granularity == "per_channel" else qp.scale.reshape(())
+        b = None if bias is None else bias.detach().float().clone()
+        return cls(
+            codes.t().contiguous(),
+            w_scale.contiguous(),
+            b,
+            act=act,
+            out_quant=out_quant,
+            input_scale=input_scale,
+            rotation=rotation,
+            fused=fused,
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"Int8Linear expects (..., {self.in_features}) input, got {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        # (B, T, K): per-tensor scales are per leading batch element; ≤ 2-d input is one sequence
+        x3 = x.float().reshape(1 if x.dim() <= 2 else x.shape[0], -1, self.in_features)
+        input_scale = self.input_scale
+        # the rotation runs eagerly, outside the compiled function: a module argument would recompile per layer
+        if self.rotation is not None:
+            x3, input_scale = transform_input(x3, input_scale, self.rotation), None
+        y = _run_forward(
+            self.fused,
+            x3,
+            self.qweight_t,
+            self.w_scale,
+            self.bias,
+            self.act == "per_token",
+            self.out_quant,
+            input_scale,
+        )
+        return y.reshape(*lead, self.out_features).to(x.dtype)
+
+    def dequantized_weight(self) -> Tensor:
+        """s_w · q_w as (out, in) float32: the (transformed) weight the integer GEMM effectively uses."""
+        scale = self.w_scale.reshape(-1, 1) if self.w_scale.dim() else self.w_scale
+        return self.qweight_t.t().float() * scale
+
+    def nbytes(self) -> int:
+        """True storage of this layer and its submodules: int8 weight, scales, bias, SmoothQuant scale, rotation.
+
+        A rotation shared by several layers (one per input size) is counted by each; a model-level count that
+        walks modules should not descend into a module that has ``nbytes()``.
+        """
+        tensors = (self.qweight_t, self.w_scale, self.bias, self.input_scale)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + module_bytes(
+            self.rotation
+        )
+
+    def extra_repr(self) -> str:
+        w = "per channel" if self.w_scale.dim() else "per tensor"
+        a = "per token" if self.act == "per_token" else "per sequence"
+        parts = [
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}",
+            f"W int8 absmax {w}, A int8 absmax {a}",
+            f"out_quant={self.out_quant}",
+        ]
+        if self.input_scale is not None:
+            parts.append("SmoothQuant input scale")
+        parts.append(f"fused={self.fused}, {self.nbytes() / 2**20:.2f} MiB")
+        return ", ".join(parts)
+
+
+def int_mm_available(device: str = "cpu") -> bool:
+    """Whether ``torch._int_mm`` runs on ``device`` (tried on a tiny cuBLAS-legal problem)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        return False
+    try:
+        a = torch.ones(32, 32, dtype=torch.int8, device=device)
+        return bool((torch._int_mm(a, a) == 32).all())
+    except (RuntimeError, NotImplementedError):
+        return False

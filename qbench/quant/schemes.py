@@ -1,0 +1,253 @@
+"""Quantisation schemes: frozen, JSON-serialisable values, registered by name (``SCHEMES``).
+
+A scheme says what is quantised and how; ``apply.quantize(model, scheme)`` does it. Which tensors share a scale is
+a granularity value inside the scheme (``granularity.py``), never a code path.
+
+Conventions every scheme shares (and every result records, since ``to_dict()`` is written into it):
+
+- Only linear layers (attention and MLP projections) are quantised; embeddings, norms and softmax stay float.
+- The LM head stays float unless ``quantize_lm_head=True``: it is often tied to the input embedding, and the paper
+  quantises only attention and MLP linears. ``dataclasses.replace(scheme, quantize_lm_head=True)`` switches it on.
+- Activations (a linear's input) and outputs are quantised dynamically, and no scale is shared across the
+  sequences of a batch: a per-tensor activation scale is computed per sequence (per batch element over (T, C)),
+  so results do not depend on how evaluation windows are batched (``granularity.per_sequence``).
+- ``absmax-fine``: the paper writes "per-channel" for activations; the standard reading — and our default — is
+  per token (one scale per row, as in LLM.int8's vector-wise and SmoothQuant's per-token). The literal reading,
+  one scale per input channel (per sequence), is ``absmax-fine-perchannel`` (fake mode only: a scale along the
+  reduction dimension cannot be factored out of an integer matmul).
+- ``smoothquant``: α = 0.5 smoothing calibrated on token windows, then int8 absmax with per-tensor weights and
+  dynamic per-tensor (per-sequence) activations — the SmoothQuant paper's "O2" setting (its O1 uses per-token
+  activations, O3 static per-tensor scales). The smoothing factor is applied inside each layer (``fake.py``).
+- ``hadamard-*``: a seeded randomised Hadamard rotation of each linear's input and weight rows (QuaRot-style,
+  without fusing the rotation into the residual stream), then round-to-nearest with the named scheme.
+- ``llm-int8`` and ``bnb-nf4`` have no fake emulation: both modes run bitsandbytes' own layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from models.errors import UserError, unknown_choice
+from models.registry import Registry
+from qbench.quant.granularity import (
+    Granularity,
+    PerAxis,
+    PerGroup,
+    PerTensor,
+    PerToken,
+    granularity_from_dict,
+)
+from qbench.quant.primitives import check_bits
+
+METHODS = ("rtn", "llm-int8", "bnb-nf4", "smoothquant", "hadamard")
+BNB_METHODS = ("llm-int8", "bnb-nf4")  # run by bitsandbytes in either mode: no fake emulation
+_METHOD_PARAMS = {
+    "rtn": {},
+    "llm-int8": {"threshold": 6.0},
+    "bnb-nf4": {"blocksize": 64},
+    "smoothquant": {"alpha": 0.5},
+    "hadamard": {"seed": 0},
+}
+_PER_CHANNEL, _PER_TOKEN, _PER_TENSOR = PerAxis(0), PerToken(), PerTensor()  # immutable defaults
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """What to quantise and how. ``*_bits=None`` leaves that tensor in float.
+
+    Weights are (out, in); ``weight_granularity=PerAxis(0)`` is one scale per output channel. Activation and
+    output granularities are applied per sequence (module docstring). ``params`` holds the method's settings
+    (SmoothQuant ``alpha``, LLM.int8 ``threshold``, Hadamard ``seed``, NF4 ``blocksize``); missing ones take the
+    method's defaults.
+    """
+
+    name: str
+    description: str = ""
+    method: str = "rtn"
+    weight_bits: int | None = 8
+    weight_symmetric: bool = True
+    weight_granularity: Granularity = _PER_CHANNEL
+    act_bits: int | None = None
+    act_symmetric: bool = True
+    act_granularity: Granularity = _PER_TOKEN
+    out_bits: int | None = None
+    out_symmetric: bool = True
+    out_granularity: Granularity = _PER_TENSOR
+    params: dict[str, Any] = field(default_factory=dict)
+    quantize_lm_head: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise unknown_choice("quantisation method", self.method, METHODS)
+        for bits in (self.weight_bits, self.act_bits, self.out_bits):
+            if bits is not None:
+                check_bits(bits)
+        unknown = set(self.params) - set(_METHOD_PARAMS[self.method])
+        if unknown:
+            raise UserError(
+                f"scheme {self.name!r}: unknown {self.method} parameter(s) {sorted(unknown)}; "
+                f"known: {sorted(_METHOD_PARAMS[self.method]) or 'none'}"
+            )
+        object.__setattr__(self, "params", {**_METHOD_PARAMS[self.method], **self.params})
+
+    def __hash__(self) -> int:  # params is a dict; hash its items so schemes can key caches
+        return hash((self.name, self.method, tuple(sorted(self.params.items())), self.label))
+
+    def param(self, key: str) -> Any:
+        return self.params[key]
+
+    @property
+    def label(self) -> str:
+        """A short label for tables, e.g. ``W8A8-tensor+out``, ``W8A8-channel/token``, ``W4-channel-zp``."""
+        bits = f"W{self.weight_bits}" + (f"A{self.act_bits}" if self.act_bits else "")
+        if self.method in BNB_METHODS:
+            return f"{bits}-{self.method}"
+        grans = [_word(self.weight_granularity, "weight")]
+        if self.act_bits and _word(self.act_granularity, "act") != grans[0]:
+            grans.append(_word(self.act_granularity, "act"))
+        label = f"{bits}-{'/'.join(grans)}" + ("" if self.weight_symmetric else "-zp")
+        label += f"+out{self.out_bits if self.out_bits != self.act_bits else ''}" if self.out_bits else ""
+        if self.method == "smoothquant":
+            label += f"-smooth{self.param('alpha'):g}"
+        return (
+            label
+            + ("-hadamard" if self.method == "hadamard" else "")
+            + ("+head" if self.quantize_lm_head else "")
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for key in ("weight_granularity", "act_granularity", "out_granularity"):
+            d[key] = d[key].to_dict()
+        d["params"] = dict(self.params)
+        d["label"] = self.label  # informative only; from_dict ignores it
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QuantScheme:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names - {"label"}
+        if unknown:
+            raise UserError(f"unknown quantisation scheme field(s) {sorted(unknown)}; known: {sorted(names)}")
+        kwargs = {k: v for k, v in d.items() if k in names}
+        for key in ("weight_granularity", "act_granularity", "out_granularity"):
+            if isinstance(kwargs.get(key), dict):
+                kwargs[key] = granularity_from_dict(kwargs[key])
+        return cls(**kwargs)
+
+
+def _word(granularity: Granularity, role: str) -> str:
+    """Human words: a weight's PerAxis(0) and an activation's PerAxis(-1) are both "channel"."""
+    if isinstance(granularity, PerAxis) and granularity.axis == (0 if role == "weight" else -1):
+        return "channel"
+    if isinstance(granularity, PerGroup):
+        return f"g{granularity.group_size}"
+    return granularity.label
+
+
+SCHEMES: Registry[QuantScheme] = Registry("quantisation scheme")
+
+
+def _register(scheme: QuantScheme, aliases: tuple[str, ...] = ()) -> QuantScheme:
+    return SCHEMES.register(scheme.name, scheme, scheme.description, aliases)
+
+
+_INT8_FINE = dict(weight_bits=8, weight_granularity=PerAxis(0), act_bits=8, act_granularity=PerToken())
+_INT8_TENSOR = dict(weight_bits=8, weight_granularity=PerTensor(), act_bits=8, act_granularity=PerTensor())
+_INT8_COARSE = dict(_INT8_TENSOR, out_bits=8, out_granularity=PerTensor())
+_INT4_ZP = dict(weight_bits=4, weight_symmetric=False, weight_granularity=PerAxis(0), act_bits=None)
+
+_register(
+    QuantScheme(
+        "absmax-fine", "int8 absmax: W per output channel, A per token (default reading)", **_INT8_FINE
+    ),
+    aliases=("fine",),
+)
+_register(
+    QuantScheme(
+        "absmax-fine-perchannel",
+        "int8 absmax: W per output channel, A per input channel "
+        "(the paper's literal 'per-channel'; fake mode only)",
+        **dict(_INT8_FINE, act_granularity=PerAxis(-1)),
+    )
+)
+_register(
+    QuantScheme("absmax-moderate", "int8 absmax: W per tensor, A per tensor (per sequence)", **_INT8_TENSOR),
+    aliases=("moderate",),
+)
+_register(
+    QuantScheme(
+        "absmax-coarse", "int8 absmax: W, A (per sequence) and the linear's output per tensor", **_INT8_COARSE
+    ),
+    aliases=("coarse",),
+)
+_register(
+    QuantScheme(
+        "zeropoint-int4",
+        "int4 zeropoint (asymmetric) weights per output channel, float activations",
+        **_INT4_ZP,
+    ),
+    aliases=("int4",),
+)
+_register(
+    QuantScheme(
+        "llm-int8",
+        "LLM.int8 (bitsandbytes Linear8bitLt): int8 vector-wise, fp16 outlier columns above threshold 6.0",
+        method="llm-int8",
+        weight_bits=8,
+        act_bits=8,
+    ),
+    aliases=("llm.int8", "bnb-int8"),
+)
+_register(
+    QuantScheme(
+        "bnb-nf4",
+        "bitsandbytes NF4 weights (4-bit normal-float codebook, absmax per block of 64), float activations",
+        method="bnb-nf4",
+        weight_bits=4,
+        weight_granularity=PerGroup(64),
+    ),
+    aliases=("nf4",),
+)
+_register(
+    QuantScheme(
+        "smoothquant",
+        "SmoothQuant: migrate activation scale into weights (alpha 0.5, calibrated), "
+        "then int8 absmax W and A per tensor",
+        method="smoothquant",
+        **_INT8_TENSOR,
+    )
+)
+_register(
+    QuantScheme(
+        "hadamard-absmax-coarse",
+        "random Hadamard rotation of each linear's input (QuaRot-style), then absmax-coarse",
+        method="hadamard",
+        **_INT8_COARSE,
+    )
+)
+_register(
+    QuantScheme(
+        "hadamard-zeropoint-int4",
+        "random Hadamard rotation of each linear's input (QuaRot-style), then zeropoint-int4",
+        method="hadamard",
+        **_INT4_ZP,
+    )
+)
+
+PAPER_SCHEMES = ("absmax-fine", "absmax-moderate", "absmax-coarse", "zeropoint-int4")
+
+
+def get_scheme(scheme: str | QuantScheme | dict[str, Any]) -> QuantScheme:
+    """A registered name or alias, a ``QuantScheme``, or its ``to_dict()`` form -> ``QuantScheme``."""
+    if isinstance(scheme, QuantScheme):
+        return scheme
+    if isinstance(scheme, dict):
+        return QuantScheme.from_dict(scheme)
+    if isinstance(scheme, str):
+        return SCHEMES.get(scheme)
+    raise UserError(
+        f"a quantisation scheme must be a name, a QuantScheme or a dict, got {type(scheme).__name__}"
+    )

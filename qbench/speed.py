@@ -1,0 +1,491 @@
+"""Speed and memory of every quantisation scheme × mode against float32 and against other libraries' kernels.
+
+``run_speed`` returns plain records (one dict per measurement); ``format_speed_table`` renders them. Measured in
+one process, **interleaved**: every repeat runs each candidate once, round-robin, so a noisy neighbour or a clock
+change hits all candidates alike; speed is a ratio to float32 measured in the same run: ``speedup`` = median
+t_fp32 / median t (> 1 is faster) and ``speedup_best`` = min t_fp32 / min t, the steadier figure on a shared
+machine. Each candidate runs once untimed first (warm-up; that is where ``torch.compile`` compiles).
+
+What is measured:
+
+- ``layer``: one linear of ``shape = (in, out)`` on a (tokens, in) input (one sequence): fp32, bf16, every
+  registered scheme in every mode (via ``qbench.quant.apply.quantize``; SmoothQuant calibrates on the benchmark
+  input), our int4 layer on bf16 input (the CPU int4 kernel), our int8 layer unfused, the peers — torch.ao
+  ``quantize_dynamic`` int8, bitsandbytes ``Linear8bitLt``, torchao int8-dynamic when torchao is importable — and
+  the bare ``torch._int_mm`` on pre-quantised codes (the ceiling of any W8A8 kernel built on it).
+  ``weight_bytes`` is the layer's true storage (weights, scales, zero points, bias).
+- ``bandwidth``: fake quantisation of the layer's (out, in) weight per output channel — the eager primitive and
+  the fused custom op — against a plain copy of the same tensor, as GB/s (bytes read + written / time).
+- ``model``: a small transformer (``models`` preset, default ``small``) on ``tokens`` tokens, fp32 vs each
+  scheme × mode; ``weight_bytes`` counts every parameter and buffer.
+
+Memory-allocator note (Linux/glibc): a fresh tensor above glibc's mmap threshold is mapped on allocation and
+unmapped on free, so every call pays page faults (~28 ms per 64 MB on small VMs) that have nothing to do with
+the kernel. For stable numbers run with ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000`` in the
+environment (glibc reads them at start-up, so set them before Python starts); the records note whether they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from models.errors import UserError
+from qbench.quant.apply import model_bytes
+
+DEFAULT_MODES = ("fake", "real")
+MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
+
+
+@dataclass
+class Candidate:
+    """One thing to time: ``fn`` runs one forward; ``weight_bytes`` is the storage it holds."""
+
+    kind: str
+    name: str
+    fn: Callable[[], Any] | None
+    scheme: str | None = None
+    mode: str | None = None
+    backend: str | None = None
+    weight_bytes: int | Callable[[], int] | None = None  # a callable is evaluated after the warm-up (caches)
+    error: str | None = None
+    traffic_bytes: int | None = None  # bandwidth records: bytes read + written per call
+
+
+# --------------------------------------------------------------------------------------------- timing
+
+
+def time_interleaved(fns: Sequence[Callable[[], Any]], repeats: int) -> list[list[float]]:
+    """Seconds per call: each repeat calls every function once, in order (round-robin). No warm-up here."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return times
+
+
+def _warm_up(candidates: list[Candidate]) -> None:
+    """Run each candidate once; a failure (missing kernel, unsupported scheme) becomes the record's error."""
+    for c in candidates:
+        if c.fn is None:
+            continue
+        try:
+            c.fn()
+        except (UserError, RuntimeError, NotImplementedError, ValueError, TypeError) as err:
+            c.fn, c.error = None, f"{type(err).__name__}: {err}".splitlines()[0][:200]
+
+
+# ---------------------------------------------------------------------------------------- candidates
+
+
+def _quantized(model: nn.Module, scheme: str, mode: str, calibration: Tensor) -> nn.Module:
+    from qbench.quant.apply import quantize
+
+    return quantize(model, scheme, mode, calibration=calibration)  # calibration: used by SmoothQuant only
+
+
+def _scheme_candidates(
+    kind: str, model: nn.Module, x: Tensor, schemes: Sequence[str], modes: Sequence[str], calibration: Tensor
+) -> list[Candidate]:
+    """Every scheme × mode of ``model`` on input ``x``; SmoothQuant calibrates on ``calibration`` (the input)."""
+    out = []
+    for scheme in schemes:
+        for mode in modes:
+            name = f"{scheme} [{mode}]"
+            try:
+                q = _quantized(model, scheme, mode, calibration).eval()
+            except (UserError, NotImplementedError) as err:
+                out.append(
+                    Candidate(kind, name, None, scheme, mode, mode, error=str(err).splitlines()[0][:200])
+                )
+                continue
+            out.append(
+                Candidate(
+                    kind, name, _forward(q, x), scheme, mode, _backend_of(q, mode), partial(model_bytes, q)
+                )
+            )
+    return out
+
+
+def _backend_of(model: nn.Module, mode: str) -> str:
+    if mode != "real":
+        return mode
+    kinds = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "nbytes")})
+    return "+".join(kinds) or "real"
+
+
+def _forward(module: nn.Module, x: Tensor) -> Callable[[], Any]:
+    def run() -> Any:
+        with torch.inference_mode():
+            return module(x)
+
+    return run
+
+
+def _peer_candidates(linear: nn.Linear, x: Tensor) -> list[Candidate]:
+    """Other libraries' int8 linears (built from the same weight) and the bare integer GEMM."""
+    peers = []
+    for name, build in (
+        ("torch.ao quantize_dynamic int8", _ao_dynamic),
+        ("bitsandbytes Linear8bitLt", _bnb_peer),
+        ("torchao int8-dynamic", _torchao_peer),
+    ):
+        try:
+            module = build(linear)
+        except (ImportError, UserError, RuntimeError, AttributeError) as err:
+            peers.append(Candidate("layer", name, None, backend="peer", error=f"unavailable: {err}"[:200]))
+            continue
+        peers.append(
+            Candidate(
+                "layer",
+                name,
+                _forward(module, x),
+                backend="peer",
+                weight_bytes=partial(model_bytes, module),
+            )
+        )
+    peers.append(_int_mm_ceiling(linear, x))
+    return peers
+
+
+def _variant_candidates(linear: nn.Linear, x: Tensor) -> list[Candidate]:
+    """bf16 float, our int4 layer on bf16 input (the CPU int4 kernel) and our int8 layer without fusion."""
+    from qbench.quant.kernels import Int4Linear, Int8Linear
+
+    x16 = x.to(torch.bfloat16)
+    lin16 = copy.deepcopy(linear).to(torch.bfloat16)
+    int4 = Int4Linear.from_float(linear.weight, linear.bias)
+    int8_eager = Int8Linear.from_float(linear.weight, linear.bias, fused=False)
+    return [
+        Candidate(
+            "layer",
+            "bf16 (F.linear)",
+            _forward(lin16, x16),
+            backend="torch",
+            weight_bytes=partial(model_bytes, lin16),
+        ),
+        Candidate(
+            "layer",
+            "zeropoint-int4 [real], bf16 input",
+            _forward(int4, x16),
+            "zeropoint-int4",
+            "real",
+            "Int4Linear int4pack kernel",
+            partial(model_bytes, int4),
+        ),
+        Candidate(
+            "layer",
+            "absmax-fine [real], not fused",
+            _forward(int8_eager, x),
+            "absmax-fine",
+            "real",
+            "Int8Linear eager",
+            partial(model_bytes, int8_eager),
+        ),
+    ]
+
+
+def _ao_dynamic(linear: nn.Linear) -> nn.Module:
+    with warnings.catch_warnings():  # torch.ao.quantization is deprecated in favour of torchao
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(
+            nn.Sequential(copy.deepcopy(linear)), {nn.Linear}, dtype=torch.qint8
+        ).eval()
+
+
+def _bnb_peer(linear: nn.Linear) -> nn.Module:
+    from qbench.quant.kernels.bnb import bnb_int8_linear
+
+    return bnb_int8_linear(linear.weight, linear.bias, threshold=6.0)
+
+
+def _torchao_peer(linear: nn.Linear) -> nn.Module:
+    import torchao.quantization as tq  # optional; never installed by qbench
+
+    model = nn.Sequential(copy.deepcopy(linear))
+    config = getattr(tq, "Int8DynamicActivationInt8WeightConfig", None)
+    tq.quantize_(model, config() if config else tq.int8_dynamic_activation_int8_weight())
+    return model.eval()
+
+
+def _int_mm_ceiling(linear: nn.Linear, x: Tensor) -> Candidate:
+    from qbench.quant.kernels.int8 import int_mm
+
+    a = torch.randint(-127, 128, x.shape, dtype=torch.int8)
+    b = torch.randint(-127, 128, linear.weight.t().shape, dtype=torch.int8)
+    return Candidate(
+        "layer",
+        "torch._int_mm alone (ceiling)",
+        lambda: int_mm(a, b),
+        backend="int8 GEMM only",
+        weight_bytes=b.numel(),
+    )
+
+
+def _bandwidth_candidates(weight: Tensor) -> list[Candidate]:
+    """Fake-quantise the (out, in) weight per output channel, eager and fused, vs a plain copy."""
+    from qbench.quant import ops
+    from qbench.quant.granularity import PerAxis
+    from qbench.quant.primitives import fake_quantize
+
+    w = weight.detach().contiguous()
+    traffic = 2 * w.numel() * w.element_size()
+
+    def fused() -> Tensor:
+        with ops.cpu_fast_path(True, min_numel=1):
+            return ops.fake_quantize(w, 8, PerAxis(0), True)
+
+    return [
+        Candidate("bandwidth", "copy (clone)", w.clone, backend="torch", traffic_bytes=traffic),
+        Candidate(
+            "bandwidth",
+            "fake-quant int8 per channel, eager",
+            lambda: fake_quantize(w, 8, PerAxis(0), True),
+            backend="primitives",
+            traffic_bytes=traffic,
+        ),
+        Candidate(
+            "bandwidth",
+            "fake-quant int8 per channel, fused op",
+            fused,
+            backend="ops (compiled)",
+            traffic_bytes=traffic,
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------------------------- records
+
+
+def _records(
+    candidates: list[Candidate], times: dict[int, list[float]], reference: str, common: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """One record per candidate. ``speedup`` compares medians; ``speedup_best`` compares minima, which is the
+    steadier figure on a shared machine (contention only ever adds time)."""
+    ref = next(c for c in candidates if c.name == reference)
+    ref_ts = times.get(id(ref))
+    records = []
+    for c in candidates:
+        ts = times.get(id(c))
+        ms, ms_min = (statistics.median(ts) * 1e3, min(ts) * 1e3) if ts else (None, None)
+        rec = {
+            "kind": c.kind,
+            "name": c.name,
+            "scheme": c.scheme,
+            "mode": c.mode,
+            "backend": c.backend,
+            "ms": ms,
+            "ms_min": ms_min,
+            "speedup": statistics.median(ref_ts) * 1e3 / ms if ms and ref_ts else None,
+            "speedup_best": min(ref_ts) * 1e3 / ms_min if ms_min and ref_ts else None,
+            "weight_bytes": c.weight_bytes,
+            "bytes_vs_fp32": c.weight_bytes / ref.weight_bytes
+            if c.weight_bytes and ref.weight_bytes
+            else None,
+            "error": c.error,
+            **common,
+        }
+        if c.traffic_bytes and ms:
+            rec["gb_per_s"] = c.traffic_bytes / (ms * 1e-3) / 1e9
+        records.append(rec)
+    if candidates and candidates[0].kind == "bandwidth":
+        copy_rate = records[0].get("gb_per_s")
+        for rec in records:
+            rec["vs_copy"] = rec["gb_per_s"] / copy_rate if copy_rate and rec.get("gb_per_s") else None
+    return records
+
+
+def _measure(candidates: list[Candidate], repeats: int, reference: str, common: dict[str, Any]) -> list[dict]:
+    _warm_up(candidates)
+    for c in candidates:  # after the warm-up, so caches built on first use (int4 kernel layout) count
+        if callable(c.weight_bytes):
+            c.weight_bytes = c.weight_bytes()
+    live = [c for c in candidates if c.fn is not None]
+    times = time_interleaved([c.fn for c in live], repeats)
+    return _records(candidates, {id(c): t for c, t in zip(live, times)}, reference, common)
+
+
+def _layer_records(
+    shape: tuple[int, int],
+    tokens: int,
+    repeats: int,
+    schemes: Sequence[str],
+    modes: Sequence[str],
+    peers: bool,
+    common: dict[str, Any],
+) -> list[dict]:
+    in_features, out_features = shape
+    linear = nn.Linear(in_features, out_features).eval()
+    x = torch.randn(tokens, in_features)
+    fp32 = Candidate(
+        "layer",
+        "fp32 (F.linear)",
+        _forward(linear, x),
+        backend="torch",
+        weight_bytes=partial(model_bytes, linear),
+    )
+    candidates = [fp32, *_variant_candidates(linear, x), *(_peer_candidates(linear, x) if peers else [])]
+    candidates += _scheme_candidates("layer", nn.Sequential(linear), x, schemes, modes, calibration=x[None])
+    return _measure(candidates, repeats, fp32.name, common)
+
+
+def _model_records(
+    preset: str,
+    tokens: int,
+    repeats: int,
+    schemes: Sequence[str],
+    modes: Sequence[str],
+    common: dict[str, Any],
+) -> list[dict]:
+    from models import build, preset_config
+
+    config = preset_config(preset)
+    model = build(config, seed=0).eval()
+    batch = max(1, tokens // config.context)
+    ids = torch.randint(0, config.vocab_size, (batch, min(tokens, config.context)))
+    fp32 = Candidate(
+        "model",
+        f"{preset} fp32",
+        _forward(model, ids),
+        backend="torch",
+        weight_bytes=partial(model_bytes, model),
+    )
+    candidates = [fp32, *_scheme_candidates("model", model, ids, schemes, modes, calibration=ids)]
+    extra = {**common, "model": preset, "model_tokens": ids.numel()}
+    return _measure(candidates, repeats, fp32.name, extra)
+
+
+def run_speed(
+    shape: tuple[int, int] = (1024, 4096),
+    tokens: int = 512,
+    threads: int = 1,
+    repeats: int = 15,
+    schemes: Sequence[str] | None = None,
+    modes: Sequence[str] = DEFAULT_MODES,
+    peers: bool = True,
+    bandwidth: bool = True,
+    model: str | None = "small",
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Measure every scheme × mode per layer, the peers, fake-quant bandwidth and a whole model; return records.
+
+    ``shape`` is (in_features, out_features); ``schemes`` defaults to every registered scheme; ``model`` is a
+    ``models`` preset name or None to skip the whole-model figure. ``torch.set_num_threads(threads)`` holds
+    inside and the previous count is restored. Records carry ``ms`` (median), ``ms_min``, ``speedup`` and
+    ``speedup_best`` vs fp32 of the same kind, ``weight_bytes``, ``bytes_vs_fp32`` and ``error`` (why a candidate
+    did not run: no real kernel, peer not installed); bandwidth records add ``gb_per_s`` and ``vs_copy``.
+    """
+    if schemes is None:
+        from qbench.quant.schemes import SCHEMES
+
+        schemes = SCHEMES.names()
+    if threads < 1 or tokens < 1 or repeats < 1:
+        raise UserError(f"threads, tokens and repeats must be ≥ 1, got {threads}, {tokens}, {repeats}")
+    common = {
+        "threads": threads,
+        "shape": list(shape),
+        "tokens": tokens,
+        "repeats": repeats,
+        "malloc_env": all(v in os.environ for v in MALLOC_ENV),
+        "torch": torch.__version__,
+    }
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            records = _layer_records(tuple(shape), tokens, repeats, schemes, modes, peers, common)
+            if bandwidth:
+                weight = torch.randn(shape[1], shape[0])
+                records += _measure(_bandwidth_candidates(weight), repeats, "copy (clone)", common)
+            if model:
+                records += _model_records(model, tokens, repeats, schemes, modes, common)
+    finally:
+        torch.set_num_threads(previous_threads)
+    return records
+
+
+# ---------------------------------------------------------------------------------------------- table
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_speed_table(records: Sequence[dict[str, Any]], tablefmt: str = "simple") -> str:
+    """A text table (``tabulate`` format name) grouped by kind: time, speed-up vs fp32, storage, bandwidth."""
+    from tabulate import tabulate
+
+    sections = []
+    for kind, title in (
+        ("layer", "per layer"),
+        ("bandwidth", "fake-quant bandwidth"),
+        ("model", "whole model"),
+    ):
+        rows = [r for r in records if r["kind"] == kind]
+        if not rows:
+            continue
+        head = _section_title(title, rows[0])
+        if kind == "bandwidth":
+            table = [
+                [
+                    r["name"],
+                    _fmt(r["ms"], ".3f"),
+                    _fmt(r.get("gb_per_s"), ".1f"),
+                    _fmt(r.get("vs_copy") and 100 * r["vs_copy"], ".0f"),
+                ]
+                for r in rows
+            ]
+            sections.append(
+                head + tabulate(table, ["candidate", "ms", "GB/s", "% of copy"], tablefmt=tablefmt)
+            )
+            continue
+        table = [
+            [
+                r["name"],
+                r["backend"] or "",
+                _fmt(r["ms"], ".2f"),
+                _fmt(r["speedup"], ".2f"),
+                _fmt(r.get("speedup_best"), ".2f"),
+                _fmt(r["weight_bytes"] and r["weight_bytes"] / 2**20, ".2f"),
+                _fmt(r["bytes_vs_fp32"], ".3f"),
+                _short(r["error"]),
+            ]
+            for r in rows
+        ]
+        headers = [
+            "candidate",
+            "backend",
+            "ms (median)",
+            "speed-up",
+            "speed-up (min)",
+            "MiB",
+            "× fp32 bytes",
+            "note",
+        ]
+        sections.append(head + tabulate(table, headers, tablefmt=tablefmt))
+    return "\n\n".join(sections)
+
+
+def _short(note: str | None, width: int = 60) -> str:
+    return "" if not note else note if len(note) <= width else note[: width - 1] + "…"
+
+
+def _section_title(title: str, rec: dict[str, Any]) -> str:
+    shape = f"{rec['shape'][0]}→{rec['shape'][1]}, {rec['tokens']} tokens"
+    if rec["kind"] == "model":
+        shape = f"preset {rec['model']}, {rec['model_tokens']} tokens"
+    malloc = "" if rec.get("malloc_env") else " (MALLOC_* env not set: timings include page faults)"
+    return f"{title}: {shape}, {rec['threads']} thread(s), {rec['repeats']} interleaved repeats{malloc}\n"

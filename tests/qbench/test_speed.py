@@ -1,0 +1,116 @@
+"""The speed benchmark's structure (not its figures): records, ratios, table, thread restore."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from models.errors import UserError
+from qbench.quant.apply import model_bytes
+from qbench.speed import format_speed_table, run_speed, time_interleaved
+
+SCHEMES = [
+    "absmax-fine",
+    "absmax-coarse",
+    "absmax-fine-perchannel",
+    "zeropoint-int4",
+    "llm-int8",
+    "smoothquant",
+]
+
+
+@pytest.fixture(scope="module")
+def records():
+    torch.set_num_threads(2)
+    recs = run_speed(
+        shape=(64, 32), tokens=16, threads=1, repeats=1, schemes=SCHEMES, bandwidth=False, model="tiny"
+    )
+    assert torch.get_num_threads() == 2  # restored
+    return recs
+
+
+def by_name(records, kind):
+    return {r["name"]: r for r in records if r["kind"] == kind}
+
+
+def test_layer_records(records):
+    layer = by_name(records, "layer")
+    fp32 = layer["fp32 (F.linear)"]
+    assert (
+        fp32["speedup"] == 1.0 and fp32["weight_bytes"] == (64 * 32 + 32) * 4 and fp32["bytes_vs_fp32"] == 1.0
+    )
+    for scheme in SCHEMES:
+        for mode in ("fake", "real"):
+            assert f"{scheme} [{mode}]" in layer
+    for name in (
+        "absmax-fine [real]",
+        "zeropoint-int4 [real]",
+        "llm-int8 [real]",
+        "smoothquant [real]",
+        "torch._int_mm alone (ceiling)",
+        "torch.ao quantize_dynamic int8",
+    ):
+        rec = layer[name]
+        assert rec["error"] is None and rec["ms"] > 0 and rec["speedup"] > 0, name
+        assert rec["bytes_vs_fp32"] < 0.4, name  # int8 / int4 storage, scales and bias included
+    assert layer["absmax-fine [real]"]["backend"] == "Int8Linear"
+    assert layer["zeropoint-int4 [real]"]["weight_bytes"] < layer["absmax-fine [real]"]["weight_bytes"]
+    unsupported = layer["absmax-fine-perchannel [real]"]
+    assert unsupported["ms"] is None and "no real kernel" in unsupported["error"]
+    assert all(r["threads"] == 1 and r["tokens"] == 16 and r["repeats"] == 1 for r in records)
+
+
+def test_model_records(records):
+    model = by_name(records, "model")
+    assert model["tiny fp32"]["speedup"] == 1.0
+    real = model["absmax-fine [real]"]
+    assert real["error"] is None and 0.3 < real["bytes_vs_fp32"] < 1.0  # embeddings stay float
+
+
+def test_table(records):
+    table = format_speed_table(records)
+    assert "per layer: 64→32, 16 tokens, 1 thread(s)" in table and "whole model: preset tiny" in table
+    assert "absmax-fine [real]" in table and "has no real" in table
+
+
+def test_bandwidth_table_from_records():
+    common = {
+        "kind": "bandwidth",
+        "scheme": None,
+        "mode": None,
+        "backend": "x",
+        "threads": 1,
+        "shape": [4, 8],
+        "tokens": 2,
+        "repeats": 3,
+        "malloc_env": True,
+        "speedup": None,
+        "weight_bytes": None,
+        "bytes_vs_fp32": None,
+        "error": None,
+    }
+    recs = [
+        {**common, "name": "copy (clone)", "ms": 1.0, "gb_per_s": 20.0, "vs_copy": 1.0},
+        {**common, "name": "fake-quant fused", "ms": 2.0, "gb_per_s": 10.0, "vs_copy": 0.5},
+    ]
+    table = format_speed_table(recs)
+    assert "fake-quant bandwidth" in table and "50" in table and "page faults" not in table
+
+
+def test_time_interleaved_round_robin():
+    order = []
+    times = time_interleaved([lambda: order.append("a"), lambda: order.append("b")], repeats=3)
+    assert order == ["a", "b"] * 3 and [len(t) for t in times] == [3, 3]
+
+
+def test_storage_bytes_counts_tied_weights_once():
+    emb = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    assert model_bytes(nn.Sequential(emb, head)) == 10 * 4 * 4
+
+
+def test_bad_arguments():
+    with pytest.raises(UserError):
+        run_speed(shape=(8, 8), tokens=0, repeats=1, schemes=[], bandwidth=False, model=None)

@@ -29,7 +29,7 @@ def logits(model: nn.Module, input_ids: Tensor) -> Tensor:
     """(B, T, V) logits of either kind of model."""
     if is_ours(model):
         return model(input_ids)
-    return model(input_ids=input_ids, use_cache=False).logits
+    return model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False).logits
 
 
 def context_length(model: nn.Module) -> int:
@@ -103,7 +103,12 @@ def forward_observed(model: nn.Module, input_ids: Tensor, obs: Observation) -> T
     """Forward pass inside :func:`observe_any`; for transformers models, collects the attentions it returns."""
     if is_ours(model) or not getattr(model, "_qbench_want_attentions", False):
         return logits(model, input_ids)
-    out = model(input_ids=input_ids, use_cache=False, output_attentions=True)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        use_cache=False,
+        output_attentions=True,
+    )
     obs.attention.extend(a.detach() for a in out.attentions)
     return out.logits
 

@@ -224,6 +224,14 @@ def _print_record(record: dict, reused: bool) -> None:
     )
 
 
+def print_wide(renderable) -> None:
+    """Tables are wide; a pipe or file gets them uncropped (a terminal keeps its own width)."""
+    if console.is_terminal:
+        console.print(renderable)
+    else:
+        Console(width=240).print(renderable)
+
+
 def _run_and_show(spec) -> list[dict]:
     from qbench.harness import run_grid
     from qbench.report import rich_table
@@ -233,7 +241,7 @@ def _run_and_show(spec) -> list[dict]:
         f"{len(spec.modes)} mode(s) → {spec.output_path}/"
     )
     records = run_grid(spec, on_record=_print_record)
-    console.print(rich_table(records))
+    print_wide(rich_table(records))
     return records
 
 
@@ -285,7 +293,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
         raise unknown_choice("format", args.format, FORMATS)
     records = [r for name in args.names for r in _records_for(name, Path(args.output_path))]
     if args.format == "table":
-        console.print(rich_table(records))
+        print_wide(rich_table(records))
     else:
         sys.stdout.write(render(records, args.format))
 

@@ -31,6 +31,7 @@ from models.tokenizer import tokenizer_fingerprint
 from qbench.adapters import context_length
 from qbench.load import LoadedModel, load_model
 from qbench.metrics import Protocol, Windows, make_windows, massive_activations, outlier_metrics, perplexity
+from qbench.quant.primitives import NonFiniteError
 
 RECORD_VERSION = 1
 MODES = ("fake", "real")
@@ -262,7 +263,23 @@ class ModelEvaluation:
                 error=str(e),
             )
         eval_start = time.perf_counter()
-        ppl = perplexity(qmodel, self.windows, self.spec.protocol.batch_size, self.spec.device)
+        try:
+            ppl = perplexity(qmodel, self.windows, self.spec.protocol.batch_size, self.spec.device)
+        except NonFiniteError as e:  # NaN/inf reached a quantiser: the cell failed, the grid goes on
+            return self._record(
+                scheme.to_dict(),
+                mode,
+                _backend(qmodel, mode),
+                nan,
+                fp_ppl,
+                outliers,
+                None,
+                time.perf_counter() - eval_start,
+                time.perf_counter() - start,
+                _model_bytes(qmodel),
+                status="nonfinite",
+                error=str(e),
+            )
         eval_seconds = time.perf_counter() - eval_start
         return self._record(
             scheme.to_dict(),

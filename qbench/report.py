@@ -47,7 +47,7 @@ def _cell(record: dict[str, Any]) -> str:
         return "NaN"
     if record["scheme"]["name"] == "fp":
         return f"{m['perplexity']:.2f}"
-    return f"{m['perplexity']:.2f} ({m['ppl_change_pct']:+.1f}%)"
+    return f"{m['perplexity']:.2f} ({m['ppl_change_pct']:+.2f}%)"
 
 
 def comparison(records: Iterable[dict[str, Any]]) -> tuple[list[str], list[list[str]], str]:
@@ -58,10 +58,11 @@ def comparison(records: Iterable[dict[str, Any]]) -> tuple[list[str], list[list[
     models: dict[str, dict[str, dict]] = {}
     columns: list[str] = []
     for r in records:
-        key = "fp" if r["scheme"]["name"] == "fp" else f"{r['scheme']['name']} [{r['mode']}]"
+        key = "fp" if r["scheme"]["name"] == "fp" else f"{r['scheme']['name']}/{r['mode']}"
         models.setdefault(r["model"]["name"], {})[key] = r
         if key != "fp" and key not in columns:
             columns.append(key)
+    columns.sort(key=_column_order)
     headers = ["model", "fp", *columns, *(label for _, label in OUTLIER_COLUMNS)]
     rows = []
     for name, cells in models.items():
@@ -71,6 +72,15 @@ def comparison(records: Iterable[dict[str, Any]]) -> tuple[list[str], list[list[
         row += [_outlier(outliers.get(key), key) for key, _ in OUTLIER_COLUMNS]
         rows.append(row)
     return headers, rows, caption(records)
+
+
+def _column_order(column: str) -> tuple[int, str]:
+    """Registry order (the paper's schemes first, then the baselines), fake before real."""
+    from qbench.quant.schemes import SCHEMES
+
+    scheme, mode = column.rsplit("/", 1)
+    names = SCHEMES.names()
+    return (names.index(scheme) if scheme in names else len(names), mode)
 
 
 def _outlier(value: Any, key: str) -> str:
@@ -126,7 +136,9 @@ def rich_table(records: Iterable[dict[str, Any]], title: str = "qbench compariso
     headers, rows, text = comparison(list(records))
     table = Table(title=title, caption=text, title_justify="left", caption_justify="left")
     for i, h in enumerate(headers):
-        table.add_column(h, justify="left" if i == 0 else "right", style="bold" if i == 0 else None)
+        table.add_column(
+            h, justify="left" if i == 0 else "right", style="bold" if i == 0 else None, min_width=len(h)
+        )
     for row in rows:
         table.add_row(*row)
     return table

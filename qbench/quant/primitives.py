@@ -100,8 +100,14 @@ def qparams_from_stats(
     return scale, torch.round(-lo / scale).clamp(0, qmax)
 
 
-def non_finite_error(what: str) -> ValueError:
-    return ValueError(f"{what}: input contains NaN or inf (or its range overflows float32); cannot quantise")
+class NonFiniteError(ValueError):
+    """Quantisation met NaN or inf. The harness records such a cell as non-finite instead of failing the grid."""
+
+
+def non_finite_error(what: str) -> NonFiniteError:
+    return NonFiniteError(
+        f"{what}: input contains NaN or inf (or its range overflows float32); cannot quantise"
+    )
 
 
 def check_finite(stats: tuple[Tensor, Tensor], what: str) -> None:

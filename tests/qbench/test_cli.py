@@ -1,0 +1,114 @@
+"""The CLI end to end, in-process through ``main(argv)`` (one subprocess checks the console script itself)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from qbench.cli import main
+
+FAST = ["--tokens", "124", "--batch-size", "2"]
+
+
+def run(argv, capsys):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_init_export_and_ls(tmp_path, capsys):
+    code, out, _ = run(["init", "--preset", "tiny", "--attn", "softmax1", "--out", tmp_path / "c"], capsys)
+    assert code == 0 and "softmax1" in out
+    code, _, err = run(["init", "--preset", "tiny", "--out", tmp_path / "c"], capsys)
+    assert code == 2 and "--overwrite" in err
+    code, _, _ = run(["export", tmp_path / "c", tmp_path / "hf"], capsys)
+    assert (
+        code == 0
+        and json.loads((tmp_path / "hf" / "config.json").read_text())["attn_implementation"] == "softmax1"
+    )
+    for what in ("presets", "corpora", "schemes", "optimizers"):
+        code, out, _ = run(["ls", what], capsys)
+        assert code == 0 and len(out.splitlines()) > 4, what
+    code, out, _ = run(["ls", "schemes"], capsys)
+    assert all(
+        name in out for name in ("absmax-fine", "absmax-coarse", "zeropoint-int4", "llm-int8", "smoothquant")
+    )
+
+
+def test_run_grid_compare_on_our_checkpoint_and_a_transformers_folder(
+    ckpt_dir, hf_gpt2_dir, tmp_path, capsys
+):
+    out_dir = tmp_path / "res"
+    code, out, _ = run(
+        ["run", "--ckpt", ckpt_dir, "--scheme", "absmax-coarse", "--output-path", out_dir, *FAST], capsys
+    )
+    assert code == 0 and "absmax-coarse" in out
+    code, out, _ = run(
+        [
+            "grid",
+            "--ckpt",
+            ckpt_dir,
+            "--ckpt",
+            hf_gpt2_dir,
+            "--scheme",
+            "absmax-coarse",
+            "--scheme",
+            "zeropoint-int4",
+            "--output-path",
+            out_dir,
+            *FAST,
+        ],
+        capsys,
+    )
+    assert code == 0 and "(reused)" in out  # the run's cells were not recomputed
+    for fmt in ("md", "csv", "latex", "json"):
+        code, out, _ = run(
+            ["compare", ckpt_dir.name, hf_gpt2_dir.name, "--format", fmt, "--output-path", out_dir], capsys
+        )
+        assert code == 0 and "softmax1" in out and "gpt2-micro" in out, fmt  # LaTeX escapes the underscore
+    table = json.loads(run(["compare", out_dir, "--format", "json"], capsys)[1])
+    assert table["headers"][:4] == ["model", "fp", "absmax-coarse/fake", "zeropoint-int4/fake"]
+    assert "window 32" in table["caption"]
+
+
+def test_compare_evaluates_a_bare_checkpoint_name(ckpt_dir, tmp_path, monkeypatch, capsys):
+    (tmp_path / "ckpts").mkdir()
+    (tmp_path / "ckpts" / "ortho").symlink_to(ckpt_dir)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("qbench.metrics.Protocol.tokens", 62)
+    code, out, _ = run(["compare", "ortho", "--format", "md"], capsys)
+    assert code == 0 and "ortho" in out and "zeropoint-int4/fake" in out
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["run", "--ckpt", "CKPT", "--scheme", "absmax-corse"], "did you mean 'absmax-coarse'"),
+        (["run", "--ckpt", "CKPT", "--mode", "rael"], "did you mean 'real'"),
+        (["run", "--ckpt", "CKPT", "--data", "embeded"], "did you mean 'embedded'"),
+        (["run", "--ckpt", "/nonexistent/model"], "does not exist"),
+        (["compare", "CKPT", "--format", "xlsx"], "unknown format"),
+        (["init", "--preset", "tiyn", "--out", "x"], "did you mean 'tiny'"),
+        (["ls", "shemes"], "did you mean 'schemes'"),
+        (["run"], "--ckpt"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, message, ckpt_dir, tmp_path, capsys):
+    argv = [str(ckpt_dir) if a == "CKPT" else a for a in argv] + ["--output-path", str(tmp_path)] * (
+        argv[0] in ("run", "compare")
+    )
+    code, _, err = run(argv, capsys)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) <= 2  # one message (rich may wrap a long line once)
+
+
+def test_console_script_exit_code_and_no_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "qbench", "run", "--ckpt", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "error:" in result.stderr and "Traceback" not in result.stderr

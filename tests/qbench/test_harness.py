@@ -1,0 +1,144 @@
+import json
+
+import pytest
+import torch
+
+from qbench.harness import GridSpec, ModelEvaluation, run_grid
+from qbench.metrics import Protocol
+
+REQUIRED = {
+    "model",
+    "scheme",
+    "mode",
+    "backend",
+    "protocol",
+    "metrics",
+    "outliers",
+    "env",
+    "seed",
+    "wall_seconds",
+    "tokens_per_second",
+    "model_bytes",
+}
+OUTLIER_KEYS = {
+    "kurtosis_first",
+    "kurtosis_other",
+    "kurtosis_max",
+    "max_abs_first",
+    "max_abs_other",
+    "max_abs",
+    "first_token_top1_share",
+    "first_token_mass",
+}
+SMALL = Protocol(tokens=31 * 4, batch_size=2, outlier_windows=2)
+
+
+def spec(tmp_path, models, schemes=("absmax-coarse", "zeropoint-int4"), modes=("fake",)):
+    return GridSpec(
+        models=[str(m) for m in models],
+        schemes=list(schemes),
+        modes=list(modes),
+        protocol=SMALL,
+        output_path=tmp_path / "results",
+    )
+
+
+@pytest.mark.parametrize("fixture", ["ckpt_dir", "hf_gpt2_dir", "hf_llama_dir"])
+def test_records_are_self_describing_for_every_kind_of_model(fixture, request, tmp_path):
+    records = run_grid(spec(tmp_path, [request.getfixturevalue(fixture)], modes=("fake", "real")))
+    assert [r["scheme"]["name"] for r in records] == [
+        "fp",
+        "absmax-coarse",
+        "absmax-coarse",
+        "zeropoint-int4",
+        "zeropoint-int4",
+    ]
+    for r in records:
+        assert REQUIRED <= r.keys() and OUTLIER_KEYS <= r["outliers"].keys()
+        assert r["status"] == "ok", r["error"]
+        assert r["metrics"]["fp_perplexity"] == records[0]["metrics"]["perplexity"]
+        assert r["protocol"]["tokens_scored"] == 124 and r["protocol"]["window"] == 32
+        assert r["env"]["software"]["torch"] and "git_commit" in r["env"]
+    coarse = records[1]
+    assert (
+        coarse["scheme"]["out_bits"] == 8 and coarse["scheme"]["act_bits"] == 8
+    )  # the full config is recorded
+    assert coarse["metrics"]["ppl_ratio"] == pytest.approx(
+        coarse["metrics"]["perplexity"] / coarse["metrics"]["fp_perplexity"]
+    )
+    assert records[2]["model_bytes"] < records[0]["model_bytes"]  # real int8 holds fewer bytes
+    files = sorted(p.name for p in (tmp_path / "results").rglob("*.json"))
+    assert files == [
+        "absmax-coarse__fake.json",
+        "absmax-coarse__real.json",
+        "fp.json",
+        "zeropoint-int4__fake.json",
+        "zeropoint-int4__real.json",
+    ]
+
+
+def test_interrupted_grid_resumes_without_recomputing(ckpt_dir, tmp_path, monkeypatch):
+    s = spec(tmp_path, [ckpt_dir], schemes=("absmax-fine", "absmax-coarse", "zeropoint-int4"))
+    seen = []
+
+    def interrupt_after_two(record, reused):
+        seen.append(record["scheme"]["name"])
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_grid(s, on_record=interrupt_after_two)
+    written = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "results").rglob("*.json")}
+    assert set(written) == {"fp.json", "absmax-fine__fake.json", "absmax-coarse__fake.json"}
+
+    computed = []
+    original = ModelEvaluation.quantised_record
+    monkeypatch.setattr(
+        ModelEvaluation,
+        "quantised_record",
+        lambda self, scheme, mode: computed.append(scheme) or original(self, scheme, mode),
+    )
+    reused = []
+    run_grid(s, on_record=lambda r, was_reused: reused.append(was_reused))
+    assert computed == ["zeropoint-int4"]
+    assert reused == [False, True, True, False]
+    for name, mtime in written.items():  # nothing already finished was rewritten
+        assert next((tmp_path / "results").rglob(name)).stat().st_mtime_ns == mtime
+
+
+def test_changed_protocol_recomputes_instead_of_reusing(ckpt_dir, tmp_path):
+    run_grid(spec(tmp_path, [ckpt_dir], schemes=("absmax-coarse",)))
+    s = spec(tmp_path, [ckpt_dir], schemes=("absmax-coarse",))
+    s.protocol = Protocol(tokens=31 * 2, batch_size=2, outlier_windows=2)
+    reused = []
+    records = run_grid(s, on_record=lambda r, was_reused: reused.append(was_reused))
+    assert reused == [False, False] and records[1]["protocol"]["tokens_scored"] == 62
+
+
+def test_a_model_that_breaks_under_a_scheme_is_recorded_and_the_grid_goes_on(ckpt_dir, tmp_path, monkeypatch):
+    import qbench.quant as quant
+
+    real_quantize = quant.quantize
+
+    def poisoned(model, scheme, **kw):
+        q = real_quantize(model, scheme, **kw)
+        if scheme.name == "absmax-coarse":
+            with torch.no_grad():
+                q.transformer.h[0].mlp.c_fc.bias.fill_(float("nan"))
+        return q
+
+    monkeypatch.setattr(quant, "quantize", poisoned)
+    records = run_grid(spec(tmp_path, [ckpt_dir]))
+    coarse, int4 = records[1], records[2]
+    assert coarse["status"] == "nonfinite" and coarse["metrics"]["perplexity"] is None
+    assert int4["status"] == "ok"
+    on_disk = json.loads(next((tmp_path / "results").rglob("absmax-coarse__fake.json")).read_text())
+    assert on_disk["status"] == "nonfinite"
+
+
+def test_budget_larger_than_the_text_is_clamped_and_recorded(ckpt_dir, tmp_path):
+    s = spec(tmp_path, [ckpt_dir], schemes=())
+    s.protocol = Protocol(tokens=10**9, batch_size=64, outlier_windows=1)
+    (fp,) = run_grid(s)
+    assert fp["protocol"]["tokens_clamped"] is True
+    assert fp["protocol"]["tokens_scored"] <= fp["protocol"]["tokens_available"]

@@ -117,7 +117,7 @@ PRESETS.register(
         "bpe8192",
         "the 4-layer d=256 model in which facts.md saw outliers emerge within ~1 M tokens",
     ),
-    "CPU: 4 layers, d 256, context 128, vocab 8192 (~3.2 M non-embedding params); trains in minutes",
+    "CPU: 4 layers, d 256, 4 heads, context 128, vocab 8192; trains in minutes",
 )
 PRESETS.register(
     "small",
@@ -125,7 +125,7 @@ PRESETS.register(
         family_config("gpt2", n_layer=6, n_head=6, d_model=384, d_ff=1536, context=256, vocab_size=8192),
         "bpe8192",
     ),
-    "CPU: 6 layers, d 384, context 256, vocab 8192 (~10.6 M non-embedding params)",
+    "CPU: 6 layers, d 384, 6 heads, context 256, vocab 8192",
 )
 # The paper's sizes. Its exact shapes are not public: GPT-2 presets follow GPT-2/GPT-3's published shapes
 # (4x MLP, 64-dim heads where they are standard) at the nominal size, with GPT-2's 50257-token vocabulary;

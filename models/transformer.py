@@ -230,6 +230,13 @@ class Transformer(nn.Module):
         return n
 
 
+def count_parameters(config: ModelConfig) -> tuple[int, int]:
+    """(total, non-embedding) parameter counts of ``config``, without allocating weights (built on 'meta')."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    return model.num_parameters(), model.num_parameters(embedding=False)
+
+
 def build(config: ModelConfig, seed: int | None = None) -> Transformer:
     """A freshly initialised model; with ``seed`` the initialisation is reproducible and leaves the global RNG alone."""
     if seed is None:

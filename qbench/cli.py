@@ -107,9 +107,16 @@ def _registries() -> dict[str, Callable[[], Table]]:
     def presets() -> Table:
         from models import PRESETS
 
-        return _registry_table(
-            "presets", PRESETS, lambda n: f" [dim](tokenizer {PRESETS.get(n).tokenizer})[/]"
-        )
+        from models.transformer import count_parameters
+
+        def detail(name: str) -> str:
+            total, non_embedding = count_parameters(PRESETS.get(name).config)
+            return (
+                f" [dim]— {total / 1e6:,.1f} M parameters ({non_embedding / 1e6:,.1f} M non-embedding), "
+                f"tokenizer {PRESETS.get(name).tokenizer}[/]"
+            )
+
+        return _registry_table("presets", PRESETS, detail)
 
     def corpora() -> Table:
         from trainers.data import CORPORA
@@ -126,7 +133,42 @@ def _registries() -> dict[str, Callable[[], Table]]:
 
         return _registry_table("optimisers", OPTIMIZERS)
 
-    return {"presets": presets, "corpora": corpora, "schemes": schemes, "optimizers": optimizers}
+    def recipes() -> Table:
+        from trainers.recipes import RECIPES
+
+        return _registry_table("training recipes", RECIPES)
+
+    return {
+        "presets": presets,
+        "corpora": corpora,
+        "schemes": schemes,
+        "optimizers": optimizers,
+        "recipes": recipes,
+        "results": _results_table,
+    }
+
+
+def _results_table(output_path: str = "qbench_results") -> Table:
+    from qbench.report import read_records
+
+    table = Table(title=f"results in {output_path}/", title_justify="left")
+    for column in ("model", "scheme", "mode", "perplexity", "vs fp", "status", "created (UTC)"):
+        table.add_column(column)
+    root = Path(output_path)
+    for r in read_records(root) if root.is_dir() else []:
+        m = r["metrics"]
+        table.add_row(
+            r["model"]["name"],
+            r["scheme"]["name"],
+            r["mode"],
+            "-" if m["perplexity"] is None else f"{m['perplexity']:.3f}",
+            ""
+            if m["ppl_change_pct"] is None or r["scheme"]["name"] == "fp"
+            else f"{m['ppl_change_pct']:+.2f}%",
+            r.get("status", "ok"),
+            r.get("created_utc", ""),
+        )
+    return table
 
 
 @command("ls")
@@ -136,7 +178,7 @@ def cmd_ls(args: argparse.Namespace) -> None:
     tables = _registries()
     if args.what not in tables:
         raise unknown_choice("listing", args.what, tables)
-    console.print(tables[args.what]())
+    print_wide(tables[args.what](args.output_path) if args.what == "results" else tables[args.what]())
 
 
 # ---------------------------------------------------------------------------------------------------- env
@@ -362,8 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt", help="qbench checkpoint folder")
     p.add_argument("out", help="output folder")
 
-    p = sub.add_parser("ls", help="list presets, corpora, schemes or optimisers")
-    p.add_argument("what", help="presets | corpora | schemes | optimizers")
+    p = sub.add_parser("ls", help="list presets, corpora, schemes, optimizers, recipes or results")
+    p.add_argument("what", help="presets | corpora | schemes | optimizers | recipes | results")
+    p.add_argument("--output-path", default="qbench_results", help="for `ls results`")
 
     sub.add_parser("env", help="versions, devices and available real kernels")
 

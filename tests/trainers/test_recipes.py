@@ -1,0 +1,72 @@
+"""Recipes: each is a valid override set for every preset; explicit switches win; ablations change one thing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from models.config import PRESETS
+from models.errors import UserError
+from trainers.loop import TrainConfig
+from trainers.optim.registry import OPTIMIZERS
+from trainers.recipes import RECIPES, Recipe, get_recipe
+
+ABLATIONS = ("no-bias", "rmsnorm-m", "rmsnorm-s", "rope", "no-pos", "rmsprop", "sgd", "sgd-momentum")
+
+
+def changed_fields(a: Recipe, b: Recipe) -> set[str]:
+    return {f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)}
+
+
+@pytest.mark.parametrize("recipe", RECIPES.names())
+@pytest.mark.parametrize("preset", PRESETS.names())
+def test_every_recipe_applies_to_every_preset(recipe, preset):
+    cfg = TrainConfig(preset=preset, recipe=recipe)
+    model = cfg.model_config()
+    for switch, value in get_recipe(recipe).model_switches().items():
+        assert getattr(model, switch) == value
+    assert cfg.optimizer in OPTIMIZERS
+
+
+def test_main_variants():
+    expect = {
+        "vanilla": ("softmax", "adamw"),
+        "softmax1": ("softmax1", "adamw"),
+        "orthoadam": ("softmax", "orthoadam"),
+        "softmax1-orthoadam": ("softmax1", "orthoadam"),
+        "paper": ("softmax1", "orthoadam"),
+        "attn-bias": ("sink", "adamw"),
+        "postnorm": ("softmax", "adamw"),
+    }
+    for name, (attn, optim) in expect.items():
+        assert (get_recipe(name).attn, get_recipe(name).optim) == (attn, optim), name
+    assert get_recipe("paper").norm == "rmsnorm_single" and get_recipe("softmax1-orthoadam").norm is None
+    assert get_recipe("postnorm").norm_position == "post"
+
+
+@pytest.mark.parametrize("name", ABLATIONS)
+def test_ablations_change_one_thing_on_top_of_softmax1_orthoadam(name):
+    assert len(changed_fields(get_recipe(name), get_recipe("softmax1-orthoadam"))) == 1
+
+
+def test_recipe_keeps_the_preset_defaults_it_does_not_name():
+    llama = TrainConfig(preset="llama2-130m", recipe="vanilla").model_config()
+    assert (llama.norm, llama.pos, llama.bias, llama.attn) == ("rmsnorm", "rope", False, "softmax")
+    gpt2 = TrainConfig(preset="tiny", recipe="rope").model_config()
+    assert (gpt2.norm, gpt2.pos, gpt2.attn) == ("layernorm", "rope", "softmax1")
+
+
+def test_explicit_switches_override_the_recipe():
+    cfg = TrainConfig(recipe="paper", switches={"norm": "layernorm", "attn": "sink"}, optim="sgd")
+    model = cfg.model_config()
+    assert (model.norm, model.attn, cfg.optimizer) == ("layernorm", "sink", "sgd")
+    assert TrainConfig(recipe="paper", context=64).model_config().context == 64
+
+
+def test_unknown_names_suggest_the_closest():
+    with pytest.raises(UserError, match=r"unknown recipe 'papr' \(did you mean 'paper'\?\)"):
+        get_recipe("papr")
+    with pytest.raises(UserError, match="did you mean 'sgd-momentum'"):
+        TrainConfig(optim="sgd-momentun")
+    assert get_recipe("baseline") == get_recipe("vanilla")  # aliases

@@ -127,6 +127,12 @@ class ModelEvaluation:
             self._windows = make_windows(self.lm.tokenizer, self.spec.protocol, context_length(self.lm.model))
         return self._windows
 
+    def matches(self, record: dict[str, Any]) -> bool:
+        """Whether ``record`` was made from these very weights under this protocol (then it can be reused)."""
+        return record.get("protocol") == self.protocol_record() and record.get("model", {}).get(
+            "fingerprint"
+        ) == self.lm.description.get("fingerprint")
+
     def protocol_record(self) -> dict[str, Any]:
         w = self.windows
         return {
@@ -148,7 +154,7 @@ class ModelEvaluation:
             return self._fp
         path = record_path(self.spec.output_path, self.name, None, None)
         existing = _read_record(path)
-        if existing and existing.get("protocol") == self.protocol_record():
+        if existing and self.matches(existing):
             self._fp = existing
             return existing
         start = time.perf_counter()
@@ -354,7 +360,7 @@ def run_grid(spec: GridSpec, on_record: Callable[[dict[str, Any], bool], None] |
             existing = _read_record(path)
             reusable = (
                 existing is not None
-                and existing.get("protocol") == evaluation.protocol_record()
+                and evaluation.matches(existing)
                 and existing.get("scheme") == get_scheme(scheme).to_dict()
                 and existing.get("status") != "unsupported"
             )

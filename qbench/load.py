@@ -95,12 +95,24 @@ def load_model(
             "kind": "qbench",
             "path": str(target),
             "config": ckpt.config.to_dict(),
+            "fingerprint": ckpt.meta["weights"]["sha256"],
             "parameters": ckpt.model.num_parameters(),
             "dtype": dtype,
             "provenance": ckpt.provenance,
         }
         return LoadedModel(ckpt.model, ckpt.tokenizer, target.name, str(target), description)
     return _load_transformers(target, torch_dtype, dtype, device, trust_remote_code, allow_unsafe_weights)
+
+
+def _weights_fingerprint(folder: Path) -> str:
+    """sha256 over the weight files' names, sizes and modification times: cheap, and changes when they do."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted([*folder.glob("*.safetensors"), *folder.glob("*.bin")]):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()
 
 
 def _load_transformers(
@@ -142,6 +154,7 @@ def _load_transformers(
         "kind": "transformers",
         "path": str(target),
         "model_type": model.config.model_type,
+        "fingerprint": _weights_fingerprint(target) if local else None,
         "architecture": type(model).__name__,
         "parameters": n_params,
         "dtype": dtype,

@@ -142,3 +142,19 @@ def test_budget_larger_than_the_text_is_clamped_and_recorded(ckpt_dir, tmp_path)
     (fp,) = run_grid(s)
     assert fp["protocol"]["tokens_clamped"] is True
     assert fp["protocol"]["tokens_scored"] <= fp["protocol"]["tokens_available"]
+
+
+def test_records_of_other_weights_are_not_reused(tokenizer, tmp_path):
+    from models.checkpoint import save_checkpoint
+
+    from .conftest import micro_config, trained_like
+
+    ckpt = tmp_path / "ckpts" / "m"
+    save_checkpoint(ckpt, trained_like(micro_config(), seed=0), tokenizer)
+    s = spec(tmp_path, [ckpt], schemes=("absmax-coarse",))
+    first = run_grid(s)
+    save_checkpoint(ckpt, trained_like(micro_config(), seed=1), tokenizer)  # same name, new weights
+    reused = []
+    second = run_grid(s, on_record=lambda r, was_reused: reused.append(was_reused))
+    assert reused == [False, False]
+    assert second[0]["model"]["fingerprint"] != first[0]["model"]["fingerprint"]

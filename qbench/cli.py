@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -106,7 +107,6 @@ def _registry_table(title: str, registry, extra: Callable[[str], str] | None = N
 def _registries() -> dict[str, Callable[[], Table]]:
     def presets() -> Table:
         from models import PRESETS
-
         from models.transformer import count_parameters
 
         def detail(name: str) -> str:
@@ -379,6 +379,34 @@ def cmd_speed(args: argparse.Namespace) -> None:
     console.print(format_speed_table(records), highlight=False)
 
 
+# --------------------------------------------------------------------------------------------------- demo
+
+
+@command("demo")
+def cmd_demo(args: argparse.Namespace) -> None:
+    from qbench import demo
+    from qbench.report import rich_table
+
+    cfg = demo.DemoConfig(
+        steps=args.steps,
+        eval_tokens=args.tokens,
+        ckpt_root=Path(args.ckpt_root),
+        output_path=Path(args.output_path),
+        seed=args.seed,
+    )
+    console.print(
+        f"[bold]qbench demo[/]: train {', '.join(demo.RECIPES)} ({cfg.preset}, {cfg.steps} steps, "
+        f"lr {cfg.lr}) in {cfg.ckpt_root}/, evaluate the paper's schemes, write {cfg.output_path}/"
+    )
+    train_s = demo.train_both(cfg, console)
+    start = time.perf_counter()
+    records = demo.evaluate(cfg, on_record=_print_record)
+    eval_s = time.perf_counter() - start
+    table = demo.write_report(cfg, records, {"train": train_s, "eval": eval_s}, sys.argv[2:])
+    print_wide(rich_table(records, title="qbench demo"))
+    console.print(f"wrote {table} and plots beside it (training {train_s:.0f} s, evaluation {eval_s:.0f} s)")
+
+
 # ------------------------------------------------------------------------------------------------- parser
 
 
@@ -478,6 +506,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-peers", action="store_true", help="skip torch.ao / bitsandbytes / torchao peers")
     p.add_argument("--json", help="also write the records to this file ('-' for stdout only)")
 
+    p = sub.add_parser(
+        "demo", help="train vanilla + paper tiny models, evaluate the paper's schemes (~15 min CPU)"
+    )
+    p.add_argument("--steps", type=int, default=500, help="training steps per model (16 x 128 tokens each)")
+    p.add_argument("--tokens", type=int, default=16384, help="evaluation token budget per model")
+    p.add_argument("--ckpt-root", default="ckpts/demo")
+    p.add_argument("--output-path", default="results/demo")
+    p.add_argument("--seed", type=int, default=0)
+
+    sub.add_parser(
+        "train",
+        help="train a checkpoint: same options as `python -m trainers` (qbench train -h)",
+        add_help=False,
+    )
+
     p = sub.add_parser("data", help="build offline corpora")
     p.add_argument("action", help="fetch: build the ~100 MB offline mix into the cache")
     p.add_argument("--cache-dir", help="default: $QBENCH_CACHE or ~/.cache/qbench")
@@ -485,6 +528,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # the trainer owns its options; one implementation, two entry points
+        from trainers.__main__ import main as train_main
+
+        return train_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
         if args.command is None:

@@ -224,18 +224,10 @@ def cmd_data(args: argparse.Namespace) -> None:
 
 
 def _grid_spec(args: argparse.Namespace, models: list[str]):
+    from qbench.cli_args import protocol_from_args
     from qbench.harness import GridSpec, check_modes, expand_schemes
-    from qbench.metrics import Protocol
 
-    if args.tokens is not None and args.tokens < 2:
-        raise UserError(f"--tokens must be at least 2, got {args.tokens}")
-    protocol = Protocol(
-        corpus=args.data,
-        tokens=args.tokens or Protocol.tokens,
-        window=args.window,
-        bos=args.bos,
-        batch_size=args.batch_size,
-    )
+    protocol = protocol_from_args(args)
     return GridSpec(
         models=models,
         schemes=expand_schemes(args.scheme or ["paper"]),
@@ -412,6 +404,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from models.config import CHOICES
+    from qbench import inspection, intervene, lm_eval_adapter, score
+    from qbench.cli_args import add_model_arguments
+    from qbench.metrics import Protocol
 
     parser = _Parser(prog="qbench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -438,7 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("env", help="versions, devices and available real kernels")
 
-    def eval_options(p: argparse.ArgumentParser) -> None:
+    def eval_options(p: argparse.ArgumentParser, many: bool = False) -> None:
+        add_model_arguments(p, tokens=Protocol.tokens, many=many)
         p.add_argument(
             "--scheme",
             action="append",
@@ -446,40 +442,29 @@ def build_parser() -> argparse.ArgumentParser:
             "default) or 'all' — see qbench ls schemes",
         )
         p.add_argument("--mode", action="append", help="fake (default) | real; repeatable")
-        p.add_argument("--data", default="embedded", help="corpus: embedded | mix | c4 | a local path")
-        p.add_argument("--tokens", type=int, help="token budget scored per model (default 32768)")
-        p.add_argument("--window", type=int, help="window length (default: the model's context)")
-        p.add_argument(
-            "--bos",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="open every window with <|endoftext|> (default on)",
-        )
-        p.add_argument("--batch-size", type=int, default=8)
         p.add_argument("--output-path", default="qbench_results", help="where result JSON goes")
         p.add_argument("--exclude", action="append", help="fnmatch pattern of layer names to keep in float")
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-        p.add_argument("--device", default="cpu")
         p.add_argument("--no-attention", action="store_true", help="skip attention statistics (faster)")
-        p.add_argument(
-            "--trust-remote-code", action="store_true", help="allow a transformers model's own code"
-        )
-        p.add_argument(
-            "--allow-unsafe-weights",
-            action="store_true",
-            help="allow pickle-based .bin weights (can run code; only for folders you trust)",
-        )
 
     p = sub.add_parser("run", help="evaluate one model under one or more schemes")
-    p.add_argument(
-        "--ckpt", required=True, help="qbench checkpoint, transformers folder, ckpts/NAME, or hub name"
-    )
     eval_options(p)
 
     p = sub.add_parser("grid", help="evaluate models × schemes (resumable: finished cells are reused)")
-    p.add_argument("--ckpt", action="append", required=True, help="repeatable")
-    eval_options(p)
+    eval_options(p, many=True)
+
+    for name, module, text in (
+        (
+            "inspect",
+            inspection,
+            "outlier/attention metrics JSON + plots (attention map, activations, per layer)",
+        ),
+        ("intervene", intervene, "set massive activations to zero or their mean; perplexity change"),
+        ("score", score, "a model's robustness in one number: outliers + perplexity change per paper scheme"),
+        ("lm-eval", lm_eval_adapter, "run lm-evaluation-harness tasks on the quantised in-memory model"),
+    ):
+        module.add_arguments(sub.add_parser(name, help=text))
+        COMMANDS[name] = module.run
 
     p = sub.add_parser("compare", help="table of results: rows = models, columns = fp then schemes")
     p.add_argument(

@@ -157,7 +157,9 @@ def write_report(cfg: DemoConfig, records: list[dict], timings: dict[str, float]
     atomic_write_json(out / "emergence.json", curves)
     plots.emergence_plot(curves, out / "emergence.png")
     fp = {r["model"]["name"]: r for r in records if r["scheme"]["name"] == "fp"}
-    plots.per_layer_plot({name: r["outliers_per_layer"] for name, r in fp.items()}, out / "per_layer.png")
+    plots.compare_layers_plot(
+        {name: r["outliers_per_layer"] for name, r in fp.items()}, out / "per_layer.png"
+    )
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.system()}"
     text = (
         f"# qbench demo\n\nMade by `{' '.join(['qbench', 'demo', *argv])}` on {machine} "

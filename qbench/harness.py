@@ -27,10 +27,17 @@ import torch
 
 from models.errors import UserError, unknown_choice
 from models.io import atomic_write_json, git_commit, software_versions
-from models.tokenizer import tokenizer_fingerprint
 from qbench.adapters import context_length
 from qbench.load import LoadedModel, load_model
-from qbench.metrics import Protocol, Windows, make_windows, massive_activations, outlier_metrics, perplexity
+from qbench.metrics import (
+    Protocol,
+    Windows,
+    make_windows,
+    massive_activations,
+    outlier_metrics,
+    perplexity,
+    protocol_record,
+)
 from qbench.quant.primitives import NonFiniteError
 
 RECORD_VERSION = 1
@@ -99,9 +106,10 @@ def _finite(x: float) -> float | None:
 class ModelEvaluation:
     """One model of the grid: loaded lazily, its windows and float baseline computed once."""
 
-    def __init__(self, spec: GridSpec, model_spec: str) -> None:
+    def __init__(self, spec: GridSpec, model_spec: str, lm: LoadedModel | None = None) -> None:
+        """``lm``: the model already loaded from ``model_spec`` (else it is loaded on first use)."""
         self.spec, self.model_spec = spec, model_spec
-        self._lm: LoadedModel | None = None
+        self._lm = lm
         self._windows: Windows | None = None
         self._fp: dict[str, Any] | None = None
 
@@ -134,19 +142,7 @@ class ModelEvaluation:
         ) == self.lm.description.get("fingerprint")
 
     def protocol_record(self) -> dict[str, Any]:
-        w = self.windows
-        return {
-            **self.spec.protocol.to_dict(),
-            "window": w.window,
-            "stride": w.window,
-            "windows": len(w.ids),
-            "tokens_scored": w.scored_tokens,
-            "tokens_available": w.available_tokens,
-            "tokens_clamped": w.clamped,
-            "tokenizer_fingerprint": tokenizer_fingerprint(self.lm.tokenizer),
-            "dtype": self.spec.dtype,
-            "perplexity": "token-level, exp(mean NLL), non-overlapping windows",
-        }
+        return protocol_record(self.spec.protocol, self.windows, self.lm.tokenizer, self.spec.dtype)
 
     def fp_record(self) -> dict[str, Any]:
         """The float baseline (perplexity, outliers, massive activations), read from disk when already there."""

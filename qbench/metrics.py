@@ -74,6 +74,26 @@ def make_windows(tokenizer: Any, protocol: Protocol, context: int) -> Windows:
     return Windows(ids, scored, len(stream), protocol.tokens > len(stream), window)
 
 
+def protocol_record(
+    protocol: Protocol, windows: Windows, tokenizer: Any, dtype: str | None
+) -> dict[str, Any]:
+    """The protocol as run: the requested fields plus what the text and the model turned them into."""
+    from models.tokenizer import tokenizer_fingerprint
+
+    return {
+        **protocol.to_dict(),
+        "window": windows.window,
+        "stride": windows.window,
+        "windows": len(windows.ids),
+        "tokens_scored": windows.scored_tokens,
+        "tokens_available": windows.available_tokens,
+        "tokens_clamped": windows.clamped,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "dtype": dtype,
+        "perplexity": "token-level, exp(mean NLL), non-overlapping windows",
+    }
+
+
 @torch.no_grad()
 def perplexity(
     model: nn.Module, windows: Windows, batch_size: int = 8, device: str = "cpu"

@@ -12,7 +12,9 @@ from models.tokenizer import load_tokenizer
 
 
 def micro_config(family: str = "gpt2", **switches):
-    return family_config(family, n_layer=2, n_head=4, d_model=32, d_ff=64, context=32, vocab_size=8192, **switches)
+    return family_config(
+        family, n_layer=2, n_head=4, d_model=32, d_ff=64, context=32, vocab_size=8192, **switches
+    )
 
 
 def trained_like(config, seed: int = 0):
@@ -31,7 +33,9 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def ckpt_dir(tmp_path_factory, tokenizer):
     path = tmp_path_factory.mktemp("ckpts") / "micro_softmax1"
-    save_checkpoint(path, trained_like(micro_config(attn="softmax1")), tokenizer, provenance={"training": None})
+    save_checkpoint(
+        path, trained_like(micro_config(attn="softmax1")), tokenizer, provenance={"training": None}
+    )
     return path
 
 

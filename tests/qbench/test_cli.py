@@ -112,3 +112,36 @@ def test_console_script_exit_code_and_no_traceback(tmp_path):
         timeout=120,
     )
     assert result.returncode == 2 and "error:" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_inspect_score_and_intervene_through_the_cli(hf_llama_dir, ckpt_dir, tmp_path, capsys):
+    code, out, _ = run(
+        ["inspect", "--ckpt", ckpt_dir, "--tokens", "62", "--windows", "2", "--out", tmp_path / "insp"],
+        capsys,
+    )
+    assert code == 0
+    assert {p.name for p in (tmp_path / "insp").glob("*.png")} == {
+        "attention.png",
+        "activations.png",
+        "layers.png",
+    }
+    code, out, _ = run(
+        [
+            "score",
+            "--ckpt",
+            hf_llama_dir,
+            "--tokens",
+            "62",
+            "--output-path",
+            tmp_path / "r",
+            "--json",
+            tmp_path / "score.json",
+        ],
+        capsys,
+    )
+    assert code == 0 and "robustness" in out
+    assert 0 < json.loads((tmp_path / "score.json").read_text())["robustness"] < 2
+    code, out, _ = run(["intervene", "--ckpt", ckpt_dir, "--set", "mean", "--tokens", "62"], capsys)
+    assert code == 0
+    code, _, err = run(["intervene", "--ckpt", ckpt_dir, "--set", "nan"], capsys)
+    assert code == 2 and "zero" in err

@@ -8,7 +8,7 @@ import torch
 from models.errors import UserError
 from models.hf import to_hf_model
 from models.observe import observe
-from qbench.inspect import add_arguments, delimiter_ids, inspect_model, observe_window, run
+from qbench.inspection import add_arguments, delimiter_ids, inspect_model, observe_window, run
 from qbench.load import LoadedModel
 from qbench.metrics import Protocol, make_windows
 from qbench.plots import max_pool

@@ -1,0 +1,229 @@
+"""``qbench lm-eval``: a quantised model on lm-evaluation-harness tasks, in memory, with qbench's provenance.
+
+    run_lm_eval(lm, "absmax-coarse", ["my_task"], include_path="tasks/", limit=20)
+
+Steps: our own models are converted to transformers models first (``models.hf.to_hf_model``: same weights,
+same function; a model whose switches have no transformers equivalent is refused with a clear error), *then*
+quantised with ``qbench.quant.quantize`` — so the quantised copy is still a transformers model — and handed to
+``lm_eval.models.huggingface.HFLM(pretrained=model, tokenizer=tokenizer)`` and ``lm_eval.simple_evaluate``.
+
+- Offline use: built-in lm-eval tasks download their data from a hub. A folder of local task YAMLs
+  (``include_path``; jsonl data, e.g. ``output_type: loglikelihood_rolling``) works with
+  ``HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1``.
+- lm-eval's perplexity tasks report *word* and *byte* perplexity (and bits per byte) — not the token-level
+  perplexity of ``qbench run``; the two are not comparable across tokenizers or with each other.
+- ``scheme="fp"`` (or None) evaluates the float model, the baseline to compare against.
+- Standard errors: lm-eval bootstraps them for perplexity metrics, which is slow; ``bootstrap_iters=0`` (our
+  default) skips them, lm-eval's own default is 100000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.errors import UserError, did_you_mean
+from models.io import atomic_write_json
+from qbench.adapters import context_length, first_parameter, is_ours
+from qbench.cli_args import add_load_arguments, console, load_from_args
+from qbench.harness import check_modes, environment
+from qbench.load import LoadedModel
+from qbench.metrics import Protocol, make_windows
+
+FLOAT = ("fp", "float", "none")
+
+
+def _import_lm_eval() -> Any:
+    try:
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM  # noqa: F401  (needs lm-eval's [hf] extra: accelerate)
+    except ImportError as e:
+        raise UserError(
+            f"lm-eval is not installed ({e.name or e}); install it with: pip install 'lm-eval[hf]' "
+            "(or pip install 'qbench[all]')"
+        ) from None
+    return lm_eval
+
+
+def as_transformers(lm: LoadedModel) -> nn.Module:
+    """The model as a transformers model: itself, or our model converted with the same weights and dtype."""
+    if not is_ours(lm.model):
+        return lm.model
+    from models.hf import to_hf_model
+
+    try:
+        hf = to_hf_model(lm.model, lm.tokenizer)
+    except UserError as e:
+        raise UserError(f"lm-eval needs a transformers model, and {lm.name} has none: {e}") from None
+    reference = first_parameter(lm.model)
+    return hf.to(device=reference.device, dtype=reference.dtype)
+
+
+def _calibration(lm: LoadedModel, model: nn.Module, corpus: str) -> torch.Tensor:
+    """SmoothQuant's calibration windows, as the harness takes them: 8 windows of the corpus's *train* split."""
+    context = context_length(model)
+    protocol = Protocol(corpus=corpus, split="train", tokens=8 * (context - 1))
+    return make_windows(lm.tokenizer, protocol, context).ids
+
+
+def _is_float(scheme: str | None) -> bool:
+    return scheme is None or scheme.lower() in FLOAT
+
+
+def check_request(scheme: str | None, mode: str) -> None:
+    """Fail on a mistyped scheme or mode before anything slow (loading, task indexing) happens."""
+    from qbench.quant import get_scheme
+
+    check_modes([mode])
+    if not _is_float(scheme):
+        get_scheme(scheme)
+
+
+def quantised_transformers(
+    lm: LoadedModel, scheme: str | None, mode: str = "fake", calibration_corpus: str = "embedded"
+) -> tuple[nn.Module, dict]:
+    """(the transformers model quantised with ``scheme`` — or float for fp/None —, the scheme's record)."""
+    from qbench.quant import get_scheme, quantize
+
+    check_modes([mode])
+    if _is_float(scheme):
+        return as_transformers(lm), {"name": "fp", "description": "unquantised"}
+    config = get_scheme(scheme)  # a typo fails here, before the conversion
+    model = as_transformers(lm)
+    calibration = _calibration(lm, model, calibration_corpus) if config.method == "smoothquant" else None
+    return quantize(model, config, mode=mode, calibration=calibration), config.to_dict()
+
+
+def _task_manager(tasks: Sequence[str], include_path: str | Path | None) -> Any:
+    """lm-eval's task index holding ``tasks``; unknown task names are a UserError.
+
+    When ``include_path`` holds every task, lm-eval's built-in tasks (thousands of YAMLs, seconds to index)
+    are not indexed at all.
+    """
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None:
+        if not Path(include_path).is_dir():
+            raise UserError(f"--include-path {str(include_path)!r} is not a folder of lm-eval task YAMLs")
+        local = TaskManager(include_path=str(include_path), include_defaults=False)
+        if all(local.match_tasks([task]) for task in tasks):
+            return local
+    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    for task in tasks:
+        if not manager.match_tasks([task]):
+            raise UserError(
+                f"unknown lm-eval task {task!r}{did_you_mean(task, manager.all_tasks)}; list them with "
+                "`lm-eval ls tasks`, or pass --include-path with a folder holding its YAML"
+            )
+    return manager
+
+
+def _jsonable(obj: Any) -> Any:
+    """lm-eval's dicts hold callables and numpy values here and there: keep what JSON can hold, str the rest."""
+    return json.loads(json.dumps(obj, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
+def run_lm_eval(
+    lm: LoadedModel,
+    scheme: str | None,
+    tasks: Sequence[str] | str,
+    include_path: str | Path | None = None,
+    limit: int | float | None = None,
+    mode: str = "fake",
+    batch_size: int = 1,
+    bootstrap_iters: int = 0,
+    calibration_corpus: str = "embedded",
+) -> dict[str, Any]:
+    """Evaluate ``lm`` quantised with ``scheme`` on lm-eval ``tasks``; lm-eval's results plus qbench provenance.
+
+    Returns ``results`` (per task, lm-eval's metric names, e.g. ``"word_perplexity,none"``), ``versions``,
+    ``n-samples``, ``higher_is_better``, and ``qbench``: the scheme's full config, mode, the model description
+    (and whether it was converted from a qbench checkpoint), tasks, limit, environment and timing.
+    """
+    tasks = [tasks] if isinstance(tasks, str) else list(tasks)
+    if not tasks:
+        raise UserError("give at least one lm-eval task (--tasks)")
+    check_request(scheme, mode)
+    lm_eval = _import_lm_eval()
+    from lm_eval.models.huggingface import HFLM
+
+    start = time.perf_counter()
+    manager = _task_manager(tasks, include_path)
+    model, scheme_record = quantised_transformers(lm, scheme, mode, calibration_corpus)
+    wrapped = HFLM(pretrained=model, tokenizer=lm.tokenizer, batch_size=batch_size)
+    out = lm_eval.simple_evaluate(
+        model=wrapped,
+        tasks=tasks,
+        limit=limit,
+        task_manager=manager,
+        log_samples=False,
+        bootstrap_iters=bootstrap_iters,
+    )
+    keep = ("results", "versions", "n-shot", "n-samples", "higher_is_better")
+    return {
+        **_jsonable({k: out.get(k) for k in keep}),
+        "qbench": {
+            "scheme": scheme_record,
+            "mode": mode if scheme_record["name"] != "fp" else "float",
+            "model": {"name": lm.name, **lm.description, "converted_to_transformers": is_ours(lm.model)},
+            "tasks": tasks,
+            "include_path": None if include_path is None else str(include_path),
+            "limit": limit,
+            "batch_size": batch_size,
+            "perplexity_note": "lm-eval reports word/byte perplexity, not qbench's token-level perplexity",
+            "env": environment(str(first_parameter(model).device)),
+            "wall_seconds": round(time.perf_counter() - start, 3),
+            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+    }
+
+
+# ------------------------------------------------------------------------------------------- qbench lm-eval
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_load_arguments(parser)
+    parser.add_argument("--scheme", default="fp", help="scheme name (qbench ls schemes) or fp (default)")
+    parser.add_argument("--mode", default="fake", help="fake (default) | real")
+    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    parser.add_argument("--include-path", help="folder of local task YAMLs (offline use)")
+    parser.add_argument("--limit", type=float, help="documents per task (a fraction if < 1)")
+    parser.add_argument("--data", default="embedded", help="corpus whose train split calibrates smoothquant")
+    parser.add_argument("--bootstrap-iters", type=int, default=0, help="stderr bootstrap (0: none, fast)")
+    parser.add_argument("--json", help="also write the result to this JSON file")
+
+
+def run(args: argparse.Namespace) -> None:
+    check_request(args.scheme, args.mode)  # a typo fails before the model loads
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    lm = load_from_args(args)
+    result = run_lm_eval(
+        lm,
+        args.scheme,
+        tasks,
+        include_path=args.include_path,
+        limit=limit,
+        mode=args.mode,
+        batch_size=args.batch_size,
+        bootstrap_iters=args.bootstrap_iters,
+        calibration_corpus=args.data,
+    )
+    console.print(f"[bold]{lm.name}[/] {result['qbench']['scheme']['name']} ({result['qbench']['mode']})")
+    for task, metrics in result["results"].items():
+        shown = ", ".join(
+            f"{name.split(',')[0]} {value:.4g}"
+            for name, value in metrics.items()
+            if isinstance(value, int | float) and "stderr" not in name
+        )
+        console.print(f"  {task}: {shown}", highlight=False)
+    if args.json:
+        atomic_write_json(Path(args.json), result)
+        console.print(f"wrote {args.json}")

@@ -1,0 +1,214 @@
+"""Figures of ``qbench inspect``: pure functions from arrays to PNG files (matplotlib, Agg, imported lazily).
+
+- :func:`plot_attention`: the attention map of one window averaged over layers and heads (the paper's Figure 1),
+  keys on x, queries on y, log colour scale so that both the sink column and the ordinary weights show.
+- :func:`plot_activations`: |activation| over tokens × channels of one block output (Sun et al.'s Figure 1),
+  as a 3-D view of the first tokens next to a heatmap of the whole window.
+- :func:`plot_layer_curves`: per-layer kurtosis and max |activation|, first token vs the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from models.io import atomic_path
+
+FLOOR = 1e-4  # attention weights below this share one colour: log scales need a positive minimum
+SURFACE_TOKENS = 48  # tokens in the 3-D view: Sun et al. show a sentence; a full window is unreadable in 3-D
+HEATMAP_CELLS = 256  # per axis: more cells than pixels would be dropped when drawn (see max_pool)
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never open a window, work without a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: Path) -> Path:
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+    _pyplot().close(fig)
+    return path
+
+
+def plot_attention(attention: np.ndarray, path: str | Path, title: str) -> Path:
+    """(T, T) mean attention (query, key) -> PNG. Masked (future) cells are left blank."""
+    from matplotlib.colors import LogNorm
+
+    plt = _pyplot()
+    T = attention.shape[0]
+    future = np.triu(np.ones((T, T), dtype=bool), k=1)
+    shown = np.ma.masked_array(np.clip(attention, FLOOR, 1.0), mask=future)
+    fig, ax = plt.subplots(figsize=(6.4, 5.4))
+    image = ax.imshow(shown, norm=LogNorm(vmin=FLOOR, vmax=1.0), cmap="viridis", interpolation="nearest")
+    ax.set_xlabel("key position")
+    ax.set_ylabel("query position")
+    ax.set_title(title, fontsize=10)
+    share = float(attention[1:, 0].mean()) if T > 1 else float("nan")
+    ax.text(  # in the blank (future) triangle, where it hides nothing
+        0.97,
+        0.97,
+        f"mean weight on key 0\n(queries ≥ 1): {share:.3f}",
+        transform=ax.transAxes,
+        ha="right",
+        va="top",
+        fontsize=9,
+    )
+    fig.colorbar(image, ax=ax, label="attention weight (log scale)")
+    return _save(fig, Path(path))
+
+
+def _top_cells(magnitude: np.ndarray, k: int = 3, share: float = 0.2) -> list[tuple[int, int, float]]:
+    """(token, channel, value) of the largest entry in each of the k channels with the largest entries, keeping
+    those ≥ share × the largest: one label per massive channel, not three labels on one spike train."""
+    per_channel = magnitude.max(axis=0)  # (C,)
+    channels = np.argsort(per_channel)[::-1][:k]
+    cells = [(int(magnitude[:, c].argmax()), int(c), float(per_channel[c])) for c in channels]
+    return [cell for cell in cells if cell[2] >= share * cells[0][2]]
+
+
+def max_pool(x: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """Block maxima of a 2-D array so it has at most rows × cols cells.
+
+    A heatmap with more cells than pixels drops most of them when drawn; pooling with the maximum keeps every
+    spike visible, which is the point of the figure.
+    """
+    fr, fc = -(-x.shape[0] // rows), -(-x.shape[1] // cols)  # ceil division: block height and width
+    padded = np.pad(x, ((0, -x.shape[0] % fr), (0, -x.shape[1] % fc)), constant_values=-np.inf)
+    return padded.reshape(padded.shape[0] // fr, fr, padded.shape[1] // fc, fc).max(axis=(1, 3))
+
+
+def plot_activations(
+    magnitude: np.ndarray, path: str | Path, title: str, token_labels: Sequence[str] | None = None
+) -> Path:
+    """(T, C) |activation| of one block output -> PNG: a 3-D view of the first tokens and a full heatmap."""
+    from matplotlib.colors import LogNorm
+
+    plt = _pyplot()
+    T, C = magnitude.shape
+    fig = plt.figure(figsize=(13, 5))
+    ax3d = fig.add_subplot(1, 2, 1, projection="3d")
+    n = min(T, SURFACE_TOKENS)
+    channels = np.arange(C)
+    for t in range(n):  # one line per token along the channels: spikes stand out as in Sun et al.
+        ax3d.plot(np.full(C, t), channels, magnitude[t], lw=0.6, color=plt.cm.viridis(t / max(n - 1, 1)))
+    ax3d.set_xlabel("token")
+    ax3d.set_ylabel("channel")
+    ax3d.set_zlabel("|activation|")
+    ax3d.set_title(f"first {n} tokens", fontsize=9)
+    ax3d.view_init(elev=25, azim=-60)
+    for t, c, v in _top_cells(magnitude[:n]):
+        ax3d.text(t, c, v, f" t{t} c{c}: {v:.3g}", fontsize=7, color="crimson")
+    ax = fig.add_subplot(1, 2, 2)
+    floor = max(float(np.median(magnitude)) / 10, 1e-6)
+    pooled = max_pool(magnitude, HEATMAP_CELLS, HEATMAP_CELLS)
+    image = ax.imshow(
+        np.clip(pooled, floor, None).T,
+        aspect="auto",
+        origin="lower",
+        extent=(-0.5, T - 0.5, -0.5, C - 0.5),
+        norm=LogNorm(vmin=floor, vmax=max(float(magnitude.max()), floor * 10)),
+        cmap="magma",
+        interpolation="nearest",
+    )
+    ax.set_xlabel("token position")
+    ax.set_ylabel("channel")
+    pooled_note = "" if pooled.shape == magnitude.shape else " (block maxima)"
+    ax.set_title(f"all {T} tokens × {C} channels{pooled_note}", fontsize=9)
+    if token_labels is not None and T <= 48:
+        # escaped ("\\n"), so that a newline token does not break its label
+        labels = [repr(s.strip(" ") or s)[1:-1][:10] for s in token_labels]
+        ax.set_xticks(range(T), labels, rotation=90, fontsize=6)
+    fig.colorbar(image, ax=ax, label="|activation| (log scale)")
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, Path(path))
+
+
+def plot_layer_curves(per_layer: dict[str, list[float]], path: str | Path, title: str) -> Path:
+    """Per-layer curves of ``OutlierAccumulator.per_layer()`` -> PNG: kurtosis and max |activation|."""
+    plt = _pyplot()
+    from matplotlib.ticker import FuncFormatter
+
+    layers = np.arange(len(per_layer["kurtosis_first"]))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(layers, per_layer["kurtosis_first"], "o-", label="first token")
+    left.plot(layers, per_layer["kurtosis_other"], "s-", label="other tokens (mean)")
+    left.axhline(3.0, color="grey", ls=":", lw=1, label="Gaussian (3)")
+    left.set_ylabel("raw kurtosis over channels")
+    right.plot(layers, per_layer["max_abs_first"], "o-", label="first token")
+    right.plot(layers, per_layer["max_abs_other"], "s-", label="other tokens (mean of per-token max)")
+    right.plot(layers, per_layer["max_abs"], "^--", label="largest anywhere")
+    right.set_ylabel("max |activation| over channels")
+    for ax in (left, right):
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+        ax.set_xlabel("layer (block output)")
+        ax.set_xticks(layers)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return _save(fig, Path(path))
+
+
+def _log_axes(axes: Sequence[Any]) -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    for ax in axes:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+
+
+def emergence_plot(curves: dict[str, list[dict[str, float]]], path: str | Path) -> Path:
+    """The training probes of several runs over tokens seen: raw kurtosis (tokens after the first) and the
+    largest |activation| — where outliers emerge in one run and stay away in another."""
+    plt = _pyplot()
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 4))
+    for name, rows in curves.items():
+        tokens = [r["tokens"] / 1e6 for r in rows]
+        left.plot(tokens, [r["kurtosis_other"] for r in rows], "-", label=name)
+        mid.plot(tokens, [r["max_abs"] for r in rows], "-", label=name)
+        right.plot(tokens, [r.get("first_token_top1_share", float("nan")) for r in rows], "-", label=name)
+    left.axhline(3.0, color="grey", ls=":", lw=1, label="Gaussian (3)")
+    left.set_ylabel("raw kurtosis over channels (tokens ≥ 1, mean over layers)")
+    mid.set_ylabel("max |activation| (block outputs)")
+    right.set_ylabel("share of queries ≥ 1 with top-1 key = token 0")
+    _log_axes((left, mid))
+    right.grid(alpha=0.3)
+    right.legend(fontsize=8)
+    for ax in (left, mid, right):
+        ax.set_xlabel("training tokens (millions)")
+    fig.suptitle("emergence of outlier activations and the attention sink during training", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, Path(path))
+
+
+def compare_layers_plot(per_model: dict[str, dict[str, list[float]]], path: str | Path) -> Path:
+    """Per-layer kurtosis (tokens after the first) and max |activation| of several models, overlaid."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, per_layer in per_model.items():
+        layers = np.arange(len(per_layer["kurtosis_other"]))
+        left.plot(layers, per_layer["kurtosis_other"], "o-", label=f"{name}: other tokens")
+        left.plot(layers, per_layer["kurtosis_first"], "x:", label=f"{name}: first token")
+        right.plot(layers, per_layer["max_abs"], "o-", label=name)
+    left.axhline(3.0, color="grey", ls=":", lw=1, label="Gaussian (3)")
+    left.set_ylabel("raw kurtosis over channels")
+    right.set_ylabel("max |activation|")
+    for ax in (left, right):
+        ax.set_xlabel("layer (block output)")
+    _log_axes((left, right))
+    fig.suptitle("outlier statistics per layer (evaluation windows)", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, Path(path))

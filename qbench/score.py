@@ -1,0 +1,187 @@
+"""``qbench score``: how well does a model — anyone's — survive quantisation? One call, one number.
+
+    result = score(lm, Protocol(tokens=8192))   # the paper's four schemes, fake-quant
+    result["robustness"]                         # 1.0 = no damage, lower is worse
+
+The evaluation is the harness's (``qbench.harness.ModelEvaluation``): the float baseline with its outlier,
+attention and massive-activation statistics, then one fake-quant record per scheme, each written to
+``output_path/<model>/`` in the grid's layout (so ``qbench compare`` reads them). This module only summarises.
+
+The summary number (ours):
+
+    robustness = fp_perplexity / geometric mean over the schemes of the quantised perplexities
+               = exp(−mean_s log r_s),    r_s = quantised perplexity / fp perplexity (the ``ppl_ratio``)
+
+- unit-free (a ratio of perplexities on the same tokens) and strictly decreasing in every r_s: worse damage
+  under any scheme always lowers it;
+- 1.0 = quantisation changes nothing; 0.5 = the schemes double perplexity on (geometric) average; a scheme
+  whose quantised model produces NaN/inf counts as r_s = ∞, which makes robustness 0;
+- it can exceed 1 slightly when quantisation noise happens to lower perplexity;
+- the geometric mean weighs a ×2 under one scheme like a ×2 under another, whatever the baseline perplexity;
+- schemes that cannot run here (status ``unsupported``, e.g. a missing backend) are left out and listed
+  under ``skipped``; with none left the number is None.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from models.io import atomic_write_json
+from qbench.cli_args import add_model_arguments, console, load_from_args, protocol_from_args
+from qbench.harness import GridSpec, ModelEvaluation, expand_schemes, record_path
+from qbench.load import LoadedModel
+from qbench.metrics import Protocol
+from qbench.quant import PAPER_SCHEMES
+
+DEFINITION = "fp_perplexity / geometric mean of the quantised perplexities = exp(-mean log ppl_ratio)"
+
+
+def robustness(ratios: Iterable[float]) -> float | None:
+    """exp(−mean log r) over the perplexity ratios r (∞ for a non-finite quantised model); None when empty."""
+    ratios = list(ratios)
+    if not ratios:
+        return None
+    if any(not math.isfinite(r) or r <= 0 for r in ratios):
+        return 0.0  # a broken model under any scheme: nothing survives
+    return math.exp(-sum(math.log(r) for r in ratios) / len(ratios))
+
+
+def _scheme_entry(record: dict[str, Any]) -> dict[str, Any]:
+    m = record["metrics"]
+    return {
+        "perplexity": m["perplexity"],
+        "ppl_ratio": m["ppl_ratio"],
+        "ppl_change_pct": m["ppl_change_pct"],
+        "status": record["status"],
+        "error": record.get("error"),
+    }
+
+
+def summarise(fp: dict[str, Any], records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The score of one model from its harness records: the float record and one record per scheme."""
+    schemes = {r["scheme"]["name"]: _scheme_entry(r) for r in records}
+    ratios, skipped = [], []
+    for name, entry in schemes.items():
+        if entry["status"] == "nonfinite":
+            ratios.append(math.inf)
+        elif entry["status"] == "ok" and entry["ppl_ratio"] is not None:
+            ratios.append(entry["ppl_ratio"])
+        else:
+            skipped.append(name)
+    massive = fp.get("massive_activations") or {}
+    return {
+        "model": fp["model"],
+        "robustness": robustness(ratios),
+        "robustness_definition": DEFINITION,
+        "fp_perplexity": fp["metrics"]["fp_perplexity"],
+        "schemes": schemes,
+        "skipped": skipped,
+        "outliers": fp["outliers"],
+        "massive_activations": {
+            "total": massive.get("total"),
+            "layers": [layer["layer"] for layer in massive.get("layers", []) if layer["count"]],
+            "max": max((layer["top"][0] for layer in massive.get("layers", [])), default=None),
+        },
+        "protocol": fp["protocol"],
+        "env": fp["env"],
+    }
+
+
+def score(
+    lm: LoadedModel,
+    protocol: Protocol,
+    schemes: Sequence[str] = PAPER_SCHEMES,
+    output_path: str | Path | None = None,
+    device: str = "cpu",
+    exclude: Sequence[str] = (),
+    attention: bool = True,
+) -> dict[str, Any]:
+    """Evaluate ``lm`` in float and under each scheme (fake-quant) and summarise (module docstring).
+
+    Records go to ``output_path`` in the grid's layout; with None they go to a temporary folder and are dropped.
+    Returns the summary with ``robustness``, per-scheme ``perplexity``/``ppl_ratio``/``ppl_change_pct``/
+    ``status``, the float model's outlier statistics and a digest of its massive activations.
+    """
+    names = expand_schemes(schemes)
+    if output_path is None:
+        with tempfile.TemporaryDirectory(prefix="qbench-score-") as tmp:
+            return score(lm, protocol, names, tmp, device, exclude, attention)
+    spec = GridSpec(
+        models=[lm.source],
+        schemes=names,
+        modes=["fake"],
+        protocol=protocol,
+        output_path=Path(output_path),
+        dtype=lm.description.get("dtype", "float32"),
+        device=device,
+        exclude=tuple(exclude),
+        attention=attention,
+    )
+    evaluation = ModelEvaluation(spec, lm.source, lm=lm)
+    fp = evaluation.fp_record()
+    records = []
+    for name in names:
+        record = evaluation.quantised_record(name, "fake")
+        atomic_write_json(record_path(spec.output_path, lm.name, name, "fake"), record)
+        records.append(record)
+    return summarise(fp, records)
+
+
+# ---------------------------------------------------------------------------------------------- qbench score
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--scheme",
+        action="append",
+        help="scheme name (repeatable), 'paper' (the paper's four, default) or 'all' — see qbench ls schemes",
+    )
+    parser.add_argument("--output-path", default="qbench_results", help="where the harness records go")
+    parser.add_argument("--exclude", action="append", help="fnmatch pattern of layer names to keep in float")
+    parser.add_argument("--no-attention", action="store_true", help="skip attention statistics (faster)")
+    parser.add_argument("--json", help="also write the score to this JSON file")
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def run(args: argparse.Namespace) -> None:
+    schemes = expand_schemes(args.scheme or ["paper"])  # a typo fails before the model loads
+    protocol = protocol_from_args(args)
+    lm = load_from_args(args)
+    result = score(
+        lm,
+        protocol,
+        schemes,
+        output_path=args.output_path,
+        device=args.device,
+        exclude=args.exclude or (),
+        attention=not args.no_attention,
+    )
+    console.print(f"[bold]{lm.name}[/]  fp perplexity {_fmt(result['fp_perplexity'])}", highlight=False)
+    for name, entry in result["schemes"].items():
+        note = "" if entry["status"] == "ok" else f"  [yellow]{entry['status']}: {entry['error']}[/]"
+        console.print(
+            f"  {name:<24} ppl {_fmt(entry['perplexity'])}  ×{_fmt(entry['ppl_ratio'], '.4f')}{note}",
+            highlight=False,
+        )
+    o = result["outliers"]
+    console.print(
+        f"  kurtosis first/other {_fmt(o.get('kurtosis_first'), '.2f')} / {_fmt(o.get('kurtosis_other'), '.2f')}"
+        f", max |act| {_fmt(o.get('max_abs'), '.1f')}, massive activations {result['massive_activations']['total']}",
+        highlight=False,
+    )
+    console.print(
+        f"[bold]robustness {_fmt(result['robustness'], '.4f')}[/] [dim]({DEFINITION}; 1 = no damage)[/]",
+        highlight=False,
+    )
+    if args.json:
+        atomic_write_json(Path(args.json), result)
+        console.print(f"wrote {args.json}")

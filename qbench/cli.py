@@ -408,7 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
     from qbench.cli_args import add_model_arguments
     from qbench.metrics import Protocol
 
-    parser = _Parser(prog="qbench", description=__doc__.splitlines()[0])
+    parser = _Parser(
+        prog="qbench",
+        description="Quantisation robustness of causal LMs: outliers, attention sinks, "
+        "softmax-1 and OrthoAdam (Kaul et al., ICLR 2025).",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("init", help="write a randomly initialised checkpoint of a preset")

@@ -69,8 +69,7 @@ def train_command(cfg: DemoConfig, recipe: str) -> list[str]:
         str(cfg.probe_every),
         "--ckpt-every",
         "50",
-        "--progress",
-        "off",
+        "--no-progress",
         *cfg.extra_args,
     ]
     from trainers.state import has_state

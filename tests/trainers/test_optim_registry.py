@@ -67,3 +67,27 @@ def test_param_groups_list_a_tied_weight_once_and_drop_empty_groups():
     head.weight = emb.weight
     groups = param_groups(nn.ModuleList([emb, head]), 0.1)
     assert len(groups) == 1 and len(groups[0]["params"]) == 1
+
+
+def test_embedding_token_axis_is_not_rotated_but_its_channel_axis_is():
+    import models
+    from trainers.optim.orthoadam import OrthoAdam
+
+    model = models.build(
+        models.family_config("gpt2", n_layer=1, n_head=2, d_model=16, d_ff=32, context=8, vocab_size=64),
+        seed=0,
+    )
+    groups = param_groups(model, 0.1)
+    assert groups[0]["fixed_axes"] == (0,)
+    assert {id(p) for p in groups[0]["params"]} == {
+        id(model.transformer.wte.weight),
+        id(model.transformer.wpe.weight),
+    }
+    opt = OrthoAdam(groups, lr=1e-3)
+    rot = opt.rotation_for(model.transformer.wte.weight, opt.param_groups[0])
+    assert rot.axes[0] is None and rot.axes[1] is not None
+    # A gradient on one token's row stays on that row: rows (tokens) are not mixed, channels are.
+    g = torch.zeros(64, 16)
+    g[5] = torch.randn(16)
+    rotated = rot.forward(g)
+    assert rotated[torch.arange(64) != 5].abs().max() == 0 and (rotated[5] - g[5]).abs().max() > 1e-3

@@ -45,7 +45,8 @@ class OrthoAdam(torch.optim.Optimizer):
 
     Extra keyword-only arguments (per param group, like lr): ``seed`` (the rotations' seed), ``rotation`` (a name
     in ``rotations.ROTATIONS``: hadamard, dense, identity, signed-permutation) and ``block_size`` (the longest
-    axis given one dense block by the ``dense`` rotation). Sparse and complex gradients are not supported.
+    axis given one dense block by the ``dense`` rotation) and ``fixed_axes`` (axes left unrotated, e.g. (0,) for
+    an embedding's token axis). Sparse and complex gradients are not supported.
     """
 
     def __init__(
@@ -82,11 +83,21 @@ class OrthoAdam(torch.optim.Optimizer):
 
     def rotation_for(self, p: Tensor, group: dict[str, Any]) -> ParamRotation | None:
         """The parameter's fixed rotation on its device and dtype (built once, cached, never saved)."""
-        key = (group["rotation"], group["seed"], group["block_size"], self.param_index(p), tuple(p.shape))
+        fixed = tuple(group.get("fixed_axes", ()))
+        key = (
+            group["rotation"],
+            group["seed"],
+            group["block_size"],
+            self.param_index(p),
+            tuple(p.shape),
+            fixed,
+        )
         key += (p.device, p.dtype)
         cached = self._rotations.get(p)
         if cached is None or cached[0] != key:
-            rot = param_rotation(p.shape, group["rotation"], group["seed"], key[3], group["block_size"])
+            rot = param_rotation(
+                p.shape, group["rotation"], group["seed"], key[3], group["block_size"], fixed
+            )
             cached = (key, None if rot is None else rot.to(p.device, p.dtype))
             self._rotations[p] = cached
         return cached[1]

@@ -381,20 +381,22 @@ def param_rotation(
     seed: int = 0,
     index: int = 0,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    fixed_axes: Sequence[int] = (),
 ) -> ParamRotation | None:
     """The fixed rotation of parameter number ``index`` (its position among the optimiser's parameters).
 
     Returns None when the parameter is left as plain Adam: the ``identity`` kind, 0-D parameters and parameters
     with a single element. Deterministic in (kind, seed, index, shape, block_size); built in float64 on the CPU.
+    Axes in ``fixed_axes`` are not rotated (an embedding's token axis: see ``trainers.optim.registry``).
     """
     builder = ROTATIONS.get(kind)
     kind = ROTATIONS.canonical(kind)
     if block_size < 1:
         raise UserError(f"block_size must be a positive integer, got {block_size}")
-    if kind == "identity" or math.prod(shape) <= 1:
+    if kind == "identity" or math.prod(n for a, n in enumerate(shape) if a not in fixed_axes) <= 1:
         return None
     axes: list[AxisRotation | None] = []
     for axis, n in enumerate(shape):
         gen = torch.Generator().manual_seed(axis_seed(seed, index, shape, axis, kind))
-        axes.append(builder(int(n), gen, block_size) if n > 1 else None)
+        axes.append(builder(int(n), gen, block_size) if n > 1 and axis not in fixed_axes else None)
     return ParamRotation(shape, axes)

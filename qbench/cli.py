@@ -399,6 +399,48 @@ def cmd_demo(args: argparse.Namespace) -> None:
     console.print(f"wrote {table} and plots beside it (training {train_s:.0f} s, evaluation {eval_s:.0f} s)")
 
 
+@command("reproduce")
+def cmd_reproduce(args: argparse.Namespace) -> None:
+    from models import get_preset
+    from qbench import reproduce
+    from qbench.harness import check_modes
+    from qbench.runs import train_runs
+
+    get_preset(args.preset)  # a did-you-mean error before anything starts
+    recipes = list(args.recipes or reproduce.TABLE2_RECIPES) + (
+        list(reproduce.ABLATION_RECIPES) if args.ablations else []
+    )
+    cfg = reproduce.ReproduceConfig(
+        preset=args.preset,
+        recipes=reproduce.check_recipes(list(dict.fromkeys(recipes))),
+        steps=args.steps,
+        tokens=args.tokens,
+        data=args.data,
+        lr=args.lr,
+        seed=args.seed,
+        ckpt_root=Path(args.ckpt_root) if args.ckpt_root else None,
+        output_path=Path(args.output_path) if args.output_path else None,
+        eval_tokens=args.eval_tokens,
+        modes=tuple(check_modes(args.mode or ["fake"])),
+        nproc_per_node=args.nproc_per_node,
+    )
+    console.print(
+        f"[bold]qbench reproduce[/] {cfg.preset}: {', '.join(cfg.recipes)} → {cfg.ckpts}/, {cfg.results}/"
+    )
+    threads = 1 if args.parallel > 1 else None  # side-by-side CPU runs: one thread each
+    train_runs(
+        reproduce.runs(cfg),
+        console,
+        parallel=args.parallel,
+        threads=threads,
+        nproc_per_node=cfg.nproc_per_node,
+    )
+    records = reproduce.evaluate(cfg, on_record=_print_record)
+    for path in reproduce.write_tables(cfg, records, "qbench " + " ".join(sys.argv[1:])):
+        console.print(f"[bold]{path}[/]")
+        console.print(path.read_text(), highlight=False)
+
+
 # ------------------------------------------------------------------------------------------------- parser
 
 
@@ -503,6 +545,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-root", default="ckpts/demo")
     p.add_argument("--output-path", default="results/demo")
     p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser(
+        "reproduce", help="the paper's Tables 2-3 (and 4): train the variants, evaluate, tabulate"
+    )
+    p.add_argument("--preset", required=True, help="model preset (qbench ls presets)")
+    p.add_argument("--recipes", nargs="+", help="default: vanilla softmax1 orthoadam softmax1-orthoadam")
+    p.add_argument("--ablations", action="store_true", help="also the Table-4 ablation recipes")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=int, help="training steps per model")
+    budget.add_argument("--tokens", type=int, help="training tokens per model")
+    p.add_argument("--data", default="embedded", help="corpus: embedded | mix | c4 | a local path")
+    p.add_argument("--lr", type=float, help="peak learning rate (default: the trainer's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-tokens", type=int, default=262144, help="evaluation token budget per model")
+    p.add_argument("--mode", action="append", help="fake (default) | real")
+    p.add_argument(
+        "--nproc-per-node", type=int, default=1, help="train each model with torchrun on K devices"
+    )
+    p.add_argument("--parallel", type=int, default=1, help="models trained at once (CPU: one thread each)")
+    p.add_argument("--ckpt-root", help="default ckpts/reproduce/<preset>")
+    p.add_argument("--output-path", help="default results/reproduce/<preset>")
 
     sub.add_parser(
         "train",

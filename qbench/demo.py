@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +27,8 @@ from typing import Any
 from models.io import atomic_write_text
 from qbench.harness import PAPER_SCHEMES, GridSpec, run_grid
 from qbench.metrics import Protocol
+from qbench.runs import TrainRun
+from qbench.runs import train_runs as run_training
 
 RECIPES = ("vanilla", "paper")
 
@@ -47,20 +47,10 @@ class DemoConfig:
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
-def train_command(cfg: DemoConfig, recipe: str) -> list[str]:
-    out = cfg.ckpt_root / recipe
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainers",
+def train_runs(cfg: DemoConfig) -> list[TrainRun]:
+    args = (
         "--preset",
         cfg.preset,
-        "--recipe",
-        recipe,
-        "--out",
-        str(out),
-        "--steps",
-        str(cfg.steps),
         "--lr",
         str(cfg.lr),
         "--seed",
@@ -69,57 +59,16 @@ def train_command(cfg: DemoConfig, recipe: str) -> list[str]:
         str(cfg.probe_every),
         "--ckpt-every",
         "50",
-        "--no-progress",
         *cfg.extra_args,
+    )
+    return [
+        TrainRun(recipe, cfg.ckpt_root / recipe, cfg.steps, ("--recipe", recipe, *args)) for recipe in RECIPES
     ]
-    from trainers.state import has_state
-
-    return [*cmd, "--resume"] if has_state(out) else cmd
-
-
-def _last_step(metrics: Path) -> int:
-    try:
-        with open(metrics, "rb") as f:
-            f.seek(max(0, os.path.getsize(metrics) - 4096))
-            lines = f.read().decode("utf-8", "replace").strip().splitlines()
-        return int(json.loads(lines[-1])["step"]) if lines else 0
-    except (OSError, ValueError, KeyError, IndexError):
-        return 0
 
 
 def train_both(cfg: DemoConfig, console: Any) -> float:
-    """Train the two recipes in parallel subprocesses (one thread each), with a progress bar per run."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    start = time.perf_counter()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = {}
-    for recipe in RECIPES:
-        log = open(cfg.ckpt_root.parent / f"{cfg.ckpt_root.name}_{recipe}.log", "a")  # noqa: SIM115
-        cfg.ckpt_root.mkdir(parents=True, exist_ok=True)
-        procs[recipe] = (subprocess.Popen(train_command(cfg, recipe), env=env, stdout=log, stderr=log), log)
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} steps"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console) as progress:
-        tasks = {r: progress.add_task(f"train {r:<8}", total=cfg.steps) for r in RECIPES}
-        while any(p.poll() is None for p, _ in procs.values()):
-            for recipe, task in tasks.items():
-                progress.update(task, completed=_last_step(cfg.ckpt_root / recipe / "metrics.jsonl"))
-            time.sleep(1.0)
-        for recipe, task in tasks.items():
-            progress.update(task, completed=_last_step(cfg.ckpt_root / recipe / "metrics.jsonl"))
-    for recipe, (proc, log) in procs.items():
-        log.close()
-        if proc.returncode != 0:
-            from models.errors import UserError
-
-            raise UserError(f"training {recipe} failed (exit {proc.returncode}); see {log.name}")
-    return time.perf_counter() - start
+    """Train the two recipes side by side, one thread each (small matmuls scale poorly across threads)."""
+    return run_training(train_runs(cfg), console, parallel=2, threads=1)
 
 
 def evaluate(cfg: DemoConfig, on_record: Any = None) -> list[dict]:
@@ -159,7 +108,9 @@ def write_report(cfg: DemoConfig, records: list[dict], timings: dict[str, float]
     plots.compare_layers_plot(
         {name: r["outliers_per_layer"] for name, r in fp.items()}, out / "per_layer.png"
     )
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.system()}"
+    from qbench.harness import cpu_model
+
+    machine = f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}"
     text = (
         f"# qbench demo\n\nMade by `{' '.join(['qbench', 'demo', *argv])}` on {machine} "
         f"({time.strftime('%Y-%m-%d', time.gmtime())}); training {timings['train']:.0f} s, "

@@ -67,6 +67,18 @@ def check_modes(modes: Iterable[str]) -> list[str]:
     return modes
 
 
+def cpu_model() -> str:
+    """The processor's marketing name (Linux /proc/cpuinfo), else what platform reports."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment(device: str) -> dict[str, Any]:
     return {
         "software": software_versions(),
@@ -75,7 +87,7 @@ def environment(device: str) -> dict[str, Any]:
         "cuda": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
         "threads": torch.get_num_threads(),
         "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
+        "processor": cpu_model(),
     }
 
 

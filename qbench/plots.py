@@ -160,12 +160,16 @@ def plot_layer_curves(per_layer: dict[str, list[float]], path: str | Path, title
 
 
 def _log_axes(axes: Sequence[Any]) -> None:
+    """Log y axes with plain-number labels at 1, 2 and 5 of each decade (a short range still gets labels)."""
     from matplotlib.ticker import FuncFormatter
+
+    def label(v: float, _pos: int) -> str:
+        return f"{v:g}" if f"{v:.0e}"[0] in "125" else ""
 
     for ax in axes:
         ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+        ax.yaxis.set_major_formatter(FuncFormatter(label))
+        ax.yaxis.set_minor_formatter(FuncFormatter(label))
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
 
@@ -198,17 +202,22 @@ def compare_layers_plot(per_model: dict[str, dict[str, list[float]]], path: str 
     """Per-layer kurtosis (tokens after the first) and max |activation| of several models, overlaid."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, per_layer in per_model.items():
+    for i, (name, per_layer) in enumerate(per_model.items()):
+        colour = f"C{i}"
         layers = np.arange(len(per_layer["kurtosis_other"]))
-        left.plot(layers, per_layer["kurtosis_other"], "o-", label=f"{name}: other tokens")
-        left.plot(layers, per_layer["kurtosis_first"], "x:", label=f"{name}: first token")
-        right.plot(layers, per_layer["max_abs"], "o-", label=name)
+        left.plot(layers, per_layer["kurtosis_other"], "o-", color=colour, label=f"{name}: other tokens")
+        left.plot(layers, per_layer["kurtosis_first"], "x:", color=colour, label=f"{name}: first token")
+        right.plot(layers, per_layer["max_abs"], "o-", color=colour, label=name)
     left.axhline(3.0, color="grey", ls=":", lw=1, label="Gaussian (3)")
-    left.set_ylabel("raw kurtosis over channels")
-    right.set_ylabel("max |activation|")
+    left.set_ylabel("raw kurtosis over channels (log)")
+    right.set_ylabel("max |activation| (largest anywhere)")
+    right.set_ylim(bottom=0)
     for ax in (left, right):
         ax.set_xlabel("layer (block output)")
-    _log_axes((left, right))
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    _log_axes((left,))
+    right.grid(alpha=0.3)
+    right.legend(fontsize=8)
     fig.suptitle("outlier statistics per layer (evaluation windows)", fontsize=10)
     fig.tight_layout()
     return _save(fig, Path(path))

@@ -21,7 +21,7 @@ FORMATS = ("table", "md", "csv", "latex", "json")
 OUTLIER_COLUMNS = (
     ("kurtosis_first", "κ first"),
     ("kurtosis_other", "κ other"),
-    ("max_abs", "max |act|"),
+    ("max_abs", "max abs act"),  # no "|": it would split a markdown table cell
     ("first_token_top1_share", "1st-token top-1"),
 )
 

@@ -1,0 +1,106 @@
+"""Training runs launched from qbench (``demo``, ``reproduce``): subprocesses of ``python -m trainers`` (or
+``torchrun ... -m trainers`` for several GPUs), several at a time if asked, each with a progress bar read from
+its ``metrics.jsonl``. A run whose folder already holds a trainer state is resumed — a finished run resumes to
+nothing — so an interrupted ``demo`` or ``reproduce`` continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from models.errors import UserError
+
+
+@dataclass(frozen=True)
+class TrainRun:
+    name: str
+    out: Path
+    steps: int
+    args: tuple[str, ...] = field(default_factory=tuple)  # trainer options besides --out/--steps/--resume
+
+    def command(self, nproc_per_node: int = 1) -> list[str]:
+        from trainers.state import has_state
+
+        launcher = [sys.executable, "-m", "trainers"]
+        if nproc_per_node > 1:
+            launcher = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={nproc_per_node}",
+                "-m",
+                "trainers",
+            ]
+        resume = ["--resume"] if has_state(self.out) else []
+        return [
+            *launcher,
+            "--out",
+            str(self.out),
+            "--steps",
+            str(self.steps),
+            "--no-progress",
+            *self.args,
+            *resume,
+        ]
+
+
+def last_step(metrics: Path) -> int:
+    """The step of the last line of a metrics.jsonl (0 when there is none yet)."""
+    try:
+        with open(metrics, "rb") as f:
+            f.seek(max(0, os.path.getsize(metrics) - 4096))
+            lines = f.read().decode("utf-8", "replace").strip().splitlines()
+        return int(json.loads(lines[-1])["step"]) if lines else 0
+    except (OSError, ValueError, KeyError, IndexError):
+        return 0
+
+
+def _start(run: TrainRun, threads: int | None, nproc_per_node: int) -> tuple[subprocess.Popen, Any]:
+    run.out.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    log = open(run.out.parent / f"{run.out.name}.train.log", "a")  # noqa: SIM115 (closed when the run ends)
+    return subprocess.Popen(run.command(nproc_per_node), env=env, stdout=log, stderr=log), log
+
+
+def train_runs(
+    runs: list[TrainRun], console: Any, parallel: int = 1, threads: int | None = None, nproc_per_node: int = 1
+) -> float:
+    """Run ``runs``, ``parallel`` at a time (``threads`` torch threads each); returns the wall time in seconds."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    start = time.perf_counter()
+    pending, active, failed = list(runs), {}, []
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} steps"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console) as progress:
+        tasks = {run.name: progress.add_task(f"train {run.name:<20}", total=run.steps) for run in runs}
+        while pending or active:
+            while pending and len(active) < parallel:
+                run = pending.pop(0)
+                active[run.name] = (run, *_start(run, threads, nproc_per_node))
+            for name, (run, proc, log) in list(active.items()):
+                progress.update(tasks[name], completed=last_step(run.out / "metrics.jsonl"))
+                if proc.poll() is not None:
+                    log.close()
+                    del active[name]
+                    if proc.returncode != 0:
+                        failed.append(f"{name} (exit {proc.returncode}; see {log.name})")
+            time.sleep(0.5)
+    if failed:
+        raise UserError(f"training failed: {', '.join(failed)}")
+    return time.perf_counter() - start

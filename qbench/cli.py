@@ -6,6 +6,7 @@ Errors a user can cause (:class:`models.errors.UserError`) print one line and ex
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -394,7 +395,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     records = demo.evaluate(cfg, on_record=_print_record)
     eval_s = time.perf_counter() - start
-    table = demo.write_report(cfg, records, {"train": train_s, "eval": eval_s}, sys.argv[2:])
+    table = demo.write_report(cfg, records, {"train": train_s, "eval": eval_s}, args.command_line)
     print_wide(rich_table(records, title="qbench demo"))
     console.print(f"wrote {table} and plots beside it (training {train_s:.0f} s, evaluation {eval_s:.0f} s)")
 
@@ -436,7 +437,7 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
         nproc_per_node=cfg.nproc_per_node,
     )
     records = reproduce.evaluate(cfg, on_record=_print_record)
-    for path in reproduce.write_tables(cfg, records, "qbench " + " ".join(sys.argv[1:])):
+    for path in reproduce.write_tables(cfg, records, args.command_line):
         console.print(f"[bold]{path}[/]")
         console.print(path.read_text(), highlight=False)
 
@@ -587,6 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return train_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
+        args.command_line = shlex.join(["qbench", *argv])  # written beside results: how to make them again
         if args.command is None:
             build_parser().print_help()
             return 0

@@ -94,7 +94,7 @@ def emergence_curves(cfg: DemoConfig) -> dict[str, list[dict]]:
     return curves
 
 
-def write_report(cfg: DemoConfig, records: list[dict], timings: dict[str, float], argv: list[str]) -> Path:
+def write_report(cfg: DemoConfig, records: list[dict], timings: dict[str, float], command: str) -> Path:
     """table.md (the comparison, the command that made it, machine and timings), curves JSON and PNGs."""
     from models.io import atomic_write_json
     from qbench import plots
@@ -112,7 +112,7 @@ def write_report(cfg: DemoConfig, records: list[dict], timings: dict[str, float]
 
     machine = f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}"
     text = (
-        f"# qbench demo\n\nMade by `{' '.join(['qbench', 'demo', *argv])}` on {machine} "
+        f"# qbench demo\n\nMade by `{command}` on {machine} "
         f"({time.strftime('%Y-%m-%d', time.gmtime())}); training {timings['train']:.0f} s, "
         f"evaluation {timings['eval']:.0f} s.\n\n{render(records, 'md')}\n"
         "![emergence](emergence.png)\n\n![per layer](per_layer.png)\n"

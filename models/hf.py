@@ -31,6 +31,14 @@ SOFTMAX1 = "softmax1"
 SOFTMAX1_EAGER = "softmax1_eager"
 
 
+def _repeat_kv(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys/values with fewer heads than the queries (grouped-query attention) repeated to the query's heads."""
+    if key.size(1) == query.size(1):
+        return key, value
+    n_rep = query.size(1) // key.size(1)
+    return key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
+
+
 def softmax1_attention(
     module: torch.nn.Module,
     query: Tensor,
@@ -46,9 +54,7 @@ def softmax1_attention(
     ``attention_mask`` is the additive float mask of the eager mask function, (B, 1, Q, K); the extra key gets
     a 0 (visible) column in front. Keys/values with fewer heads (GQA) are repeated to the query's heads.
     """
-    if key.size(1) != query.size(1):
-        n_rep = query.size(1) // key.size(1)
-        key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
+    key, value = _repeat_kv(query, key, value)
     B, H, Q, D = query.shape
     zero = query.new_zeros(B, H, 1, D)
     key, value = torch.cat([zero, key], dim=2), torch.cat([zero, value], dim=2)
@@ -82,9 +88,7 @@ def softmax1_eager_attention(
 
     Registered as ``softmax1_eager``: what metrics switch a softmax-1 model to when they need attention weights.
     """
-    if key.size(1) != query.size(1):
-        n_rep = query.size(1) // key.size(1)
-        key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
+    key, value = _repeat_kv(query, key, value)
     scale = scaling if scaling is not None else query.size(-1) ** -0.5
     scores = (query @ key.transpose(-2, -1)).float() * scale
     if attention_mask is not None:

@@ -83,3 +83,18 @@ print("ok")
         timeout=120,
     )
     assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+
+
+def test_softmax1_attention_functions_handle_grouped_query_attention():
+    from models.hf import softmax1_attention, softmax1_eager_attention
+
+    module = torch.nn.Module().eval()
+    q = torch.randn(1, 4, 5, 8)
+    k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    mask = torch.zeros(1, 1, 5, 5).masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
+    k4, v4 = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    fast, _ = softmax1_attention(module, q, k, v, mask)
+    eager, probs = softmax1_eager_attention(module, q, k, v, mask)
+    torch.testing.assert_close(fast, softmax1_attention(module, q, k4, v4, mask)[0])
+    torch.testing.assert_close(fast, eager, atol=1e-5, rtol=1e-5)
+    assert (probs.sum(-1) < 1).all()

@@ -369,7 +369,7 @@ def cmd_speed(args: argparse.Namespace) -> None:
             return
         atomic_write_json(args.json, payload)
         console.print(f"wrote {args.json}")
-    console.print(format_speed_table(records), highlight=False)
+    sys.stdout.write(format_speed_table(records) + "\n")  # plain text: never re-wrapped to the terminal width
 
 
 # --------------------------------------------------------------------------------------------------- demo

@@ -380,6 +380,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from qbench import demo
     from qbench.report import rich_table
 
+    if args.steps < 1 or args.tokens < 2:
+        raise UserError(f"--steps must be ≥ 1 and --tokens ≥ 2, got {args.steps} and {args.tokens}")
     cfg = demo.DemoConfig(
         steps=args.steps,
         eval_tokens=args.tokens,

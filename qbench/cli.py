@@ -444,6 +444,14 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
         console.print(path.read_text(), highlight=False)
 
 
+@command("emergence")
+def cmd_emergence(args: argparse.Namespace) -> None:
+    from qbench.emergence import write_emergence
+
+    path = write_emergence([Path(r) for r in args.runs], Path(args.out), args.command_line)
+    sys.stdout.write(path.read_text())
+
+
 # ------------------------------------------------------------------------------------------------- parser
 
 
@@ -548,6 +556,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-root", default="ckpts/demo")
     p.add_argument("--output-path", default="results/demo")
     p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser(
+        "emergence", help="training-probe curves of runs (kurtosis, max |act|, sink) → JSON/PNG/md"
+    )
+    p.add_argument("runs", nargs="+", help="training run folders (with metrics.jsonl)")
+    p.add_argument("--out", required=True, help="output folder")
 
     p = sub.add_parser(
         "reproduce", help="the paper's Tables 2-3 (and 4): train the variants, evaluate, tabulate"

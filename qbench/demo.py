@@ -16,7 +16,6 @@ and stay small in the paper's recipe; *not* quantisation damage, which needs lar
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from models.io import atomic_write_text
+from qbench.emergence import read_curves
 from qbench.harness import PAPER_SCHEMES, GridSpec, run_grid
 from qbench.metrics import Protocol
 from qbench.runs import TrainRun
@@ -82,18 +82,6 @@ def evaluate(cfg: DemoConfig, on_record: Any = None) -> list[dict]:
     return run_grid(spec, on_record=on_record)
 
 
-def emergence_curves(cfg: DemoConfig) -> dict[str, list[dict]]:
-    """The probe records of each run's metrics.jsonl (step, tokens and the outlier statistics)."""
-    curves = {}
-    for recipe in RECIPES:
-        lines = (cfg.ckpt_root / recipe / "metrics.jsonl").read_text().splitlines()
-        rows = [json.loads(line) for line in lines]
-        curves[recipe] = [
-            {"step": r["step"], "tokens": r["tokens"], **r["probe"]} for r in rows if "probe" in r
-        ]
-    return curves
-
-
 def write_report(cfg: DemoConfig, records: list[dict], timings: dict[str, float], command: str) -> Path:
     """table.md (the comparison, the command that made it, machine and timings), curves JSON and PNGs."""
     from models.io import atomic_write_json
@@ -101,7 +89,7 @@ def write_report(cfg: DemoConfig, records: list[dict], timings: dict[str, float]
     from qbench.report import render
 
     out = cfg.output_path
-    curves = emergence_curves(cfg)
+    curves = read_curves([cfg.ckpt_root / r for r in RECIPES])
     atomic_write_json(out / "emergence.json", curves)
     plots.emergence_plot(curves, out / "emergence.png")
     fp = {r["model"]["name"]: r for r in records if r["scheme"]["name"] == "fp"}

@@ -191,7 +191,8 @@ class Transformer(nn.Module):
 
     def tie_weights(self) -> None:
         """Point the LM head at the token embedding (again) when the config ties them."""
-        if self.config.tie_embeddings:
+        # Only between float layers: a quantised copy's head (not an nn.Linear) must keep its own weight.
+        if self.config.tie_embeddings and type(self.lm_head) is nn.Linear:
             self.lm_head.weight = self.transformer.wte.weight
 
     def _init_weights(self, module: nn.Module) -> None:

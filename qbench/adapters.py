@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from models.errors import UserError
 from models.hf import SOFTMAX1, SOFTMAX1_EAGER
 from models.observe import Observation, observe
 from models.transformer import Transformer
@@ -39,7 +40,10 @@ def context_length(model: nn.Module) -> int:
     for key in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
         if getattr(config, key, None):
             return int(getattr(config, key))
-    raise ValueError(f"cannot tell the context length of {type(model).__name__}")
+    raise UserError(
+        f"cannot tell the context length of {type(model).__name__}: qbench needs a causal LM config "
+        "with max_position_embeddings or n_positions"
+    )
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -51,7 +55,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     for _, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) == n:
             return list(module)
-    raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
+    raise UserError(
+        f"cannot find the {n} decoder layers of {type(model).__name__}: not a supported causal LM layout"
+    )
 
 
 def _block_output(output: Tensor | tuple) -> Tensor:
@@ -64,9 +70,7 @@ def _eager_attention(model: nn.Module) -> Iterator[None]:
     current = model.config._attn_implementation
     eager = SOFTMAX1_EAGER if current == SOFTMAX1 else "eager"
     if current not in (SOFTMAX1, SOFTMAX1_EAGER, "sdpa", "eager", None):
-        raise ValueError(
-            f"attention implementation {current!r} has no eager equivalent for attention metrics"
-        )
+        raise UserError(f"attention implementation {current!r} has no eager equivalent for attention metrics")
     model.set_attn_implementation(eager)
     try:
         yield

@@ -240,6 +240,7 @@ def _grid_spec(args: argparse.Namespace, models: list[str]):
         device=args.device,
         exclude=tuple(args.exclude or ()),
         attention=not args.no_attention,
+        quantize_lm_head=args.quantize_lm_head,
         trust_remote_code=args.trust_remote_code,
         allow_unsafe_weights=args.allow_unsafe_weights,
     )
@@ -503,6 +504,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--exclude", action="append", help="fnmatch pattern of layer names to keep in float")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--no-attention", action="store_true", help="skip attention statistics (faster)")
+        p.add_argument(
+            "--quantize-lm-head",
+            action="store_true",
+            help="quantise the LM head too (default: float, as in the paper); results named <scheme>+head",
+        )
 
     p = sub.add_parser("run", help="evaluate one model under one or more schemes")
     eval_options(p)

@@ -32,6 +32,7 @@ from qbench.load import LoadedModel, load_model
 from qbench.metrics import (
     Protocol,
     Windows,
+    delimiter_ids,
     make_windows,
     massive_activations,
     outlier_metrics,
@@ -105,6 +106,22 @@ class GridSpec:
     attention: bool = True  # attention statistics need the O(T^2) reference path
     trust_remote_code: bool = False
     allow_unsafe_weights: bool = False
+    quantize_lm_head: bool = False  # the schemes' documented default keeps the LM head in float
+
+    def scheme(self, name: str) -> Any:
+        """The registered scheme, with the LM head quantised too when asked (then named ``<scheme>+head``)."""
+        from dataclasses import replace
+
+        from qbench.quant import get_scheme
+
+        scheme = get_scheme(name)
+        if self.quantize_lm_head and not scheme.quantize_lm_head:
+            scheme = replace(scheme, name=f"{scheme.name}+head", quantize_lm_head=True)
+        return scheme
+
+    def scheme_record(self, name: str) -> dict[str, Any]:
+        """What a record says of its scheme: the full config plus the layers kept in float by ``exclude``."""
+        return {**self.scheme(name).to_dict(), "exclude": list(self.exclude)}
 
 
 def record_path(output_path: Path, model_name: str, scheme: str | None, mode: str | None) -> Path:
@@ -154,7 +171,8 @@ class ModelEvaluation:
         ) == self.lm.description.get("fingerprint")
 
     def protocol_record(self) -> dict[str, Any]:
-        return protocol_record(self.spec.protocol, self.windows, self.lm.tokenizer, self.spec.dtype)
+        record = protocol_record(self.spec.protocol, self.windows, self.lm.tokenizer, self.spec.dtype)
+        return {**record, "attention_statistics": self.spec.attention}
 
     def fp_record(self) -> dict[str, Any]:
         """The float baseline (perplexity, outliers, massive activations), read from disk when already there."""
@@ -176,7 +194,11 @@ class ModelEvaluation:
             device=self.spec.device,
         )
         massive = massive_activations(
-            self.lm.model, self.windows, self.spec.protocol.outlier_windows, device=self.spec.device
+            self.lm.model,
+            self.windows,
+            self.spec.protocol.outlier_windows,
+            device=self.spec.device,
+            delimiter_ids=delimiter_ids(self.lm.tokenizer),
         )
         record = self._record(
             {"name": "fp", "description": f"unquantised ({self.spec.dtype})"},
@@ -244,10 +266,10 @@ class ModelEvaluation:
 
     def quantised_record(self, scheme_name: str, mode: str) -> dict[str, Any]:
         """Quantise a copy of the model, evaluate it, and return the record (errors become records too)."""
-        from qbench.quant import get_scheme, quantize
+        from qbench.quant import quantize
 
         fp = self.fp_record()
-        scheme = get_scheme(scheme_name)
+        scheme = self.spec.scheme(scheme_name)
         torch.manual_seed(self.spec.seed)
         start = time.perf_counter()
         nan = {"perplexity": float("nan"), "nll": float("nan"), "tokens": 0}
@@ -263,7 +285,7 @@ class ModelEvaluation:
             )
         except UserError as e:  # e.g. no real kernel for this scheme here: recorded, the grid goes on
             return self._record(
-                scheme.to_dict(),
+                self.spec.scheme_record(scheme_name),
                 mode,
                 "-",
                 nan,
@@ -281,7 +303,7 @@ class ModelEvaluation:
             ppl = perplexity(qmodel, self.windows, self.spec.protocol.batch_size, self.spec.device)
         except NonFiniteError as e:  # NaN/inf reached a quantiser: the cell failed, the grid goes on
             return self._record(
-                scheme.to_dict(),
+                self.spec.scheme_record(scheme_name),
                 mode,
                 _backend(qmodel, mode),
                 nan,
@@ -296,7 +318,7 @@ class ModelEvaluation:
             )
         eval_seconds = time.perf_counter() - eval_start
         return self._record(
-            scheme.to_dict(),
+            self.spec.scheme_record(scheme_name),
             mode,
             _backend(qmodel, mode),
             ppl,
@@ -355,21 +377,27 @@ def run_grid(spec: GridSpec, on_record: Callable[[dict[str, Any], bool], None] |
 
     ``on_record(record, reused)`` is called after each cell, for progress display.
     """
-    from qbench.quant import get_scheme
 
     records: list[dict] = []
+    sources: dict[str, str] = {}
     for model_spec in spec.models:
         evaluation = ModelEvaluation(spec, model_spec)
+        if sources.setdefault(evaluation.name, evaluation.lm.source) != evaluation.lm.source:
+            raise UserError(
+                f"two models are both named {evaluation.name!r} ({sources[evaluation.name]} and "
+                f"{evaluation.lm.source}): their results would share {spec.output_path / evaluation.name}/; "
+                "rename one folder or evaluate them with different --output-path"
+            )
         records.append(evaluation.fp_record())
         if on_record:
             on_record(records[-1], False)
         for scheme, mode in cells(spec):
-            path = record_path(spec.output_path, evaluation.name, scheme, mode)
+            path = record_path(spec.output_path, evaluation.name, spec.scheme(scheme).name, mode)
             existing = _read_record(path)
             reusable = (
                 existing is not None
                 and evaluation.matches(existing)
-                and existing.get("scheme") == get_scheme(scheme).to_dict()
+                and existing.get("scheme") == spec.scheme_record(scheme)
                 and existing.get("status") != "unsupported"
             )
             record = existing if reusable else evaluation.quantised_record(scheme, mode)

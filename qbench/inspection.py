@@ -27,7 +27,6 @@ from torch import Tensor
 
 from models.errors import UserError
 from models.io import atomic_write_json
-from models.tokenizer import separator_id
 from qbench.adapters import context_length, forward_observed, observe_any
 from qbench.cli_args import add_model_arguments, console, load_from_args, protocol_from_args
 from qbench.harness import environment
@@ -35,6 +34,7 @@ from qbench.load import LoadedModel
 from qbench.metrics import (
     Protocol,
     Windows,
+    delimiter_ids,
     make_windows,
     massive_activations,
     outlier_metrics,
@@ -42,19 +42,6 @@ from qbench.metrics import (
 )
 
 # Sun et al.: massive activations sit on the starting token and on delimiters
-DELIMITERS = (".", ",", "\n", "\n\n", ";", ":")
-
-
-def delimiter_ids(tokenizer: Any) -> set[int]:
-    """Token ids counted as delimiters: the document separator and each of :data:`DELIMITERS` that is one token."""
-    ids = {separator_id(tokenizer)}
-    for text in DELIMITERS:
-        encoded = tokenizer.encode(text, add_special_tokens=False)
-        if len(encoded) == 1:
-            ids.add(int(encoded[0]))
-    return ids
-
-
 # ---------------------------------------------------------------------------------------------- one window
 
 

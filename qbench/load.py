@@ -44,6 +44,21 @@ class LoadedModel:
     description: dict[str, Any] = field(default_factory=dict)
 
 
+def check_device(device: str) -> torch.device:
+    """``device`` as a torch.device that exists here, or a one-line error."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UserError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {device!r} asked for, but this torch has no CUDA device; use --device cpu")
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s) here")
+    if parsed.type not in ("cpu", "cuda"):
+        raise UserError(f"device {device!r} is not supported; use cpu, cuda or cuda:N")
+    return parsed
+
+
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise unknown_choice("dtype", name, DTYPES)
@@ -85,6 +100,7 @@ def load_model(
     allow_unsafe_weights: bool = False,
 ) -> LoadedModel:
     """Load what ``spec`` names (see the module docstring) in eval mode."""
+    check_device(device)
     torch_dtype = parse_dtype(dtype)
     target = resolve(spec)
     if isinstance(target, Path) and is_checkpoint(target):
@@ -154,7 +170,7 @@ def _load_transformers(
         "kind": "transformers",
         "path": str(target),
         "model_type": model.config.model_type,
-        "fingerprint": _weights_fingerprint(target) if local else None,
+        "fingerprint": _weights_fingerprint(target) if local else getattr(model.config, "_commit_hash", None),
         "architecture": type(model).__name__,
         "parameters": n_params,
         "dtype": dtype,

@@ -4,7 +4,8 @@
 Perplexity protocol (token level, never word or byte level):
 - text: the ``split`` ("validation" by default) of ``corpus``, tokenised with the model's own tokenizer, each
   document preceded by ``<|endoftext|>``, concatenated (``trainers.data.token_stream``);
-- budget: the first ``tokens`` tokens of that stream are scored, each exactly once;
+- budget: the first ``tokens`` tokens of that stream are scored, each exactly once (rounded down to whole
+  windows, but at least one window: ``tokens_scored`` in the record is the exact count);
 - windows: non-overlapping (stride = window), each of ``window`` positions (default: the model's context),
   scored in full. With ``bos`` (default) every window is [BOS] + the next window−1 stream tokens, so all of a
   window's stream tokens are predicted and each sequence starts the way the models were trained; without it a
@@ -59,11 +60,18 @@ def make_windows(tokenizer: Any, protocol: Protocol, context: int) -> Windows:
     """Cut the protocol's text into the evaluation windows (see the module docstring)."""
     from trainers.data import token_stream
 
-    window = protocol.window or context
+    window = context if protocol.window is None else protocol.window
     if window > context:
         raise UserError(f"--window {window} exceeds the model's context length {context}")
+    if window < 2:
+        raise UserError(f"--window must be at least 2 (a token and the one it predicts), got {window}")
     stream = token_stream(protocol.corpus, protocol.split, tokenizer)
     per_window = window - 1 if protocol.bos else window
+    if len(stream) < per_window:
+        raise UserError(
+            f"the {protocol.split} split of {protocol.corpus!r} has {len(stream)} tokens, fewer than "
+            f"one window of {per_window}; use a larger corpus or a smaller --window"
+        )
     wanted = min(protocol.tokens, len(stream))
     n = max(wanted // per_window, 1)
     chunk = np.asarray(stream[: n * per_window], dtype=np.int64).reshape(n, per_window)
@@ -113,6 +121,22 @@ def perplexity(
     return {"perplexity": ppl, "nll": mean_nll, "tokens": total_tokens}
 
 
+class _AttentionSink(list):
+    """Stands in for ``Observation.attention``: feeds each layer's probabilities to the accumulator and keeps
+    nothing, so the statistics never hold every layer's O(T^2) attention maps at once."""
+
+    def __init__(self, acc: OutlierAccumulator) -> None:
+        super().__init__()
+        self.acc = acc
+
+    def append(self, probs: Tensor) -> None:  # type: ignore[override]
+        self.acc.add_attention([probs])
+
+    def extend(self, many) -> None:  # type: ignore[override]
+        for probs in many:
+            self.append(probs)
+
+
 @torch.no_grad()
 def outlier_metrics(
     model: nn.Module,
@@ -127,14 +151,26 @@ def outlier_metrics(
     ids = windows.ids[:n_windows]
     for start in range(0, len(ids), batch_size):
         with observe_any(model, attention=attention) as obs:
+            obs.attention = _AttentionSink(acc)  # reduce each layer's (B, nh, T, T) map as it arrives
             forward_observed(model, ids[start : start + batch_size].to(device), obs)
         acc.add_hidden(obs.hidden)
-        if attention:
-            acc.add_attention(obs.attention)
     return {**acc.summary(), "per_layer": acc.per_layer(), "windows": len(ids)}
 
 
 # ------------------------------------------------------------------------------------- massive activations
+
+DELIMITERS = (".", ",", "\n", "\n\n", ";", ":")
+
+
+def delimiter_ids(tokenizer: Any) -> set[int]:
+    """Token ids counted as delimiters: the document separator and each of :data:`DELIMITERS` that is one token."""
+    ids = {separator_id(tokenizer)}
+    for text in DELIMITERS:
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) == 1:
+            ids.add(int(encoded[0]))
+    return ids
+
 
 MASSIVE_ABS = 100.0
 MASSIVE_RATIO = 1000.0

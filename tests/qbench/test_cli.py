@@ -92,6 +92,8 @@ def test_compare_evaluates_a_bare_checkpoint_name(ckpt_dir, tmp_path, monkeypatc
         (["init", "--preset", "tiyn", "--out", "x"], "did you mean 'tiny'"),
         (["ls", "shemes"], "did you mean 'schemes'"),
         (["run"], "--ckpt"),
+        (["run", "--ckpt", "CKPT", "--window", "1"], "--window must be at least 2"),
+        (["run", "--ckpt", "CKPT", "--device", "gpu"], "unknown device"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, ckpt_dir, tmp_path, capsys):

@@ -158,3 +158,27 @@ def test_records_of_other_weights_are_not_reused(tokenizer, tmp_path):
     second = run_grid(s, on_record=lambda r, was_reused: reused.append(was_reused))
     assert reused == [False, False]
     assert second[0]["model"]["fingerprint"] != first[0]["model"]["fingerprint"]
+
+
+def test_exclude_and_lm_head_switch_are_part_of_the_cell(ckpt_dir, tmp_path):
+    s = spec(tmp_path, [ckpt_dir], schemes=("absmax-coarse",))
+    run_grid(s)
+    s.exclude = ("*.mlp.*",)
+    reused = []
+    records = run_grid(s, on_record=lambda r, was_reused: reused.append(was_reused))
+    assert reused[1] is False and records[1]["scheme"]["exclude"] == ["*.mlp.*"]
+    s.exclude, s.quantize_lm_head = (), True
+    records = run_grid(s)
+    assert records[1]["scheme"]["name"] == "absmax-coarse+head" and records[1]["scheme"]["quantize_lm_head"]
+    assert next((tmp_path / "results").rglob("absmax-coarse+head__fake.json"))
+
+
+def test_two_models_with_one_name_are_refused(ckpt_dir, tmp_path):
+    import shutil
+
+    from models import UserError
+
+    other = tmp_path / "elsewhere" / ckpt_dir.name
+    shutil.copytree(ckpt_dir, other)
+    with pytest.raises(UserError, match="both named"):
+        run_grid(spec(tmp_path, [ckpt_dir, other], schemes=()))

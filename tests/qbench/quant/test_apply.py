@@ -309,3 +309,19 @@ def test_model_bytes_counts_a_kernel_module_once_not_also_its_children():
 
     model = nn.Sequential(Packed(), nn.Linear(4, 2, bias=False))
     assert model_bytes(model) == 100 + 4 * 2 * 4
+
+
+def test_a_quantised_head_survives_tie_weights():
+    import models
+    from qbench.quant import quantize as quantize_model
+
+    model = models.build(
+        models.family_config("gpt2", n_layer=1, n_head=2, d_model=16, d_ff=32, context=8, vocab_size=64),
+        seed=0,
+    )
+    scheme = dataclasses.replace(get_scheme("absmax-coarse"), quantize_lm_head=True)
+    q = quantize_model(model, scheme)
+    head = q.lm_head
+    q.tie_weights()
+    assert q.lm_head is head and type(head) is not nn.Linear
+    assert model.lm_head.weight is model.transformer.wte.weight  # the float model keeps its tie

@@ -9,9 +9,6 @@ massive activations (``qbench.metrics.massive_activations``), the protocol and t
 - ``activations.png``: |activation| over tokens × channels of window 0 in the block whose output holds the
   largest |activation| over the inspected windows (Sun et al.'s Figure 1);
 - ``layers.png``: kurtosis (first token vs others) and max |activation| per layer.
-
-This module also holds the command-line pieces shared by the analysis commands (inspect, intervene, score,
-lm-eval): the model/protocol options and the delimiter tokens that classify massive-activation positions.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@
   ``get_output_embeddings()``, or a linear whose weight *is* an ``nn.Embedding``'s weight.
 - Tied weights: ties among kept tensors survive the deep copy (the memo copies a shared tensor once). When the head
   is quantised, the copy's embedding keeps the float weight (only the head's copy is quantised), and the copy's
-  ``config.tie_word_embeddings`` is set False so that a later ``tie_weights()`` cannot overwrite either side.
+  ``config.tie_word_embeddings`` is set False so that transformers' ``tie_weights()`` cannot overwrite either
+  side (our ``Transformer.tie_weights`` only ever re-ties a float ``nn.Linear`` head).
 - ``mode="fake"``: :class:`~qbench.quant.fake.FakeQuantLinear`. ``mode="real"``, and the bitsandbytes methods
   (``llm-int8``, ``bnb-nf4``) in either mode: ``qbench.quant.kernels.make_real_linear(weight, bias, scheme,
   input_scale=, rotation=)`` with the same arguments as the fake layer; a scheme with no real kernel on the

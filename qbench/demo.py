@@ -27,8 +27,7 @@ from models.io import atomic_write_text
 from qbench.emergence import read_curves
 from qbench.harness import PAPER_SCHEMES, GridSpec, run_grid
 from qbench.metrics import Protocol
-from qbench.runs import TrainRun
-from qbench.runs import train_runs as run_training
+from qbench.runs import TrainRun, train_runs
 
 RECIPES = ("vanilla", "paper")
 
@@ -47,7 +46,7 @@ class DemoConfig:
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
-def train_runs(cfg: DemoConfig) -> list[TrainRun]:
+def demo_runs(cfg: DemoConfig) -> list[TrainRun]:
     args = (
         "--preset",
         cfg.preset,
@@ -68,7 +67,7 @@ def train_runs(cfg: DemoConfig) -> list[TrainRun]:
 
 def train_both(cfg: DemoConfig, console: Any) -> float:
     """Train the two recipes side by side, one thread each (small matmuls scale poorly across threads)."""
-    return run_training(train_runs(cfg), console, parallel=2, threads=1)
+    return train_runs(demo_runs(cfg), console, parallel=2, threads=1)
 
 
 def evaluate(cfg: DemoConfig, on_record: Any = None) -> list[dict]:

@@ -343,16 +343,11 @@ def _needs_calibration(scheme: Any) -> bool:
 
 
 def _backend(model: torch.nn.Module, mode: str) -> str:
+    from qbench.quant.apply import real_kernels
+
     if mode == "fake":
         return "fake-quant (torch.library ops)"
-    kinds = sorted(
-        {
-            type(m).__name__
-            for m in model.modules()
-            if "Linear" in type(m).__name__ and type(m) is not torch.nn.Linear
-        }
-    )
-    return ", ".join(kinds) or "torch"
+    return ", ".join(real_kernels(model)) or "torch"
 
 
 def _model_bytes(model: torch.nn.Module) -> int:

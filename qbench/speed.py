@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import UserError
-from qbench.quant.apply import model_bytes
+from qbench.quant.apply import model_bytes, real_kernels
 
 DEFAULT_MODES = ("fake", "real")
 MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
@@ -122,8 +122,7 @@ def _scheme_candidates(
 def _backend_of(model: nn.Module, mode: str) -> str:
     if mode != "real":
         return mode
-    kinds = sorted({type(m).__name__ for m in model.modules() if hasattr(m, "nbytes")})
-    return "+".join(kinds) or "real"
+    return "+".join(real_kernels(model)) or "real"
 
 
 def _forward(module: nn.Module, x: Tensor) -> Callable[[], Any]:

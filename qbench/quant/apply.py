@@ -257,3 +257,8 @@ def model_bytes(model: nn.Module, _seen: set[int] | None = None) -> int:
             seen.add(key)
             total += t.numel() * t.element_size() if t.is_quantized else t.untyped_storage().nbytes()
     return total + sum(model_bytes(child, seen) for child in model.children())
+
+
+def real_kernels(model: nn.Module) -> list[str]:
+    """Names of the real-kernel module types in ``model`` (those reporting their storage with ``nbytes()``)."""
+    return sorted({type(m).__name__ for m in model.modules() if callable(getattr(m, "nbytes", None))})

@@ -39,18 +39,20 @@ def ckpt_dir(tmp_path_factory, tokenizer):
     return path
 
 
-@pytest.fixture(scope="session")
-def hf_gpt2_dir(tmp_path_factory, tokenizer):
-    """A transformers GPT-2 folder (Conv1D layers), written by transformers itself."""
-    path = tmp_path_factory.mktemp("hf") / "gpt2-micro"
-    to_hf_model(trained_like(micro_config("gpt2")), tokenizer).save_pretrained(path)
+def _transformers_folder(tmp_path_factory, tokenizer, family: str):
+    """A transformers folder of a micro model of ``family``, written by transformers itself."""
+    path = tmp_path_factory.mktemp("hf") / f"{family}-micro"
+    to_hf_model(trained_like(micro_config(family)), tokenizer).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def hf_gpt2_dir(tmp_path_factory, tokenizer):
+    """GPT-2 layout: Conv1D layers."""
+    return _transformers_folder(tmp_path_factory, tokenizer, "gpt2")
 
 
 @pytest.fixture(scope="session")
 def hf_llama_dir(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("hf") / "llama-micro"
-    to_hf_model(trained_like(micro_config("llama")), tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return _transformers_folder(tmp_path_factory, tokenizer, "llama")

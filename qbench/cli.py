@@ -378,21 +378,28 @@ def cmd_speed(args: argparse.Namespace) -> None:
 
 @command("demo")
 def cmd_demo(args: argparse.Namespace) -> None:
+    from dataclasses import replace
+
     from qbench import demo
     from qbench.report import rich_table
 
-    if args.steps < 1 or args.tokens < 2:
-        raise UserError(f"--steps must be ≥ 1 and --tokens ≥ 2, got {args.steps} and {args.tokens}")
-    cfg = demo.DemoConfig(
-        steps=args.steps,
+    base = demo.LONG if args.long else demo.DemoConfig()
+    steps = base.steps if args.steps is None else args.steps
+    if steps < 1 or args.tokens < 2:
+        raise UserError(f"--steps must be ≥ 1 and --tokens ≥ 2, got {steps} and {args.tokens}")
+    if base.schedule_steps and steps > base.schedule_steps:
+        raise UserError(f"--steps {steps} exceeds the long demo's {base.schedule_steps}-step schedule")
+    cfg = replace(
+        base,
+        steps=steps,
         eval_tokens=args.tokens,
-        ckpt_root=Path(args.ckpt_root),
-        output_path=Path(args.output_path),
+        ckpt_root=Path(args.ckpt_root or base.ckpt_root),
+        output_path=Path(args.output_path or base.output_path),
         seed=args.seed,
     )
     console.print(
-        f"[bold]qbench demo[/]: train {', '.join(demo.RECIPES)} ({cfg.preset}, {cfg.steps} steps, "
-        f"lr {cfg.lr}) in {cfg.ckpt_root}/, evaluate the paper's schemes, write {cfg.output_path}/"
+        f"[bold]qbench demo[/]: train {', '.join(demo.RECIPES)} ({cfg.description}) in {cfg.ckpt_root}/, "
+        f"evaluate the paper's schemes, write {cfg.output_path}/"
     )
     train_s = demo.train_both(cfg, console)
     start = time.perf_counter()
@@ -447,9 +454,26 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
 
 @command("emergence")
 def cmd_emergence(args: argparse.Namespace) -> None:
-    from qbench.emergence import write_emergence
+    from qbench.emergence import quantisation_curve, write_emergence
 
-    path = write_emergence([Path(r) for r in args.runs], Path(args.out), args.command_line)
+    runs, out = [Path(r) for r in args.runs], Path(args.out)
+    quantisation = None
+    if args.snapshots:
+        from qbench.harness import GridSpec, check_modes, expand_schemes
+        from qbench.metrics import Protocol
+
+        if args.tokens < 2:
+            raise UserError(f"--tokens must be at least 2, got {args.tokens}")
+        spec = GridSpec(
+            models=[],
+            schemes=expand_schemes(args.scheme or ["paper"]),
+            modes=check_modes(args.mode or ["fake"]),
+            protocol=Protocol(tokens=args.tokens),
+            output_path=out / "quantisation",
+            attention=not args.no_attention,
+        )
+        quantisation = quantisation_curve([r.name for r in runs], Path(args.snapshots), spec, _print_record)
+    path = write_emergence(runs, out, args.command_line, quantisation)
     sys.stdout.write(path.read_text())
 
 
@@ -557,10 +581,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo", help="train vanilla + paper tiny models, evaluate the paper's schemes (~15 min CPU)"
     )
-    p.add_argument("--steps", type=int, default=500, help="training steps per model (16 x 128 tokens each)")
+    p.add_argument(
+        "--long",
+        action="store_true",
+        help="the budget at which quantisation damage appears in the vanilla model (Llama style, ~40 min)",
+    )
+    p.add_argument(
+        "--steps", type=int, help="training steps per model, 16 x 128 tokens each (default 500; --long 2000)"
+    )
     p.add_argument("--tokens", type=int, default=16384, help="evaluation token budget per model")
-    p.add_argument("--ckpt-root", default="ckpts/demo")
-    p.add_argument("--output-path", default="results/demo")
+    p.add_argument("--ckpt-root", help="default ckpts/demo (--long: ckpts/demo-long)")
+    p.add_argument("--output-path", help="default results/demo (--long: results/demo-long)")
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser(
@@ -568,6 +599,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("runs", nargs="+", help="training run folders (with metrics.jsonl)")
     p.add_argument("--out", required=True, help="output folder")
+    p.add_argument(
+        "--snapshots",
+        metavar="ROOT",
+        help="also the quantisation curve: evaluate the checkpoints in ROOT/<run name>/*/ (resumable)",
+    )
+    p.add_argument("--scheme", action="append", help="with --snapshots: schemes (default: the paper's four)")
+    p.add_argument("--mode", action="append", help="with --snapshots: fake (default) | real; repeatable")
+    p.add_argument(
+        "--tokens", type=int, default=32768, help="with --snapshots: evaluation tokens per snapshot"
+    )
+    p.add_argument("--no-attention", action="store_true", help="with --snapshots: skip attention statistics")
 
     p = sub.add_parser(
         "reproduce", help="the paper's Tables 2-3 (and 4): train the variants, evaluate, tabulate"

@@ -33,6 +33,7 @@ from qbench.metrics import (
     Protocol,
     Windows,
     delimiter_ids,
+    linear_ranges,
     make_windows,
     massive_activations,
     outlier_metrics,
@@ -200,6 +201,9 @@ class ModelEvaluation:
             device=self.spec.device,
             delimiter_ids=delimiter_ids(self.lm.tokenizer),
         )
+        ranges = linear_ranges(
+            self.lm.model, self.windows, self.spec.protocol.outlier_windows, device=self.spec.device
+        )
         record = self._record(
             {"name": "fp", "description": f"unquantised ({self.spec.dtype})"},
             "float",
@@ -211,6 +215,7 @@ class ModelEvaluation:
             eval_seconds,
             time.perf_counter() - start,
             _model_bytes(self.lm.model),
+            linear=ranges,
         )
         atomic_write_json(path, record)
         self._fp = record
@@ -230,6 +235,7 @@ class ModelEvaluation:
         nbytes: int,
         status: str = "ok",
         error: str | None = None,
+        linear: dict | None = None,
     ) -> dict[str, Any]:
         value, base = ppl["perplexity"], fp_ppl["perplexity"]
         ratio = value / base if math.isfinite(value) and math.isfinite(base) and base > 0 else float("nan")
@@ -253,6 +259,7 @@ class ModelEvaluation:
             "outliers": {k: v for k, v in outliers.items() if k != "per_layer"},
             "outliers_per_layer": outliers.get("per_layer"),
             "massive_activations": massive,
+            "linear_ranges": linear,
             "status": status,
             "error": error,
             "env": environment(self.spec.device),

@@ -229,3 +229,70 @@ def massive_activations(
         "layers": layers,
         "total": sum(layer["count"] for layer in layers),
     }
+
+
+# ------------------------------------------------------------------------------------- linear-layer ranges
+
+
+@torch.no_grad()
+def linear_ranges(
+    model: nn.Module, windows: Windows, n_windows: int = 8, device: str = "cpu"
+) -> dict[str, Any]:
+    """What a per-tensor int8 quantiser sees at each linear layer, over the first ``n_windows`` windows.
+
+    Per layer (every ``nn.Linear`` / ``Conv1D``, the LM head included and marked): the input's *crest factor*
+    (max |x| / RMS(x) over the whole tensor: the int8 step is crest/127 RMS, so a crest in the hundreds erases
+    most of the input), the SQNR in dB of an absmax int8 round trip of the input with one scale per sequence
+    (as the per-tensor schemes do), and the weight's crest factor (one scale for the whole matrix). The summary
+    takes the worst layer among those the schemes quantise by default (all but the LM head).
+    """
+    from qbench.quant.apply import is_linear, linear_weight, lm_head_names
+
+    heads = lm_head_names(model)
+    sums: dict[str, dict[str, float]] = {}
+
+    def observe(name: str):
+        def hook(_module: nn.Module, args: tuple, _out: Any) -> None:
+            x = args[0].detach().float()
+            per_sequence = tuple(range(1, x.dim()))
+            step = x.abs().amax(dim=per_sequence, keepdim=True).clamp_min(1e-12) / 127
+            s = sums.setdefault(name, {"absmax": 0.0, "sumsq": 0.0, "noise": 0.0, "count": 0})
+            s["absmax"] = max(s["absmax"], x.abs().max().item())
+            s["sumsq"] += x.pow(2).sum().item()
+            s["noise"] += (x - torch.round(x / step) * step).pow(2).sum().item()
+            s["count"] += x.numel()
+
+        return hook
+
+    layers = {name: module for name, module in model.named_modules() if is_linear(module)}
+    handles = [module.register_forward_hook(observe(name)) for name, module in layers.items()]
+    try:
+        logits(model, windows.ids[:n_windows].to(device))
+    finally:
+        for handle in handles:
+            handle.remove()
+    per_layer = {}
+    for name, s in sums.items():
+        weight = linear_weight(layers[name])[0].float()
+        rms = math.sqrt(s["sumsq"] / max(s["count"], 1))
+        per_layer[name] = {
+            "lm_head": name in heads,
+            "input_absmax": s["absmax"],
+            "input_rms": rms,
+            "input_crest": s["absmax"] / rms if rms > 0 else None,
+            "input_int8_sqnr_db": 10 * math.log10(s["sumsq"] / s["noise"]) if s["noise"] > 0 else None,
+            "weight_crest": (weight.abs().max() / weight.pow(2).mean().sqrt().clamp_min(1e-30)).item(),
+        }
+    body = [v for v in per_layer.values() if not v["lm_head"]]
+
+    def worst(key: str, pick: Any) -> float | None:
+        values = [v[key] for v in body if v[key] is not None]
+        return pick(values) if values else None
+
+    return {
+        "windows": min(n_windows, len(windows.ids)),
+        "max_input_crest": worst("input_crest", max),
+        "min_input_int8_sqnr_db": worst("input_int8_sqnr_db", min),
+        "max_weight_crest": worst("weight_crest", max),
+        "per_layer": per_layer,
+    }

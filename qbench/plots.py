@@ -198,6 +198,36 @@ def emergence_plot(curves: dict[str, list[dict[str, float]]], path: str | Path) 
     return _save(fig, Path(path))
 
 
+def quantisation_curve_plot(
+    curves: dict[str, list[dict[str, Any]]], path: str | Path, damage_pct: float = 1.0
+) -> Path:
+    """Float perplexity and each scheme's perplexity change over training tokens, one line style per run:
+    whether the outliers that emerge in a run also start to hurt its quantised model."""
+    from qbench.emergence import quantisation_keys
+
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    styles = ["-", "--", ":", "-."]
+    for i, (run, rows) in enumerate(curves.items()):
+        style = styles[i % len(styles)]
+        tokens = [r["tokens"] / 1e6 for r in rows]
+        left.plot(tokens, [r.get("fp_perplexity") or float("nan") for r in rows], style, color="k", label=run)
+        for j, key in enumerate(quantisation_keys(curves)):
+            changes = [float("nan") if r.get(key) is None else r[key] for r in rows]
+            right.plot(tokens, changes, style, marker="o", ms=3, color=f"C{j}", label=f"{run}: {key}")
+    right.axhline(damage_pct, color="grey", ls=":", lw=1, label=f"{damage_pct:g} % (damage)")
+    right.axhline(0.0, color="grey", lw=0.5)
+    left.set_ylabel("float perplexity")
+    right.set_ylabel("quantised perplexity change (%)")
+    for ax in (left, right):
+        ax.set_xlabel("training tokens (millions)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("quantisation damage along training", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, Path(path))
+
+
 def compare_layers_plot(per_model: dict[str, dict[str, list[float]]], path: str | Path) -> Path:
     """Per-layer kurtosis (tokens after the first) and max |activation| of several models, overlaid."""
     plt = _pyplot()

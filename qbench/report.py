@@ -39,6 +39,11 @@ def read_records(folder: Path) -> list[dict[str, Any]]:
     return records
 
 
+def _model_key(model: dict[str, Any]) -> tuple[str, str]:
+    """(display name, what tells two models of that name apart: their path, else their weights' fingerprint)."""
+    return model["name"], str(model.get("path") or model.get("fingerprint") or model["name"])
+
+
 def _cell(record: dict[str, Any]) -> str:
     m = record["metrics"]
     if record.get("status") == "unsupported":
@@ -55,20 +60,22 @@ def comparison(records: Iterable[dict[str, Any]]) -> tuple[list[str], list[list[
     records = list(records)
     if not records:
         raise UserError("no result records to compare")
-    models: dict[str, dict[str, dict]] = {}
+    models: dict[tuple[str, str], dict[str, dict]] = {}
     columns: list[str] = []
     for r in records:
         key = "fp" if r["scheme"]["name"] == "fp" else f"{r['scheme']['name']}/{r['mode']}"
-        models.setdefault(r["model"]["name"], {})[key] = r
+        models.setdefault(_model_key(r["model"]), {})[key] = r
         if key != "fp" and key not in columns:
             columns.append(key)
     columns.sort(key=_column_order)
     headers = ["model", "fp", *columns, *(label for _, label in OUTLIER_COLUMNS)]
+    names = [name for name, _ in models]
     rows = []
-    for name, cells in models.items():
+    for (name, identity), cells in models.items():
         fp = cells.get("fp")
         outliers = fp["outliers"] if fp else {}
-        row = [name, _cell(fp) if fp else "-", *(_cell(cells[c]) if c in cells else "-" for c in columns)]
+        label = name if names.count(name) == 1 else identity  # two models, one folder name: show their paths
+        row = [label, _cell(fp) if fp else "-", *(_cell(cells[c]) if c in cells else "-" for c in columns)]
         row += [_outlier(outliers.get(key), key) for key, _ in OUTLIER_COLUMNS]
         rows.append(row)
     return headers, rows, caption(records)
@@ -105,6 +112,9 @@ def caption(records: list[dict[str, Any]]) -> str:
     )
     if len(protocols) > 1:
         text += " WARNING: the records were made with different protocols (window/tokens differ per model)."
+    excluded = sorted({p for r in records for p in (r["scheme"].get("exclude") or [])})
+    if excluded:
+        text += f" Layers kept in float (--exclude): {', '.join(excluded)}."
     return text
 
 

@@ -22,8 +22,13 @@ from models.errors import UserError
 class TrainRun:
     name: str
     out: Path
-    steps: int
+    steps: int  # the whole schedule (warmup + cosine)
     args: tuple[str, ...] = field(default_factory=tuple)  # trainer options besides --out/--steps/--resume
+    stop_at: int | None = None  # end after this step (a prefix of the schedule; None: the whole schedule)
+
+    @property
+    def end_step(self) -> int:
+        return self.steps if self.stop_at is None else min(self.stop_at, self.steps)
 
     def command(self, nproc_per_node: int = 1) -> list[str]:
         from trainers.state import has_state
@@ -46,6 +51,7 @@ class TrainRun:
             str(self.out),
             "--steps",
             str(self.steps),
+            *(["--stop-at", str(self.stop_at)] if self.stop_at is not None else []),
             "--no-progress",
             *self.args,
             *resume,
@@ -88,7 +94,7 @@ def train_runs(
         TimeRemainingColumn(),
     )
     with Progress(*columns, console=console) as progress:
-        tasks = {run.name: progress.add_task(f"train {run.name:<20}", total=run.steps) for run in runs}
+        tasks = {run.name: progress.add_task(f"train {run.name:<20}", total=run.end_step) for run in runs}
         while pending or active:
             while pending and len(active) < parallel:
                 run = pending.pop(0)

@@ -25,3 +25,27 @@ def test_demo_end_to_end_on_a_tiny_budget_and_rerun_reuses_everything(tmp_path, 
     capsys.readouterr()
     assert main(argv) == 0
     assert capsys.readouterr().out.count("(reused)") == 16
+
+
+@pytest.mark.slow
+def test_demo_long_trains_the_llama_style_prefix_of_the_long_schedule(tmp_path, capsys):
+    import json
+
+    argv = ["demo", "--long", "--steps", "2", "--tokens", "254", "--ckpt-root", str(tmp_path / "ckpts")]
+    assert main([*argv, "--output-path", str(tmp_path / "results")]) == 0
+    for recipe, norm in (("vanilla", "rmsnorm"), ("paper", "rmsnorm_single")):
+        state = json.loads((tmp_path / "ckpts" / recipe / "trainer_state.json").read_text())
+        assert (state["step"], state["total_steps"]) == (2, 5000)  # a prefix, lr still warming up
+        model = json.loads((tmp_path / "ckpts" / recipe / "config.json").read_text())["model"]
+        assert (model["family"], model["mlp"], model["pos"], model["norm"]) == (
+            "llama",
+            "swiglu",
+            "rope",
+            norm,
+        )
+        assert not model["bias"] and not model["tie_embeddings"] and model["d_ff"] == 688
+    table = (tmp_path / "results" / "table.md").read_text()
+    assert "(tiny, Llama style, 2 steps of a 5000-step schedule, lr 0.004)" in table
+    capsys.readouterr()
+    assert main([*argv[:3], "6000"]) == 2
+    assert "exceeds the long demo's 5000-step schedule" in capsys.readouterr().err

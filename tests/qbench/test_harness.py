@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -182,3 +183,23 @@ def test_two_models_with_one_name_are_refused(ckpt_dir, tmp_path):
     shutil.copytree(ckpt_dir, other)
     with pytest.raises(UserError, match="both named"):
         run_grid(spec(tmp_path, [ckpt_dir, other], schemes=()))
+
+
+def test_compare_keeps_two_models_of_one_name_from_different_grids_apart(ckpt_dir, tmp_path):
+    import shutil
+
+    from qbench.report import comparison
+
+    other = tmp_path / "elsewhere" / ckpt_dir.name
+    shutil.copytree(ckpt_dir, other)
+    records = run_grid(spec(tmp_path / "a", [ckpt_dir], schemes=()))
+    records += run_grid(spec(tmp_path / "b", [other], schemes=()))
+    _, rows, _ = comparison(records)
+    assert sorted(row[0] for row in rows) == sorted([str(ckpt_dir), str(other)])
+    _, rows, text = comparison(records[:1])
+    assert [row[0] for row in rows] == [ckpt_dir.name]  # a unique name stays short
+    assert "kept in float" not in text
+    cells = run_grid(
+        replace(spec(tmp_path / "c", [ckpt_dir], schemes=("absmax-coarse",)), exclude=("*c_fc",))
+    )
+    assert comparison(cells)[2].endswith("Layers kept in float (--exclude): *c_fc.")

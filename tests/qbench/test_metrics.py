@@ -7,7 +7,14 @@ import torch.nn.functional as F
 
 from models.checkpoint import load_checkpoint
 from models.hf import to_hf_model
-from qbench.metrics import Protocol, make_windows, massive_activations, outlier_metrics, perplexity
+from qbench.metrics import (
+    Protocol,
+    linear_ranges,
+    make_windows,
+    massive_activations,
+    outlier_metrics,
+    perplexity,
+)
 
 from .conftest import micro_config, trained_like
 
@@ -45,6 +52,10 @@ def test_transformers_model_gives_the_same_statistics_as_ours(model, tokenizer):
     for key in ("kurtosis_first", "kurtosis_other", "max_abs", "first_token_top1_share", "first_token_mass"):
         assert theirs[key] == pytest.approx(ours[key], rel=1e-4), key
     assert ours["kurtosis_other"] > 10  # the planted outlier channel shows
+    ours, theirs = linear_ranges(model, w, 4), linear_ranges(to_hf_model(model, tokenizer), w, 4)
+    for key in ("max_input_crest", "min_input_int8_sqnr_db", "max_weight_crest"):  # Conv1D read as (in, out)
+        assert theirs[key] == pytest.approx(ours[key], rel=1e-4), key
+    assert len(theirs["per_layer"]) == len(ours["per_layer"]) == 9  # 2 blocks x 4 linears + the LM head
 
 
 def test_massive_activations_are_found_where_planted(tokenizer):
@@ -63,3 +74,34 @@ def test_checkpoint_round_trip_keeps_perplexity(ckpt_dir, tokenizer):
     ckpt = load_checkpoint(ckpt_dir)
     w = make_windows(tokenizer, Protocol(tokens=62, window=32), context=32)
     assert math.isfinite(perplexity(ckpt.model, w)["perplexity"])
+
+
+def test_linear_ranges_follow_their_definitions(tokenizer):
+    from qbench.quant.granularity import PerTensor, per_sequence
+    from qbench.quant.primitives import fake_quantize
+
+    model = trained_like(micro_config())
+    with torch.no_grad():
+        model.transformer.h[1].attn.c_proj.weight[3, 7] = 5.0  # a weight outlier in one layer
+    w = make_windows(tokenizer, Protocol(tokens=31 * 4, window=32), context=32)
+    seen = {}
+    layer = model.transformer.h[0].mlp.c_proj
+    handle = layer.register_forward_hook(lambda m, a, o: seen.update(x=a[0].detach()))
+    model(w.ids[:3])
+    handle.remove()
+    ranges = linear_ranges(model, w, n_windows=3)
+    x, mine = seen["x"], ranges["per_layer"]["transformer.h.0.mlp.c_proj"]
+    assert mine["input_crest"] == pytest.approx((x.abs().max() / x.pow(2).mean().sqrt()).item(), rel=1e-5)
+    # The SQNR is that of the quantiser's own per-tensor int8 scheme, one scale per sequence.
+    xq = fake_quantize(x, 8, per_sequence(PerTensor(), x.dim()), symmetric=True)
+    sqnr = 10 * math.log10((x.pow(2).sum() / (x - xq).pow(2).sum()).item())
+    assert mine["input_int8_sqnr_db"] == pytest.approx(sqnr, abs=1e-3)
+    weight = model.transformer.h[1].attn.c_proj.weight
+    crest = (weight.abs().max() / weight.pow(2).mean().sqrt()).item()
+    assert ranges["per_layer"]["transformer.h.1.attn.c_proj"]["weight_crest"] == pytest.approx(
+        crest, rel=1e-5
+    )
+    assert ranges["max_weight_crest"] == pytest.approx(crest, rel=1e-5) and crest > 20  # others: ~4
+    assert ranges["per_layer"]["lm_head"]["lm_head"] and ranges["windows"] == 3
+    body = [v for k, v in ranges["per_layer"].items() if k != "lm_head"]
+    assert ranges["min_input_int8_sqnr_db"] == min(v["input_int8_sqnr_db"] for v in body)

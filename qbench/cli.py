@@ -584,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--long",
         action="store_true",
-        help="the budget at which quantisation damage appears in the vanilla model (Llama style, ~40 min)",
+        help="the budget at which quantisation damage appears in the vanilla model (Llama style, ~50 min)",
     )
     p.add_argument(
         "--steps", type=int, help="training steps per model, 16 x 128 tokens each (default 500; --long 2000)"

@@ -454,9 +454,10 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
 
 @command("emergence")
 def cmd_emergence(args: argparse.Namespace) -> None:
-    from qbench.emergence import quantisation_curve, write_emergence
+    from qbench.emergence import quantisation_curve, read_curves, write_emergence
 
     runs, out = [Path(r) for r in args.runs], Path(args.out)
+    read_curves(runs)  # missing or same-named run folders fail here, before any snapshot is evaluated
     quantisation = None
     if args.snapshots:
         from qbench.harness import GridSpec, check_modes, expand_schemes

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from models.errors import UserError
 from models.io import atomic_write_text
 from qbench.emergence import read_curves
 from qbench.harness import PAPER_SCHEMES, GridSpec, run_grid
@@ -66,9 +67,7 @@ LLAMA_STYLE = (
     *("--set", "family=llama", "--set", "mlp=swiglu", "--set", "pos=rope"),
     *("--set", "bias=false", "--set", "tie_embeddings=false", "--set", "d_ff=688"),
 )
-LONG_SCHEDULE = (
-    5000  # the emergence study's schedule: 5000 steps x 16 windows x 127 predicted tokens = 10.2 M
-)
+LONG_SCHEDULE = 5000  # the emergence study's schedule: 5000 steps x 16 windows x 128 tokens = 10.2 M
 LONG = DemoConfig(
     steps=2000,  # 4.1 M tokens: vanilla absmax-coarse +1.8 % vs the paper's +0.3 % in the study
     schedule_steps=LONG_SCHEDULE,
@@ -107,7 +106,23 @@ def demo_runs(cfg: DemoConfig) -> list[TrainRun]:
 
 def train_both(cfg: DemoConfig, console: Any) -> float:
     """Train the two recipes side by side, one thread each (small matmuls scale poorly across threads)."""
-    return train_runs(demo_runs(cfg), console, parallel=2, threads=1)
+    seconds = train_runs(demo_runs(cfg), console, parallel=2, threads=1)
+    check_trained(cfg)
+    return seconds
+
+
+def check_trained(cfg: DemoConfig) -> None:
+    """Refuse to report a model as trained for ``cfg.steps`` when its folder holds a run that went further
+    (a finished run resumes to nothing, so a smaller ``--steps`` in the same folder would be evaluated mislabelled)."""
+    from trainers.state import read_state
+
+    for run in demo_runs(cfg):
+        step = read_state(run.out, verify=False)["step"]
+        if step != run.end_step:
+            raise UserError(
+                f"{run.out} holds a run at step {step}, not {run.end_step}: use another --ckpt-root "
+                f"for --steps {cfg.steps}"
+            )
 
 
 def evaluate(cfg: DemoConfig, on_record: Any = None) -> list[dict]:

@@ -15,6 +15,7 @@ perplexity change per scheme over training tokens (``quantisation-curve.json`` /
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +76,6 @@ def write_emergence(
 ) -> Path:
     """emergence.json / .png / .md for ``runs`` in ``out`` (plus quantisation-curve.json / .png and a section
     of the table when ``quantisation``, from :func:`quantisation_curve`, is given); returns the markdown file."""
-    import math
-
     from tabulate import tabulate
 
     from qbench.plots import emergence_plot
@@ -130,7 +129,7 @@ def snapshots_of(root: Path, run: str) -> list[Path]:
     found = [p for p in sorted(folder.iterdir()) if is_checkpoint(p)] if folder.is_dir() else []
     if not found:
         raise UserError(f"no snapshots of run {run!r}: {folder} holds no checkpoint folders")
-    return sorted(found, key=lambda p: _training_summary(p).get("step", 0))
+    return sorted(found, key=lambda p: _training_summary(p).get("step") or 0)
 
 
 def _training_summary(ckpt: Path) -> dict[str, Any]:
@@ -184,13 +183,15 @@ def quantisation_curve(
             else:
                 key = scheme if len(spec.modes) == 1 else f"{scheme}__{record['mode']}"
                 row[key] = metrics["ppl_change_pct"]
+                if record.get("status") == "nonfinite":  # NaN/inf perplexity: the worst damage, not a gap
+                    row.setdefault("nonfinite", []).append(key)
         curves[run] = list(by_snapshot.values())
     return curves
 
 
 def quantisation_keys(curves: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The scheme columns of a quantisation curve, in the order they were evaluated."""
-    fixed = {"snapshot", "step", "tokens", "fp_perplexity", *CURVE_STATISTICS}
+    fixed = {"snapshot", "step", "tokens", "fp_perplexity", "nonfinite", *CURVE_STATISTICS}
     keys: list[str] = []
     for rows in curves.values():
         for row in rows:
@@ -202,11 +203,17 @@ def first_damage(rows: list[dict[str, Any]], keys: list[str], threshold: float =
     """'<scheme> +x.xx % at N M tokens' for the first snapshot where a scheme's change reaches ``threshold``."""
     for row in rows:
         for key in keys:
-            change = row.get(key)
+            change = math.inf if key in row.get("nonfinite", ()) else row.get(key)
             if change is not None and change >= threshold:
                 where = f"{row['tokens'] / 1e6:.2f} M tokens" if row.get("tokens") else row["snapshot"]
                 return f"{key} {change:+.2f} % at {where}"
     return f"none ≥ {threshold:g} %"
+
+
+def _change_cell(row: dict[str, Any], key: str) -> str:
+    if key in row.get("nonfinite", ()):
+        return "nonfinite"
+    return f"{row[key]:+.2f} %" if row.get(key) is not None else "n/a"
 
 
 def quantisation_table(curves: dict[str, list[dict[str, Any]]]) -> str:
@@ -223,7 +230,7 @@ def quantisation_table(curves: dict[str, list[dict[str, Any]]]) -> str:
                     f"{row['tokens'] / 1e6:.2f} M" if row.get("tokens") is not None else "-",
                     f"{row['fp_perplexity']:.2f}" if row.get("fp_perplexity") is not None else "-",
                     *(f"{row[k]:.3g}" if row.get(k) is not None else "-" for k in CURVE_STATISTICS),
-                    *(f"{row[k]:+.2f} %" if row.get(k) is not None else "-" for k in keys),
+                    *(_change_cell(row, k) for k in keys),
                 ]
             )
     headers = ["run", "tokens", "fp PPL", *CURVE_STATISTICS.values(), *keys]

@@ -181,7 +181,7 @@ class ModelEvaluation:
             return self._fp
         path = record_path(self.spec.output_path, self.name, None, None)
         existing = _read_record(path)
-        if existing and self.matches(existing):
+        if existing and self.matches(existing) and "linear_ranges" in existing:  # older records lack them
             self._fp = existing
             return existing
         start = time.perf_counter()

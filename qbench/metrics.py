@@ -241,7 +241,7 @@ def linear_ranges(
     """What a per-tensor int8 quantiser sees at each linear layer, over the first ``n_windows`` windows.
 
     Per layer (every ``nn.Linear`` / ``Conv1D``, the LM head included and marked): the input's *crest factor*
-    (max |x| / RMS(x) over the whole tensor: the int8 step is crest/127 RMS, so a crest in the hundreds erases
+    (max |x| / RMS(x) over all windows: with one scale per sequence the int8 step is up to crest/127 RMS, so a crest in the hundreds erases
     most of the input), the SQNR in dB of an absmax int8 round trip of the input with one scale per sequence
     (as the per-tensor schemes do), and the weight's crest factor (one scale for the whole matrix). The summary
     takes the worst layer among those the schemes quantise by default (all but the LM head).

@@ -210,6 +210,7 @@ def quantisation_curve_plot(
     styles = ["-", "--", ":", "-."]
     for i, (run, rows) in enumerate(curves.items()):
         style = styles[i % len(styles)]
+        rows = [r for r in rows if r.get("tokens") is not None]  # a snapshot without training provenance
         tokens = [r["tokens"] / 1e6 for r in rows]
         left.plot(tokens, [r.get("fp_perplexity") or float("nan") for r in rows], style, color="k", label=run)
         for j, key in enumerate(quantisation_keys(curves)):

@@ -49,3 +49,6 @@ def test_demo_long_trains_the_llama_style_prefix_of_the_long_schedule(tmp_path, 
     capsys.readouterr()
     assert main([*argv[:3], "6000"]) == 2
     assert "exceeds the long demo's 5000-step schedule" in capsys.readouterr().err
+    short = [*argv[:3], "1", *argv[4:], "--output-path", str(tmp_path / "r1")]
+    assert main(short) == 2  # the folder's runs are at step 2: not evaluated as step-1 models
+    assert "holds a run at step 2, not 1" in capsys.readouterr().err

@@ -93,6 +93,8 @@ def test_quantisation_curve_scores_every_snapshot_in_step_order_and_reuses_cells
     assert first_damage(vanilla, ["absmax-moderate"]).endswith("at 0.02 M tokens")
     assert first_damage(curves["paper"], ["absmax-moderate"]) == "none ≥ 1 %"
     assert seen.count(True) == 0
+    broken = [{"snapshot": "s", "step": 1, "tokens": 10, "int4": None, "nonfinite": ["int4"]}]
+    assert first_damage(broken, ["int4"]) == "int4 +inf % at 0.00 M tokens"  # NaN perplexity is damage
     seen.clear()
     assert (
         quantisation_curve(["vanilla", "paper"], root, spec, lambda r, reused: seen.append(reused)) == curves

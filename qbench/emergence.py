@@ -121,15 +121,19 @@ def write_emergence(
 # ------------------------------------------------------------------------------------ quantisation curve
 
 
-def snapshots_of(root: Path, run: str) -> list[Path]:
-    """The checkpoints under ``root/run/``, in training order (by the step their provenance records)."""
+def snapshots_of(root: Path, run: str) -> dict[Path, dict[str, Any]]:
+    """{checkpoint: its training summary} under ``root/run/``, in training order (by the recorded step)."""
     from models.checkpoint import is_checkpoint
 
     folder = Path(root) / run
-    found = [p for p in sorted(folder.iterdir()) if is_checkpoint(p)] if folder.is_dir() else []
+    found = (
+        {p: _training_summary(p) for p in sorted(folder.iterdir()) if is_checkpoint(p)}
+        if folder.is_dir()
+        else {}
+    )
     if not found:
         raise UserError(f"no snapshots of run {run!r}: {folder} holds no checkpoint folders")
-    return sorted(found, key=lambda p: _training_summary(p).get("step") or 0)
+    return dict(sorted(found.items(), key=lambda item: item[1].get("step") or 0))
 
 
 def _training_summary(ckpt: Path) -> dict[str, Any]:
@@ -162,14 +166,10 @@ def quantisation_curve(
         records = run_grid(
             replace(spec, models=[str(s) for s in snaps], output_path=Path(spec.output_path) / run), on_record
         )
-        by_snapshot: dict[str, dict[str, Any]] = {}
-        for snap in snaps:
-            summary = _training_summary(snap)
-            by_snapshot[snap.name] = {
-                "snapshot": snap.name,
-                "step": summary.get("step"),
-                "tokens": summary.get("tokens"),
-            }
+        by_snapshot = {
+            snap.name: {"snapshot": snap.name, "step": summary.get("step"), "tokens": summary.get("tokens")}
+            for snap, summary in snaps.items()
+        }
         for record in records:
             row = by_snapshot[record["model"]["name"]]
             metrics, scheme = record["metrics"], record["scheme"]["name"]

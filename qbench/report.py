@@ -44,6 +44,21 @@ def _model_key(model: dict[str, Any]) -> tuple[str, str]:
     return model["name"], str(model.get("path") or model.get("fingerprint") or model["name"])
 
 
+def cell_key(record: dict[str, Any]) -> str:
+    """A record's column: ``fp`` or ``<scheme>/<mode>``."""
+    return "fp" if record["scheme"]["name"] == "fp" else f"{record['scheme']['name']}/{record['mode']}"
+
+
+def cells_by_model(records: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """{row label: {column: record}}, in first-seen order. A model is labelled by its name, or by its path when two
+    models of one name (e.g. step-02000 of two runs) are in the records."""
+    models: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in records:
+        models.setdefault(_model_key(r["model"]), {})[cell_key(r)] = r
+    names = [name for name, _ in models]
+    return {name if names.count(name) == 1 else identity: cells for (name, identity), cells in models.items()}
+
+
 def _cell(record: dict[str, Any]) -> str:
     m = record["metrics"]
     if record.get("status") == "unsupported":
@@ -60,21 +75,12 @@ def comparison(records: Iterable[dict[str, Any]]) -> tuple[list[str], list[list[
     records = list(records)
     if not records:
         raise UserError("no result records to compare")
-    models: dict[tuple[str, str], dict[str, dict]] = {}
-    columns: list[str] = []
-    for r in records:
-        key = "fp" if r["scheme"]["name"] == "fp" else f"{r['scheme']['name']}/{r['mode']}"
-        models.setdefault(_model_key(r["model"]), {})[key] = r
-        if key != "fp" and key not in columns:
-            columns.append(key)
-    columns.sort(key=_column_order)
+    columns = sorted(dict.fromkeys(cell_key(r) for r in records if cell_key(r) != "fp"), key=_column_order)
     headers = ["model", "fp", *columns, *(label for _, label in OUTLIER_COLUMNS)]
-    names = [name for name, _ in models]
     rows = []
-    for (name, identity), cells in models.items():
+    for label, cells in cells_by_model(records).items():
         fp = cells.get("fp")
         outliers = fp["outliers"] if fp else {}
-        label = name if names.count(name) == 1 else identity  # two models, one folder name: show their paths
         row = [label, _cell(fp) if fp else "-", *(_cell(cells[c]) if c in cells else "-" for c in columns)]
         row += [_outlier(outliers.get(key), key) for key, _ in OUTLIER_COLUMNS]
         rows.append(row)

@@ -136,12 +136,10 @@ def table3(records: list[dict]) -> tuple[list[str], list[list[str]]]:
         for m in ("fake", "real")
         if any(r["scheme"]["name"] == s and r["mode"] == m for r in records)
     ]
-    by_model: dict[str, dict[str, dict]] = {}
-    for r in records:
-        key = "fp" if r["scheme"]["name"] == "fp" else f"{r['scheme']['name']}/{r['mode']}"
-        by_model.setdefault(r["model"]["name"], {})[key] = r
+    from qbench.report import cells_by_model
+
     rows = []
-    for name, cells in by_model.items():
+    for name, cells in cells_by_model(records).items():
         row = [name, _num(cells["fp"]["metrics"]["perplexity"], ".2f") if "fp" in cells else "-"]
         for c in columns:
             m = cells[c]["metrics"] if c in cells else {}

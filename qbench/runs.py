@@ -109,4 +109,19 @@ def train_runs(
             time.sleep(0.5)
     if failed:
         raise UserError(f"training failed: {', '.join(failed)}")
+    for run in runs:
+        check_trained(run)
     return time.perf_counter() - start
+
+
+def check_trained(run: TrainRun) -> None:
+    """Refuse a run folder whose training went past ``run.end_step``: a finished run resumes to nothing, so a
+    smaller ``stop_at`` in the same folder would otherwise hand on a model of another step under this one's name."""
+    from trainers.state import read_state
+
+    step = read_state(run.out, verify=False)["step"]
+    if step != run.end_step:
+        raise UserError(
+            f"{run.out} holds a run at step {step}, not {run.end_step}: train into another folder "
+            "(e.g. --ckpt-root) for this budget"
+        )

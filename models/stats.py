@@ -17,7 +17,9 @@ Definitions (per layer l, then summarised over layers):
 - max |activation| of token t: m_t = max_c |x_c|.
   max_abs_first / max_abs_other = mean_l of the per-layer mean of m_t over t = 0 / t ≥ 1; max_abs = global max.
 - first-token attention over all (layer, head, query q ≥ 1) triples of every sequence (query 0 can only see
-  itself, so it is excluded): first_token_top1_share = the share whose largest weight is on key 0;
+  itself, so it is excluded): first_token_top1_share = the share whose largest weight is on key 0 and is
+  non-zero (a softmax-1 row whose weights all underflow to 0 attends nowhere, not to key 0; ``argmax`` would
+  return 0 for it);
   first_token_mass = the mean weight on key 0.
 """
 
@@ -76,7 +78,8 @@ class OutlierAccumulator:
     def add_attention(self, attention: list[Tensor]) -> None:
         for probs in attention:  # (B, nh, T, T)
             rows = probs[:, :, 1:, :].detach()  # queries q >= 1
-            self.top1_hits += int((rows.argmax(-1) == 0).sum())
+            key0 = rows[..., 0]
+            self.top1_hits += int(((key0 > 0) & (key0 >= rows.amax(-1))).sum())
             self.key0_mass += rows[..., 0].double().sum().item()
             self.n_queries += rows[..., 0].numel()
 

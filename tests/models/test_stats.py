@@ -50,6 +50,18 @@ def test_attention_forced_onto_key_zero_gives_share_one():
     uniform = torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None]
     acc = OutlierAccumulator()
     acc.add_attention([uniform.expand(1, 1, T, T)])
-    # queries 1..5 put 1/(q+1) on key 0; argmax ties resolve to the first index (key 0).
+    # queries 1..5 put 1/(q+1) on key 0, tied with every other visible key: key 0 holds the largest weight.
     assert acc.summary()["first_token_mass"] == pytest.approx(sum(1 / (q + 1) for q in range(1, T)) / (T - 1))
-    assert not math.isnan(acc.summary()["first_token_top1_share"])
+    assert acc.summary()["first_token_top1_share"] == 1.0
+
+
+def test_a_row_attending_nowhere_is_not_counted_as_key_zero():
+    """softmax-1 rows can underflow to all zeros; argmax would call them key 0."""
+    T = 5
+    probs = torch.zeros(1, 2, T, T)
+    probs[0, 0, :, 0] = 0.6  # head 0: key 0 wins on every query
+    probs[0, 0, :, 1] = 0.3
+    probs[0, 1, 1:3, 1] = 0.9  # head 1: queries 1-2 favour key 1; queries 3-4 attend nowhere (all zero)
+    acc = OutlierAccumulator()
+    acc.add_attention([probs])
+    assert acc.summary()["first_token_top1_share"] == pytest.approx(4 / 8)

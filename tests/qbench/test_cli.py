@@ -76,7 +76,7 @@ def test_compare_evaluates_a_bare_checkpoint_name(ckpt_dir, tmp_path, monkeypatc
     (tmp_path / "ckpts").mkdir()
     (tmp_path / "ckpts" / "ortho").symlink_to(ckpt_dir)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("qbench.metrics.Protocol.tokens", 62)
+    monkeypatch.setattr("qbench.eval.metrics.Protocol.tokens", 62)
     code, out, _ = run(["compare", "ortho", "--format", "md"], capsys)
     assert code == 0 and "ortho" in out and "zeropoint-int4/fake" in out
 

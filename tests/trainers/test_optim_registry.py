@@ -91,3 +91,25 @@ def test_embedding_token_axis_is_not_rotated_but_its_channel_axis_is():
     g[5] = torch.randn(16)
     rotated = rot.forward(g)
     assert rotated[torch.arange(64) != 5].abs().max() == 0 and (rotated[5] - g[5]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("transformers_layout", [False, True])
+def test_an_untied_lm_head_keeps_its_token_axis_unrotated(transformers_layout):
+    """Llama style: the head is an nn.Linear (vocab, d) of its own; its vocabulary axis is a token index too."""
+    import models
+    from models.hf import to_hf_model
+    from trainers.optim.orthoadam import OrthoAdam
+
+    config = models.family_config(
+        "llama", n_layer=1, n_head=2, d_model=16, d_ff=32, context=8, vocab_size=64, tie_embeddings=False
+    )
+    model = models.build(config, seed=0)
+    if transformers_layout:
+        model = to_hf_model(model)
+    head = model.get_output_embeddings() if transformers_layout else model.lm_head
+    groups = param_groups(model, 0.1)
+    assert any(p is head.weight for p in groups[0]["params"]) and groups[0]["fixed_axes"] == (0,)
+    assert not any(p is head.weight for g in groups[1:] for p in g["params"])
+    opt = OrthoAdam(groups, lr=1e-3)
+    rot = opt.rotation_for(head.weight, opt.param_groups[0])
+    assert rot.axes[0] is None and rot.axes[1] is not None

@@ -84,12 +84,20 @@ def build_optimizer(
     return OPTIMIZERS.get(name)(params_or_groups, lr, weight_decay, tuple(betas), seed, **options)
 
 
+def output_embedding(model: nn.Module) -> nn.Module | None:
+    """The LM head (vocab, d) of our models (``lm_head``) or of a transformers model (``get_output_embeddings``)."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else getattr(model, "lm_head", None)
+    return head if isinstance(getattr(head, "weight", None), nn.Parameter) else None
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """nanoGPT's convention: weight decay on parameters with ≥ 2 dims (matmul weights, embeddings), none on
     biases, norm gains and scalars. Frozen parameters are left out; a tied weight appears once. Empty groups are
     dropped. The order is the model's parameter order within each group (OrthoAdam seeds by it).
 
-    Embedding tables (``nn.Embedding`` weights, also when tied to the LM head) form their own group with
+    Embedding tables — input embeddings (``nn.Embedding`` weights) and the output embedding, the LM head, whether
+    tied or not (an untied Llama-style head is an ``nn.Linear`` of shape (vocab, d)) — form their own group with
     ``fixed_axes=(0,)``: OrthoAdam rotates their hidden-channel axis but not their token axis. The token axis is
     a lookup index, not a basis of the hidden state, and rotating it mixes the second moments of frequent and
     rare tokens: measured here on the tiny preset, rotating it raised validation perplexity after 100 steps from
@@ -97,6 +105,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """
     params = [p for p in model.parameters() if p.requires_grad]
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    head = output_embedding(model)
+    if head is not None:
+        embeddings.add(id(head.weight))
     groups = [
         {
             "params": [p for p in params if id(p) in embeddings],

@@ -8,10 +8,10 @@ import torch
 from models.errors import UserError
 from models.hf import to_hf_model
 from models.observe import observe
-from qbench.inspection import add_arguments, delimiter_ids, inspect_model, observe_window, run
-from qbench.load import LoadedModel
-from qbench.metrics import Protocol, make_windows
-from qbench.plots import max_pool
+from qbench.eval.load import LoadedModel
+from qbench.eval.metrics import Protocol, make_windows
+from qbench.studies.inspection import add_arguments, delimiter_ids, inspect_model, observe_window, run
+from qbench.studies.plots import max_pool
 
 from .conftest import micro_config, trained_like
 

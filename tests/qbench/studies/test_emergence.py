@@ -3,7 +3,7 @@ import json
 import torch
 
 from qbench.cli import main
-from qbench.emergence import read_curves
+from qbench.studies.emergence import read_curves
 
 
 def _run(folder, kurtosis):
@@ -62,9 +62,9 @@ def _snapshot(path, tokenizer, step, outlier=None):
 
 
 def test_quantisation_curve_scores_every_snapshot_in_step_order_and_reuses_cells(tmp_path, tokenizer):
-    from qbench.emergence import first_damage, quantisation_curve, quantisation_keys
-    from qbench.harness import GridSpec
-    from qbench.metrics import Protocol
+    from qbench.eval.harness import GridSpec
+    from qbench.eval.metrics import Protocol
+    from qbench.studies.emergence import first_damage, quantisation_curve, quantisation_keys
 
     root = tmp_path / "snapshots"
     _snapshot(root / "vanilla" / "late", tokenizer, 20, outlier=500.0)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from models.checkpoint import load_checkpoint
 from models.hf import to_hf_model
-from qbench.metrics import (
+from qbench.eval.metrics import (
     Protocol,
     linear_ranges,
     make_windows,

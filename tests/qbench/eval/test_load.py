@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from models import UserError
-from qbench.load import load_model, resolve
+from qbench.eval.load import load_model, resolve
 
 
 def test_loads_our_checkpoint(ckpt_dir):

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from models.errors import UserError
 from models.stats import OutlierAccumulator
 from models.tokenizer import separator_id
-from qbench.adapters import forward_observed, logits, observe_any
+from qbench.eval.adapters import forward_observed, logits, observe_any
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
     inspect_model(lm, Protocol(tokens=4096), "inspect/gpt2")  # -> metrics.json + three PNGs
 
 ``metrics.json`` holds the outlier/attention summary and per-layer curves (definitions in ``models.stats``), the
-massive activations (``qbench.metrics.massive_activations``), the protocol and the environment. The figures:
+massive activations (``qbench.eval.metrics.massive_activations``), the protocol and the environment. The figures:
 
 - ``attention.png``: window 0's attention averaged over all layers and heads (the paper's Figure 1);
 - ``activations.png``: |activation| over tokens × channels of window 0 in the block whose output holds the
@@ -24,11 +24,11 @@ from torch import Tensor
 
 from models.errors import UserError
 from models.io import atomic_write_json
-from qbench.adapters import context_length, forward_observed, observe_any
-from qbench.cli_args import add_model_arguments, console, load_from_args, protocol_from_args
-from qbench.harness import environment
-from qbench.load import LoadedModel
-from qbench.metrics import (
+from qbench.cli.args import add_model_arguments, console, load_from_args, protocol_from_args
+from qbench.eval.adapters import context_length, forward_observed, observe_any
+from qbench.eval.harness import environment
+from qbench.eval.load import LoadedModel
+from qbench.eval.metrics import (
     Protocol,
     Windows,
     delimiter_ids,
@@ -85,7 +85,7 @@ def write_figures(
     lm: LoadedModel, protocol: Protocol, windows: Windows, per_layer: dict, out_dir: Path, device: str = "cpu"
 ) -> dict[str, Path]:
     """The three PNGs of the module docstring; the activation figure shows the block with the largest max |x|."""
-    from qbench import plots
+    from qbench.studies import plots
 
     attention, hidden = observe_window(lm.model, windows.ids[0], device)
     peak = int(np.argmax(per_layer["max_abs"]))

@@ -203,7 +203,7 @@ def quantisation_curve_plot(
 ) -> Path:
     """Float perplexity and each scheme's perplexity change over training tokens, one line style per run:
     whether the outliers that emerge in a run also start to hurt its quantised model."""
-    from qbench.emergence import quantisation_keys
+    from qbench.studies.emergence import quantisation_keys
 
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))

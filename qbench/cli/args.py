@@ -11,8 +11,8 @@ import argparse
 from rich.console import Console
 
 from models.errors import UserError
-from qbench.load import LoadedModel, load_model
-from qbench.metrics import Protocol
+from qbench.eval.load import LoadedModel, load_model
+from qbench.eval.metrics import Protocol
 
 console = Console(soft_wrap=True)  # long result lines stay whole in pipes and logs
 
@@ -40,7 +40,7 @@ def add_load_arguments(parser: argparse.ArgumentParser, many: bool = False) -> N
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, tokens: int = 8192, many: bool = False) -> None:
-    """:func:`add_load_arguments` plus the perplexity protocol's options (``qbench.metrics.Protocol``)."""
+    """:func:`add_load_arguments` plus the perplexity protocol's options (``qbench.eval.metrics.Protocol``)."""
     add_load_arguments(parser, many)
     parser.add_argument("--data", default="embedded", help="corpus: embedded | mix | c4 | a local path")
     parser.add_argument("--tokens", type=int, default=tokens, help=f"token budget (default {tokens})")

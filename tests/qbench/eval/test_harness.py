@@ -4,8 +4,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from qbench.harness import GridSpec, ModelEvaluation, run_grid
-from qbench.metrics import Protocol
+from qbench.eval.harness import GridSpec, ModelEvaluation, run_grid
+from qbench.eval.metrics import Protocol
 
 REQUIRED = {
     "model",
@@ -188,7 +188,7 @@ def test_two_models_with_one_name_are_refused(ckpt_dir, tmp_path):
 def test_compare_keeps_two_models_of_one_name_from_different_grids_apart(ckpt_dir, tmp_path):
     import shutil
 
-    from qbench.report import comparison
+    from qbench.eval.report import comparison
 
     other = tmp_path / "elsewhere" / ckpt_dir.name
     shutil.copytree(ckpt_dir, other)

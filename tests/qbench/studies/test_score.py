@@ -5,10 +5,10 @@ import math
 import pytest
 
 from models.errors import UserError
-from qbench.harness import PAPER_SCHEMES
-from qbench.load import load_model
-from qbench.metrics import Protocol
-from qbench.score import add_arguments, robustness, run, score
+from qbench.eval.harness import PAPER_SCHEMES
+from qbench.eval.load import load_model
+from qbench.eval.metrics import Protocol
+from qbench.studies.score import add_arguments, robustness, run, score
 
 
 def test_robustness_is_the_inverse_geometric_mean_ratio():

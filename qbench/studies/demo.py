@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from models.io import atomic_write_text
-from qbench.emergence import read_curves
-from qbench.harness import PAPER_SCHEMES, GridSpec, run_grid
-from qbench.metrics import Protocol
-from qbench.runs import TrainRun, train_runs
+from qbench.eval.harness import PAPER_SCHEMES, GridSpec, run_grid
+from qbench.eval.metrics import Protocol
+from qbench.studies.emergence import read_curves
+from qbench.studies.runs import TrainRun, train_runs
 
 RECIPES = ("vanilla", "paper")
 
@@ -122,8 +122,8 @@ def evaluate(cfg: DemoConfig, on_record: Any = None) -> list[dict]:
 def write_report(cfg: DemoConfig, records: list[dict], timings: dict[str, float], command: str) -> Path:
     """table.md (the comparison, the command that made it, machine and timings), curves JSON and PNGs."""
     from models.io import atomic_write_json
-    from qbench import plots
-    from qbench.report import render
+    from qbench.eval.report import render
+    from qbench.studies import plots
 
     out = cfg.output_path
     curves = read_curves([cfg.ckpt_root / r for r in RECIPES])
@@ -133,7 +133,7 @@ def write_report(cfg: DemoConfig, records: list[dict], timings: dict[str, float]
     plots.compare_layers_plot(
         {name: r["outliers_per_layer"] for name, r in fp.items()}, out / "per_layer.png"
     )
-    from qbench.harness import cpu_model
+    from qbench.eval.harness import cpu_model
 
     machine = f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}"
     text = (

@@ -5,9 +5,9 @@ import torch
 
 from models.errors import UserError
 from models.hf import to_hf_model
-from qbench.intervene import add_arguments, intervene, run
-from qbench.load import LoadedModel
-from qbench.metrics import Protocol
+from qbench.eval.load import LoadedModel
+from qbench.eval.metrics import Protocol
+from qbench.studies.intervene import add_arguments, intervene, run
 
 from .conftest import micro_config, trained_like
 

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from models.io import atomic_write_text
-from qbench.harness import PAPER_SCHEMES, GridSpec, run_grid
-from qbench.metrics import Protocol
-from qbench.runs import TrainRun
+from qbench.eval.harness import PAPER_SCHEMES, GridSpec, run_grid
+from qbench.eval.metrics import Protocol
+from qbench.studies.runs import TrainRun
 
 TABLE2_RECIPES = ("vanilla", "softmax1", "orthoadam", "softmax1-orthoadam")
 ABLATION_RECIPES = (
@@ -136,7 +136,7 @@ def table3(records: list[dict]) -> tuple[list[str], list[list[str]]]:
         for m in ("fake", "real")
         if any(r["scheme"]["name"] == s and r["mode"] == m for r in records)
     ]
-    from qbench.report import cells_by_model
+    from qbench.eval.report import cells_by_model
 
     rows = []
     for name, cells in cells_by_model(records).items():
@@ -153,7 +153,7 @@ def table3(records: list[dict]) -> tuple[list[str], list[list[str]]]:
 def write_tables(cfg: ReproduceConfig, records: list[dict], command: str) -> list[Path]:
     from tabulate import tabulate
 
-    from qbench.report import caption
+    from qbench.eval.report import caption
 
     written = []
     for name, (headers, rows) in (("table2", table2(records)), ("table3", table3(records))):

@@ -150,7 +150,7 @@ def _registries() -> dict[str, Callable[[], Table]]:
 
 
 def _results_table(output_path: str = "qbench_results") -> Table:
-    from qbench.report import read_records
+    from qbench.eval.report import read_records
 
     table = Table(title=f"results in {output_path}/", title_justify="left")
     for column in ("model", "scheme", "mode", "perplexity", "vs fp", "status", "created (UTC)"):
@@ -225,8 +225,8 @@ def cmd_data(args: argparse.Namespace) -> None:
 
 
 def _grid_spec(args: argparse.Namespace, models: list[str]):
-    from qbench.cli_args import protocol_from_args
-    from qbench.harness import GridSpec, check_modes, expand_schemes
+    from qbench.cli.args import protocol_from_args
+    from qbench.eval.harness import GridSpec, check_modes, expand_schemes
 
     protocol = protocol_from_args(args)
     return GridSpec(
@@ -269,8 +269,8 @@ def print_wide(renderable) -> None:
 
 
 def _run_and_show(spec) -> list[dict]:
-    from qbench.harness import run_grid
-    from qbench.report import rich_table
+    from qbench.eval.harness import run_grid
+    from qbench.eval.report import rich_table
 
     console.print(
         f"[bold]qbench[/] {len(spec.models)} model(s) × {len(spec.schemes)} scheme(s) × "
@@ -293,8 +293,8 @@ def cmd_grid(args: argparse.Namespace) -> None:
 
 def _records_for(name: str, output_path: Path) -> list[dict]:
     """Resolve a ``compare`` argument (rule in the ``compare`` help) to its records."""
-    from qbench.load import resolve
-    from qbench.report import read_records
+    from qbench.eval.load import resolve
+    from qbench.eval.report import read_records
 
     for folder in (Path(name), output_path / name):
         if folder.is_dir() and (records := read_records(folder)):
@@ -306,7 +306,7 @@ def _records_for(name: str, output_path: Path) -> list[dict]:
             f"no results named {name!r}: not a results folder, not {output_path / name}, "
             f"and not a checkpoint (ckpts/{name}); run `qbench grid --ckpt {name}` first"
         ) from None
-    from qbench.harness import GridSpec, run_grid
+    from qbench.eval.harness import GridSpec, run_grid
 
     console.print(f"[dim]no results for {name!r} yet: evaluating it with the paper's schemes[/]")
     return run_grid(
@@ -321,7 +321,7 @@ def _records_for(name: str, output_path: Path) -> list[dict]:
 
 @command("compare")
 def cmd_compare(args: argparse.Namespace) -> None:
-    from qbench.report import FORMATS, render, rich_table
+    from qbench.eval.report import FORMATS, render, rich_table
 
     if args.format not in FORMATS:
         from models.errors import unknown_choice
@@ -343,8 +343,8 @@ def cmd_speed(args: argparse.Namespace) -> None:
     import os
 
     from models.io import atomic_write_json, git_commit, software_versions
-    from qbench.harness import check_modes, expand_schemes
-    from qbench.speed import MALLOC_ENV, format_speed_table, run_speed
+    from qbench.eval.harness import check_modes, expand_schemes
+    from qbench.studies.speed import MALLOC_ENV, format_speed_table, run_speed
 
     shape = (args.in_features, args.out_features)
     schemes = expand_schemes(args.scheme) if args.scheme else None
@@ -380,8 +380,8 @@ def cmd_speed(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from dataclasses import replace
 
-    from qbench import demo
-    from qbench.report import rich_table
+    from qbench.eval.report import rich_table
+    from qbench.studies import demo
 
     base = demo.LONG if args.long else demo.DemoConfig()
     steps = base.steps if args.steps is None else args.steps
@@ -413,9 +413,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
 @command("reproduce")
 def cmd_reproduce(args: argparse.Namespace) -> None:
     from models import get_preset
-    from qbench import reproduce
-    from qbench.harness import check_modes
-    from qbench.runs import train_runs
+    from qbench.eval.harness import check_modes
+    from qbench.studies import reproduce
+    from qbench.studies.runs import train_runs
 
     get_preset(args.preset)  # a did-you-mean error before anything starts
     recipes = list(args.recipes or reproduce.TABLE2_RECIPES) + (
@@ -454,14 +454,14 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
 
 @command("emergence")
 def cmd_emergence(args: argparse.Namespace) -> None:
-    from qbench.emergence import quantisation_curve, read_curves, write_emergence
+    from qbench.studies.emergence import quantisation_curve, read_curves, write_emergence
 
     runs, out = [Path(r) for r in args.runs], Path(args.out)
     read_curves(runs)  # missing or same-named run folders fail here, before any snapshot is evaluated
     quantisation = None
     if args.snapshots:
-        from qbench.harness import GridSpec, check_modes, expand_schemes
-        from qbench.metrics import Protocol
+        from qbench.eval.harness import GridSpec, check_modes, expand_schemes
+        from qbench.eval.metrics import Protocol
 
         if args.tokens < 2:
             raise UserError(f"--tokens must be at least 2, got {args.tokens}")
@@ -483,9 +483,9 @@ def cmd_emergence(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from models.config import CHOICES
-    from qbench import inspection, intervene, lm_eval_adapter, score
-    from qbench.cli_args import add_model_arguments
-    from qbench.metrics import Protocol
+    from qbench.cli.args import add_model_arguments
+    from qbench.eval.metrics import Protocol
+    from qbench.studies import inspection, intervene, lm_eval_adapter, score
 
     parser = _Parser(
         prog="qbench",

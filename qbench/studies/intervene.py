@@ -2,7 +2,7 @@
 
     intervene(lm, Protocol(tokens=8192), mode="zero")   # or mode="mean"
 
-1. Find the sites: ``qbench.metrics.massive_activations`` over the first ``n_windows`` windows gives, per
+1. Find the sites: ``qbench.eval.metrics.massive_activations`` over the first ``n_windows`` windows gives, per
    layer (block output), the channels holding a massive activation (|x| > 100 and > 1000 × the layer's median
    |x|). A site is one (layer, channel); its threshold is that layer's max(100, 1000 × median), and its mean is
    the signed mean of the massive values at that site over those windows (the positions where they occur —
@@ -14,7 +14,7 @@
    it onwards; once that block's output is edited later blocks usually no longer see a massive value, so in
    effect this is Sun et al.'s edit at the layer where the activations first appear (plus any layer that
    re-creates them).
-3. Measure: token-level perplexity (``qbench.metrics.perplexity``) on the protocol's windows, without and
+3. Measure: token-level perplexity (``qbench.eval.metrics.perplexity``) on the protocol's windows, without and
    with the intervention. Sun et al. report that zeroing destroys LLaMA-2 while mean-filling does not: the
    massive activations act as fixed biases.
 """
@@ -36,12 +36,11 @@ from torch import Tensor, nn
 
 from models.errors import UserError, unknown_choice
 from models.io import atomic_write_json
-from qbench.adapters import context_length, decoder_layers, forward_observed, observe_any
-from qbench.cli_args import add_model_arguments, console, load_from_args, protocol_from_args
-from qbench.harness import environment
-from qbench.inspection import delimiter_ids
-from qbench.load import LoadedModel
-from qbench.metrics import (
+from qbench.cli.args import add_model_arguments, console, load_from_args, protocol_from_args
+from qbench.eval.adapters import context_length, decoder_layers, forward_observed, observe_any
+from qbench.eval.harness import environment
+from qbench.eval.load import LoadedModel
+from qbench.eval.metrics import (
     MASSIVE_ABS,
     MASSIVE_RATIO,
     Protocol,
@@ -51,6 +50,7 @@ from qbench.metrics import (
     perplexity,
     protocol_record,
 )
+from qbench.studies.inspection import delimiter_ids
 
 MODES = ("zero", "mean")
 

@@ -31,11 +31,11 @@ from torch import nn
 
 from models.errors import UserError, did_you_mean
 from models.io import atomic_write_json
-from qbench.adapters import context_length, first_parameter, is_ours
-from qbench.cli_args import add_load_arguments, console, load_from_args
-from qbench.harness import check_modes, environment
-from qbench.load import LoadedModel
-from qbench.metrics import Protocol, make_windows
+from qbench.cli.args import add_load_arguments, console, load_from_args
+from qbench.eval.adapters import context_length, first_parameter, is_ours
+from qbench.eval.harness import check_modes, environment
+from qbench.eval.load import LoadedModel
+from qbench.eval.metrics import Protocol, make_windows
 
 FLOAT = ("fp", "float", "none")
 

@@ -78,7 +78,7 @@ def write_emergence(
     of the table when ``quantisation``, from :func:`quantisation_curve`, is given); returns the markdown file."""
     from tabulate import tabulate
 
-    from qbench.plots import emergence_plot
+    from qbench.studies.plots import emergence_plot
 
     curves = read_curves(runs)
     atomic_write_json(out / "emergence.json", curves)
@@ -103,7 +103,7 @@ def write_emergence(
         "val PPL = exp(validation loss) at the last evaluation.\n\n![emergence](emergence.png)\n"
     )
     if quantisation is not None:
-        from qbench.plots import quantisation_curve_plot
+        from qbench.studies.plots import quantisation_curve_plot
 
         atomic_write_json(out / "quantisation-curve.json", quantisation)
         quantisation_curve_plot(quantisation, out / "quantisation-curve.png", DAMAGE_PCT)
@@ -111,7 +111,7 @@ def write_emergence(
             "\n## Quantisation along training\n\nEach snapshot in float and quantised (perplexity change against "
             "its own float perplexity, same windows; κ other and max abs act from the float evaluation's "
             "outlier windows; crest = max |x| / RMS(x) of a linear layer's input or weight, worst layer, see "
-            "`qbench.metrics.linear_ranges`; records under `quantisation/`).\n\n"
+            "`qbench.eval.metrics.linear_ranges`; records under `quantisation/`).\n\n"
             f"{quantisation_table(quantisation)}\n![quantisation curve](quantisation-curve.png)\n"
         )
     atomic_write_text(out / "emergence.md", text)
@@ -152,13 +152,13 @@ def quantisation_curve(
 ) -> dict[str, list[dict[str, Any]]]:
     """{run: [{step, tokens, fp_perplexity, <scheme>: perplexity change %, ...}, ...]} over each run's snapshots.
 
-    ``spec`` is a ``qbench.harness.GridSpec`` naming the schemes, modes and protocol; its ``models`` and
+    ``spec`` is a ``qbench.eval.harness.GridSpec`` naming the schemes, modes and protocol; its ``models`` and
     ``output_path`` are replaced per run (records go to ``spec.output_path/<run>/<snapshot>/``), so a re-run
     reuses every finished cell. Every snapshot of every run is scored on the same windows.
     """
     from dataclasses import replace
 
-    from qbench.harness import run_grid
+    from qbench.eval.harness import run_grid
 
     curves: dict[str, list[dict[str, Any]]] = {}
     for run in runs:

@@ -8,7 +8,7 @@ from torch import nn
 
 from models.errors import UserError
 from qbench.quant.apply import model_bytes
-from qbench.speed import format_speed_table, run_speed, time_interleaved
+from qbench.studies.speed import format_speed_table, run_speed, time_interleaved
 
 SCHEMES = [
     "absmax-fine",

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from qbench.cli import main
-from qbench.reproduce import table2, table3
+from qbench.studies.reproduce import table2, table3
 
 EMBEDDED = Path(__file__).resolve().parents[2] / "trainers" / "corpus" / "embedded.jsonl.gz"
 

@@ -3,7 +3,7 @@
     result = score(lm, Protocol(tokens=8192))   # the paper's four schemes, fake-quant
     result["robustness"]                         # 1.0 = no damage, lower is worse
 
-The evaluation is the harness's (``qbench.harness.ModelEvaluation``): the float baseline with its outlier,
+The evaluation is the harness's (``qbench.eval.harness.ModelEvaluation``): the float baseline with its outlier,
 attention and massive-activation statistics, then one fake-quant record per scheme, each written to
 ``output_path/<model>/`` in the grid's layout (so ``qbench compare`` reads them). This module only summarises.
 
@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from models.io import atomic_write_json
-from qbench.cli_args import add_model_arguments, console, load_from_args, protocol_from_args
-from qbench.harness import GridSpec, ModelEvaluation, expand_schemes, record_path
-from qbench.load import LoadedModel
-from qbench.metrics import Protocol
+from qbench.cli.args import add_model_arguments, console, load_from_args, protocol_from_args
+from qbench.eval.harness import GridSpec, ModelEvaluation, expand_schemes, record_path
+from qbench.eval.load import LoadedModel
+from qbench.eval.metrics import Protocol
 from qbench.quant import PAPER_SCHEMES
 
 DEFINITION = "fp_perplexity / geometric mean of the quantised perplexities = exp(-mean log ppl_ratio)"

@@ -27,9 +27,9 @@ import torch
 
 from models.errors import UserError, unknown_choice
 from models.io import atomic_write_json, git_commit, software_versions
-from qbench.adapters import context_length
-from qbench.load import LoadedModel, load_model
-from qbench.metrics import (
+from qbench.eval.adapters import context_length
+from qbench.eval.load import LoadedModel, load_model
+from qbench.eval.metrics import (
     Protocol,
     Windows,
     delimiter_ids,

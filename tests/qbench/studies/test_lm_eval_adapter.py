@@ -8,9 +8,9 @@ import pytest
 
 from models import build
 from models.errors import UserError
-from qbench.lm_eval_adapter import quantised_transformers, run_lm_eval
-from qbench.load import LoadedModel, load_model
+from qbench.eval.load import LoadedModel, load_model
 from qbench.quant import FakeQuantLinear
+from qbench.studies.lm_eval_adapter import quantised_transformers, run_lm_eval
 from trainers.data import load_documents
 
 from .conftest import micro_config
@@ -94,7 +94,7 @@ def test_unknown_task_is_a_did_you_mean_error(tokenizer, task_dir):
 def test_command_writes_results_with_provenance(hf_gpt2_dir, task_dir, tmp_path, capsys):
     import argparse
 
-    from qbench.lm_eval_adapter import add_arguments, run
+    from qbench.studies.lm_eval_adapter import add_arguments, run
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

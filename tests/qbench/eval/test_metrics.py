@@ -16,7 +16,7 @@ from qbench.eval.metrics import (
     perplexity,
 )
 
-from .conftest import micro_config, trained_like
+from tests.qbench.conftest import micro_config, trained_like
 
 
 @pytest.fixture(scope="module")

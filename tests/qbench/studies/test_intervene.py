@@ -9,7 +9,7 @@ from qbench.eval.load import LoadedModel
 from qbench.eval.metrics import Protocol
 from qbench.studies.intervene import add_arguments, intervene, run
 
-from .conftest import micro_config, trained_like
+from tests.qbench.conftest import micro_config, trained_like
 
 PROTOCOL = Protocol(tokens=31 * 6, window=32, batch_size=3)
 

@@ -13,7 +13,7 @@ from qbench.quant import FakeQuantLinear
 from qbench.studies.lm_eval_adapter import quantised_transformers, run_lm_eval
 from trainers.data import load_documents
 
-from .conftest import micro_config
+from tests.qbench.conftest import micro_config
 
 pytest.importorskip("lm_eval")
 

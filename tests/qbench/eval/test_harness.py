@@ -147,7 +147,6 @@ def test_budget_larger_than_the_text_is_clamped_and_recorded(ckpt_dir, tmp_path)
 
 def test_records_of_other_weights_are_not_reused(tokenizer, tmp_path):
     from models.checkpoint import save_checkpoint
-
     from tests.qbench.conftest import micro_config, trained_like
 
     ckpt = tmp_path / "ckpts" / "m"

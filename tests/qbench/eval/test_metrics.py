@@ -15,7 +15,6 @@ from qbench.eval.metrics import (
     outlier_metrics,
     perplexity,
 )
-
 from tests.qbench.conftest import micro_config, trained_like
 
 

@@ -12,7 +12,6 @@ from qbench.eval.load import LoadedModel
 from qbench.eval.metrics import Protocol, make_windows
 from qbench.studies.inspection import add_arguments, delimiter_ids, inspect_model, observe_window, run
 from qbench.studies.plots import max_pool
-
 from tests.qbench.conftest import micro_config, trained_like
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

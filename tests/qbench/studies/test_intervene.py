@@ -8,7 +8,6 @@ from models.hf import to_hf_model
 from qbench.eval.load import LoadedModel
 from qbench.eval.metrics import Protocol
 from qbench.studies.intervene import add_arguments, intervene, run
-
 from tests.qbench.conftest import micro_config, trained_like
 
 PROTOCOL = Protocol(tokens=31 * 6, window=32, batch_size=3)

@@ -11,9 +11,8 @@ from models.errors import UserError
 from qbench.eval.load import LoadedModel, load_model
 from qbench.quant import FakeQuantLinear
 from qbench.studies.lm_eval_adapter import quantised_transformers, run_lm_eval
-from trainers.data import load_documents
-
 from tests.qbench.conftest import micro_config
+from trainers.data import load_documents
 
 pytest.importorskip("lm_eval")
 

@@ -9,7 +9,9 @@ same construction with a learned per-head key and value instead of zeros. So eve
 [extra key] + real keys", and the fast path hands that to ``scaled_dot_product_attention``.
 
 Two paths, held equal by tests:
-- fast: SDPA (fused kernels; never materialises probabilities);
+- fast: fused kernels, never materialising probabilities — SDPA for softmax and the sink; for softmax-1 a causal
+  flash kernel whose output is scaled by sigmoid(row logsumexp) (``models.flash_softmax1``: o1 = o·sigmoid(lse)),
+  else SDPA with the extra key;
 - reference: explicit scores and probabilities, used when probabilities are observed.
 """
 
@@ -20,6 +22,11 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from models.flash_softmax1 import softmax1_flash
+
+# softmax-1 on a fused kernel through the row logsumexp (models.flash_softmax1); False forces the extra-key path.
+SOFTMAX1_FLASH = True
 
 
 def softmax1(scores: Tensor, dim: int = -1) -> Tensor:
@@ -65,7 +72,28 @@ def attention_fast(
     sink_k: Tensor | None = None,
     sink_v: Tensor | None = None,
 ) -> Tensor:
-    """Causal attention via SDPA; q, k, v are (B, nh, T, hs). Returns (B, nh, T, hs)."""
+    """Causal attention via SDPA; q, k, v are (B, nh, T, hs). Returns (B, nh, T, hs).
+
+    softmax-1 runs on a fused causal kernel scaled by sigmoid(row logsumexp) (``models.flash_softmax1``) when
+    ``SOFTMAX1_FLASH`` is on and a kernel serves the device/dtype; otherwise (and for the sink) SDPA gets the
+    extra key and an explicit (T, T+1) mask, which rules out CUDA's flash kernel.
+    """
+    if kind == "softmax1" and SOFTMAX1_FLASH:
+        y = softmax1_flash(q, k, v)
+        if y is not None:
+            return y
+    return attention_extra_key(q, k, v, kind, sink_k, sink_v)
+
+
+def attention_extra_key(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kind: str = "softmax",
+    sink_k: Tensor | None = None,
+    sink_v: Tensor | None = None,
+) -> Tensor:
+    """SDPA over [extra key] + real keys with an explicit mask (softmax-1's fallback; the sink's only path)."""
     extra = _extra_kv(kind, q, sink_k, sink_v)
     if extra is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -52,8 +53,16 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 
 def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
-    """The commit of the qbench source tree (with '-dirty' for uncommitted changes), or None outside git."""
-    cwd = Path(cwd) if cwd else Path(__file__).resolve().parent
+    """The commit of the qbench source tree (with '-dirty' for uncommitted changes), or None outside git.
+
+    Asked once per process and folder: the code that runs is the code imported at the start, and a grid writes
+    a record per cell (two git calls each cost ~0.2 s, a tenth of a small cell).
+    """
+    return _git_commit(str(Path(cwd) if cwd else Path(__file__).resolve().parent))
+
+
+@functools.cache
+def _git_commit(cwd: str) -> str | None:
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5, check=True
@@ -72,7 +81,12 @@ def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
 
 
 def software_versions() -> dict[str, str | None]:
-    """Versions of the packages whose behaviour a number depends on (None where not installed)."""
+    """Versions of the packages whose behaviour a number depends on (None where not installed); read once."""
+    return dict(_software_versions())
+
+
+@functools.cache
+def _software_versions() -> dict[str, str | None]:
     from importlib import metadata
 
     versions: dict[str, str | None] = {"python": platform.python_version()}

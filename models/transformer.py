@@ -85,6 +85,9 @@ class CausalSelfAttention(nn.Module):
             self.sink_k = self.sink_v = None
         # Set by ``models.observe``; None means "don't materialise probabilities" (the fast path).
         self.probs_hook: Callable[[Tensor], None] | None = None
+        # A neutral hook on what a KV cache would store: called on (k, v) after RoPE, returns the (k, v) every
+        # query then reads (e.g. qbench's KV-cache quantisation). None changes nothing.
+        self.kv_transform: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if hasattr(self, "c_attn"):
@@ -96,6 +99,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self._qkv(x))
         if rope is not None:  # (B, nh, T, hs)
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.kv_transform is not None:
+            k, v = self.kv_transform(k, v)
         if self.probs_hook is None:
             y = attention_fast(q, k, v, self.kind, self.sink_k, self.sink_v)
         else:

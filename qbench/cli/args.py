@@ -13,6 +13,7 @@ from rich.console import Console
 from models.errors import UserError
 from qbench.eval.load import LoadedModel, load_model
 from qbench.eval.metrics import Protocol
+from qbench.quant.kv import GRANULARITIES, KV_BITS, KVConfig
 
 console = Console(soft_wrap=True)  # long result lines stay whole in pipes and logs
 
@@ -43,6 +44,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, tokens: int = 8192, man
     """:func:`add_load_arguments` plus the perplexity protocol's options (``qbench.eval.metrics.Protocol``)."""
     add_load_arguments(parser, many)
     parser.add_argument("--data", default="embedded", help="corpus: embedded | mix | c4 | a local path")
+    parser.add_argument(
+        "--split",
+        choices=("validation", "train", "all"),
+        help="which documents of --data (default: validation of a registered corpus, all of a file or folder)",
+    )
     parser.add_argument("--tokens", type=int, default=tokens, help=f"token budget (default {tokens})")
     parser.add_argument("--window", type=int, help="window length (default: the model's context)")
     parser.add_argument(
@@ -60,6 +66,7 @@ def protocol_from_args(args: argparse.Namespace, outlier_windows: int = 8) -> Pr
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
     return Protocol(
         corpus=args.data,
+        split=getattr(args, "split", None),
         tokens=args.tokens,
         window=args.window,
         bos=args.bos,
@@ -76,3 +83,32 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
         trust_remote_code=args.trust_remote_code,
         allow_unsafe_weights=args.allow_unsafe_weights,
     )
+
+
+def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
+    """--kv-bits, --kv-granularity, --kv-keep-first: KV-cache quantisation on top of every scheme
+    (``qbench.quant.kv``; results named ``<scheme>+kv4``, and ``--scheme fp`` gives the float model's ``fp+kv4``)."""
+    bits = " | ".join(map(str, KV_BITS))
+    parser.add_argument(
+        "--kv-bits", type=int, help=f"quantise the KV cache (keys after RoPE, values) to {bits} bits"
+    )
+    parser.add_argument(
+        "--kv-granularity",
+        help=f"{' | '.join(GRANULARITIES)}: kivi (default) = keys per channel over the scored window and "
+        "values per token; per-token = both per token",
+    )
+    parser.add_argument(
+        "--kv-keep-first",
+        type=int,
+        help="keep cache positions 0..K-1 in float and out of the ranges (sink protection; default 0)",
+    )
+
+
+def kv_from_args(args: argparse.Namespace) -> KVConfig | None:
+    """The KV-cache config the options ask for; None without --kv-bits (the other two options then refuse)."""
+    granularity, keep_first = getattr(args, "kv_granularity", None), getattr(args, "kv_keep_first", None)
+    if getattr(args, "kv_bits", None) is None:
+        if granularity is not None or keep_first is not None:
+            raise UserError("--kv-granularity and --kv-keep-first need --kv-bits (the KV cache's bit width)")
+        return None
+    return KVConfig(args.kv_bits, granularity or "kivi", keep_first or 0)

@@ -4,12 +4,14 @@ Layout under ``output_path`` (default ``qbench_results/``)::
 
     <model name>/fp.json                    the float baseline + outlier/attention statistics (once per model)
     <model name>/<scheme>__<mode>.json      one quantised cell
+    <model name>/<scheme>+kv4__<mode>.json  the same with the KV cache quantised (``GridSpec.kv``, a ``kv`` block);
+                                            scheme ``fp`` = float weights, only the cache (``fp+kv4__fake.json``)
 
 Every record is self-describing: model (path, config, provenance), scheme (full config), mode, backend,
 protocol (corpus, split, tokens, window, stride, bos, batch size, tokenizer fingerprint), metrics, outliers of
 the float model, environment (versions, git commit, device, threads), seed, timings, model bytes.
-Records are written atomically; a re-run skips every cell whose record exists with the same protocol and
-scheme, so an interrupted grid resumes where it stopped and nothing finished is recomputed.
+Records are written atomically; a re-run skips every cell whose record exists with the same protocol,
+scheme and KV-cache config, so an interrupted grid resumes where it stopped and nothing finished is recomputed.
 """
 
 from __future__ import annotations
@@ -40,22 +42,36 @@ from qbench.eval.metrics import (
     perplexity,
     protocol_record,
 )
+from qbench.quant.kv import KVConfig
 from qbench.quant.primitives import NonFiniteError
 
 RECORD_VERSION = 1
+# The evaluation code's version: bump it whenever a definition changes the numbers a record holds (a metric, a
+# quantiser, the protocol), so records written by older code are recomputed rather than reused.
+# 2: first-token top-1 share no longer counts rows attending nowhere (argmax ties) as key 0.
+EVAL_VERSION = 2
 MODES = ("fake", "real")
 PAPER_SCHEMES = ("absmax-fine", "absmax-moderate", "absmax-coarse", "zeropoint-int4")
 DEFAULT_OUTPUT = Path("qbench_results")
+FLOAT_SCHEME = "fp"  # as a grid scheme: weights and activations left float (with ``GridSpec.kv``: ``fp+kv2``)
 
 
 def expand_schemes(names: Iterable[str]) -> list[str]:
-    """Scheme names with the groups ``paper`` (the paper's four) and ``all`` (every registered scheme)."""
-    from qbench.quant.schemes import SCHEMES
+    """Scheme names with the groups ``paper`` (the paper's four) and ``all`` (every registered scheme).
+
+    A name with overrides (``absmax-coarse:w=4,a=4,o=4``) becomes its canonical form (``overrides.py``).
+    """
+    from qbench.quant.schemes import SCHEMES, get_scheme
 
     out: list[str] = []
     for name in names:
-        group = list(SCHEMES) if name == "all" else list(PAPER_SCHEMES) if name == "paper" else None
-        for scheme in group or [SCHEMES.canonical(name)]:
+        if name in ("all", "paper"):
+            group = list(SCHEMES) if name == "all" else list(PAPER_SCHEMES)
+        elif name == FLOAT_SCHEME:  # float weights: a cell of its own only with a quantised KV cache
+            group = [FLOAT_SCHEME]
+        else:
+            group = [get_scheme(name).name if ":" in name else SCHEMES.canonical(name)]
+        for scheme in group:
             if scheme not in out:
                 out.append(scheme)
     return out
@@ -108,25 +124,60 @@ class GridSpec:
     trust_remote_code: bool = False
     allow_unsafe_weights: bool = False
     quantize_lm_head: bool = False  # the schemes' documented default keeps the LM head in float
+    baseline_path: Path | None = None  # where fp.json lives, when not output_path (sensitivity's many cells)
+    kv: KVConfig | None = None  # KV-cache quantisation on top of every cell's scheme (None: float cache)
 
     def scheme(self, name: str) -> Any:
-        """The registered scheme, with the LM head quantised too when asked (then named ``<scheme>+head``)."""
+        """The registered scheme, with the LM head quantised too when asked (then named ``<scheme>+head``) and
+        ``+<kv label>`` appended when the KV cache is quantised (``absmax-fine+kv4``; ``fp`` -> ``fp+kv2``)."""
         from dataclasses import replace
 
         from qbench.quant import get_scheme
 
-        scheme = get_scheme(name)
-        if self.quantize_lm_head and not scheme.quantize_lm_head:
+        scheme = float_scheme() if name == FLOAT_SCHEME else get_scheme(name)
+        if self.quantize_lm_head and not scheme.quantize_lm_head and name != FLOAT_SCHEME:
             scheme = replace(scheme, name=f"{scheme.name}+head", quantize_lm_head=True)
+        if self.kv is not None:
+            scheme = replace(scheme, name=f"{scheme.name}+{self.kv.label}")
         return scheme
 
+    def kv_record(self) -> dict[str, Any] | None:
+        """The ``kv`` block of this grid's quantised records (None: the KV cache stays float)."""
+        return None if self.kv is None else self.kv.to_dict()
+
     def scheme_record(self, name: str) -> dict[str, Any]:
-        """What a record says of its scheme: the full config plus the layers kept in float by ``exclude``."""
-        return {**self.scheme(name).to_dict(), "exclude": list(self.exclude)}
+        """What a record says of its scheme: the full config plus the layers kept in float by ``exclude``, and for
+        a calibrated scheme (SmoothQuant, static scales) where its calibration windows came from."""
+        from qbench.quant.calibrate import needs_calibration
+
+        scheme = self.scheme(name)
+        record = {**scheme.to_dict(), "exclude": list(self.exclude)}
+        if needs_calibration(scheme):
+            record["calibration"] = {
+                "corpus": self.protocol.corpus,
+                "split": "train",
+                "windows": scheme.calib_windows,
+                "seed": scheme.calib_seed,
+                "selection": "first windows" if scheme.calib_seed is None else "seeded sample",
+            }
+        return record
 
 
 def record_path(output_path: Path, model_name: str, scheme: str | None, mode: str | None) -> Path:
-    return output_path / model_name / ("fp.json" if scheme is None else f"{scheme}__{mode}.json")
+    """``<model>/fp.json`` or ``<model>/<scheme>__<mode>.json``; an override name's ':' becomes '@' in the file."""
+    stem = None if scheme is None else scheme.replace(":", "@")
+    return output_path / model_name / ("fp.json" if stem is None else f"{stem}__{mode}.json")
+
+
+def float_scheme() -> Any:
+    """The ``fp`` grid scheme: nothing is quantised (no layer replaced), so only ``GridSpec.kv`` acts."""
+    from qbench.quant.schemes import QuantScheme
+
+    return QuantScheme(FLOAT_SCHEME, "weights and activations in float", weight_bits=None)
+
+
+def is_float_scheme(scheme: Any) -> bool:
+    return scheme.weight_bits is None and scheme.act_bits is None and scheme.out_bits is None
 
 
 def _finite(x: float) -> float | None:
@@ -142,6 +193,7 @@ class ModelEvaluation:
         self._lm = lm
         self._windows: Windows | None = None
         self._fp: dict[str, Any] | None = None
+        self.fp_reused = False  # whether fp_record() came from disk
 
     @property
     def lm(self) -> LoadedModel:
@@ -166,10 +218,16 @@ class ModelEvaluation:
         return self._windows
 
     def matches(self, record: dict[str, Any]) -> bool:
-        """Whether ``record`` was made from these very weights under this protocol (then it can be reused)."""
-        return record.get("protocol") == self.protocol_record() and record.get("model", {}).get(
-            "fingerprint"
-        ) == self.lm.description.get("fingerprint")
+        """Whether ``record`` was made from these very weights, under this protocol, by this evaluation code
+        (then it can be reused). Unknown weights (no fingerprint: a hub model whose commit is unknown) never
+        match, not even another unknown."""
+        fingerprint = self.lm.description.get("fingerprint")
+        return (
+            fingerprint is not None
+            and record.get("model", {}).get("fingerprint") == fingerprint
+            and record.get("eval_version") == EVAL_VERSION
+            and record.get("protocol") == self.protocol_record()
+        )
 
     def protocol_record(self) -> dict[str, Any]:
         record = protocol_record(self.spec.protocol, self.windows, self.lm.tokenizer, self.spec.dtype)
@@ -179,10 +237,10 @@ class ModelEvaluation:
         """The float baseline (perplexity, outliers, massive activations), read from disk when already there."""
         if self._fp is not None:
             return self._fp
-        path = record_path(self.spec.output_path, self.name, None, None)
+        path = record_path(self.spec.baseline_path or self.spec.output_path, self.name, None, None)
         existing = _read_record(path)
         if existing and self.matches(existing) and "linear_ranges" in existing:  # older records lack them
-            self._fp = existing
+            self._fp, self.fp_reused = existing, True
             return existing
         start = time.perf_counter()
         ppl = perplexity(self.lm.model, self.windows, self.spec.protocol.batch_size, self.spec.device)
@@ -243,8 +301,10 @@ class ModelEvaluation:
             status, error = "nonfinite", f"perplexity is {value} (the quantised model produced NaN/inf)"
         return {
             "record_version": RECORD_VERSION,
+            "eval_version": EVAL_VERSION,
             "model": {"name": self.name, **self.lm.description},
             "scheme": scheme,
+            "kv": self.spec.kv_record() if mode != "float" else None,
             "mode": mode,
             "backend": backend,
             "protocol": self.protocol_record(),
@@ -283,13 +343,18 @@ class ModelEvaluation:
         fp_ppl = {"perplexity": fp["metrics"]["fp_perplexity"] or float("nan")}
         outliers = {**fp["outliers"], "per_layer": fp.get("outliers_per_layer")}
         try:
-            qmodel = quantize(
-                self.lm.model,
-                scheme,
-                mode=mode,
-                exclude=self.spec.exclude,
-                calibration=self._calibration() if _needs_calibration(scheme) else None,
+            qmodel = (
+                self.lm.model
+                if is_float_scheme(scheme)
+                else quantize(
+                    self.lm.model,
+                    scheme,
+                    mode=mode,
+                    exclude=self.spec.exclude,
+                    calibration=self._calibration(scheme) if _needs_calibration(scheme) else None,
+                )
             )
+            qmodel = self._with_kv(qmodel)
         except UserError as e:  # e.g. no real kernel for this scheme here: recorded, the grid goes on
             return self._record(
                 self.spec.scheme_record(scheme_name),
@@ -337,23 +402,47 @@ class ModelEvaluation:
             _model_bytes(qmodel),
         )
 
-    def _calibration(self) -> torch.Tensor:
-        """SmoothQuant's calibration windows: the first 8 windows of the *train* split (never the evaluated text)."""
-        from dataclasses import replace
+    def _with_kv(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` with the grid's KV-cache quantisation: a copy of the float model, or ``quantize``'s own copy
+        changed in place (``qbench.quant.kv``)."""
+        from qbench.quant.kv import apply_kv, attach_kv
 
-        train = replace(self.spec.protocol, split="train", tokens=8 * (self.windows.window - 1))
-        return make_windows(self.lm.tokenizer, train, context_length(self.lm.model)).ids
+        if self.spec.kv is None:
+            return model
+        return apply_kv(model, self.spec.kv) if model is self.lm.model else attach_kv(model, self.spec.kv)
+
+    def _calibration(self, scheme: Any) -> torch.Tensor:
+        """Calibration windows (SmoothQuant, static scales): ``scheme.calib_windows`` windows of the *train*
+        split (never the evaluated text), the evaluation's window length (``calibration_windows``)."""
+        return calibration_windows(self.lm.tokenizer, self.spec.protocol, self.windows.window, scheme)
+
+
+def calibration_windows(tokenizer: Any, protocol: Protocol, window: int, scheme: Any) -> torch.Tensor:
+    """The train-split windows a calibrated scheme uses: the first N (``calib_seed=None``), or a seeded sample of N
+    from the first ``POOL_FACTOR``·N (``calibrate.select_windows``). One definition for the harness and lm-eval."""
+    from dataclasses import replace
+
+    from qbench.quant.calibrate import POOL_FACTOR, select_windows
+
+    n = scheme.calib_windows * (1 if scheme.calib_seed is None else POOL_FACTOR)
+    per_window = window - 1 if protocol.bos else window
+    train = replace(protocol, split="train", tokens=n * per_window, window=window)
+    ids = make_windows(tokenizer, train, window).ids
+    return select_windows(ids, scheme.calib_windows, scheme.calib_seed)
 
 
 def _needs_calibration(scheme: Any) -> bool:
-    return getattr(scheme, "method", "") == "smoothquant"
+    from qbench.quant.calibrate import needs_calibration
+
+    return needs_calibration(scheme)
 
 
 def _backend(model: torch.nn.Module, mode: str) -> str:
     from qbench.quant.apply import real_kernels
 
     if mode == "fake":
-        return "fake-quant (torch.library ops)"
+        fmt = (getattr(model, "qbench_scheme", None) or {}).get("format", "int")
+        return "fake-quant (torch.library ops)" if fmt == "int" else f"fake-quant ({fmt}, plain torch)"
     return ", ".join(real_kernels(model)) or "torch"
 
 
@@ -371,19 +460,34 @@ def _read_record(path: Path) -> dict[str, Any] | None:
 
 
 def cells(spec: GridSpec) -> list[tuple[str, str]]:
-    return [(scheme, mode) for scheme in spec.schemes for mode in spec.modes]
+    """(scheme, mode) pairs; the ``fp`` scheme (float weights + quantised KV cache) once, in fake mode."""
+    if FLOAT_SCHEME in spec.schemes and spec.kv is None:
+        raise UserError(
+            "scheme 'fp' (float weights and activations) is a cell only with a quantised KV cache (--kv-bits); "
+            "the float baseline is always evaluated"
+        )
+    return [
+        (scheme, mode)
+        for scheme in spec.schemes
+        for mode in (["fake"] if scheme == FLOAT_SCHEME else spec.modes)
+    ]
 
 
-def run_grid(spec: GridSpec, on_record: Callable[[dict[str, Any], bool], None] | None = None) -> list[dict]:
+def run_grid(
+    spec: GridSpec,
+    on_record: Callable[[dict[str, Any], bool], None] | None = None,
+    loaded: dict[str, LoadedModel] | None = None,
+) -> list[dict]:
     """Evaluate every (model, scheme, mode) cell not already on disk; returns all records (fp ones first).
 
-    ``on_record(record, reused)`` is called after each cell, for progress display.
+    ``on_record(record, reused)`` is called after each cell, for progress display. ``loaded``: models already
+    in memory, by their entry in ``spec.models`` (callers that run many small grids on one model load it once).
     """
 
     records: list[dict] = []
     sources: dict[str, str] = {}
     for model_spec in spec.models:
-        evaluation = ModelEvaluation(spec, model_spec)
+        evaluation = ModelEvaluation(spec, model_spec, lm=(loaded or {}).get(model_spec))
         if sources.setdefault(evaluation.name, evaluation.lm.source) != evaluation.lm.source:
             raise UserError(
                 f"two models are both named {evaluation.name!r} ({sources[evaluation.name]} and "
@@ -392,20 +496,28 @@ def run_grid(spec: GridSpec, on_record: Callable[[dict[str, Any], bool], None] |
             )
         records.append(evaluation.fp_record())
         if on_record:
-            on_record(records[-1], False)
+            on_record(records[-1], evaluation.fp_reused)
         for scheme, mode in cells(spec):
-            path = record_path(spec.output_path, evaluation.name, spec.scheme(scheme).name, mode)
-            existing = _read_record(path)
-            reusable = (
-                existing is not None
-                and evaluation.matches(existing)
-                and existing.get("scheme") == spec.scheme_record(scheme)
-                and existing.get("status") != "unsupported"
-            )
-            record = existing if reusable else evaluation.quantised_record(scheme, mode)
-            if not reusable:
-                atomic_write_json(path, record)
+            record, reusable = cell_record(spec, evaluation, scheme, mode)
             records.append(record)
             if on_record:
                 on_record(record, reusable)
     return records
+
+
+def cell_record(spec: GridSpec, evaluation: ModelEvaluation, scheme: str, mode: str) -> tuple[dict, bool]:
+    """One quantised cell: its record from disk when reusable, else evaluated and written atomically.
+    Returns (record, reused). ``qbench.eval.ranks`` calls it for the cells of one rank."""
+    path = record_path(spec.output_path, evaluation.name, spec.scheme(scheme).name, mode)
+    existing = _read_record(path)
+    reusable = (
+        existing is not None
+        and evaluation.matches(existing)
+        and existing.get("scheme") == spec.scheme_record(scheme)
+        and existing.get("kv") == spec.kv_record()
+        and existing.get("status") != "unsupported"
+    )
+    record = existing if reusable else evaluation.quantised_record(scheme, mode)
+    if not reusable:
+        atomic_write_json(path, record)
+    return record, reusable

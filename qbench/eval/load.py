@@ -3,9 +3,13 @@
 Resolution, in order:
 1. a folder whose config.json says ``"format": "qbench.checkpoint"`` → ``models.load_checkpoint``;
 2. a folder with a transformers config.json → ``AutoModelForCausalLM.from_pretrained(..., local_files_only=True)``;
-3. a bare name NAME for which ``ckpts/NAME`` is one of the above → that folder (so ``qbench run --ckpt ortho``
+3. a ``.gguf`` file, or a folder holding exactly one (and no config.json) → transformers' GGUF reader
+   (``from_pretrained(folder, gguf_file=...)``, needs the ``gguf`` package: ``pip install 'qbench[gguf]'``),
+   weights dequantised to float and the tokenizer built from the same file. A GGUF's weights already lie on a
+   quantisation grid (Q8_0, Q4_K, ...), so the model block records the file's own tensor types;
+4. a bare name NAME for which ``ckpts/NAME`` is one of the above → that folder (so ``qbench run --ckpt ortho``
    finds ``ckpts/ortho``);
-4. otherwise a hub name ("org/model"), loaded only when a hub is reachable — offline it is a clear error.
+5. otherwise a hub name ("org/model"), loaded only when a hub is reachable — offline it is a clear error.
 
 Safety: ``trust_remote_code`` stays off unless asked; weights are read from safetensors only unless the user
 passes ``allow_unsafe_weights`` (pickle-based ``.bin`` files can run code when unpickled).
@@ -72,16 +76,34 @@ def _is_transformers_folder(path: Path) -> bool:
         return False
 
 
+def _gguf_in(path: Path) -> Path | None:
+    """``path`` itself when it is a ``.gguf`` file; the one ``.gguf`` file of a folder without config.json."""
+    if path.is_file():
+        return path if path.suffix.lower() == ".gguf" else None
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        names = ", ".join(f.name for f in found)
+        raise UserError(f"{path} holds {len(found)} GGUF files ({names}); give the one to load as --ckpt")
+    return found[0] if found else None
+
+
 def resolve(spec: str) -> Path | str:
-    """The folder a ``--ckpt`` value names, or the string itself when it can only be a hub name."""
+    """The folder (or ``.gguf`` file) a ``--ckpt`` value names, or the string itself when it can only be a hub
+    name."""
     path = Path(spec)
     for candidate in (path, CKPT_ROOT / spec):
         if candidate.is_dir() and (is_checkpoint(candidate) or _is_transformers_folder(candidate)):
             return candidate
+        gguf = _gguf_in(candidate)
+        if gguf is not None:
+            return gguf
     if path.exists():
         raise UserError(
             f'{spec!r} is neither a qbench checkpoint (config.json with "format": '
-            '"qbench.checkpoint") nor a transformers model folder (config.json with "model_type")'
+            '"qbench.checkpoint"), a transformers model folder (config.json with "model_type") nor a '
+            ".gguf file (or a folder holding one)"
         )
     if "/" in spec and not spec.startswith((".", "/")) and spec.count("/") == 1:
         return spec  # looks like org/name on a hub
@@ -117,15 +139,24 @@ def load_model(
             "provenance": ckpt.provenance,
         }
         return LoadedModel(ckpt.model, ckpt.tokenizer, target.name, str(target), description)
+    if isinstance(target, Path) and target.is_file():
+        from qbench.eval.gguf import load_gguf
+
+        model, tokenizer, description = load_gguf(target, torch_dtype, dtype, device)
+        description["fingerprint"] = _weights_fingerprint(target)
+        return LoadedModel(model, tokenizer, target.stem, str(target), description)
     return _load_transformers(target, torch_dtype, dtype, device, trust_remote_code, allow_unsafe_weights)
 
 
 def _weights_fingerprint(folder: Path) -> str:
-    """sha256 over the weight files' names, sizes and modification times: cheap, and changes when they do."""
+    """sha256 over the weight files' names, sizes and modification times: cheap, and changes when they do.
+
+    ``folder`` may also be one weights file (a ``.gguf``)."""
     import hashlib
 
     h = hashlib.sha256()
-    for f in sorted([*folder.glob("*.safetensors"), *folder.glob("*.bin")]):
+    files = [folder] if folder.is_file() else [*folder.glob("*.safetensors"), *folder.glob("*.bin")]
+    for f in sorted(files):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
     return h.hexdigest()

@@ -2,8 +2,9 @@
 (definitions in ``models.stats``), and massive activations (Sun et al., 2024).
 
 Perplexity protocol (token level, never word or byte level):
-- text: the ``split`` ("validation" by default) of ``corpus``, tokenised with the model's own tokenizer, each
-  document preceded by ``<|endoftext|>``, concatenated (``trainers.data.token_stream``);
+- text: the ``split`` of ``corpus`` (default: "validation" of a registered corpus, "all" of a user's own file or
+  folder — ``trainers.data.default_split``), tokenised with the model's own tokenizer, each document preceded by
+  ``<|endoftext|>``, concatenated (``trainers.data.token_stream``);
 - budget: the first ``tokens`` tokens of that stream are scored, each exactly once (rounded down to whole
   windows, but at least one window: ``tokens_scored`` in the record is the exact count);
 - windows: non-overlapping (stride = window), each of ``window`` positions (default: the model's context),
@@ -36,12 +37,18 @@ from qbench.eval.adapters import forward_observed, logits, observe_any
 @dataclass(frozen=True)
 class Protocol:
     corpus: str = "embedded"
-    split: str = "validation"
+    split: str | None = None  # None: trainers.data.default_split(corpus), resolved here so records name it
     tokens: int = 32768
     window: int | None = None  # None: the model's context length
     bos: bool = True
     batch_size: int = 8
     outlier_windows: int = 8  # windows (from the start of the same text) for outlier/attention statistics
+
+    def __post_init__(self) -> None:
+        if self.split is None:
+            from trainers.data import default_split
+
+            object.__setattr__(self, "split", default_split(self.corpus))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -243,9 +250,12 @@ def linear_ranges(
     Per layer (every ``nn.Linear`` / ``Conv1D``, the LM head included and marked): the input's *crest factor*
     (max |x| / RMS(x) over all windows: with one scale per sequence the int8 step is up to crest/127 RMS, so a crest in the hundreds erases
     most of the input), the SQNR in dB of an absmax int8 round trip of the input with one scale per sequence
-    (as the per-tensor schemes do), and the weight's crest factor (one scale for the whole matrix). The summary
-    takes the worst layer among those the schemes quantise by default (all but the LM head).
+    (as the per-tensor schemes do), the input's raw kurtosis across channels per token averaged over tokens
+    (``models.stats.raw_kurtosis``: 3 for a Gaussian; a few outlier channels make it large), its max |x|
+    (``input_absmax``) and the weight's crest factor (one scale for the whole matrix). The summary takes the
+    worst layer among those the schemes quantise by default (all but the LM head).
     """
+    from models.stats import raw_kurtosis
     from qbench.quant.apply import is_linear, linear_weight, lm_head_names
 
     heads = lm_head_names(model)
@@ -256,7 +266,12 @@ def linear_ranges(
             x = args[0].detach().float()
             per_sequence = tuple(range(1, x.dim()))
             step = x.abs().amax(dim=per_sequence, keepdim=True).clamp_min(1e-12) / 127
-            s = sums.setdefault(name, {"absmax": 0.0, "sumsq": 0.0, "noise": 0.0, "count": 0})
+            s = sums.setdefault(
+                name, {"absmax": 0.0, "sumsq": 0.0, "noise": 0.0, "count": 0, "kurt": 0.0, "tokens": 0}
+            )
+            kurt = raw_kurtosis(x)  # (B, T): each token's kurtosis across the C input channels
+            s["kurt"] += kurt.sum().item()
+            s["tokens"] += kurt.numel()
             s["absmax"] = max(s["absmax"], x.abs().max().item())
             s["sumsq"] += x.pow(2).sum().item()
             s["noise"] += (x - torch.round(x / step) * step).pow(2).sum().item()
@@ -281,6 +296,7 @@ def linear_ranges(
             "input_rms": rms,
             "input_crest": s["absmax"] / rms if rms > 0 else None,
             "input_int8_sqnr_db": 10 * math.log10(s["sumsq"] / s["noise"]) if s["noise"] > 0 else None,
+            "input_kurtosis": s["kurt"] / max(s["tokens"], 1),
             "weight_crest": (weight.abs().max() / weight.pow(2).mean().sqrt().clamp_min(1e-30)).item(),
         }
     body = [v for v in per_layer.values() if not v["lm_head"]]
@@ -294,5 +310,6 @@ def linear_ranges(
         "max_input_crest": worst("input_crest", max),
         "min_input_int8_sqnr_db": worst("input_int8_sqnr_db", min),
         "max_weight_crest": worst("weight_crest", max),
+        "max_input_kurtosis": worst("input_kurtosis", max),
         "per_layer": per_layer,
     }

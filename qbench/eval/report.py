@@ -27,9 +27,17 @@ OUTLIER_COLUMNS = (
 
 
 def read_records(folder: Path) -> list[dict[str, Any]]:
-    """All records under ``folder`` (a model's result folder, or a folder of those)."""
+    """All records under ``folder`` (a model's result folder, or a folder of those).
+
+    A ``qbench sweep`` folder below ``folder`` (one holding ``sweep.json``) is left out: its dozens of
+    bit-width cells are read through its own table, and ``compare --breaking-points`` summarises them. Naming
+    the sweep folder itself reads its records.
+    """
     records = []
+    sweeps = [p.parent for p in folder.rglob("sweep.json") if p.parent != folder]
     for path in sorted(folder.rglob("*.json")):
+        if any(path.is_relative_to(s) for s in sweeps):
+            continue
         try:
             record = json.loads(path.read_text())
         except ValueError:
@@ -70,30 +78,40 @@ def _cell(record: dict[str, Any]) -> str:
     return f"{m['perplexity']:.2f} ({m['ppl_change_pct']:+.2f}%)"
 
 
-def comparison(records: Iterable[dict[str, Any]]) -> tuple[list[str], list[list[str]], str]:
-    """(headers, rows, caption) of the comparison table."""
+def comparison(
+    records: Iterable[dict[str, Any]], extra: dict[str, dict[str, str]] | None = None
+) -> tuple[list[str], list[list[str]], str]:
+    """(headers, rows, caption) of the comparison table; ``extra`` adds columns {row label: {header: text}}
+    (e.g. breaking points from ``qbench.studies.sweep.breaking_point_columns``)."""
     records = list(records)
     if not records:
         raise UserError("no result records to compare")
     columns = sorted(dict.fromkeys(cell_key(r) for r in records if cell_key(r) != "fp"), key=_column_order)
-    headers = ["model", "fp", *columns, *(label for _, label in OUTLIER_COLUMNS)]
+    extra = extra or {}
+    extra_headers = list(dict.fromkeys(h for cols in extra.values() for h in cols))
+    headers = ["model", "fp", *columns, *(label for _, label in OUTLIER_COLUMNS), *extra_headers]
     rows = []
     for label, cells in cells_by_model(records).items():
         fp = cells.get("fp")
         outliers = fp["outliers"] if fp else {}
         row = [label, _cell(fp) if fp else "-", *(_cell(cells[c]) if c in cells else "-" for c in columns)]
         row += [_outlier(outliers.get(key), key) for key, _ in OUTLIER_COLUMNS]
+        row += [extra.get(label, {}).get(h, "-") for h in extra_headers]
         rows.append(row)
     return headers, rows, caption(records)
 
 
-def _column_order(column: str) -> tuple[int, str]:
-    """Registry order (the paper's schemes first, then the baselines), fake before real."""
+def _column_order(column: str) -> tuple[int, int, str, str]:
+    """Registry order (the paper's schemes first, then the baselines; ``fp+kv…`` first), each scheme's KV-cache
+    variants (``+kv4``) after it from wide to narrow, fake before real."""
     from qbench.quant.schemes import SCHEMES
 
     scheme, mode = column.rsplit("/", 1)
-    names = SCHEMES.names()
-    return (names.index(scheme) if scheme in names else len(names), mode)
+    base, _, kv = scheme.partition("+kv")
+    base, names = base.removesuffix("+head"), SCHEMES.names()
+    index = -1 if base == "fp" else names.index(base) if base in names else len(names)
+    kv_bits = int(kv.split("-")[0]) if kv[:1].isdigit() else 99  # no KV quantisation first
+    return (index, -kv_bits, scheme, mode)
 
 
 def _outlier(value: Any, key: str) -> str:
@@ -121,15 +139,22 @@ def caption(records: list[dict[str, Any]]) -> str:
     excluded = sorted({p for r in records for p in (r["scheme"].get("exclude") or [])})
     if excluded:
         text += f" Layers kept in float (--exclude): {', '.join(excluded)}."
+    if any(r.get("kv") for r in records):
+        text += (
+            " +kvN: KV cache quantised to N bits after RoPE (KIVI: asymmetric round-to-nearest, keys per channel "
+            "over the scored window, values per token; -tok: keys per token too; -keepK: positions < K float)."
+        )
     return text
 
 
-def render(records: Iterable[dict[str, Any]], fmt: str = "md") -> str:
+def render(
+    records: Iterable[dict[str, Any]], fmt: str = "md", extra: dict[str, dict[str, str]] | None = None
+) -> str:
     """The comparison as markdown, CSV, LaTeX or JSON text (``table`` is printed by the CLI with rich)."""
     if fmt not in FORMATS:
         raise unknown_choice("format", fmt, FORMATS)
     records = list(records)
-    headers, rows, text = comparison(records)
+    headers, rows, text = comparison(records, extra)
     if fmt == "json":
         return json.dumps({"caption": text, "headers": headers, "rows": rows}, indent=2)
     if fmt == "csv":
@@ -140,16 +165,22 @@ def render(records: Iterable[dict[str, Any]], fmt: str = "md") -> str:
         return buf.getvalue()
     from tabulate import tabulate
 
+    # Cells are already formatted text: no number parsing (it would print "NaN" as "nan" and re-round values).
+    style = dict(disable_numparse=True, colalign=("left",) + ("right",) * (len(headers) - 1))
     if fmt == "latex":
-        body = tabulate(rows, headers, tablefmt="latex_booktabs")
+        body = tabulate(rows, headers, tablefmt="latex_booktabs", **style)
         return f"% {text}\n{body}"
-    return f"{tabulate(rows, headers, tablefmt='github')}\n\n{text}\n"
+    return f"{tabulate(rows, headers, tablefmt='github', **style)}\n\n{text}\n"
 
 
-def rich_table(records: Iterable[dict[str, Any]], title: str = "qbench comparison"):
+def rich_table(
+    records: Iterable[dict[str, Any]],
+    title: str = "qbench comparison",
+    extra: dict[str, dict[str, str]] | None = None,
+):
     from rich.table import Table
 
-    headers, rows, text = comparison(list(records))
+    headers, rows, text = comparison(list(records), extra)
     table = Table(title=title, caption=text, title_justify="left", caption_justify="left")
     for i, h in enumerate(headers):
         table.add_column(

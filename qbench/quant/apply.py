@@ -15,9 +15,11 @@
   (``llm-int8``, ``bnb-nf4``) in either mode: ``qbench.quant.kernels.make_real_linear(weight, bias, scheme,
   input_scale=, rotation=)`` with the same arguments as the fake layer; a scheme with no real kernel on the
   device raises ``UserError`` there (never a silent float run).
-- SmoothQuant needs ``calibration``: token windows (B, T) run through the float model with forward pre-hooks on
-  the targets, collecting each input channel's max |x| over all tokens; then
-  s_j = clamp(max|X_j|^α / clamp(max_i |W_ij|, 1e-5)^(1−α), 1e-5) (SmoothQuant's reference code).
+- SmoothQuant and static scales (``scheme.static``) need ``calibration``: token windows (B, T) run once through
+  the float model with hooks on the targets (``calibrate.observe``). SmoothQuant uses each input channel's
+  max |x| over all tokens: s_j = clamp(max|X_j|^α / clamp(max_i |W_ij|, 1e-5)^(1−α), 1e-5) (SmoothQuant's
+  reference code); static scales the observed ranges of the transformed input and the output (``static.py``),
+  passed to the layers as ``act_static=`` / ``out_static=``.
 - Hadamard: one seeded :class:`~qbench.quant.fake.HadamardRotation` per layer input dimension.
 """
 
@@ -29,15 +31,14 @@ import importlib
 import sys
 from collections.abc import Iterable
 
-import torch
 from torch import Tensor, nn
 
 from models.errors import UserError, unknown_choice
+from qbench.quant.calibrate import Observed, check_calibration, needs_calibration, observe, static_quantizers
 from qbench.quant.fake import FakeQuantLinear, HadamardRotation
 from qbench.quant.schemes import BNB_METHODS, QuantScheme, get_scheme
 
 MODES = ("fake", "real")
-CALIBRATION_BATCH = 8  # windows per forward pass while calibrating SmoothQuant
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -95,54 +96,26 @@ def select_layers(model: nn.Module, scheme: QuantScheme, exclude: Iterable[str] 
     }
 
 
-def _model_device(model: nn.Module) -> torch.device:
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
-
-
-def _input_absmax(model: nn.Module, layers: dict[str, nn.Module], calibration: Tensor) -> dict[str, Tensor]:
-    """max |x_j| per input channel j of each layer, over every calibration token (float model, no grad)."""
-    amax: dict[str, Tensor] = {}
-
-    def hook(name: str):
-        def record(module: nn.Module, args: tuple) -> None:
-            x = args[0].detach()
-            m = x.abs().reshape(-1, x.shape[-1]).amax(0).float()
-            amax[name] = m if name not in amax else torch.maximum(amax[name], m)
-
-        return record
-
-    modes = {m: m.training for m in model.modules()}
-    handles = [m.register_forward_pre_hook(hook(name)) for name, m in layers.items()]
-    try:
-        model.eval()
-        with torch.no_grad():
-            for batch in calibration.to(_model_device(model)).split(CALIBRATION_BATCH):
-                model(batch)
-    finally:
-        for h in handles:
-            h.remove()
-        for m, training in modes.items():  # restore exactly: the float model must come back untouched
-            m.training = training
-    return amax
+def smoothquant_from_observed(
+    layers: dict[str, nn.Module], observed: dict[str, Observed], alpha: float
+) -> dict[str, Tensor]:
+    """Per-layer SmoothQuant input scales s (in,) from each layer's observed per-channel max |x|."""
+    scales = {}
+    for name, module in layers.items():
+        if name not in observed:
+            raise UserError(f"smoothquant: layer {name!r} never ran during calibration; exclude it")
+        # (in,): each input channel's max |W| over the output channels
+        w_max = linear_weight(module)[0].abs().amax(0).float().clamp_min(1e-5)
+        scales[name] = (observed[name].in_absmax.pow(alpha) / w_max.pow(1 - alpha)).clamp_min(1e-5)
+    return scales
 
 
 def smoothquant_scales(
     model: nn.Module, layers: dict[str, nn.Module], calibration: Tensor | None, alpha: float
 ) -> dict[str, Tensor]:
     """Per-layer SmoothQuant input scales s (in,), from calibration windows run through the float model."""
-    if not isinstance(calibration, Tensor) or calibration.ndim < 1 or len(calibration) == 0:
-        raise UserError(
-            "smoothquant needs calibration: a tensor of token windows (B, T), e.g. validation windows"
-        )
-    amax = _input_absmax(model, layers, calibration)
-    scales = {}
-    for name, module in layers.items():
-        if name not in amax:
-            raise UserError(f"smoothquant: layer {name!r} never ran during calibration; exclude it")
-        # (in,): each input channel's max |W| over the output channels
-        w_max = linear_weight(module)[0].abs().amax(0).float().clamp_min(1e-5)
-        scales[name] = (amax[name].pow(alpha) / w_max.pow(1 - alpha)).clamp_min(1e-5)
-    return scales
+    observed = observe(model, layers, check_calibration(calibration, "smoothquant"))
+    return smoothquant_from_observed(layers, observed, alpha)
 
 
 def _real_linear(weight: Tensor, bias: Tensor | None, scheme: QuantScheme, **transforms: object) -> nn.Module:
@@ -164,23 +137,58 @@ def _real_linear(weight: Tensor, bias: Tensor | None, scheme: QuantScheme, **tra
     return make_real_linear(weight, bias, scheme, **transforms)
 
 
+def _rotations(layers: dict[str, nn.Module], scheme: QuantScheme) -> dict[str, nn.Module]:
+    """Hadamard: one seeded rotation per input size, shared by the layers of that size (same signs, stored once)."""
+    if scheme.method != "hadamard":
+        return {}
+    by_dim: dict[int, nn.Module] = {}
+    out = {}
+    for name, module in layers.items():
+        weight = linear_weight(module)[0]
+        dim = weight.shape[1]
+        if dim not in by_dim:
+            by_dim[dim] = HadamardRotation(dim, seed=int(scheme.param("seed"))).to(weight.device)
+        out[name] = by_dim[dim]
+    return out
+
+
 def _replacement(
     module: nn.Module,
     scheme: QuantScheme,
     mode: str,
     input_scale: Tensor | None,
-    rotations: dict[int, nn.Module],
+    rotation: nn.Module | None,
+    static: tuple[nn.Module | None, nn.Module | None] = (None, None),
 ) -> nn.Module:
     weight, bias = linear_weight(module)
-    rotation = None
-    if scheme.method == "hadamard":
-        dim = weight.shape[1]
-        if dim not in rotations:
-            rotations[dim] = HadamardRotation(dim, seed=int(scheme.param("seed"))).to(weight.device)
-        rotation = rotations[dim]  # shared by the layers of one input size: one seed, same signs, stored once
+    extra = {"act_static": static[0], "out_static": static[1]} if scheme.static else {}
     if mode == "real" or scheme.method in BNB_METHODS:
-        return _real_linear(weight, bias, scheme, input_scale=input_scale, rotation=rotation)
-    return FakeQuantLinear(weight, bias, scheme, input_scale=input_scale, rotation=rotation)
+        return _real_linear(weight, bias, scheme, input_scale=input_scale, rotation=rotation, **extra)
+    return FakeQuantLinear(weight, bias, scheme, input_scale=input_scale, rotation=rotation, **extra)
+
+
+def _calibrate(
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    scheme: QuantScheme,
+    calibration: Tensor | None,
+    rotations: dict,
+) -> dict[str, Observed]:
+    """One calibration pass for SmoothQuant and/or static scales (``calibrate.py``); {} when none is needed."""
+    if not needs_calibration(scheme):
+        return {}
+    why = "smoothquant" if scheme.method == "smoothquant" else f"scheme {scheme.name!r} (static scales)"
+    observed = observe(
+        model,
+        layers,
+        check_calibration(calibration, why),
+        rotations if scheme.static else None,
+        outputs=scheme.static and scheme.out_bits is not None,
+    )
+    missing = sorted(set(layers) - set(observed))
+    if missing:
+        raise UserError(f"{why}: layer {missing[0]!r} never ran during calibration; exclude it")
+    return observed
 
 
 def _check_not_quantized(model: nn.Module) -> None:
@@ -203,15 +211,23 @@ def quantize(
     scheme = get_scheme(scheme)
     if mode not in MODES:
         raise unknown_choice("quantisation mode", mode, MODES)
+    if mode == "real" and scheme.format != "int":  # formats.py emulates; never fall back to int kernels
+        raise UserError(
+            f"scheme {scheme.name!r}: no real kernel for format {scheme.format!r}; run it with mode='fake'"
+        )
     _check_not_quantized(model)
     layers = select_layers(model, scheme, exclude)
+    rotations = _rotations(layers, scheme)
+    observed = _calibrate(model, layers, scheme, calibration, rotations)
     scales = {}
     if scheme.method == "smoothquant":
-        scales = smoothquant_scales(model, layers, calibration, float(scheme.param("alpha")))
-    rotations: dict[int, nn.Module] = {}
+        scales = smoothquant_from_observed(layers, observed, float(scheme.param("alpha")))
     memo = {}
     for name, module in layers.items():
-        memo[id(module)] = _replacement(module, scheme, mode, scales.get(name), rotations)
+        static = (
+            static_quantizers(scheme, observed[name], scales.get(name)) if scheme.static else (None, None)
+        )
+        memo[id(module)] = _replacement(module, scheme, mode, scales.get(name), rotations.get(name), static)
     quantized = copy.deepcopy(model, memo)
     if scheme.quantize_lm_head and lm_head_names(model) & set(layers):
         config = getattr(quantized, "config", None)

@@ -16,73 +16,64 @@ using :func:`transform_weight` and :func:`transform_input` so that both sides qu
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from models.errors import UserError
+from qbench.quant.float32 import Float32Buffers
+from qbench.quant.formats import INT, fake_quantize_format
 from qbench.quant.granularity import Granularity, PerAxis, PerGroup
+from qbench.quant.hadamard import apply_kron, odd_factor
 from qbench.quant.ops import fake_quantize, fake_quantize_activation
 from qbench.quant.schemes import QuantScheme
 
-_MIN_HADAMARD_BLOCK = 64  # below this a block-diagonal Hadamard mixes too few channels: use a dense rotation
-_MAX_DENSE_DIM = 8192  # a dense fallback rotation costs dim² floats
 
+class HadamardRotation(Float32Buffers):
+    """x ↦ x · Rᵀ for a seeded orthogonal R of the full size ``dim`` (QuaRot-style; ``qbench.quant.hadamard``).
 
-def _fwht(x: Tensor) -> Tensor:
-    """Unnormalised fast Walsh–Hadamard transform over the last dim (a power of two): x ↦ x · H (Sylvester H)."""
-    n = x.shape[-1]
-    h = 1
-    while h < n:
-        x = x.unflatten(-1, (n // (2 * h), 2, h))  # pairs (i, i + h) inside each run of 2h
-        x = torch.stack((x[..., 0, :] + x[..., 1, :], x[..., 0, :] - x[..., 1, :]), dim=-2).flatten(-3)
-        h *= 2
-    return x
-
-
-def hadamard_block_size(dim: int) -> int:
-    """Largest power of two dividing ``dim`` (768 -> 256, 3072 -> 1024, 11008 -> 256)."""
-    return dim & -dim
-
-
-class HadamardRotation(nn.Module):
-    """x ↦ x · Rᵀ for a seeded random orthogonal R of size ``dim`` (QuaRot-style randomised Hadamard).
-
-    R = (I ⊗ H_b / √b) · diag(d): d a random ±1 vector (``torch.Generator`` seeded with ``seed``), H_b the Sylvester
-    Hadamard matrix of the largest power of two b dividing ``dim``, repeated block-diagonally (b = dim when ``dim`` is
-    a power of two). Applied by a fast Walsh–Hadamard transform: O(dim) memory, O(dim log b) time per row.
-    When b < 64 (and dim ≤ 8192) the blocks would mix too few channels, so R is instead a dense Haar-random
-    orthogonal matrix (QR of a seeded Gaussian matrix), stored as a dim × dim buffer.
-    Computed in float32, returned in the input dtype.
+    R = (F ⊗ H_b / √b) · diag(s): s a seeded ±1 vector, H_b Sylvester's Hadamard matrix of a power of two b
+    (applied by a fast Walsh–Hadamard transform), F an explicit orthonormal factor of the rest — a Paley Hadamard
+    matrix when one of that order exists (then R is a Hadamard matrix: 768 = 12 · 64), else a seeded Haar matrix
+    (688 = 43 · 16); an odd part above 4096 uses OrthoAdam's windowed randomised Hadamard. Every output channel
+    mixes every input channel, for every ``dim`` (the old block-diagonal form mixed 256-wide blocks at d = 768
+    and only flipped signs at an odd d). Buffers stay float32 through casts; the input is rotated in float32 and
+    returned in its own dtype.
     """
+
+    _float32_buffers = ("signs", "factor")
 
     def __init__(self, dim: int, seed: int = 0) -> None:
         super().__init__()
         self.dim, self.seed = dim, seed
         gen = torch.Generator().manual_seed(seed)
-        block = hadamard_block_size(dim)
-        self.block = block if block >= min(_MIN_HADAMARD_BLOCK, dim) or dim > _MAX_DENSE_DIM else 0
-        if self.block:
-            signs = torch.randint(0, 2, (dim,), generator=gen).float() * 2 - 1
-            self.register_buffer("signs", signs)
-            self.matrix = None
-        else:
-            q, r = torch.linalg.qr(torch.randn(dim, dim, generator=gen, dtype=torch.float64))
-            haar = q * torch.sign(torch.diagonal(r))  # fixing QR's column signs makes Q Haar-distributed
-            self.register_buffer("matrix", haar.float())
-            self.signs = None
+        factor, self.kind = odd_factor(dim, gen)
+        self._windowed = None
+        if self.kind == "windowed":  # an odd part > MAX_EXPLICIT: O(dim) memory, built on the CPU in float32
+            from trainers.optim.rotations import build_hadamard
+
+            self._windowed = build_hadamard(dim, gen).to(torch.device("cpu"), torch.float32)
+            self.register_buffer("factor", None)
+            self.register_buffer("signs", None)
+            return
+        self.register_buffer("factor", None if factor is None else factor.float())
+        self.register_buffer("signs", torch.randint(0, 2, (dim,), generator=gen).float() * 2 - 1)
 
     def forward(self, x: Tensor) -> Tensor:
         u = x.float()
-        if self.matrix is not None:
-            return (u @ self.matrix.T).to(x.dtype)
-        u = _fwht((u * self.signs).unflatten(-1, (-1, self.block))).flatten(-2)
-        return (u * (1.0 / math.sqrt(self.block))).to(x.dtype)
+        if self._windowed is not None:
+            if self._windowed.device() != u.device:
+                self._windowed = self._windowed.to(u.device, torch.float32)
+            rows = u.reshape(-1, self.dim, 1)
+            return self._windowed.apply(rows).reshape(x.shape).to(x.dtype)
+        return apply_kron(u * self.signs, self.factor).to(x.dtype)
+
+    def matrix(self) -> Tensor:
+        """R itself (dim × dim, float32), for tests and small dims."""
+        return self(torch.eye(self.dim, device=self.signs.device if self.signs is not None else None)).T
 
     def extra_repr(self) -> str:
-        kind = f"block {self.block}" if self.block else "dense Haar"
-        return f"dim={self.dim}, {kind}, seed={self.seed}"
+        return f"dim={self.dim}, {self.kind}, seed={self.seed}"
 
 
 def transform_weight(weight: Tensor, input_scale: Tensor | None, rotation: nn.Module | None) -> Tensor:
@@ -100,6 +91,21 @@ def transform_input(x: Tensor, input_scale: Tensor | None, rotation: nn.Module |
     return rotation(x) if rotation is not None else x
 
 
+def pad_to_groups(w: Tensor, granularity: Granularity) -> Tensor:
+    """Zero-pad the last dim to a multiple of a ``PerGroup`` size (else ``w`` itself): a ragged row's last group is
+    then shorter, with its own scale. Exact: absmax's max|x| and zeropoint's [min(x, 0), max(x, 0)] ignore zeros."""
+    if isinstance(granularity, PerGroup) and w.shape[-1] % granularity.group_size:
+        return F.pad(w, (0, -w.shape[-1] % granularity.group_size))
+    return w
+
+
+def fake_quantize_weight(w: Tensor, bits: int, granularity: Granularity, symmetric: bool) -> Tensor:
+    """``ops.fake_quantize`` of a weight, allowing a group size that does not divide the row (:func:`pad_to_groups`)."""
+    padded = pad_to_groups(w, granularity)
+    y = fake_quantize(padded, bits, granularity, symmetric)
+    return y if padded is w else y[..., : w.shape[-1]].contiguous()
+
+
 def describe(bits: int | None, granularity: Granularity, symmetric: bool, role: str) -> str:
     """``W8 per-channel``, ``A8 per-token``, ``W4 zp per-channel``, ``O8 per-sequence``; '' when float."""
     if bits is None:
@@ -115,13 +121,16 @@ def describe(bits: int | None, granularity: Granularity, symmetric: bool, role: 
     return f"{role}{bits}{'' if symmetric else ' zp'} {words}"
 
 
-class FakeQuantLinear(nn.Module):
+class FakeQuantLinear(Float32Buffers):
     """y = Q_out(Q_act(R(x / s)) · Ŵᵀ + b), Ŵ = Q_w(R(W · diag(s))) precomputed (see the module docstring).
 
     ``weight`` is (out, in) — a transformers GPT-2 ``Conv1D`` weight must be transposed first. The fake-quantised
     weight and the bias are frozen parameters (``requires_grad=False``); gradients reach the input through the
-    ops' straight-through estimator.
+    ops' straight-through estimator. A cast (``model.to(torch.bfloat16)``) casts the weight like any model's, but
+    keeps the SmoothQuant scale and the rotation in float32 (``qbench.quant.float32``).
     """
+
+    _float32_buffers = ("input_scale",)
 
     def __init__(
         self,
@@ -131,27 +140,47 @@ class FakeQuantLinear(nn.Module):
         *,
         input_scale: Tensor | None = None,
         rotation: nn.Module | None = None,
+        act_static: nn.Module | None = None,
+        out_static: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.scheme = scheme
         w = transform_weight(weight, input_scale, rotation)
-        if scheme.weight_bits is not None:
-            w = fake_quantize(w, scheme.weight_bits, scheme.weight_granularity, scheme.weight_symmetric)
+        if scheme.weight_bits is not None and scheme.format != INT:  # a float format (formats.py)
+            w = fake_quantize_format(w, scheme.format, scheme.weight_granularity, activation=False)
+        elif scheme.weight_bits is not None:
+            granularity = scheme.weight_granularity_for(self.in_features)  # a group ≥ the row: per channel
+            w = fake_quantize_weight(w, scheme.weight_bits, granularity, scheme.weight_symmetric)
         self.weight = nn.Parameter(w.to(weight.dtype), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.register_buffer(
             "input_scale", None if input_scale is None else input_scale.detach().float().clone()
         )
         self.rotation = rotation
+        # static (calibrated) scales, ``static.StaticQuantizer``; None: dynamic scales per sequence
+        mismatched = (act_static is None) != (scheme.act_bits is None) or (out_static is None) != (
+            scheme.out_bits is None
+        )
+        if scheme.static and mismatched:
+            raise UserError(
+                f"scheme {scheme.name!r} uses static scales: build it with quantize(..., calibration=windows)"
+            )
+        self.act_static, self.out_static = act_static, out_static
 
     def forward(self, x: Tensor) -> Tensor:
         s = self.scheme
         x = transform_input(x, self.input_scale, self.rotation)
-        if s.act_bits is not None:
+        if self.act_static is not None:
+            x = self.act_static(x)
+        elif s.act_bits is not None and s.format != INT:
+            x = fake_quantize_format(x, s.format, s.act_granularity, activation=True)
+        elif s.act_bits is not None:
             x = fake_quantize_activation(x, s.act_bits, s.act_granularity, s.act_symmetric)
         y = F.linear(x, self.weight, self.bias)
-        if s.out_bits is not None:
+        if self.out_static is not None:
+            y = self.out_static(y)
+        elif s.out_bits is not None:
             y = fake_quantize_activation(y, s.out_bits, s.out_granularity, s.out_symmetric)
         return y
 
@@ -159,6 +188,7 @@ class FakeQuantLinear(nn.Module):
         s = self.scheme
         parts = [
             f"{self.in_features}→{self.out_features}",
+            "" if s.format == INT else s.format,
             describe(s.weight_bits, s.weight_granularity, s.weight_symmetric, "W") or "W float",
             describe(s.act_bits, s.act_granularity, s.act_symmetric, "A") or "A float",
             describe(s.out_bits, s.out_granularity, s.out_symmetric, "O"),

@@ -21,6 +21,16 @@ Conventions every scheme shares (and every result records, since ``to_dict()`` i
 - ``hadamard-*``: a seeded randomised Hadamard rotation of each linear's input and weight rows (QuaRot-style,
   without fusing the rotation into the residual stream), then round-to-nearest with the named scheme.
 - ``llm-int8`` and ``bnb-nf4`` have no fake emulation: both modes run bitsandbytes' own layers.
+- ``zeropoint-int{4,3,2}-g{128,64,32}``: grouped weight-only round-to-nearest, one scale and zero point per g input
+  channels of each output channel; a group at least as long as a layer's row is one group per row (per channel),
+  a group that does not divide it is an error (``QuantScheme.weight_granularity_for``).
+- Any scheme takes overrides, ``NAME:key=value,…`` (``overrides.py``): ``get_scheme("absmax-coarse:w=4,a=4,o=4")``.
+- ``static=True``: activation and output scales calibrated once on ``calib_windows`` train windows
+  (``static.py``, ``calibrate.py``) instead of per sequence.
+- ``format`` (default ``"int"``): the number format of quantised weights and activations. ``fp8-e4m3[-rowwise]``,
+  ``fp8-e5m2[-rowwise]``, ``mxfp8``, ``mxfp6``, ``mxfp4`` and ``nvfp4`` use float formats (``formats.py``: the
+  exact definitions and spec sections), fake mode only; MX/NVFP4 blocks are the scheme's ``PerGroup`` (32 / 16)
+  along the input dimension of both the weight and the activation, as in torchao's MX and NVFP4 recipes.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from typing import Any
 
 from models.errors import UserError, unknown_choice
 from models.registry import Registry
+from qbench.quant.formats import FORMATS, INT, get_format
 from qbench.quant.granularity import (
     Granularity,
     PerAxis,
@@ -39,7 +50,9 @@ from qbench.quant.granularity import (
     PerToken,
     granularity_from_dict,
 )
+from qbench.quant.overrides import apply_overrides
 from qbench.quant.primitives import check_bits
+from qbench.quant.static import check_static
 
 METHODS = ("rtn", "llm-int8", "bnb-nf4", "smoothquant", "hadamard")
 BNB_METHODS = ("llm-int8", "bnb-nf4")  # run by bitsandbytes in either mode: no fake emulation
@@ -77,6 +90,10 @@ class QuantScheme:
     out_granularity: Granularity = _PER_TENSOR
     params: dict[str, Any] = field(default_factory=dict)
     quantize_lm_head: bool = False
+    static: bool = False  # activation/output scales calibrated once (``static.py``) instead of per sequence
+    calib_windows: int = 8  # calibration windows of the train split (static scales, SmoothQuant)
+    calib_seed: int | None = None  # None: the first calib_windows windows; an int: a seeded sample of them
+    format: str = INT  # number format of quantised weights/activations: "int" or a ``formats.FORMATS`` name
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -84,6 +101,8 @@ class QuantScheme:
         for bits in (self.weight_bits, self.act_bits, self.out_bits):
             if bits is not None:
                 check_bits(bits)
+        check_static(self)
+        _check_format(self)
         unknown = set(self.params) - set(_METHOD_PARAMS[self.method])
         if unknown:
             raise UserError(
@@ -101,21 +120,35 @@ class QuantScheme:
     @property
     def label(self) -> str:
         """A short label for tables, e.g. ``W8A8-tensor+out``, ``W8A8-channel/token``, ``W4-channel-zp``."""
-        bits = f"W{self.weight_bits}" + (f"A{self.act_bits}" if self.act_bits else "")
+        if self.format != INT:
+            return _format_label(self)
+        weights = self.weight_bits is not None
+        bits = (f"W{self.weight_bits}" if weights else "") + (f"A{self.act_bits}" if self.act_bits else "")
         if self.method in BNB_METHODS:
             return f"{bits}-{self.method}"
-        grans = [_word(self.weight_granularity, "weight")]
-        if self.act_bits and _word(self.act_granularity, "act") != grans[0]:
+        grans = [_word(self.weight_granularity, "weight")] if weights else []
+        if self.act_bits and _word(self.act_granularity, "act") not in grans:
             grans.append(_word(self.act_granularity, "act"))
-        label = f"{bits}-{'/'.join(grans)}" + ("" if self.weight_symmetric else "-zp")
+        label = "-".join(p for p in (bits or "float", "/".join(grans)) if p)
+        label += "" if self.weight_symmetric or not weights else "-zp"
         label += f"+out{self.out_bits if self.out_bits != self.act_bits else ''}" if self.out_bits else ""
         if self.method == "smoothquant":
             label += f"-smooth{self.param('alpha'):g}"
         return (
             label
             + ("-hadamard" if self.method == "hadamard" else "")
+            + ("-static" if self.static else "")
             + ("+head" if self.quantize_lm_head else "")
         )
+
+    def weight_granularity_for(self, in_features: int) -> Granularity:
+        """The weight granularity for a layer with ``in_features`` inputs: a group at least as long as the row is
+        one group per row (= per output channel). A group that does not divide the row (Llama's 688-wide MLP
+        with g = 128) leaves a shorter last group with its own scale (``fake.fake_quantize_weight``)."""
+        g = self.weight_granularity
+        if isinstance(g, PerGroup) and g.group_size >= in_features:
+            return _PER_CHANNEL
+        return g
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -145,6 +178,51 @@ def _word(granularity: Granularity, role: str) -> str:
     if isinstance(granularity, PerGroup):
         return f"g{granularity.group_size}"
     return granularity.label
+
+
+def _check_format(s: QuantScheme) -> None:
+    """A floating-point ``format`` (``formats.py``) fixes the element width, is symmetric, leaves outputs float,
+    has dynamic scales, and for MX/NVFP4 needs its block as the granularity (``PerGroup``, along the input)."""
+    if s.format == INT:
+        return
+    fmt = get_format(s.format)
+    where = f"scheme {s.name!r} (format {s.format})"
+    if s.method in BNB_METHODS:
+        raise UserError(f"{where}: {s.method} runs bitsandbytes' own layers; its format must be {INT!r}")
+    for role, bits in (("weight", s.weight_bits), ("activation", s.act_bits)):
+        if bits not in (None, fmt.bits):
+            raise UserError(
+                f"{where}: {role} bits must be {fmt.bits} (its element width) or none, got {bits}"
+            )
+    if s.out_bits is not None:
+        raise UserError(f"{where}: the linear's output stays float; out bits must be none, got {s.out_bits}")
+    if s.static or not (s.weight_symmetric and s.act_symmetric):
+        raise UserError(
+            f"{where}: float formats are symmetric with dynamic scales (no static, no zero point)"
+        )
+    for role, g in (("weight", s.weight_granularity), ("activation", s.act_granularity)):
+        if fmt.scaling != "fp8" and not isinstance(g, PerGroup):
+            raise UserError(
+                f"{where}: the {role} granularity must be a block along the input dimension "
+                f"(a group, {fmt.block_size} in the spec), got {g.label}"
+            )
+
+
+def _format_label(s: QuantScheme) -> str:
+    """``MXFP4``, ``NVFP4``, ``FP8-e4m3-tensor``, ``FP8-e4m3-channel/token``; ``-g16`` for a block size other than
+    the spec's, ``-wonly``/``-aonly`` when activations/weights stay float."""
+    fmt = FORMATS[s.format]
+    roles = {"weight": s.weight_granularity} if s.weight_bits else {}
+    roles.update({"act": s.act_granularity} if s.act_bits else {})
+    if fmt.scaling == "fp8":
+        words = dict.fromkeys(_word(g, role) for role, g in roles.items())
+    else:
+        words = dict.fromkeys(f"g{g.group_size}" for g in roles.values() if g.group_size != fmt.block_size)
+    only = {"weight": "wonly", "act": "aonly"}[next(iter(roles))] if len(roles) == 1 else ""
+    label = "-".join(p for p in (fmt.label, "/".join(words), only if roles else "float") if p)
+    if s.method == "smoothquant":
+        label += f"-smooth{s.param('alpha'):g}"
+    return label + ("-hadamard" if s.method == "hadamard" else "") + ("+head" if s.quantize_lm_head else "")
 
 
 SCHEMES: Registry[QuantScheme] = Registry("quantisation scheme")
@@ -191,6 +269,18 @@ _register(
     ),
     aliases=("int4",),
 )
+# Grouped weight-only round-to-nearest (GPTQ/AWQ-style storage, without their error correction): one scale and zero
+# point per `g` consecutive input channels of each output channel. `NAME:sym=true` gives the absmax variant.
+for _bits, _group in ((4, 128), (4, 64), (4, 32), (3, 128), (2, 64)):
+    _register(
+        QuantScheme(
+            f"zeropoint-int{_bits}-g{_group}",
+            f"int{_bits} zeropoint (asymmetric) weights per group of {_group} input channels, float activations",
+            **dict(_INT4_ZP, weight_bits=_bits, weight_granularity=PerGroup(_group)),
+        ),
+        aliases=(f"int{_bits}-g{_group}",),
+    )
+del _bits, _group
 _register(
     QuantScheme(
         "llm-int8",
@@ -237,17 +327,52 @@ _register(
     )
 )
 
+# Floating-point formats, fake mode only (formats.py holds the exact definitions and the spec sections).
+for _fmt in ("fp8-e4m3", "fp8-e5m2"):
+    _register(
+        QuantScheme(
+            _fmt,
+            f"{FORMATS[_fmt].description}: W and A per tensor (A per sequence); fake mode only",
+            format=_fmt,
+            **dict(_INT8_TENSOR),
+        )
+    )
+    _register(
+        QuantScheme(
+            f"{_fmt}-rowwise",
+            f"{FORMATS[_fmt].description}: W per output channel, A per token; fake mode only",
+            format=_fmt,
+            **dict(_INT8_FINE),
+        )
+    )
+for _fmt in ("mxfp8", "mxfp6", "mxfp4", "nvfp4"):
+    _block = PerGroup(FORMATS[_fmt].block_size)
+    _register(
+        QuantScheme(
+            _fmt,
+            f"{FORMATS[_fmt].description}, W and A blocked along the input dim; fake mode only",
+            format=_fmt,
+            weight_bits=FORMATS[_fmt].bits,
+            weight_granularity=_block,
+            act_bits=FORMATS[_fmt].bits,
+            act_granularity=_block,
+        )
+    )
+del _fmt, _block
+
 PAPER_SCHEMES = ("absmax-fine", "absmax-moderate", "absmax-coarse", "zeropoint-int4")
 
 
 def get_scheme(scheme: str | QuantScheme | dict[str, Any]) -> QuantScheme:
-    """A registered name or alias, a ``QuantScheme``, or its ``to_dict()`` form -> ``QuantScheme``."""
+    """A registered name or alias, optionally with overrides (``"absmax-coarse:w=4,a=4,o=4"``, see
+    ``overrides.py``), a ``QuantScheme``, or its ``to_dict()`` form -> ``QuantScheme``."""
     if isinstance(scheme, QuantScheme):
         return scheme
     if isinstance(scheme, dict):
         return QuantScheme.from_dict(scheme)
     if isinstance(scheme, str):
-        return SCHEMES.get(scheme)
+        base, sep, spec = scheme.partition(":")
+        return apply_overrides(SCHEMES.get(base.strip()), spec, scheme) if sep else SCHEMES.get(scheme)
     raise UserError(
         f"a quantisation scheme must be a name, a QuantScheme or a dict, got {type(scheme).__name__}"
     )

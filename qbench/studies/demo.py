@@ -6,8 +6,14 @@
    An interrupted demo resumes both runs where their last checkpoint left them.
 2. Evaluate both with ``qbench grid``: the float baseline, the paper's four schemes in fake and real mode,
    outlier and attention statistics. Finished cells are reused on a re-run.
-3. Write ``results/demo/``: one JSON record per cell, ``table.md`` (with the command, machine and wall time),
-   and PNG plots (the emergence curves from the training probes, and per-layer statistics).
+3. Sweep both below 8 bits (``qbench sweep``, :func:`sweep`): the paper's absmax family at its coarsest
+   (``absmax-coarse``) with weights, activations, outputs and all three as separate axes from 8 to 2 bits, and the
+   float model's KV cache (8/6/4/3/2 bits) with and without the first position kept in float; each curve's
+   breaking point (the lowest width within 1 %, at that width and every wider one). Records and
+   ``sweep.json``/``.md``/``.png`` under ``results/demo/sweep/``; the float baselines are the grid's.
+4. Write ``results/demo/``: one JSON record per cell, ``table.md`` (with the command, machine and wall time, the
+   8-bit table and the sweep's), and PNG plots (the emergence curves from the training probes, per-layer
+   statistics, and the sweep).
 
 What it shows at this scale, honestly: the outliers (kurtosis, max |activation|) that grow in the vanilla model
 and stay small in the paper's recipe; *not* quantisation damage, which needs larger or longer-trained models
@@ -51,6 +57,8 @@ class DemoConfig:
     extra_args: tuple[str, ...] = field(default_factory=tuple)  # trainer options for every recipe
     recipe_args: dict[str, tuple[str, ...]] = field(default_factory=dict)  # ... and for one recipe
     schedule_steps: int | None = None  # a longer schedule of which only the first ``steps`` are trained
+    sweep_axes: tuple[str, ...] = ("w", "a", "o", "all", "kv")  # () skips the bit-width sweep
+    sweep_keep_first: tuple[int, ...] = (1,)  # KV-cache curves with these leading positions kept in float
 
     @property
     def description(self) -> str:
@@ -119,8 +127,30 @@ def evaluate(cfg: DemoConfig, on_record: Any = None) -> list[dict]:
     return run_grid(spec, on_record=on_record)
 
 
-def write_report(cfg: DemoConfig, records: list[dict], timings: dict[str, float], command: str) -> Path:
-    """table.md (the comparison, the command that made it, machine and timings), curves JSON and PNGs."""
+def sweep_config(cfg: DemoConfig) -> Any:
+    """The demo's bit-width sweep (module docstring, step 3) on the evaluation grid's windows and baselines."""
+    from qbench.studies.sweep import SweepConfig
+
+    return SweepConfig(
+        models=[str(cfg.ckpt_root / r) for r in RECIPES],
+        axes=list(cfg.sweep_axes),
+        kv_keep_first=list(cfg.sweep_keep_first),
+        protocol=Protocol(tokens=cfg.eval_tokens),
+        output_path=cfg.output_path / "sweep",
+        baseline_path=cfg.output_path,
+        seed=cfg.seed,
+    )
+
+
+def write_report(
+    cfg: DemoConfig,
+    records: list[dict],
+    timings: dict[str, float],
+    command: str,
+    sweep: dict[str, Any] | None = None,
+) -> Path:
+    """table.md (the comparison, the command that made it, machine and timings, the sweep's breaking points),
+    curves JSON and PNGs."""
     from models.io import atomic_write_json
     from qbench.eval.report import render
     from qbench.studies import plots
@@ -136,11 +166,20 @@ def write_report(cfg: DemoConfig, records: list[dict], timings: dict[str, float]
     from qbench.eval.harness import cpu_model
 
     machine = f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}"
+    sweep_time = f", bit-width sweep {timings['sweep']:.0f} s" if "sweep" in timings else ""
     text = (
         f"# qbench demo\n\nMade by `{command}` ({cfg.description}) on {machine} "
         f"({time.strftime('%Y-%m-%d', time.gmtime())}); training {timings['train']:.0f} s, "
-        f"evaluation {timings['eval']:.0f} s.\n\n{render(records, 'md')}\n"
+        f"evaluation {timings['eval']:.0f} s{sweep_time}.\n\n{render(records, 'md')}\n"
         "![emergence](emergence.png)\n\n![per layer](per_layer.png)\n"
     )
+    if sweep is not None:
+        from qbench.studies.sweep import sweep_caption, sweep_table
+
+        text += (
+            "\n## Below 8 bits: the bit-width sweep\n\n"
+            f"{sweep_table(sweep)}\n\n{sweep_caption(sweep)} Records, `sweep.json` and `sweep.md` in `sweep/`."
+            "\n\n![sweep](sweep/sweep.png)\n"
+        )
     atomic_write_text(out / "table.md", text)
     return out / "table.md"

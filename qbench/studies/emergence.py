@@ -106,7 +106,8 @@ def write_emergence(
         from qbench.studies.plots import quantisation_curve_plot
 
         atomic_write_json(out / "quantisation-curve.json", quantisation)
-        quantisation_curve_plot(quantisation, out / "quantisation-curve.png", DAMAGE_PCT)
+        png = out / "quantisation-curve.png"
+        quantisation_curve_plot(quantisation, quantisation_keys(quantisation), png, DAMAGE_PCT)
         text += (
             "\n## Quantisation along training\n\nEach snapshot in float and quantised (perplexity change against "
             "its own float perplexity, same windows; κ other and max abs act from the float evaluation's "

@@ -13,7 +13,6 @@ massive activations (``qbench.eval.metrics.massive_activations``), the protocol 
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,6 @@ from torch import Tensor
 
 from models.errors import UserError
 from models.io import atomic_write_json
-from qbench.cli.args import add_model_arguments, console, load_from_args, protocol_from_args
 from qbench.eval.adapters import context_length, forward_observed, observe_any
 from qbench.eval.harness import environment
 from qbench.eval.load import LoadedModel
@@ -139,39 +137,3 @@ def inspect_model(
     }
     atomic_write_json(out_dir / "metrics.json", record)
     return {**record, "plots": {k: str(p) for k, p in paths.items()}}
-
-
-# --------------------------------------------------------------------------------------- command-line pieces
-
-
-# --------------------------------------------------------------------------------------------- qbench inspect
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser, tokens=4096)
-    parser.add_argument("--windows", type=int, default=8, help="windows the statistics are computed on")
-    parser.add_argument("--out", help="output folder (default: qbench_inspect/<model name>)")
-
-
-def run(args: argparse.Namespace) -> None:
-    if args.windows < 1:
-        raise UserError(f"--windows must be at least 1, got {args.windows}")
-    protocol = protocol_from_args(args, outlier_windows=args.windows)
-    lm = load_from_args(args)
-    out = Path(args.out) if args.out else Path("qbench_inspect") / lm.name
-    result = inspect_model(lm, protocol, out, n_windows=args.windows, device=args.device)
-    o, m = result["outliers"], result["massive_activations"]
-    console.print(f"[bold]{lm.name}[/] ({o['windows']} windows of {result['protocol']['window']} tokens)")
-    console.print(
-        f"  kurtosis first/other/max {o['kurtosis_first']:.2f} / {o['kurtosis_other']:.2f} / "
-        f"{o['kurtosis_max']:.2f}   max |act| {o['max_abs']:.1f} (block {result['peak_layer']})",
-        highlight=False,
-    )
-    console.print(
-        f"  first-token attention: top-1 share {o.get('first_token_top1_share', float('nan')):.3f}, "
-        f"mean weight {o.get('first_token_mass', float('nan')):.3f}   massive activations: {m['total']}",
-        highlight=False,
-    )
-    console.print(
-        f"wrote {out / 'metrics.json'} and {', '.join(Path(p).name for p in result['plots'].values())}"
-    )

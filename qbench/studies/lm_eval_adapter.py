@@ -19,7 +19,6 @@ quantised with ``qbench.quant.quantize`` — so the quantised copy is still a tr
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Sequence
@@ -30,12 +29,10 @@ import torch
 from torch import nn
 
 from models.errors import UserError, did_you_mean
-from models.io import atomic_write_json
-from qbench.cli.args import add_load_arguments, console, load_from_args
 from qbench.eval.adapters import context_length, first_parameter, is_ours
-from qbench.eval.harness import check_modes, environment
+from qbench.eval.harness import calibration_windows, check_modes, environment
 from qbench.eval.load import LoadedModel
-from qbench.eval.metrics import Protocol, make_windows
+from qbench.eval.metrics import Protocol
 
 FLOAT = ("fp", "float", "none")
 
@@ -66,11 +63,10 @@ def as_transformers(lm: LoadedModel) -> nn.Module:
     return hf.to(device=reference.device, dtype=reference.dtype)
 
 
-def _calibration(lm: LoadedModel, model: nn.Module, corpus: str) -> torch.Tensor:
-    """SmoothQuant's calibration windows, as the harness takes them: 8 windows of the corpus's *train* split."""
-    context = context_length(model)
-    protocol = Protocol(corpus=corpus, split="train", tokens=8 * (context - 1))
-    return make_windows(lm.tokenizer, protocol, context).ids
+def _calibration(lm: LoadedModel, model: nn.Module, corpus: str, scheme: Any) -> torch.Tensor:
+    """Calibration windows (SmoothQuant, static scales), as the harness takes them: ``scheme.calib_windows``
+    windows of the corpus's *train* split, the model's context long (``harness.calibration_windows``)."""
+    return calibration_windows(lm.tokenizer, Protocol(corpus=corpus), context_length(model), scheme)
 
 
 def _is_float(scheme: str | None) -> bool:
@@ -91,14 +87,20 @@ def quantised_transformers(
 ) -> tuple[nn.Module, dict]:
     """(the transformers model quantised with ``scheme`` — or float for fp/None —, the scheme's record)."""
     from qbench.quant import get_scheme, quantize
+    from qbench.quant.calibrate import needs_calibration
 
     check_modes([mode])
     if _is_float(scheme):
         return as_transformers(lm), {"name": "fp", "description": "unquantised"}
     config = get_scheme(scheme)  # a typo fails here, before the conversion
     model = as_transformers(lm)
-    calibration = _calibration(lm, model, calibration_corpus) if config.method == "smoothquant" else None
-    return quantize(model, config, mode=mode, calibration=calibration), config.to_dict()
+    calibrated = needs_calibration(config)
+    calibration = _calibration(lm, model, calibration_corpus, config) if calibrated else None
+    record = config.to_dict()
+    if calibrated:
+        record["calibration"] = {"corpus": calibration_corpus, "split": "train", "windows": len(calibration)}
+        record["calibration"]["seed"] = config.calib_seed
+    return quantize(model, config, mode=mode, calibration=calibration), record
 
 
 def _task_manager(tasks: Sequence[str], include_path: str | Path | None) -> Any:
@@ -183,47 +185,3 @@ def run_lm_eval(
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         },
     }
-
-
-# ------------------------------------------------------------------------------------------- qbench lm-eval
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_load_arguments(parser)
-    parser.add_argument("--scheme", default="fp", help="scheme name (qbench ls schemes) or fp (default)")
-    parser.add_argument("--mode", default="fake", help="fake (default) | real")
-    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
-    parser.add_argument("--include-path", help="folder of local task YAMLs (offline use)")
-    parser.add_argument("--limit", type=float, help="documents per task (a fraction if < 1)")
-    parser.add_argument("--data", default="embedded", help="corpus whose train split calibrates smoothquant")
-    parser.add_argument("--bootstrap-iters", type=int, default=0, help="stderr bootstrap (0: none, fast)")
-    parser.add_argument("--json", help="also write the result to this JSON file")
-
-
-def run(args: argparse.Namespace) -> None:
-    check_request(args.scheme, args.mode)  # a typo fails before the model loads
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
-    lm = load_from_args(args)
-    result = run_lm_eval(
-        lm,
-        args.scheme,
-        tasks,
-        include_path=args.include_path,
-        limit=limit,
-        mode=args.mode,
-        batch_size=args.batch_size,
-        bootstrap_iters=args.bootstrap_iters,
-        calibration_corpus=args.data,
-    )
-    console.print(f"[bold]{lm.name}[/] {result['qbench']['scheme']['name']} ({result['qbench']['mode']})")
-    for task, metrics in result["results"].items():
-        shown = ", ".join(
-            f"{name.split(',')[0]} {value:.4g}"
-            for name, value in metrics.items()
-            if isinstance(value, int | float) and "stderr" not in name
-        )
-        console.print(f"  {task}: {shown}", highlight=False)
-    if args.json:
-        atomic_write_json(Path(args.json), result)
-        console.print(f"wrote {args.json}")

@@ -199,12 +199,11 @@ def emergence_plot(curves: dict[str, list[dict[str, float]]], path: str | Path) 
 
 
 def quantisation_curve_plot(
-    curves: dict[str, list[dict[str, Any]]], path: str | Path, damage_pct: float = 1.0
+    curves: dict[str, list[dict[str, Any]]], keys: Sequence[str], path: str | Path, damage_pct: float = 1.0
 ) -> Path:
-    """Float perplexity and each scheme's perplexity change over training tokens, one line style per run:
-    whether the outliers that emerge in a run also start to hurt its quantised model."""
-    from qbench.studies.emergence import quantisation_keys
-
+    """Float perplexity and each scheme's perplexity change (the columns ``keys`` of the rows) over training
+    tokens, one line style per run: whether the outliers that emerge in a run also start to hurt its quantised
+    model."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     styles = ["-", "--", ":", "-."]
@@ -213,7 +212,7 @@ def quantisation_curve_plot(
         rows = [r for r in rows if r.get("tokens") is not None]  # a snapshot without training provenance
         tokens = [r["tokens"] / 1e6 for r in rows]
         left.plot(tokens, [r.get("fp_perplexity") or float("nan") for r in rows], style, color="k", label=run)
-        for j, key in enumerate(quantisation_keys(curves)):
+        for j, key in enumerate(keys):
             changes = [float("nan") if r.get(key) is None else r[key] for r in rows]
             right.plot(tokens, changes, style, marker="o", ms=3, color=f"C{j}", label=f"{run}: {key}")
     right.axhline(damage_pct, color="grey", ls=":", lw=1, label=f"{damage_pct:g} % (damage)")
@@ -250,5 +249,79 @@ def compare_layers_plot(per_model: dict[str, dict[str, list[float]]], path: str 
     right.grid(alpha=0.3)
     right.legend(fontsize=8)
     fig.suptitle("outlier statistics per layer (evaluation windows)", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, Path(path))
+
+
+def sweep_plot(sweep: dict[str, Any], curves: dict[tuple[str, str, str], Any], path: str | Path) -> Path:
+    """``qbench sweep``'s curves: quantised / float perplexity over bit widths (widest left), log y, one panel per
+    axis, one line per model and family (colour = model, style = family); a cell that produced NaN/inf is drawn
+    as an ✕ at the top of its panel, the tolerance as a dotted line. ``curves``: ``sweep.curves_of(sweep)``
+    (passed in, so that this module imports no study)."""
+    plt = _pyplot()
+    axes = list(dict.fromkeys(axis for _, _, axis in curves))
+    models = list(dict.fromkeys(model for model, _, _ in curves))
+    families = list(dict.fromkeys(family for _, family, _ in curves))
+    styles = ["-", "--", ":", "-."]
+    fig, panels = plt.subplots(1, len(axes), figsize=(3.6 * len(axes) + 1, 3.8), sharey=True, squeeze=False)
+    panel = dict(zip(axes, panels[0], strict=True))
+    ratios = [c["ppl_ratio"] for c in sweep["cells"] if c.get("ppl_ratio")]
+    top = max([*ratios, 1.0 + sweep["tolerance_pct"] / 100]) * 1.5
+    for (model, family, axis), cells in curves.items():
+        bits = sorted(cells, reverse=True)
+        ys = [cells[b]["ppl_ratio"] if cells[b]["status"] == "ok" else float("nan") for b in bits]
+        colour, style = f"C{models.index(model)}", styles[families.index(family) % len(styles)]
+        ax = panel[axis]
+        ax.plot(bits, ys, style, marker="o", ms=3, color=colour, label=f"{model} {family}")
+        broken = [b for b in bits if cells[b]["status"] == "nonfinite"]
+        ax.plot(broken, [top] * len(broken), "x", color=colour, ms=7)
+    for axis, ax in panel.items():
+        ax.axhline(1 + sweep["tolerance_pct"] / 100, color="grey", ls=":", lw=1)
+        ax.set_title(f"axis {axis}", fontsize=9)
+        ax.set_xlabel("bits")
+        ax.invert_xaxis()
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    panels[0][0].set_ylabel(f"quantised / float perplexity (log; dotted: +{sweep['tolerance_pct']:g} %)")
+    _log_axes(panels[0])
+    fig.suptitle("perplexity vs bit width (qbench sweep)", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, Path(path))
+
+
+def sensitivity_heatmap(
+    grid: Sequence[Sequence[float]], rows: Sequence[str], cols: Sequence[str], path: str | Path, title: str
+) -> Path:
+    """``qbench sensitivity``'s map: perplexity change in % per (block, module type), each cell written in it.
+
+    Symmetric log colours around 0 (linear within ±0.05 %): one broken layer must not wash out the rest, and an
+    improvement (negative) reads as blue. A cell whose model produced NaN/inf (+inf) is black, a missing one blank.
+    """
+    from matplotlib.colors import SymLogNorm
+
+    plt = _pyplot()
+    values = np.asarray(grid, dtype=float)  # (blocks, types)
+    finite = values[np.isfinite(values)]
+    vmax = max(float(np.abs(finite).max()) if finite.size else 1.0, 0.1)
+    cmap = plt.get_cmap("RdBu_r").with_extremes(bad="white")
+    fig, ax = plt.subplots(figsize=(1.3 * len(cols) + 2.5, 0.32 * len(rows) + 1.8))
+    norm = SymLogNorm(linthresh=0.05, vmin=-vmax, vmax=vmax)
+    image = ax.imshow(
+        np.ma.masked_invalid(values), cmap=cmap, norm=norm, aspect="auto", interpolation="nearest"
+    )
+    for (r, c), v in np.ndenumerate(values):
+        if np.isposinf(v):
+            ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, color="black"))
+            ax.text(c, r, "NaN", ha="center", va="center", fontsize=7, color="white")
+        elif np.isfinite(v):
+            dark = abs(norm(v) - 0.5) > 0.3
+            ax.text(
+                c, r, f"{v:+.2f}", ha="center", va="center", fontsize=7, color="white" if dark else "black"
+            )
+    ax.set_xticks(range(len(cols)), cols, rotation=30, ha="right", fontsize=8)
+    ax.set_yticks(range(len(rows)), rows, fontsize=8)
+    ticks = [0.0, *(sign * t for t in (0.1, 1, 10, 100, 1000) if t <= vmax for sign in (-1, 1))]
+    bar = fig.colorbar(image, ax=ax, label="perplexity change (%)", ticks=sorted(ticks))
+    bar.ax.set_yticklabels([f"{t:+g}" if t else "0" for t in sorted(ticks)])
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return _save(fig, Path(path))

@@ -51,6 +51,8 @@ class ReproduceConfig:
     eval_tokens: int = 262144
     modes: tuple[str, ...] = ("fake",)
     nproc_per_node: int = 1
+    batch_size: int | None = None  # windows per optimiser step (None: the trainer's default, 16)
+    compile: bool = False  # train through torch.compile
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -72,20 +74,46 @@ def runs(cfg: ReproduceConfig) -> list[TrainRun]:
     from trainers.loop import TrainConfig
 
     steps = cfg.steps
+    batch = {} if cfg.batch_size is None else {"batch_size": cfg.batch_size}
     if steps is None:  # the trainer's own rounding of --tokens into whole steps
         probe = (
-            TrainConfig(preset=cfg.preset, tokens=cfg.tokens)
+            TrainConfig(preset=cfg.preset, tokens=cfg.tokens, **batch)
             if cfg.tokens
-            else TrainConfig(preset=cfg.preset)
+            else TrainConfig(preset=cfg.preset, **batch)
         )
         steps = probe.total_steps
     args = ["--preset", cfg.preset, "--data", cfg.data, "--seed", str(cfg.seed), *cfg.extra_args]
     if cfg.lr is not None:
         args += ["--lr", str(cfg.lr)]
+    if cfg.batch_size is not None:
+        args += ["--batch-size", str(cfg.batch_size)]
+    if cfg.compile:
+        args += ["--compile"]
     return [TrainRun(r, cfg.ckpts / r, steps, ("--recipe", r, *args)) for r in cfg.recipes]
 
 
+def grid_argv(cfg: ReproduceConfig, device: str) -> list[str]:
+    """The ``qbench grid`` command line of :func:`evaluate`'s grid (the same protocol, so the same records)."""
+    argv = ["grid", *(a for r in cfg.recipes for a in ("--ckpt", str(cfg.ckpts / r)))]
+    argv += [a for s in PAPER_SCHEMES for a in ("--scheme", s)] + [
+        a for m in cfg.modes for a in ("--mode", m)
+    ]
+    return [*argv, "--data", cfg.data, "--tokens", str(cfg.eval_tokens), "--output-path", str(cfg.results),
+            "--device", device]  # fmt: skip
+
+
 def evaluate(cfg: ReproduceConfig, on_record: Any = None) -> list[dict]:
+    """The grid of the trained variants; with ``nproc_per_node`` > 1 its cells are first shared among that many
+    ranks (``qbench grid --nproc-per-node``, one GPU each where there are GPUs), then read back here."""
+    if cfg.nproc_per_node > 1:
+        import torch
+
+        from models.errors import UserError
+        from qbench.eval.ranks import launch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if launch(grid_argv(cfg, device), cfg.nproc_per_node) != 0:
+            raise UserError(f"the {cfg.nproc_per_node}-rank evaluation grid failed (see its output above)")
     spec = GridSpec(
         models=[str(cfg.ckpts / r) for r in cfg.recipes],
         schemes=list(PAPER_SCHEMES),

@@ -24,7 +24,6 @@ The summary number (ours):
 
 from __future__ import annotations
 
-import argparse
 import math
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -32,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from models.io import atomic_write_json
-from qbench.cli.args import add_model_arguments, console, load_from_args, protocol_from_args
 from qbench.eval.harness import GridSpec, ModelEvaluation, expand_schemes, record_path
 from qbench.eval.load import LoadedModel
 from qbench.eval.metrics import Protocol
 from qbench.quant import PAPER_SCHEMES
+from qbench.quant.kv import KVConfig
 
 DEFINITION = "fp_perplexity / geometric mean of the quantised perplexities = exp(-mean log ppl_ratio)"
 
@@ -100,8 +99,11 @@ def score(
     device: str = "cpu",
     exclude: Sequence[str] = (),
     attention: bool = True,
+    kv: KVConfig | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``lm`` in float and under each scheme (fake-quant) and summarise (module docstring).
+
+    With ``kv`` every scheme runs with that KV-cache quantisation (``<scheme>+kv4``; ``fp`` = the cache alone).
 
     Records go to ``output_path`` in the grid's layout; with None they go to a temporary folder and are dropped.
     Returns the summary with ``robustness``, per-scheme ``perplexity``/``ppl_ratio``/``ppl_change_pct``/
@@ -110,7 +112,7 @@ def score(
     names = expand_schemes(schemes)
     if output_path is None:
         with tempfile.TemporaryDirectory(prefix="qbench-score-") as tmp:
-            return score(lm, protocol, names, tmp, device, exclude, attention)
+            return score(lm, protocol, names, tmp, device, exclude, attention, kv)
     spec = GridSpec(
         models=[lm.source],
         schemes=names,
@@ -121,67 +123,13 @@ def score(
         device=device,
         exclude=tuple(exclude),
         attention=attention,
+        kv=kv,
     )
     evaluation = ModelEvaluation(spec, lm.source, lm=lm)
     fp = evaluation.fp_record()
     records = []
     for name in names:
         record = evaluation.quantised_record(name, "fake")
-        atomic_write_json(record_path(spec.output_path, lm.name, name, "fake"), record)
+        atomic_write_json(record_path(spec.output_path, lm.name, spec.scheme(name).name, "fake"), record)
         records.append(record)
     return summarise(fp, records)
-
-
-# ---------------------------------------------------------------------------------------------- qbench score
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser)
-    parser.add_argument(
-        "--scheme",
-        action="append",
-        help="scheme name (repeatable), 'paper' (the paper's four, default) or 'all' — see qbench ls schemes",
-    )
-    parser.add_argument("--output-path", default="qbench_results", help="where the harness records go")
-    parser.add_argument("--exclude", action="append", help="fnmatch pattern of layer names to keep in float")
-    parser.add_argument("--no-attention", action="store_true", help="skip attention statistics (faster)")
-    parser.add_argument("--json", help="also write the score to this JSON file")
-
-
-def _fmt(x: float | None, spec: str = ".3f") -> str:
-    return "—" if x is None else format(x, spec)
-
-
-def run(args: argparse.Namespace) -> None:
-    schemes = expand_schemes(args.scheme or ["paper"])  # a typo fails before the model loads
-    protocol = protocol_from_args(args)
-    lm = load_from_args(args)
-    result = score(
-        lm,
-        protocol,
-        schemes,
-        output_path=args.output_path,
-        device=args.device,
-        exclude=args.exclude or (),
-        attention=not args.no_attention,
-    )
-    console.print(f"[bold]{lm.name}[/]  fp perplexity {_fmt(result['fp_perplexity'])}", highlight=False)
-    for name, entry in result["schemes"].items():
-        note = "" if entry["status"] == "ok" else f"  [yellow]{entry['status']}: {entry['error']}[/]"
-        console.print(
-            f"  {name:<24} ppl {_fmt(entry['perplexity'])}  ×{_fmt(entry['ppl_ratio'], '.4f')}{note}",
-            highlight=False,
-        )
-    o = result["outliers"]
-    console.print(
-        f"  kurtosis first/other {_fmt(o.get('kurtosis_first'), '.2f')} / {_fmt(o.get('kurtosis_other'), '.2f')}"
-        f", max |act| {_fmt(o.get('max_abs'), '.1f')}, massive activations {result['massive_activations']['total']}",
-        highlight=False,
-    )
-    console.print(
-        f"[bold]robustness {_fmt(result['robustness'], '.4f')}[/] [dim]({DEFINITION}; 1 = no damage)[/]",
-        highlight=False,
-    )
-    if args.json:
-        atomic_write_json(Path(args.json), result)
-        console.print(f"wrote {args.json}")

@@ -16,8 +16,16 @@ What is measured:
   ``weight_bytes`` is the layer's true storage (weights, scales, zero points, bias).
 - ``bandwidth``: fake quantisation of the layer's (out, in) weight per output channel — the eager primitive and
   the fused custom op — against a plain copy of the same tensor, as GB/s (bytes read + written / time).
-- ``model``: a small transformer (``models`` preset, default ``small``) on ``tokens`` tokens, fp32 vs each
-  scheme × mode; ``weight_bytes`` counts every parameter and buffer.
+- ``model``: whole-model **prefill** — a ``models`` preset (default ``small``) or any ``--ckpt`` (qbench or
+  transformers) on ``model_tokens`` tokens (default 512), fp32 vs each scheme × mode; ``weight_bytes`` counts
+  every parameter and buffer.
+- ``generate``: whole-model **generation** — greedy decoding of ``new_tokens`` tokens (default 128) after a
+  16-token prompt, batch 1, with a KV cache, fp32 vs each scheme in real mode; ``tokens_per_s`` per record.
+  Our own ``Transformer`` has no KV cache, so it generates through its exported transformers twin
+  (``models.hf.to_hf_model``: same weights, same function) — quantised the same way; a transformers
+  checkpoint generates as it is.
+- ``backend`` of a real layer names the module and, where the compiled CPU kernels run
+  (``kernels/paths.py``), the instruction set they were built for.
 
 Memory-allocator note (Linux/glibc): a fresh tensor above glibc's mmap threshold is mapped on allocation and
 unmapped on free, so every call pays page faults (~28 ms per 64 MB on small VMs) that have nothing to do with
@@ -28,6 +36,7 @@ environment (glibc reads them at start-up, so set them before Python starts); th
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import statistics
 import time
@@ -44,6 +53,10 @@ from models.errors import UserError
 from qbench.quant.apply import model_bytes, real_kernels
 
 DEFAULT_MODES = ("fake", "real")
+W8A16 = (
+    "absmax-fine:a=none"  # int8 weights per output channel, float activations (an override of absmax-fine)
+)
+PROMPT_TOKENS = 16
 MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
 
 
@@ -97,9 +110,17 @@ def _quantized(model: nn.Module, scheme: str, mode: str, calibration: Tensor) ->
 
 
 def _scheme_candidates(
-    kind: str, model: nn.Module, x: Tensor, schemes: Sequence[str], modes: Sequence[str], calibration: Tensor
+    kind: str,
+    model: nn.Module,
+    x: Tensor,
+    schemes: Sequence[str],
+    modes: Sequence[str],
+    calibration: Tensor,
+    runner: Callable[[nn.Module, Tensor], Callable[[], Any]] | None = None,
 ) -> list[Candidate]:
-    """Every scheme × mode of ``model`` on input ``x``; SmoothQuant calibrates on ``calibration`` (the input)."""
+    """Every scheme × mode of ``model`` on input ``x`` (run by ``runner``, default one inference-mode forward);
+    SmoothQuant calibrates on ``calibration`` (the input)."""
+    runner = runner or _forward
     out = []
     for scheme in schemes:
         for mode in modes:
@@ -113,16 +134,24 @@ def _scheme_candidates(
                 continue
             out.append(
                 Candidate(
-                    kind, name, _forward(q, x), scheme, mode, _backend_of(q, mode), partial(model_bytes, q)
+                    kind, name, runner(q, x), scheme, mode, _backend_of(q, mode), partial(model_bytes, q)
                 )
             )
     return out
 
 
+NATIVE_LAYERS = ("Int8Linear", "Int4Linear", "Int8WeightOnlyLinear")
+
+
 def _backend_of(model: nn.Module, mode: str) -> str:
     if mode != "real":
         return mode
-    return "+".join(real_kernels(model)) or "real"
+    names = real_kernels(model)
+    from qbench.quant.kernels import native
+
+    if native.available() and set(names) & set(NATIVE_LAYERS):
+        return f"{'+'.join(names)}, C {native.isa()}"
+    return "+".join(names) or "real"
 
 
 def _forward(module: nn.Module, x: Tensor) -> Callable[[], Any]:
@@ -143,7 +172,7 @@ def _peer_candidates(linear: nn.Linear, x: Tensor) -> list[Candidate]:
     ):
         try:
             module = build(linear)
-        except (ImportError, UserError, RuntimeError, AttributeError) as err:
+        except (ImportError, UserError, RuntimeError, AttributeError, NotImplementedError) as err:
             peers.append(Candidate("layer", name, None, backend="peer", error=f"unavailable: {err}"[:200]))
             continue
         peers.append(
@@ -167,6 +196,7 @@ def _variant_candidates(linear: nn.Linear, x: Tensor) -> list[Candidate]:
     lin16 = copy.deepcopy(linear).to(torch.bfloat16)
     int4 = Int4Linear.from_float(linear.weight, linear.bias)
     int8_eager = Int8Linear.from_float(linear.weight, linear.bias, fused=False)
+    w8a16 = _quantized(nn.Sequential(linear), W8A16, "real", x[None])
     return [
         Candidate(
             "layer",
@@ -181,8 +211,17 @@ def _variant_candidates(linear: nn.Linear, x: Tensor) -> list[Candidate]:
             _forward(int4, x16),
             "zeropoint-int4",
             "real",
-            "Int4Linear int4pack kernel",
+            "Int4Linear int4pack kernel (bf16)",
             partial(model_bytes, int4),
+        ),
+        Candidate(
+            "layer",
+            f"{W8A16} [real] (W8A16)",
+            _forward(w8a16, x),
+            W8A16,
+            "real",
+            _backend_of(w8a16, "real"),
+            partial(model_bytes, w8a16),
         ),
         Candidate(
             "layer",
@@ -190,7 +229,7 @@ def _variant_candidates(linear: nn.Linear, x: Tensor) -> list[Candidate]:
             _forward(int8_eager, x),
             "absmax-fine",
             "real",
-            "Int8Linear eager",
+            "Int8Linear eager torch (_int_mm)",
             partial(model_bytes, int8_eager),
         ),
     ]
@@ -222,8 +261,8 @@ def _torchao_peer(linear: nn.Linear) -> nn.Module:
 def _int_mm_ceiling(linear: nn.Linear, x: Tensor) -> Candidate:
     from qbench.quant.kernels.int8 import int_mm
 
-    a = torch.randint(-127, 128, x.shape, dtype=torch.int8)
-    b = torch.randint(-127, 128, linear.weight.t().shape, dtype=torch.int8)
+    a = torch.randint(-127, 128, x.shape, dtype=torch.int8, device=x.device)
+    b = torch.randint(-127, 128, linear.weight.t().shape, dtype=torch.int8, device=x.device)
     return Candidate(
         "layer",
         "torch._int_mm alone (ceiling)",
@@ -306,13 +345,22 @@ def _records(
     return records
 
 
+def _synchronized(fn: Callable[[], Any]) -> Any:
+    out = fn()
+    torch.cuda.synchronize()
+    return out
+
+
 def _measure(candidates: list[Candidate], repeats: int, reference: str, common: dict[str, Any]) -> list[dict]:
     _warm_up(candidates)
     for c in candidates:  # after the warm-up, so caches built on first use (int4 kernel layout) count
         if callable(c.weight_bytes):
             c.weight_bytes = c.weight_bytes()
     live = [c for c in candidates if c.fn is not None]
-    times = time_interleaved([c.fn for c in live], repeats)
+    fns = [c.fn for c in live]
+    if common.get("device", "cpu") != "cpu":  # CUDA runs asynchronously: time to completion
+        fns = [partial(_synchronized, fn) for fn in fns]
+    times = time_interleaved(fns, repeats)
     return _records(candidates, {id(c): t for c, t in zip(live, times)}, reference, common)
 
 
@@ -326,8 +374,8 @@ def _layer_records(
     common: dict[str, Any],
 ) -> list[dict]:
     in_features, out_features = shape
-    linear = nn.Linear(in_features, out_features).eval()
-    x = torch.randn(tokens, in_features)
+    linear = nn.Linear(in_features, out_features).eval().to(common["device"])
+    x = torch.randn(tokens, in_features, device=common["device"])
     fp32 = Candidate(
         "layer",
         "fp32 (F.linear)",
@@ -340,30 +388,115 @@ def _layer_records(
     return _measure(candidates, repeats, fp32.name, common)
 
 
+def _load_model(preset: str | None, ckpt: str | None) -> tuple[nn.Module, str, int, int]:
+    """(float model, display name, context length, vocabulary size) of a preset or a checkpoint."""
+    if ckpt is not None:
+        from qbench.eval.load import load_model
+
+        loaded = load_model(ckpt)
+        model = loaded.model.float().eval()
+        config = getattr(model, "config", None)
+        context = getattr(config, "context", None) or getattr(config, "max_position_embeddings", None) or 512
+        vocab = getattr(config, "vocab_size", None) or len(loaded.tokenizer)
+        return model, loaded.name, int(context), int(vocab)
+    from models import build, preset_config
+
+    config = preset_config(preset)
+    return build(config, seed=0).eval(), preset, config.context, config.vocab_size
+
+
+def _is_transformers(model: nn.Module) -> bool:
+    return callable(getattr(model, "generate", None)) and hasattr(model, "config")
+
+
+def _prefill(model: nn.Module, ids: Tensor) -> Callable[[], Any]:
+    kwargs = {"use_cache": False} if _is_transformers(model) else {}
+
+    def run() -> Any:
+        with torch.inference_mode():
+            return model(ids, **kwargs)
+
+    return run
+
+
 def _model_records(
-    preset: str,
+    model: nn.Module,
+    name: str,
+    context: int,
+    vocab: int,
     tokens: int,
     repeats: int,
     schemes: Sequence[str],
     modes: Sequence[str],
     common: dict[str, Any],
 ) -> list[dict]:
-    from models import build, preset_config
-
-    config = preset_config(preset)
-    model = build(config, seed=0).eval()
-    batch = max(1, tokens // config.context)
-    ids = torch.randint(0, config.vocab_size, (batch, min(tokens, config.context)))
-    fp32 = Candidate(
-        "model",
-        f"{preset} fp32",
-        _forward(model, ids),
-        backend="torch",
-        weight_bytes=partial(model_bytes, model),
-    )
-    candidates = [fp32, *_scheme_candidates("model", model, ids, schemes, modes, calibration=ids)]
-    extra = {**common, "model": preset, "model_tokens": ids.numel()}
+    """Prefill: ``tokens`` tokens as windows of at most the context, fp32 vs every scheme × mode."""
+    batch = max(1, tokens // context)
+    ids = torch.randint(0, vocab, (batch, min(tokens, context)), device=common["device"])
+    fp32 = Candidate("model", f"{name} fp32", _prefill(model, ids), backend="torch")
+    fp32.weight_bytes = partial(model_bytes, model)
+    candidates = [fp32, *_scheme_candidates("model", model, ids, schemes, modes, ids, runner=_prefill)]
+    extra = {**common, "model": name, "model_tokens": ids.numel()}
     return _measure(candidates, repeats, fp32.name, extra)
+
+
+def greedy_generate(model: nn.Module, prompt: Tensor, new_tokens: int) -> Tensor:
+    """``new_tokens`` greedy tokens after ``prompt`` (1, P) with the model's KV cache (transformers API)."""
+    # transformers 5 names the cache argument and output ``cache`` (``past_key_values`` before)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out_ids = []
+    with torch.inference_mode():
+        out = model(prompt, use_cache=True)
+        for i in range(new_tokens):
+            token = out.logits[:, -1:].argmax(-1)
+            out_ids.append(token)
+            if i + 1 < new_tokens:
+                out = model(token, use_cache=True, **{name: out[name]})
+    return torch.cat(out_ids, dim=1)
+
+
+def _generation_model(model: nn.Module) -> tuple[nn.Module, str]:
+    """A model with a KV cache: transformers models as they are, ours through ``to_hf_model``."""
+    if _is_transformers(model):
+        return model, "transformers"
+    from models.hf import to_hf_model
+
+    device = next(model.parameters()).device
+    return to_hf_model(model).to(device), "exported to transformers (KV cache)"
+
+
+def _generate_records(
+    model: nn.Module,
+    name: str,
+    vocab: int,
+    new_tokens: int,
+    repeats: int,
+    schemes: Sequence[str],
+    common: dict[str, Any],
+) -> list[dict]:
+    """Generation: tokens/s of greedy decoding, batch 1, fp32 vs every scheme in real mode."""
+    gen_model, how = _generation_model(model)
+    prompt = torch.randint(0, vocab, (1, PROMPT_TOKENS), device=common["device"])
+    calibration = torch.randint(0, vocab, (2, PROMPT_TOKENS * 4), device=common["device"])
+    fp32 = Candidate("generate", f"{name} fp32", partial(greedy_generate, gen_model, prompt, new_tokens))
+    fp32.backend, fp32.weight_bytes = "torch", partial(model_bytes, gen_model)
+    candidates = [fp32]
+    for scheme in schemes:
+        c = Candidate("generate", f"{scheme} [real]", None, scheme, "real", "real")
+        try:
+            q = _quantized(gen_model, scheme, "real", calibration).eval()
+        except (UserError, NotImplementedError) as err:
+            c.error = str(err).splitlines()[0][:200]
+        else:
+            c.fn = partial(greedy_generate, q, prompt, new_tokens)
+            c.backend, c.weight_bytes = _backend_of(q, "real"), partial(model_bytes, q)
+        candidates.append(c)
+    extra = {**common, "model": name, "new_tokens": new_tokens, "prompt_tokens": PROMPT_TOKENS, "via": how}
+    extra["repeats"] = repeats  # capped: one call generates every token
+    records = _measure(candidates, repeats, fp32.name, extra)
+    for rec in records:
+        rec["tokens_per_s"] = new_tokens / (rec["ms_min"] * 1e-3) if rec["ms_min"] else None
+    return records
 
 
 def run_speed(
@@ -377,11 +510,21 @@ def run_speed(
     bandwidth: bool = True,
     model: str | None = "small",
     seed: int = 0,
+    ckpt: str | None = None,
+    model_tokens: int = 512,
+    new_tokens: int = 128,
+    generate: bool = True,
+    layer: bool = True,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """Measure every scheme × mode per layer, the peers, fake-quant bandwidth and a whole model; return records.
 
-    ``shape`` is (in_features, out_features); ``schemes`` defaults to every registered scheme; ``model`` is a
-    ``models`` preset name or None to skip the whole-model figure. ``torch.set_num_threads(threads)`` holds
+    ``shape`` is (in_features, out_features); ``schemes`` defaults to every registered scheme; the whole model is
+    ``ckpt`` (a qbench or transformers checkpoint) when given, else the ``model`` preset (None: no whole-model
+    figures): prefill on ``model_tokens`` tokens and, with ``generate``, ``new_tokens`` tokens of greedy
+    generation (``repeats`` capped at 3 there: one call generates them all). ``layer=False`` skips the
+    per-layer and bandwidth figures. ``device`` ("cpu", "cuda", "cuda:N") holds every tensor and model (peers
+    that have no kernel there record the error). ``torch.set_num_threads(threads)`` holds
     inside and the previous count is restored. Records carry ``ms`` (median), ``ms_min``, ``speedup`` and
     ``speedup_best`` vs fp32 of the same kind, ``weight_bytes``, ``bytes_vs_fp32`` and ``error`` (why a candidate
     did not run: no real kernel, peer not installed); bandwidth records add ``gb_per_s`` and ``vs_copy``.
@@ -390,8 +533,14 @@ def run_speed(
         from qbench.quant.schemes import SCHEMES
 
         schemes = SCHEMES.names()
-    if threads < 1 or tokens < 1 or repeats < 1:
-        raise UserError(f"threads, tokens and repeats must be ≥ 1, got {threads}, {tokens}, {repeats}")
+    from qbench.eval.load import check_device
+
+    device = str(check_device(device))
+    if min(threads, tokens, repeats, model_tokens, new_tokens) < 1:
+        raise UserError(
+            f"threads, tokens, repeats, model tokens and new tokens must be ≥ 1, got {threads}, {tokens}, "
+            f"{repeats}, {model_tokens}, {new_tokens}"
+        )
     common = {
         "threads": threads,
         "shape": list(shape),
@@ -399,21 +548,52 @@ def run_speed(
         "repeats": repeats,
         "malloc_env": all(v in os.environ for v in MALLOC_ENV),
         "torch": torch.__version__,
+        "cpu": cpu_name(),
+        "device": device,
+        "native_isa": _native_isa(),
     }
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            records = _layer_records(tuple(shape), tokens, repeats, schemes, modes, peers, common)
-            if bandwidth:
-                weight = torch.randn(shape[1], shape[0])
+            records = []
+            if layer:
+                records += _layer_records(tuple(shape), tokens, repeats, schemes, modes, peers, common)
+            if layer and bandwidth:
+                weight = torch.randn(shape[1], shape[0], device=device)
                 records += _measure(_bandwidth_candidates(weight), repeats, "copy (clone)", common)
-            if model:
-                records += _model_records(model, tokens, repeats, schemes, modes, common)
+            if model or ckpt:
+                net, name, context, vocab = _load_model(model, ckpt)
+                net = net.to(device)
+                records += _model_records(
+                    net, name, context, vocab, model_tokens, repeats, schemes, modes, common
+                )
+                if generate:
+                    records += _generate_records(
+                        net, name, vocab, new_tokens, min(repeats, 3), schemes, common
+                    )
     finally:
         torch.set_num_threads(previous_threads)
     return records
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), so every record says where it was measured."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        line = ""
+    import platform
+
+    return line.split(":", 1)[1].strip() if ":" in line else platform.processor() or "unknown"
+
+
+def _native_isa() -> str | None:
+    from qbench.quant.kernels import native
+
+    return native.isa() if native.available() else None
 
 
 # ---------------------------------------------------------------------------------------------- table
@@ -431,7 +611,8 @@ def format_speed_table(records: Sequence[dict[str, Any]], tablefmt: str = "simpl
     for kind, title in (
         ("layer", "per layer"),
         ("bandwidth", "fake-quant bandwidth"),
-        ("model", "whole model"),
+        ("model", "whole model, prefill"),
+        ("generate", "whole model, generation"),
     ):
         rows = [r for r in records if r["kind"] == kind]
         if not rows:
@@ -460,6 +641,7 @@ def format_speed_table(records: Sequence[dict[str, Any]], tablefmt: str = "simpl
                 _fmt(r.get("speedup_best"), ".2f"),
                 _fmt(r["weight_bytes"] and r["weight_bytes"] / 2**20, ".2f"),
                 _fmt(r["bytes_vs_fp32"], ".3f"),
+                *([_fmt(r.get("tokens_per_s"), ".1f")] if kind == "generate" else []),
                 _short(r["error"]),
             ]
             for r in rows
@@ -472,6 +654,7 @@ def format_speed_table(records: Sequence[dict[str, Any]], tablefmt: str = "simpl
             "speed-up (min)",
             "MiB",
             "× fp32 bytes",
+            *(["tokens/s (best)"] if kind == "generate" else []),
             "note",
         ]
         sections.append(head + tabulate(table, headers, tablefmt=tablefmt))
@@ -485,6 +668,18 @@ def _short(note: str | None, width: int = 60) -> str:
 def _section_title(title: str, rec: dict[str, Any]) -> str:
     shape = f"{rec['shape'][0]}→{rec['shape'][1]}, {rec['tokens']} tokens"
     if rec["kind"] == "model":
-        shape = f"preset {rec['model']}, {rec['model_tokens']} tokens"
+        shape = f"{rec['model']}, {rec['model_tokens']} tokens"
+    if rec["kind"] == "generate":
+        shape = (
+            f"{rec['model']}, {rec['new_tokens']} new tokens after {rec['prompt_tokens']}, batch 1, KV cache"
+            f" ({rec['via']})"
+        )
+    if rec["kind"] in ("model", "generate") and rec.get("native_isa"):
+        shape += f", C kernels: {rec['native_isa']}"
     malloc = "" if rec.get("malloc_env") else " (MALLOC_* env not set: timings include page faults)"
-    return f"{title}: {shape}, {rec['threads']} thread(s), {rec['repeats']} interleaved repeats{malloc}\n"
+    cpu = f", {rec['cpu']}" if rec.get("cpu") else ""
+    if rec.get("device", "cpu") != "cpu":
+        cpu = f", {rec['device']}"
+    return (
+        f"{title}: {shape}, {rec['threads']} thread(s){cpu}, {rec['repeats']} interleaved repeats{malloc}\n"
+    )

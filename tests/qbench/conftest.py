@@ -25,6 +25,23 @@ def trained_like(config, seed: int = 0):
     return model.eval()
 
 
+def planted_model():
+    """A micro Llama whose block-1 down_proj input has one channel 1000× the others, and whose output matters.
+
+    Hidden unit 7's up_proj row is scaled up by 1000 and its down_proj column down by as much, so the float
+    function is unchanged while down_proj's input carries an outlier channel; down_proj and the LM head are
+    amplified (×20) so that the perplexity depends on that layer at all (a random micro model's barely does).
+    """
+    model = trained_like(micro_config("llama"))
+    mlp = model.transformer.h[1].mlp
+    with torch.no_grad():
+        mlp.up_proj.weight[7] *= 1000.0
+        mlp.down_proj.weight[:, 7] /= 1000.0
+        mlp.down_proj.weight *= 20.0
+        model.lm_head.weight *= 20.0
+    return model
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return load_tokenizer("bpe8192")

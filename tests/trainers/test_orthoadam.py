@@ -132,6 +132,19 @@ def test_hadamard_mixes_densely_for_every_length():
     assert (perm != 0).sum() == 100
 
 
+@pytest.mark.parametrize("n", [2, 16, 64, 128, 1024, 4096])
+def test_hadamard_of_a_power_of_two_is_exactly_sylvester_times_signs(n):
+    """For n = 2^k the rotation is H_n·diag(s): Sylvester–Hadamard (normalised) with seeded ±1 column signs,
+    whatever Kronecker factorisation the fast path uses (H_a ⊗ H_b = H_ab for Sylvester matrices)."""
+    rot = ROTATIONS.get("hadamard")(n, torch.Generator().manual_seed(0), 1024).to(CPU, torch.float64)
+    s = rot.signs
+    assert set(s.tolist()) <= {-1.0, 1.0}
+    h = torch.ones(1, 1, dtype=torch.float64)  # Sylvester's construction, written out again here
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    torch.testing.assert_close(rot.matrix(), h / math.sqrt(n) * s, rtol=0, atol=1e-15)
+
+
 def test_dense_long_axis_is_block_diagonal():
     q = ROTATIONS.get("dense")(100, torch.Generator().manual_seed(0), 32).to(CPU, torch.float64).matrix()
     assert (q[:32, 32:] == 0).all() and (q[96:, :96] == 0).all()

@@ -6,17 +6,25 @@
 =====================================  ==============================  =========================================
 scheme (method, bits)                  module                          kernel
 =====================================  ==============================  =========================================
-rtn / smoothquant / hadamard, W8A8     :class:`~.int8.Int8Linear`      ``torch._int_mm`` (int8×int8→int32)
-absmax (W per channel or tensor,
-A per token or per sequence,
+rtn / smoothquant / hadamard, W8A8     :class:`~.int8.Int8Linear`      CPU: C int8 GEMV/GEMM (``native.c``),
+absmax (W per channel or tensor,                                       ``torch._int_mm`` where faster; CUDA:
+A per token or per sequence,                                           ``torch._int_mm`` (int8×int8→int32)
 optional O8 per sequence)
-rtn / hadamard, W4 zeropoint,          :class:`~.int4.Int4Linear`      dequantise on the fly; CPU bf16:
-weight-only (per channel or group)                                     ``_weight_int4pack_mm_for_cpu``
+rtn / hadamard, W4 zeropoint,          :class:`~.int4.Int4Linear`      CPU fp32: C kernels (``paths.py``);
+weight-only (per channel or group)                                     CPU bf16: ``_weight_int4pack_mm_for_cpu``;
+                                                                       else dequantise on the fly
+W2/W3 (either symmetry), W4 absmax,    :class:`~.lowbit.LowBitLinear`  packed codes, dequantise on the fly
+weight-only (per channel or group)
+W8A8 static (calibrated per-tensor     :class:`~.int8.Int8Linear`      ``torch._int_mm``, eager
+activation/output scales)
+W8 weight-only (W8A16-style,           ``w8.Int8WeightOnlyLinear``     CPU fp32: C kernels (``paths.py``);
+per channel or group)                                                  else dequantise on the fly
 llm-int8                               :class:`~.bnb.BnbLinear`        bitsandbytes ``Linear8bitLt``
 bnb-nf4                                :class:`~.bnb.BnbLinear`        bitsandbytes ``Linear4bit`` (nf4)
 =====================================  ==============================  =========================================
 
-Anything else (another bit width, asymmetric int8, per-input-channel activation scales, a group-wise int8 weight)
+Anything else (another bit width, per-input-channel activation scales, an asymmetric or group-wise int8 weight
+with int8 activations)
 has no integer kernel here and raises :class:`UserError` — run it with ``mode="fake"``. ``weight`` is always
 (out, in); the caller transposes GPT-2 ``Conv1D`` weights.
 """
@@ -30,21 +38,27 @@ from models.errors import UserError
 from qbench.quant.granularity import PerAxis, PerGroup, PerTensor, PerToken
 from qbench.quant.kernels.int4 import Int4Linear, int4pack_available, pack_int4, unpack_int4
 from qbench.quant.kernels.int8 import Int8Linear, int_mm, int_mm_available
+from qbench.quant.kernels.lowbit import PACKED_BITS, LowBitLinear, pack_bits, unpack_bits
 from qbench.quant.schemes import QuantScheme
 
 __all__ = [
     "Int4Linear",
     "Int8Linear",
+    "LowBitLinear",
     "available_backends",
     "int_mm",
     "make_real_linear",
+    "pack_bits",
     "pack_int4",
+    "unpack_bits",
     "unpack_int4",
 ]
 
 REAL_KERNELS = (
     "W8A8 absmax (W per channel/tensor, A per token/sequence, optional O8 per sequence)",
-    "W4 zeropoint weight-only (per channel/group)",
+    "W8A8 with static per-tensor activation/output scales",
+    "W2/W3/W4 weight-only, zeropoint or absmax (per channel/group)",
+    "W8 weight-only (W8A16-style), zeropoint or absmax (per channel/group)",
     "llm-int8",
     "bnb-nf4",
 )
@@ -57,14 +71,23 @@ def make_real_linear(
     *,
     input_scale: Tensor | None = None,
     rotation: nn.Module | Tensor | None = None,
+    act_static: nn.Module | None = None,
+    out_static: nn.Module | None = None,
 ) -> nn.Module:
-    """A real-kernel layer computing the same function as ``FakeQuantLinear(weight, bias, scheme, …)``."""
+    """A real-kernel layer computing the same function as ``FakeQuantLinear(weight, bias, scheme, …)``.
+
+    ``act_static`` / ``out_static``: calibrated ``static.StaticQuantizer``s of a ``static=true`` scheme.
+    """
     if scheme.method in ("llm-int8", "bnb-nf4"):
         return _bnb_linear(weight, bias, scheme, input_scale, rotation)
     if scheme.method == "smoothquant" and input_scale is None:
         raise UserError(f"scheme {scheme.name!r}: smoothquant needs calibrated input scales (input_scale)")
     if scheme.method == "hadamard" and rotation is None:
         raise UserError(f"scheme {scheme.name!r}: hadamard needs a rotation")
+    if scheme.static and scheme.act_bits is not None and act_static is None:
+        raise UserError(
+            f"scheme {scheme.name!r}: static scales need calibration (quantize(..., calibration=…))"
+        )
     if _is_w8a8(scheme):
         return Int8Linear.from_float(
             weight,
@@ -74,16 +97,13 @@ def make_real_linear(
             out_quant=scheme.out_bits is not None,
             input_scale=input_scale,
             rotation=rotation,
+            static_act_scale=None if act_static is None else act_static.scale,
+            static_out_scale=None if out_static is None else out_static.scale,
         )
-    if _is_w4_weight_only(scheme):
-        g = scheme.weight_granularity
-        return Int4Linear.from_float(
-            weight,
-            bias,
-            g.group_size if isinstance(g, PerGroup) else None,
-            input_scale=input_scale,
-            rotation=rotation,
-        )
+    if _is_w8_weight_only(scheme):
+        return _w8_weight_only_linear(weight, bias, scheme, input_scale, rotation)
+    if _is_weight_only_lowbit(scheme):
+        return _weight_only_linear(weight, bias, scheme, input_scale, rotation)
     raise UserError(
         f"scheme {scheme.name!r} ({scheme.label}) has no real kernel; real kernels exist for: "
         f"{'; '.join(REAL_KERNELS)}. Run it with mode='fake'"
@@ -111,14 +131,55 @@ def _is_w8a8(scheme: QuantScheme) -> bool:
     return weight_ok and act_ok and out_ok
 
 
-def _is_w4_weight_only(scheme: QuantScheme) -> bool:
-    g = scheme.weight_granularity
+def _is_w8_weight_only(scheme: QuantScheme) -> bool:
+    """Weight-only int8 (W8A16-style), per output channel or per group, either symmetry (KERN)."""
     return (
-        scheme.weight_bits == 4
-        and not scheme.weight_symmetric
+        scheme.weight_bits == 8
         and scheme.act_bits is None
         and scheme.out_bits is None
-        and (_per_out_channel(scheme) or isinstance(g, PerGroup))
+        and (_per_out_channel(scheme) or isinstance(scheme.weight_granularity, PerGroup))
+    )
+
+
+def _w8_weight_only_linear(
+    weight: Tensor, bias: Tensor | None, scheme: QuantScheme, input_scale: Tensor | None, rotation: object
+) -> nn.Module:
+    from qbench.quant.kernels.w8 import Int8WeightOnlyLinear
+
+    g = scheme.weight_granularity_for(weight.shape[1])
+    group = g.group_size if isinstance(g, PerGroup) else None
+    return Int8WeightOnlyLinear.from_float(
+        weight, bias, group, scheme.weight_symmetric, input_scale=input_scale, rotation=rotation
+    )
+
+
+def _is_weight_only_lowbit(scheme: QuantScheme) -> bool:
+    """Weight-only 2/3/4-bit, per output channel or per group, either symmetry (SCHEME's grouped schemes)."""
+    return (
+        scheme.weight_bits in PACKED_BITS
+        and scheme.act_bits is None
+        and scheme.out_bits is None
+        and (_per_out_channel(scheme) or isinstance(scheme.weight_granularity, PerGroup))
+    )
+
+
+def _weight_only_linear(
+    weight: Tensor, bias: Tensor | None, scheme: QuantScheme, input_scale: Tensor | None, rotation: object
+) -> nn.Module:
+    """Asymmetric int4 -> Int4Linear (torch's int4 kernel with bf16); int2/int3, symmetric int4 and a group that
+    does not divide the row (a shorter last group) -> LowBitLinear."""
+    g = scheme.weight_granularity_for(weight.shape[1])  # a group ≥ the row is per channel
+    group = g.group_size if isinstance(g, PerGroup) else None
+    if scheme.weight_bits == 4 and not scheme.weight_symmetric and not weight.shape[1] % (group or 1):
+        return Int4Linear.from_float(weight, bias, group, input_scale=input_scale, rotation=rotation)
+    return LowBitLinear.from_float(
+        weight,
+        bias,
+        scheme.weight_bits,
+        g,
+        scheme.weight_symmetric,
+        input_scale=input_scale,
+        rotation=rotation,
     )
 
 

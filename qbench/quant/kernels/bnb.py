@@ -6,6 +6,9 @@ bitsandbytes is optional (``pip install 'qbench[bnb]'``) and imported only insid
   activations int8 absmax per row, except input columns holding any |x| ≥ threshold, which are multiplied in
   float16 (the outlier decomposition of Dettmers et al. 2022). bitsandbytes casts activations to float16 first, so
   values beyond ±65504 overflow — a limit of the method as implemented, relevant for massive activations.
+  The outlier columns are chosen over all rows of one call, so a batch of sequences would share them and a cell
+  would change with ``--batch-size``; the layer is therefore called once per sequence (issue 13.10), like the
+  per-sequence activation scales of the other schemes.
 - ``bnb-nf4``: ``Linear4bit(quant_type="nf4")``, blocks of 64 weights with an absmax each, NormalFloat-4 codebook,
   weight-only (activations stay in ``compute_dtype``).
 
@@ -63,12 +66,15 @@ def _silence_cast_warning() -> None:
 class BnbLinear(nn.Module):
     """A bitsandbytes layer with qbench's reporting (``extra_repr``, ``nbytes``); forward is the layer's own."""
 
-    def __init__(self, layer: nn.Module, method: str) -> None:
+    def __init__(self, layer: nn.Module, method: str, per_sequence: bool = False) -> None:
         super().__init__()
-        self.layer, self.method = layer.eval(), method
+        self.layer, self.method, self.per_sequence = layer.eval(), method, per_sequence
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.layer(x)
+        if not self.per_sequence or x.dim() < 3 or x.shape[0] == 1:
+            return self.layer(x)
+        # (B, T, in): one call per sequence
+        return torch.cat([self.layer(x[i : i + 1]) for i in range(x.shape[0])])
 
     def nbytes(self) -> int:
         """Quantised weight + its statistics (row scales for int8, block absmax for NF4) + bias."""
@@ -112,7 +118,7 @@ def bnb_int8_linear(weight: Tensor, bias: Tensor | None = None, threshold: float
     )
     if bias is not None:
         layer.bias = nn.Parameter(bias.detach().float().cpu().clone(), requires_grad=False)
-    return BnbLinear(layer.to(weight.device), f"llm-int8 (threshold {threshold})")
+    return BnbLinear(layer.to(weight.device), f"llm-int8 (threshold {threshold})", per_sequence=True)
 
 
 def bnb_nf4_linear(

@@ -7,8 +7,12 @@ Storage for an (out, in) weight quantised per group of ``g`` input channels (per
   formulas (lo = min(w, 0), hi = max(w, 0), s = (hi − lo) / 15, z = round(−lo / s)), so the real weight equals
   ``fake_quantize(W, 4, PerAxis(0) or PerGroup(g), symmetric=False)`` bit for bit.
 
-Forward, portable path (any device, any float dtype): dequantise the whole weight in float32, cast to the input
-dtype, ``F.linear``. This saves memory, not time: each call rebuilds the float weight.
+Forward, CPU float32 (the default): the compiled kernels of ``paths.py`` — up to 16 rows a kernel that reads the
+packed nibbles and never builds the float weight (equal to fake mode to float rounding), more rows one C pass
+that dequantises, then torch's float32 GEMM (equal to fake mode bit for bit).
+
+Forward, portable path (any device, any float dtype, or without a C compiler): dequantise the whole weight in
+float32, cast to the input dtype, ``F.linear``. This saves memory, not time: each call rebuilds the float weight.
 
 Forward, CPU fast path (bf16 activations): torch's tinygemm-style kernels
 ``_convert_weight_to_int4pack_for_cpu`` + ``_weight_int4pack_mm_for_cpu``. Their convention, measured: codes
@@ -30,7 +34,9 @@ from torch import Tensor, nn
 
 from models.errors import UserError
 from qbench.quant.fake import transform_input, transform_weight
+from qbench.quant.float32 import Float32Buffers
 from qbench.quant.granularity import PerAxis, PerGroup
+from qbench.quant.kernels import paths
 from qbench.quant.kernels.int8 import as_rotation, check_input_scale, module_bytes
 from qbench.quant.primitives import choose_qparams, quantize
 
@@ -48,7 +54,7 @@ def pack_int4(q: Tensor) -> Tensor:
     q = q.to(torch.uint8)
     if q.shape[-1] % 2:
         q = F.pad(q, (0, 1))
-    return q[..., 0::2] | (q[..., 1::2] << 4)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()  # the kernels read rows of bytes
 
 
 def unpack_int4(packed: Tensor, n: int | None = None) -> Tensor:
@@ -64,13 +70,15 @@ def _check_group(in_features: int, group_size: int | None) -> int:
     return group
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(Float32Buffers):
     """y = x' · Ŵᵀ + b with Ŵ = s · (q − z) from packed 4-bit zeropoint codes (see the module docstring).
 
     x' = ``fake.transform_input(x, input_scale, rotation)`` and the quantised weight is
     ``fake.transform_weight(W, input_scale, rotation)``, as in ``FakeQuantLinear`` (both optional; the
     hadamard-zeropoint-int4 scheme uses the rotation).
     """
+
+    _float32_buffers = ("scales", "input_scale")
 
     def __init__(
         self,
@@ -142,6 +150,9 @@ class Int4Linear(nn.Module):
         x = transform_input(x, self.input_scale, self.rotation)
         if self._fast_path_ok(x):
             return self._forward_int4pack(x)
+        y = paths.weight_only_forward(x, self.qweight, True, self.scales, self.zeros, self.bias)
+        if y is not None:  # float32 on CPU: the compiled kernels (paths.py)
+            return y
         w = self.dequantized_weight().to(x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 

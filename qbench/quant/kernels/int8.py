@@ -18,11 +18,17 @@ quantised is ``fake.transform_weight(W, s, R)`` = R(W · diag(s)) and the input 
 — the very functions ``FakeQuantLinear`` uses, so both backends quantise identical tensors. ``out_quant``
 fake-quantises the output per sequence after the bias (absmax-coarse).
 
-Speed: quantising activations in eager torch costs several passes over x and the epilogue several passes over
-the (M, out) result — together about as much as the int8 GEMM saves. ``fused=True`` runs the whole forward as one
-``torch.compile``'d function (one pass to quantise, one fused epilogue); "auto" does that only for large inputs,
-where a one-off compile (~10–20 s cold, cached on disk afterwards) pays back. Both give the same codes (tested).
-Compiled CPU kernels fix their OpenMP thread count when first compiled.
+Speed: ``fused="auto"`` (the default) runs float32 CPU input through the compiled C kernels of ``paths.py``:
+one C pass quantises the activations (the same codes and scales), int8 dot products accumulate exactly in int32
+(AVX-512 VNNI or AVX2; up to 16 rows always, more rows too unless oneDNN's ``torch._int_mm`` is faster there),
+and the epilogue is one C pass in the same operation order — so the result equals the torch path bit for bit
+(tested). Without a C compiler (or with ``QBENCH_NATIVE_KERNELS=0``) "auto" falls back to the torch path below.
+In torch, quantising activations eagerly costs several passes over x and the epilogue several passes over the
+(M, out) result — together about as much as the int8 GEMM saves. ``fused=True`` runs the whole forward as one
+``torch.compile``'d function (one pass to quantise, one fused epilogue); "auto" without the C kernels does that
+only for large inputs, where a one-off compile (~10–20 s cold, cached on disk afterwards) pays back; ``False``
+is plain eager torch. All give the same codes (tested). Compiled CPU kernels fix their OpenMP thread count when
+first compiled.
 
 CUDA: the same code runs on CUDA tensors. cuBLAS int8 GEMM needs M > 16 and K, N multiples of 8, and a
 row-major (K, N) second operand; :func:`int_mm` pads with zeros where needed (exact) and slices the result. Where
@@ -43,7 +49,9 @@ from torch import Tensor, nn
 
 from models.errors import UserError, unknown_choice
 from qbench.quant.fake import transform_input, transform_weight
+from qbench.quant.float32 import Float32Buffers
 from qbench.quant.granularity import PerAxis, PerTensor
+from qbench.quant.kernels import paths
 from qbench.quant.primitives import TINY, choose_qparams, quantize
 
 QMAX = 127
@@ -179,8 +187,10 @@ def _run_forward(
 # ----------------------------------------------------------------------------------------------- module
 
 
-class MatrixRotation(nn.Module):
+class MatrixRotation(Float32Buffers):
     """x ↦ x · Rᵀ for an explicit (dim, dim) orthogonal matrix R (computed in float32, returned in x's dtype)."""
+
+    _float32_buffers = ("matrix",)
 
     def __init__(self, matrix: Tensor) -> None:
         super().__init__()
@@ -222,8 +232,11 @@ def check_input_scale(input_scale: Tensor | None, in_features: int) -> Tensor | 
     return input_scale.detach().float().clone()
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(Float32Buffers):
     """W8A8 absmax linear with an integer GEMM; see the module docstring for the exact definition."""
+
+    # bias too: the compiled CPU kernels read it as float32 (a bf16 bias gave outputs ~1e32)
+    _float32_buffers = ("w_scale", "bias", "input_scale", "static_act_scale", "static_out_scale")
 
     def __init__(
         self,
@@ -236,17 +249,23 @@ class Int8Linear(nn.Module):
         input_scale: Tensor | None = None,
         rotation: nn.Module | None = None,
         fused: Fused = "auto",
+        static_act_scale: Tensor | None = None,
+        static_out_scale: Tensor | None = None,
     ) -> None:
         super().__init__()
         if act not in ACT_GRANULARITIES:
             raise unknown_choice("int8 activation granularity", act, ACT_GRANULARITIES)
         self.in_features, self.out_features = qweight_t.shape
         self.act, self.out_quant, self.fused = act, out_quant, fused
-        self.register_buffer("qweight_t", qweight_t)  # (in, out) int8, row-major: the layout _int_mm wants
+        # (in, out) int8 for _int_mm; from_float stores it as the transpose of a contiguous (out, in) tensor,
+        # the layout of the compiled kernels (``paths.int8_forward``), so both read the same bytes
+        self.register_buffer("qweight_t", qweight_t)
         self.register_buffer("w_scale", w_scale)  # (out,) per channel or () per tensor, float32
         self.register_buffer("bias", bias)
         self.register_buffer("input_scale", check_input_scale(input_scale, self.in_features))  # SmoothQuant s
         self.rotation = as_rotation(rotation, self.in_features)
+        # static (calibrated) scales: see the end of the class
+        self._init_static(static_act_scale, static_out_scale)
 
     @classmethod
     def from_float(
@@ -260,6 +279,8 @@ class Int8Linear(nn.Module):
         input_scale: Tensor | None = None,
         rotation: nn.Module | Tensor | None = None,
         fused: Fused = "auto",
+        static_act_scale: Tensor | None = None,
+        static_out_scale: Tensor | None = None,
     ) -> Int8Linear:
         """Quantise R(W · diag(s)) of an (out, in) float weight (``fake.transform_weight``)."""
         if weight_granularity not in WEIGHT_GRANULARITIES:
@@ -272,7 +293,7 @@ class Int8Linear(nn.Module):
         w_scale = qp.scale.reshape(-1) if weight_granularity == "per_channel" else qp.scale.reshape(())
         b = None if bias is None else bias.detach().float().clone()
         return cls(
-            codes.t().contiguous(),
+            codes.contiguous().t(),
             w_scale.contiguous(),
             b,
             act=act,
@@ -280,11 +301,15 @@ class Int8Linear(nn.Module):
             input_scale=input_scale,
             rotation=rotation,
             fused=fused,
+            static_act_scale=static_act_scale,
+            static_out_scale=static_out_scale,
         )
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Int8Linear expects (..., {self.in_features}) input, got {tuple(x.shape)}")
+        if self.static_act_scale is not None:
+            return self._static_forward(x)
         lead = x.shape[:-1]
         # (B, T, K): per-tensor scales are per leading batch element; ≤ 2-d input is one sequence
         x3 = x.float().reshape(1 if x.dim() <= 2 else x.shape[0], -1, self.in_features)
@@ -292,17 +317,55 @@ class Int8Linear(nn.Module):
         # the rotation runs eagerly, outside the compiled function: a module argument would recompile per layer
         if self.rotation is not None:
             x3, input_scale = transform_input(x3, input_scale, self.rotation), None
-        y = _run_forward(
-            self.fused,
-            x3,
-            self.qweight_t,
-            self.w_scale,
-            self.bias,
-            self.act == "per_token",
-            self.out_quant,
-            input_scale,
-        )
+        y = None
+        if self.fused == "auto":  # the compiled CPU kernels where they apply (paths.py), else the torch path
+            y = paths.int8_forward(
+                self, x3, self.qweight_t.t(), self.w_scale, self.bias, self.act == "per_token", input_scale
+            )
+            y = y if y is None or not self.out_quant else fake_quantize_per_sequence(y)
+        if y is None:
+            y = _run_forward(
+                self.fused,
+                x3,
+                self.qweight_t,
+                self.w_scale,
+                self.bias,
+                self.act == "per_token",
+                self.out_quant,
+                input_scale,
+            )
         return y.reshape(*lead, self.out_features).to(x.dtype)
+
+    # ------------------------------------------------ static (calibrated) scales — SCHEME's part, kept apart
+    # A static per-tensor activation scale s_a (and output scale s_o) from calibration (``qbench.quant.static``):
+    # q_x = clamp(round(x' / s_a), ±127) — values beyond the calibrated range saturate —, then the same integer
+    # GEMM and epilogue; the output, when quantised, uses s_o instead of a per-sequence scale. Eager torch: the
+    # fused/compiled dynamic path above is untouched.
+
+    def _init_static(self, act_scale: Tensor | None, out_scale: Tensor | None) -> None:
+        for name, scale in (("static_act_scale", act_scale), ("static_out_scale", out_scale)):
+            if scale is not None and scale.numel() != 1:
+                raise UserError(
+                    f"Int8Linear: {name} must be one per-tensor scale, got shape {tuple(scale.shape)}"
+                )
+            self.register_buffer(name, None if scale is None else scale.detach().float().reshape(()).clone())
+        if out_scale is not None and not self.out_quant:
+            raise UserError("Int8Linear: static_out_scale needs out_quant=True")
+
+    def _static_forward(self, x: Tensor) -> Tensor:
+        x2 = transform_input(x.float(), self.input_scale, self.rotation).reshape(-1, self.in_features)
+        q = torch.clamp(torch.round(x2 / self.static_act_scale), -QMAX, QMAX).to(torch.int8)
+        y = int_mm(q, self.qweight_t).to(torch.float32) * (self.static_act_scale * self.w_scale)
+        if self.bias is not None:
+            y = y + self.bias
+        if self.out_quant:
+            if self.static_out_scale is not None:
+                y = torch.clamp(torch.round(y / self.static_out_scale), -QMAX, QMAX) * self.static_out_scale
+            else:
+                y = fake_quantize_per_sequence(
+                    y.reshape(1 if x.dim() <= 2 else x.shape[0], -1, self.out_features)
+                )
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def dequantized_weight(self) -> Tensor:
         """s_w · q_w as (out, in) float32: the (transformed) weight the integer GEMM effectively uses."""

@@ -102,7 +102,7 @@ def test_interrupted_grid_resumes_without_recomputing(ckpt_dir, tmp_path, monkey
     reused = []
     run_grid(s, on_record=lambda r, was_reused: reused.append(was_reused))
     assert computed == ["zeropoint-int4"]
-    assert reused == [False, True, True, False]
+    assert reused == [True, True, True, False]  # the float baseline is reused too
     for name, mtime in written.items():  # nothing already finished was rewritten
         assert next((tmp_path / "results").rglob(name)).stat().st_mtime_ns == mtime
 
@@ -202,3 +202,93 @@ def test_compare_keeps_two_models_of_one_name_from_different_grids_apart(ckpt_di
         replace(spec(tmp_path / "c", [ckpt_dir], schemes=("absmax-coarse",)), exclude=("*c_fc",))
     )
     assert comparison(cells)[2].endswith("Layers kept in float (--exclude): *c_fc.")
+
+
+# ------------------------------------------------------------------------------------ cache invalidation
+
+
+def _reuse_flags(s):
+    flags = []
+    run_grid(s, on_record=lambda r, was_reused: flags.append(was_reused))
+    return flags
+
+
+def test_a_transformers_folder_whose_files_change_is_recomputed(hf_gpt2_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "gpt2-copy"
+    shutil.copytree(hf_gpt2_dir, folder)
+    s = spec(tmp_path, [folder], schemes=("absmax-coarse",))
+    assert _reuse_flags(s) == [False, False]
+    assert _reuse_flags(s) == [True, True]
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    name = next(k for k in weights if k.endswith("c_fc.weight"))
+    weights[name] = weights[name] * 1.01
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    assert _reuse_flags(s) == [False, False]
+
+
+def test_unknown_weights_never_match_not_even_other_unknown_weights(ckpt_dir, tmp_path, monkeypatch):
+    """A hub model whose commit is unknown has fingerprint None: None must never equal None."""
+    from qbench.eval import harness
+
+    s = spec(tmp_path, [ckpt_dir], schemes=("absmax-coarse",))
+    assert _reuse_flags(s) == [False, False]
+    assert _reuse_flags(s) == [True, True]
+    original = harness.load_model
+
+    def unknown(*args, **kwargs):
+        lm = original(*args, **kwargs)
+        lm.description["fingerprint"] = None
+        return lm
+
+    monkeypatch.setattr(harness, "load_model", unknown)
+    assert _reuse_flags(s) == [False, False]  # the records on disk (with a fingerprint) are not reused
+    assert _reuse_flags(s) == [False, False]  # nor the ones just written with fingerprint None
+
+
+def test_a_scheme_changed_under_the_same_name_is_recomputed(ckpt_dir, tmp_path, monkeypatch):
+    from qbench.quant.schemes import SCHEMES
+
+    s = spec(tmp_path, [ckpt_dir], schemes=("absmax-coarse",))
+    first = run_grid(s)
+    changed = replace(SCHEMES.get("absmax-coarse"), out_bits=6)
+    monkeypatch.setitem(SCHEMES._entries, "absmax-coarse", changed)
+    flags = []
+    second = run_grid(s, on_record=lambda r, was_reused: flags.append(was_reused))
+    assert flags == [True, False]
+    assert first[1]["scheme"]["out_bits"] == 8 and second[1]["scheme"]["out_bits"] == 6
+
+
+def test_an_unsupported_record_is_recomputed_once_the_backend_exists(ckpt_dir, tmp_path):
+    s = spec(tmp_path, [ckpt_dir], schemes=("absmax-coarse",), modes=("real",))
+    (_fp, cell) = run_grid(s)
+    assert cell["status"] == "ok"
+    path = next((tmp_path / "results").rglob("absmax-coarse__real.json"))
+    stale = dict(cell, status="unsupported", error="no real kernel (written by an older qbench)")
+    path.write_text(json.dumps(stale))
+    flags = []
+    (_, again) = run_grid(s, on_record=lambda r, was_reused: flags.append(was_reused))
+    assert flags == [True, False] and again["status"] == "ok"
+
+
+@pytest.mark.parametrize("missing", ["eval_version", "linear_ranges"])
+def test_a_baseline_record_lacking_newer_fields_is_recomputed(ckpt_dir, tmp_path, missing):
+    s = spec(tmp_path, [ckpt_dir], schemes=())
+    (fp,) = run_grid(s)
+    path = next((tmp_path / "results").rglob("fp.json"))
+    old = {k: v for k, v in fp.items() if k != missing}
+    path.write_text(json.dumps(old))
+    assert _reuse_flags(s) == [False]
+    assert missing in json.loads(path.read_text())
+
+
+def test_records_from_older_evaluation_code_are_recomputed(ckpt_dir, tmp_path, monkeypatch):
+    from qbench.eval import harness
+
+    s = spec(tmp_path, [ckpt_dir], schemes=("absmax-coarse",))
+    run_grid(s)
+    monkeypatch.setattr(harness, "EVAL_VERSION", harness.EVAL_VERSION + 1)
+    assert _reuse_flags(s) == [False, False]

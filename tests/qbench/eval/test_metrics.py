@@ -70,9 +70,11 @@ def test_massive_activations_are_found_where_planted(tokenizer):
 
 
 def test_checkpoint_round_trip_keeps_perplexity(ckpt_dir, tokenizer):
+    saved = trained_like(micro_config(attn="softmax1"))  # the model conftest saved (seeded build)
     ckpt = load_checkpoint(ckpt_dir)
     w = make_windows(tokenizer, Protocol(tokens=62, window=32), context=32)
-    assert math.isfinite(perplexity(ckpt.model, w)["perplexity"])
+    before, after = perplexity(saved, w), perplexity(ckpt.model, w)
+    assert math.isfinite(before["perplexity"]) and before == after
 
 
 def test_linear_ranges_follow_their_definitions(tokenizer):

@@ -32,9 +32,23 @@ def test_op_equals_primitive(granularity, bits, symmetric, dtype, transposed, se
     x = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(seed)).to(dtype)
     if transposed:  # a non-contiguous input takes the generic path
         x = x.transpose(0, 1).contiguous().transpose(0, 1)
-    y = ops.fake_quantize(x, bits, granularity, symmetric)
+    # min_numel=1: these small inputs take the fused C kernel too (its default threshold would skip it and
+    # compare the primitive with itself).
+    with ops.cpu_fast_path(True, min_numel=1):
+        y = ops.fake_quantize(x, bits, granularity, symmetric)
     assert y.dtype == x.dtype and y.is_contiguous()
     assert torch.equal(y, reference(x, bits, granularity, symmetric))
+
+
+def test_small_inputs_reach_the_c_kernel_when_asked(monkeypatch):
+    """Guards the test above: with min_numel=1 a small fp32 row layout is computed by the C kernel."""
+    calls = []
+    real = cpu_kernel.fake_quantize_rows
+    monkeypatch.setattr(cpu_kernel, "fake_quantize_rows", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(3, 4, 8)
+    with ops.cpu_fast_path(True, min_numel=1):
+        y = ops.fake_quantize(x, 8, PerToken(), True)
+    assert calls and torch.equal(y, reference(x, 8, PerToken(), True))
 
 
 def test_rows_view_recognises_contiguous_blocks():

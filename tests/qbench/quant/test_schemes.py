@@ -20,6 +20,14 @@ EXPECTED = {
     "smoothquant",
     "hadamard-absmax-coarse",
     "hadamard-zeropoint-int4",
+    # grouped weight-only (issue 10.3)
+    "zeropoint-int4-g128",
+    "zeropoint-int4-g64",
+    "zeropoint-int4-g32",
+    "zeropoint-int3-g128",
+    "zeropoint-int2-g64",
+    # floating-point formats, fake mode (issue 10.4)
+    *("fp8-e4m3", "fp8-e4m3-rowwise", "fp8-e5m2", "fp8-e5m2-rowwise", "mxfp8", "mxfp6", "mxfp4", "nvfp4"),
 }
 
 

@@ -1,3 +1,6 @@
+import json
+import re
+
 import pytest
 
 from qbench.cli import main
@@ -21,10 +24,18 @@ def test_demo_end_to_end_on_a_tiny_budget_and_rerun_reuses_everything(tmp_path, 
     assert {p.name for p in out.glob("*.png")} == {"emergence.png", "per_layer.png"}
     table = (out / "table.md").read_text()
     assert "Made by `qbench demo --steps 2" in table and "| vanilla" in table and "| paper" in table
-    assert len(list(out.rglob("*__*.json"))) == 2 * 4 * 2  # models x paper schemes x fake/real
+    assert len(list(out.glob("*/*__*.json"))) == 2 * 4 * 2  # models x paper schemes x fake/real
+    sweep = json.loads((out / "sweep" / "sweep.json").read_text())  # the bit-width sweep, below 8 bits
+    curves = {(p["model"], p["family"], p["axis"]) for p in sweep["breaking_points"]}
+    assert len(curves) == 2 * 6  # models x (absmax-coarse w, a, o, all; fp kv, kv-keep1)
+    assert len(sweep["cells"]) == 2 * (4 * 7 + 2 * 5)  # bits 8-2; the KV cache offers 8, 6, 4, 3, 2
+    assert "## Below 8 bits" in table and re.search(r"\| paper +\| fp +\| kv-keep1 +\|", table)
+    assert (out / "sweep" / "sweep.png").exists()
     capsys.readouterr()
     assert main(argv) == 0
-    assert capsys.readouterr().out.count("(reused)") == 16
+    out_text = capsys.readouterr().out
+    assert out_text.count("(reused)") == 2 + 16  # the float baselines, then every cell
+    assert "0 cells evaluated, 70 reused" in out_text  # the sweep: 2 x (25 absmax-coarse + 10 KV) cells
 
 
 @pytest.mark.slow

@@ -1,16 +1,14 @@
-import argparse
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from models.errors import UserError
 from models.hf import to_hf_model
 from models.observe import observe
 from qbench.eval.load import LoadedModel
 from qbench.eval.metrics import Protocol, make_windows
-from qbench.studies.inspection import add_arguments, delimiter_ids, inspect_model, observe_window, run
+from qbench.studies.inspection import delimiter_ids, inspect_model, observe_window
 from qbench.studies.plots import max_pool
 from tests.qbench.conftest import micro_config, trained_like
 
@@ -73,17 +71,3 @@ def test_delimiters_include_the_separator_and_full_stop(tokenizer):
     ids = delimiter_ids(tokenizer)
     assert tokenizer.convert_tokens_to_ids("<|endoftext|>") in ids
     assert tokenizer.encode(".", add_special_tokens=False)[0] in ids
-
-
-def _args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return parser.parse_args(list(argv))
-
-
-def test_command_on_a_transformers_folder(hf_llama_dir, tmp_path, capsys):
-    run(_args("--ckpt", str(hf_llama_dir), "--tokens", "62", "--windows", "2", "--out", str(tmp_path)))
-    assert json.loads((tmp_path / "metrics.json").read_text())["model"]["kind"] == "transformers"
-    assert (tmp_path / "layers.png").exists()
-    with pytest.raises(UserError, match="--windows"):
-        run(_args("--ckpt", str(hf_llama_dir), "--windows", "0", "--out", str(tmp_path)))

@@ -1,5 +1,3 @@
-import argparse
-
 import pytest
 import torch
 
@@ -7,7 +5,7 @@ from models.errors import UserError
 from models.hf import to_hf_model
 from qbench.eval.load import LoadedModel
 from qbench.eval.metrics import Protocol
-from qbench.studies.intervene import add_arguments, intervene, run
+from qbench.studies.intervene import intervene
 from tests.qbench.conftest import micro_config, trained_like
 
 PROTOCOL = Protocol(tokens=31 * 6, window=32, batch_size=3)
@@ -67,8 +65,3 @@ def test_no_massive_activations_is_said_plainly(tokenizer):
 def test_bad_mode_is_a_did_you_mean_error(lm):
     with pytest.raises(UserError, match="did you mean 'zero'"):
         intervene(lm, PROTOCOL, mode="zeros")
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--ckpt", "does-not-exist", "--set", "median"])
-    with pytest.raises(UserError, match=r"'median'.*zero"):
-        run(args)  # refused before the (missing) model is looked for

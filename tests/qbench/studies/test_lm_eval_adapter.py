@@ -93,7 +93,7 @@ def test_unknown_task_is_a_did_you_mean_error(tokenizer, task_dir):
 def test_command_writes_results_with_provenance(hf_gpt2_dir, task_dir, tmp_path, capsys):
     import argparse
 
-    from qbench.studies.lm_eval_adapter import add_arguments, run
+    from qbench.cli.lm_eval import add_arguments, run
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -8,7 +8,7 @@ from torch import nn
 
 from models.errors import UserError
 from qbench.quant.apply import model_bytes
-from qbench.studies.speed import format_speed_table, run_speed, time_interleaved
+from qbench.studies.speed import format_speed_table, greedy_generate, run_speed, time_interleaved
 
 SCHEMES = [
     "absmax-fine",
@@ -24,7 +24,15 @@ SCHEMES = [
 def records():
     torch.set_num_threads(2)
     recs = run_speed(
-        shape=(64, 32), tokens=16, threads=1, repeats=1, schemes=SCHEMES, bandwidth=False, model="tiny"
+        shape=(64, 32),
+        tokens=16,
+        threads=1,
+        repeats=1,
+        schemes=SCHEMES,
+        bandwidth=False,
+        model="tiny",
+        model_tokens=16,
+        new_tokens=4,
     )
     assert torch.get_num_threads() == 2  # restored
     return recs
@@ -50,11 +58,12 @@ def test_layer_records(records):
         "smoothquant [real]",
         "torch._int_mm alone (ceiling)",
         "torch.ao quantize_dynamic int8",
+        "absmax-fine:a=none [real] (W8A16)",
     ):
         rec = layer[name]
         assert rec["error"] is None and rec["ms"] > 0 and rec["speedup"] > 0, name
         assert rec["bytes_vs_fp32"] < 0.4, name  # int8 / int4 storage, scales and bias included
-    assert layer["absmax-fine [real]"]["backend"] == "Int8Linear"
+    assert layer["absmax-fine [real]"]["backend"].startswith("Int8Linear")
     assert layer["zeropoint-int4 [real]"]["weight_bytes"] < layer["absmax-fine [real]"]["weight_bytes"]
     unsupported = layer["absmax-fine-perchannel [real]"]
     assert unsupported["ms"] is None and "no real kernel" in unsupported["error"]
@@ -68,9 +77,30 @@ def test_model_records(records):
     assert real["error"] is None and 0.3 < real["bytes_vs_fp32"] < 1.0  # embeddings stay float
 
 
+def test_generate_records(records):
+    gen = by_name(records, "generate")
+    assert gen["tiny fp32"]["speedup"] == 1.0 and gen["tiny fp32"]["tokens_per_s"] > 0
+    for name in ("absmax-fine [real]", "zeropoint-int4 [real]"):
+        assert gen[name]["error"] is None and gen[name]["tokens_per_s"] > 0, name
+        assert gen[name]["via"].startswith("exported to transformers") and gen[name]["new_tokens"] == 4
+    assert "no real kernel" in gen["absmax-fine-perchannel [real]"]["error"]
+
+
+def test_greedy_generate_equals_transformers_generate():
+    from models import build, preset_config
+    from models.hf import to_hf_model
+
+    hf = to_hf_model(build(preset_config("tiny"), seed=0))
+    prompt = torch.randint(0, 8192, (1, 7))
+    ours = greedy_generate(hf, prompt, 5)
+    theirs = hf.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)[:, 7:]
+    assert torch.equal(ours, theirs)
+
+
 def test_table(records):
     table = format_speed_table(records)
-    assert "per layer: 64→32, 16 tokens, 1 thread(s)" in table and "whole model: preset tiny" in table
+    assert "per layer: 64→32, 16 tokens, 1 thread(s)" in table and "whole model, prefill: tiny" in table
+    assert "whole model, generation: tiny, 4 new tokens after 16, batch 1, KV cache" in table
     assert "absmax-fine [real]" in table and "has no real" in table
 
 
@@ -114,3 +144,43 @@ def test_storage_bytes_counts_tied_weights_once():
 def test_bad_arguments():
     with pytest.raises(UserError):
         run_speed(shape=(8, 8), tokens=0, repeats=1, schemes=[], bandwidth=False, model=None)
+
+
+@pytest.mark.parametrize("fixture", ["hf_llama_dir", "ckpt_dir"])
+def test_whole_model_figures_for_a_checkpoint(request, fixture):
+    ckpt = str(request.getfixturevalue(fixture))  # a transformers folder; a qbench checkpoint (softmax-1)
+    recs = run_speed(
+        threads=1,
+        repeats=1,
+        schemes=["absmax-fine", "zeropoint-int4"],
+        modes=["real"],
+        model=None,
+        ckpt=ckpt,
+        model_tokens=8,
+        new_tokens=3,
+        layer=False,
+    )
+    assert {r["kind"] for r in recs} == {"model", "generate"}
+    gen = [r for r in recs if r["kind"] == "generate"]
+    assert all(r["error"] is None and r["tokens_per_s"] > 0 for r in gen), gen
+    via = gen[0]["via"]
+    assert via == ("transformers" if fixture == "hf_llama_dir" else "exported to transformers (KV cache)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_speed_on_cuda():
+    recs = run_speed(
+        shape=(64, 32),
+        tokens=16,
+        repeats=1,
+        schemes=["absmax-fine", "zeropoint-int4"],
+        modes=["real"],
+        model="tiny",
+        model_tokens=16,
+        new_tokens=2,
+        device="cuda",
+    )
+    for kind in ("layer", "model", "generate"):
+        rec = by_name(recs, kind)["absmax-fine [real]"]
+        assert rec["error"] is None and rec["device"] == "cuda" and rec["ms"] > 0, kind

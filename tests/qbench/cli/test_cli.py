@@ -76,9 +76,19 @@ def test_compare_evaluates_a_bare_checkpoint_name(ckpt_dir, tmp_path, monkeypatc
     (tmp_path / "ckpts").mkdir()
     (tmp_path / "ckpts" / "ortho").symlink_to(ckpt_dir)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("qbench.eval.metrics.Protocol.tokens", 62)
+    import functools
+
+    from qbench.eval import harness
+    from qbench.eval.metrics import Protocol
+
+    # compare evaluates with the default protocol; a small budget keeps the test fast (and shows it was used).
+    monkeypatch.setattr(
+        harness, "GridSpec", functools.partial(harness.GridSpec, protocol=Protocol(tokens=62))
+    )
     code, out, _ = run(["compare", "ortho", "--format", "md"], capsys)
     assert code == 0 and "ortho" in out and "zeropoint-int4/fake" in out
+    records = [json.loads(p.read_text()) for p in (tmp_path / "qbench_results").rglob("*.json")]
+    assert records and {r["protocol"]["tokens"] for r in records} == {62}
 
 
 @pytest.mark.parametrize(

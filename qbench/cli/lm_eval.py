@@ -1,0 +1,51 @@
+"""``qbench lm-eval``: the options and the printout; the adapter is :mod:`qbench.studies.lm_eval_adapter`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from models.io import atomic_write_json
+from qbench.cli.args import add_load_arguments, console, load_from_args
+from qbench.studies.lm_eval_adapter import check_request, run_lm_eval
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_load_arguments(parser)
+    parser.add_argument("--scheme", default="fp", help="scheme name (qbench ls schemes) or fp (default)")
+    parser.add_argument("--mode", default="fake", help="fake (default) | real")
+    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    parser.add_argument("--include-path", help="folder of local task YAMLs (offline use)")
+    parser.add_argument("--limit", type=float, help="documents per task (a fraction if < 1)")
+    parser.add_argument("--data", default="embedded", help="corpus whose train split calibrates smoothquant")
+    parser.add_argument("--bootstrap-iters", type=int, default=0, help="stderr bootstrap (0: none, fast)")
+    parser.add_argument("--json", help="also write the result to this JSON file")
+
+
+def run(args: argparse.Namespace) -> None:
+    check_request(args.scheme, args.mode)  # a typo fails before the model loads
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    lm = load_from_args(args)
+    result = run_lm_eval(
+        lm,
+        args.scheme,
+        tasks,
+        include_path=args.include_path,
+        limit=limit,
+        mode=args.mode,
+        batch_size=args.batch_size,
+        bootstrap_iters=args.bootstrap_iters,
+        calibration_corpus=args.data,
+    )
+    console.print(f"[bold]{lm.name}[/] {result['qbench']['scheme']['name']} ({result['qbench']['mode']})")
+    for task, metrics in result["results"].items():
+        shown = ", ".join(
+            f"{name.split(',')[0]} {value:.4g}"
+            for name, value in metrics.items()
+            if isinstance(value, int | float) and "stderr" not in name
+        )
+        console.print(f"  {task}: {shown}", highlight=False)
+    if args.json:
+        atomic_write_json(Path(args.json), result)
+        console.print(f"wrote {args.json}")

@@ -1,0 +1,129 @@
+"""``qbench score``: the options, the printout and ``--breaking-points``; the study is :mod:`qbench.studies.score`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+
+from models.errors import UserError
+from models.io import atomic_write_json
+from qbench.cli.args import (
+    add_kv_arguments,
+    add_model_arguments,
+    console,
+    kv_from_args,
+    load_from_args,
+    protocol_from_args,
+)
+from qbench.eval.harness import expand_schemes
+from qbench.eval.metrics import Protocol
+from qbench.studies.score import DEFINITION, score
+from qbench.studies.sweep import (
+    SweepConfig,
+    describe_breaking_points,
+    parse_axes,
+    read_sweep,
+    run_sweep,
+    validate,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--scheme",
+        action="append",
+        help="scheme name (repeatable), 'paper' (the paper's four, default) or 'all' — see qbench ls schemes",
+    )
+    parser.add_argument("--output-path", default="qbench_results", help="where the harness records go")
+    parser.add_argument("--exclude", action="append", help="fnmatch pattern of layer names to keep in float")
+    parser.add_argument("--no-attention", action="store_true", help="skip attention statistics (faster)")
+    parser.add_argument("--json", help="also write the score to this JSON file")
+    add_kv_arguments(parser)
+    parser.add_argument(
+        "--breaking-points",
+        action="store_true",
+        help="also sweep absmax-coarse over 8→2 bits (axes --sweep-axes) and report the breaking points",
+    )
+    parser.add_argument("--sweep-axes", default="all,kv", help="with --breaking-points (default all,kv)")
+    parser.add_argument(
+        "--tolerance", type=float, default=1.0, help="breaking-point tolerance, %% perplexity change"
+    )
+    parser.add_argument(
+        "--sweep", help="report the breaking points of this model from an existing sweep.json"
+    )
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def run(args: argparse.Namespace) -> None:
+    schemes = expand_schemes(args.scheme or ["paper"])  # a typo fails before the model loads
+    protocol = protocol_from_args(args)
+    kv = kv_from_args(args)
+    existing_sweep = read_sweep(args.sweep) if args.sweep else None
+    sweep_cfg = _sweep_config(args, protocol) if args.breaking_points and not args.sweep else None
+    lm = load_from_args(args)
+    result = score(
+        lm,
+        protocol,
+        schemes,
+        output_path=args.output_path,
+        device=args.device,
+        exclude=args.exclude or (),
+        attention=not args.no_attention,
+        kv=kv,
+    )
+    console.print(f"[bold]{lm.name}[/]  fp perplexity {_fmt(result['fp_perplexity'])}", highlight=False)
+    for name, entry in result["schemes"].items():
+        note = "" if entry["status"] == "ok" else f"  [yellow]{entry['status']}: {entry['error']}[/]"
+        console.print(
+            f"  {name:<24} ppl {_fmt(entry['perplexity'])}  ×{_fmt(entry['ppl_ratio'], '.4f')}{note}",
+            highlight=False,
+        )
+    o = result["outliers"]
+    console.print(
+        f"  kurtosis first/other {_fmt(o.get('kurtosis_first'), '.2f')} / {_fmt(o.get('kurtosis_other'), '.2f')}"
+        f", max |act| {_fmt(o.get('max_abs'), '.1f')}, massive activations {result['massive_activations']['total']}",
+        highlight=False,
+    )
+    console.print(
+        f"[bold]robustness {_fmt(result['robustness'], '.4f')}[/] [dim]({DEFINITION}; 1 = no damage)[/]",
+        highlight=False,
+    )
+    if sweep_cfg is not None or existing_sweep is not None:
+        if existing_sweep is None:
+            sweep_cfg = replace(sweep_cfg, models=[lm.source])
+            existing_sweep = run_sweep(
+                sweep_cfg, command=getattr(args, "command_line", None), loaded={lm.source: lm}
+            )
+        points = [p for p in existing_sweep["breaking_points"] if p["model"] == lm.name]
+        if not points:
+            raise UserError(f"the sweep {args.sweep} has no model named {lm.name!r}")
+        result["breaking_points"] = points
+        console.print(f"[bold]breaking points[/] {describe_breaking_points(points)}", highlight=False)
+    if args.json:
+        atomic_write_json(Path(args.json), result)
+        console.print(f"wrote {args.json}")
+
+
+def _sweep_config(args: argparse.Namespace, protocol: Protocol) -> SweepConfig:
+    """``--breaking-points``: absmax-coarse over 8→2 bits on ``--sweep-axes``, records under OUTPUT/sweep/
+    (the float baseline shared with the score's own records)."""
+    cfg = SweepConfig(
+        models=[args.ckpt],
+        axes=parse_axes(args.sweep_axes),
+        tolerance=args.tolerance,
+        protocol=protocol,
+        output_path=Path(args.output_path) / "sweep",
+        baseline_path=Path(args.output_path),
+        device=args.device,
+        dtype=args.dtype,
+        attention=not args.no_attention,
+        trust_remote_code=args.trust_remote_code,
+        allow_unsafe_weights=args.allow_unsafe_weights,
+    )
+    validate(cfg)
+    return cfg

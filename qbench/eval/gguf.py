@@ -1,0 +1,92 @@
+"""GGUF files (llama.cpp's format) as ``--ckpt``: loaded through transformers' GGUF reader, dequantised to float.
+
+A GGUF's weights are usually already quantised (Q8_0, Q4_K, ...), so what qbench measures on it is a second
+quantisation on top of the file's own: the model block of every record names the file's tensor types
+(``gguf.tensor_types``: how many tensors of each type) and its declared ``file_type``. transformers reads only
+the architectures it maps (llama, mistral, qwen2, gpt2, ...); any other gets a one-line error. The tokenizer is
+built from the same file (``tokenizer.ggml.*``), so the text is tokenised as the model was trained.
+Needs the ``gguf`` package (``pip install 'qbench[gguf]'``), imported only here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.errors import UserError
+
+
+def _import_gguf():
+    try:
+        import gguf
+    except ImportError as e:
+        raise UserError(
+            f"reading a .gguf file needs the gguf package: pip install 'qbench[gguf]' ({e})"
+        ) from None
+    return gguf
+
+
+def gguf_summary(path: Path) -> dict[str, Any]:
+    """The file's architecture, declared file type and tensor types (``{"Q8_0": 14, "F32": 5}``), from its header."""
+    gguf = _import_gguf()
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is not a readable GGUF file: {str(e).splitlines()[0]}") from None
+
+    def field(name: str) -> Any:
+        f = reader.fields.get(name)
+        return None if f is None else f.contents()
+
+    file_type = field("general.file_type")
+    with contextlib.suppress(
+        ValueError
+    ):  # a newer file type this gguf package does not name: keep the number
+        file_type = gguf.LlamaFileType(file_type).name if file_type is not None else None
+    counts = Counter(gguf.GGMLQuantizationType(t.tensor_type).name for t in reader.tensors)
+    return {
+        "architecture": field("general.architecture"),
+        "file_type": file_type,
+        "tensor_types": dict(sorted(counts.items())),
+        "tensors": len(reader.tensors),
+    }
+
+
+def load_gguf(
+    path: Path, torch_dtype: torch.dtype, dtype: str, device: str
+) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
+    """A ``.gguf`` file as (model dequantised to ``torch_dtype``, tokenizer from the file, description); the
+    caller (``load.load_model``) adds the weights' fingerprint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    summary = gguf_summary(path)
+    arch = summary["architecture"]
+    kwargs = {"gguf_file": path.name, "local_files_only": True}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch_dtype, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
+    except (OSError, ValueError, KeyError, NotImplementedError, RuntimeError) as e:
+        import transformers
+
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"cannot load {path} (GGUF architecture {arch!r}) with transformers {transformers.__version__}: "
+            f"{first[:300]}"
+        ) from None
+    model = model.to(device).eval()
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    description = {
+        "kind": "gguf",
+        "path": str(path),
+        "model_type": model.config.model_type,
+        "architecture": type(model).__name__,
+        "parameters": n_params,
+        "dtype": dtype,
+        "attn_implementation": model.config._attn_implementation,
+        "gguf": summary,
+    }
+    return model, tokenizer, description

@@ -1,0 +1,156 @@
+"""Calibration: run token windows through the *float* model once and record what each target linear sees.
+
+One loop (forward hooks on the layers ``quantize`` replaces) serves both users of calibration data:
+
+- SmoothQuant needs each input channel's max |x| over all calibration tokens (``apply.smoothquant_scales``);
+- static scales (``static.py``) need each channel's min and max of the layer's *transformed* input
+  x' = R(x / s) — the tensor the fake and real layers quantise — and, when outputs are quantised, of its output.
+
+So :func:`observe` keeps the per-channel (min, max) of the raw input, of R(x) when the layer has a rotation
+(Hadamard mixes channels, so R(x)'s range cannot be derived from x's), and optionally of the output. The
+SmoothQuant division x / s is per channel with s > 0, so x'-ranges follow exactly from x's: min(x_j)/s_j, max(x_j)/s_j.
+
+Which windows: ``calib_windows`` windows of the corpus's *train* split (never the evaluated text), cut like the
+evaluation windows; the caller builds them (``qbench.eval``). ``calib_seed=None`` takes the first N windows
+(what SmoothQuant always did here); a seed takes a seeded random sample of N from the ones offered
+(:func:`select_windows`). The record carries N, the seed and the corpus.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from models.errors import UserError
+from qbench.quant.static import StaticQuantizer, static_qparams
+
+CALIBRATION_BATCH = 8  # windows per forward pass while calibrating
+POOL_FACTOR = 4  # a seeded sample draws N windows from the first POOL_FACTOR · N of the train split
+
+
+@dataclass
+class Observed:
+    """Per-channel ranges one layer saw over all calibration tokens (float32)."""
+
+    in_lo: Tensor  # (in,) min of the raw input x
+    in_hi: Tensor  # (in,) max of x
+    rot_lo: Tensor | None = None  # (in,) min of R(x), when the layer has a rotation
+    rot_hi: Tensor | None = None
+    out_lo: Tensor | None = None  # (out,) min of the output, when asked
+    out_hi: Tensor | None = None
+
+    @property
+    def in_absmax(self) -> Tensor:
+        return torch.maximum(self.in_hi, -self.in_lo)
+
+
+def needs_calibration(scheme: Any) -> bool:
+    """Whether ``quantize`` needs calibration windows for ``scheme`` (SmoothQuant or static scales)."""
+    return scheme.method == "smoothquant" or bool(getattr(scheme, "static", False))
+
+
+def select_windows(ids: Tensor, n: int, seed: int | None) -> Tensor:
+    """N of the offered windows: the first N (``seed=None``), else a seeded sample in their original order."""
+    if n >= len(ids) or seed is None:
+        return ids[:n]
+    pick = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))[:n]
+    return ids[pick.sort().values]
+
+
+def check_calibration(calibration: Any, why: str) -> Tensor:
+    if not isinstance(calibration, Tensor) or calibration.ndim < 1 or len(calibration) == 0:
+        raise UserError(
+            f"{why} needs calibration: a tensor of token windows (B, T), e.g. train-split windows"
+        )
+    return calibration
+
+
+def _merge(store: dict[str, Tensor], key: str, lo: Tensor, hi: Tensor) -> None:
+    store[key + "_lo"] = lo if key + "_lo" not in store else torch.minimum(store[key + "_lo"], lo)
+    store[key + "_hi"] = hi if key + "_hi" not in store else torch.maximum(store[key + "_hi"], hi)
+
+
+def _ranges(t: Tensor) -> tuple[Tensor, Tensor]:
+    flat = t.detach().float().reshape(-1, t.shape[-1])
+    return flat.amin(0), flat.amax(0)
+
+
+def _hooks(
+    name: str, seen: dict[str, dict[str, Tensor]], rotation: Callable[[Tensor], Tensor] | None, outputs: bool
+) -> tuple[Callable, Callable | None]:
+    def pre(module: nn.Module, args: tuple) -> None:
+        store = seen.setdefault(name, {})
+        _merge(store, "in", *_ranges(args[0]))
+        if rotation is not None:
+            _merge(store, "rot", *_ranges(rotation(args[0].detach().float())))
+
+    def post(module: nn.Module, args: tuple, output: Tensor) -> None:
+        _merge(seen.setdefault(name, {}), "out", *_ranges(output))
+
+    return pre, post if outputs else None
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def observe(
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    calibration: Tensor,
+    rotations: dict[str, Callable[[Tensor], Tensor]] | None = None,
+    outputs: bool = False,
+) -> dict[str, Observed]:
+    """Run ``calibration`` windows through the float ``model`` (no grad) and return each layer's ranges.
+
+    The model's train/eval flags come back exactly as they were: the float model must return untouched.
+    """
+    rotations = rotations or {}
+    seen: dict[str, dict[str, Tensor]] = {}
+    modes = {m: m.training for m in model.modules()}
+    handles = []
+    for name, module in layers.items():
+        pre, post = _hooks(name, seen, rotations.get(name), outputs)
+        handles.append(module.register_forward_pre_hook(pre))
+        if post is not None:
+            handles.append(module.register_forward_hook(post))
+    try:
+        model.eval()
+        with torch.no_grad():
+            for batch in calibration.to(_model_device(model)).split(CALIBRATION_BATCH):
+                model(batch)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, training in modes.items():
+            m.training = training
+    return {name: Observed(**store) for name, store in seen.items()}
+
+
+def static_quantizers(
+    scheme: Any, observed: Observed, input_scale: Tensor | None
+) -> tuple[StaticQuantizer | None, StaticQuantizer | None]:
+    """(activation, output) static quantisers of one layer from its observed ranges (``static.py``)."""
+    act = out = None
+    if scheme.act_bits is not None:
+        lo, hi = (
+            (observed.rot_lo, observed.rot_hi)
+            if observed.rot_lo is not None
+            else (observed.in_lo, observed.in_hi)
+        )
+        if input_scale is not None:  # x' = x / s per channel, s > 0: the range scales exactly
+            lo, hi = lo / input_scale.float(), hi / input_scale.float()
+        qp = static_qparams(lo, hi, scheme.act_bits, scheme.act_granularity, scheme.act_symmetric)
+        act = StaticQuantizer(qp, scheme.act_bits, scheme.act_symmetric)
+    if scheme.out_bits is not None:
+        if observed.out_lo is None:
+            raise ValueError("static output scales need observe(..., outputs=True)")
+        qp = static_qparams(
+            observed.out_lo, observed.out_hi, scheme.out_bits, scheme.out_granularity, scheme.out_symmetric
+        )
+        out = StaticQuantizer(qp, scheme.out_bits, scheme.out_symmetric)
+    return act, out

@@ -1,0 +1,209 @@
+"""Compiled CPU kernels for the real layers (``native.c``): decode-shape int8 GEMV, W8A8 GEMM, weight-only int4/int8.
+
+Why: at decode (1–16 rows) a linear is bound by the bytes of its weight, and torch has no kernel that reads int8
+or int4 weights at memory speed while keeping our numerics: ``torch._int_mm`` is slow at one row (and, on CPUs
+without AVX-512 VNNI, slow at any size), and the int4 kernels want bf16 activations. ``native.c`` holds:
+
+- ``quantize_rows``: per-token (or per-sequence) absmax int8 quantisation of float32 activations, the same
+  arithmetic as ``int8.quantize_activation`` (true division, round half to even) — equal codes, equal scales;
+- ``w8a8_linear``: int8 (M, K) · int8 (N, K)ᵀ accumulated exactly in int32 (AVX-512 VNNI ``dpbusd`` with the
+  +128 offset and a per-row weight-sum correction; AVX2 ``maddubs`` with x's sign moved onto w; portable C),
+  then the epilogue (acc · s_x) · s_w + b in int8.py's operation order, in one call;
+- ``scale_output``: that epilogue alone, after ``torch._int_mm`` (the prefill path on CPUs where oneDNN's
+  int8 GEMM is faster);
+- ``weight_only_linear``: x (float32) · Ŵᵀ with Ŵ = s · (q − z) from int4 nibbles or int8 codes, per output
+  channel or per group, without building Ŵ (sums are reassociated: equal to fake mode to float rounding);
+- ``dequantize``: Ŵ as float32, bit-identical to ``primitives.dequantize`` (the prefill path: one pass, then
+  torch's sgemm, so prefill equals fake mode exactly).
+
+Build: on first use, with the system C compiler (``$CC``, else ``cc``/``gcc``) and ``-O3 -march=native`` (then
+without ``-march=native``, then without OpenMP, when a flag is refused) into a temporary file that is deleted
+once loaded — never cached, so a binary built for one CPU never runs on another. ``-march=native`` decides the
+instruction set at build time, on the machine that runs it: :func:`isa` says which loop was compiled. Without a
+compiler, or with ``QBENCH_NATIVE_KERNELS=0`` in the environment (or :func:`set_enabled(False) <set_enabled>`),
+:func:`available` is False and the layers use their torch paths (``torch._int_mm``, dequantise + ``F.linear``).
+Threads: OpenMP over output channels with ``torch.get_num_threads()`` threads (one thread: no parallel region).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from importlib import resources
+
+import torch
+from torch import Tensor
+
+ENV = "QBENCH_NATIVE_KERNELS"
+ISA_NAMES = {0: "C", 1: "AVX2", 2: "AVX-512 VNNI"}
+_STATE = {"enabled": os.environ.get(ENV, "1") != "0"}
+_BASE_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-shared", "-fPIC"]
+_I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_SIGNATURES = {
+    "qk_isa": ([], _INT),
+    "qk_openmp": ([], _INT),
+    "qk_quantize_rows": ([_PTR, _I64, _I64, _I64, _PTR, _PTR], None),
+    "qk_scale_output": ([_PTR, _I64, _I64, _PTR, _PTR, _INT, _PTR, _PTR, _INT], None),
+    "qk_w8a8_linear": ([_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _INT], None),
+    "qk_dequantize": ([_PTR, _INT, _INT, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT], None),
+    "qk_w4_permute_x": ([_PTR, _I64, _I64, _PTR], None),
+    "qk_weight_only_linear": (
+        [_PTR, _PTR, _I64, _PTR, _INT, _INT, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT],
+        _INT,
+    ),
+}
+
+
+def _compiler() -> str | None:
+    return next((c for c in (os.environ.get("CC"), "cc", "gcc") if c and shutil.which(c)), None)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The loaded library, or None when no compiler builds it (then every caller takes its torch path)."""
+    cc = _compiler()
+    if cc is None:
+        return None
+    source = resources.files("qbench.quant.kernels").joinpath("native.c").read_text()
+    with tempfile.TemporaryDirectory(prefix="qbench-native-") as tmp:
+        src, lib = os.path.join(tmp, "native.c"), os.path.join(tmp, "native.so")
+        with open(src, "w") as f:
+            f.write(source)
+        for extra in (["-march=native", "-fopenmp"], ["-march=native"], ["-fopenmp"], []):
+            build = subprocess.run(
+                [cc, *_BASE_FLAGS, *extra, "-o", lib, src], capture_output=True, timeout=120
+            )
+            if build.returncode == 0:
+                dll = ctypes.CDLL(lib)  # loaded: the file may go
+                for name, (args, res) in _SIGNATURES.items():
+                    fn = getattr(dll, name)
+                    fn.argtypes, fn.restype = args, res
+                return dll
+    return None
+
+
+def available() -> bool:
+    """Whether the compiled kernels are switched on and built here."""
+    return _STATE["enabled"] and _library() is not None
+
+
+def set_enabled(enabled: bool) -> None:
+    """Switch the compiled kernels on or off for this process (off: every layer takes its torch path)."""
+    _STATE["enabled"] = bool(enabled)
+
+
+@contextlib.contextmanager
+def enabled(flag: bool) -> Iterator[None]:
+    """:func:`set_enabled` for the duration of a block."""
+    previous = _STATE["enabled"]
+    set_enabled(flag)
+    try:
+        yield
+    finally:
+        set_enabled(previous)
+
+
+def isa() -> str | None:
+    """The instruction set the int8 loops were compiled for ("AVX-512 VNNI", "AVX2", "C"), None when not built."""
+    lib = _library()
+    return None if lib is None else ISA_NAMES[lib.qk_isa()]
+
+
+def needs_weight_sums() -> bool:
+    """The VNNI loop needs Σ_k w[n, k] per output channel (the +128 offset's correction)."""
+    lib = _library()
+    return lib is not None and lib.qk_isa() == 2
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _check(*tensors: Tensor | None) -> None:
+    for t in tensors:
+        if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
+            raise ValueError("native kernels need contiguous CPU tensors")
+
+
+def quantize_rows(x: Tensor, rows_per_scale: int = 1) -> tuple[Tensor, Tensor]:
+    """(int8 codes (M, K), float32 scales (M,)) of a float32 (M, K) tensor; one scale per ``rows_per_scale``."""
+    _check(x)
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    s = torch.empty(m, dtype=torch.float32)
+    _library().qk_quantize_rows(x.data_ptr(), m, k, max(1, rows_per_scale), q.data_ptr(), s.data_ptr())
+    return q, s
+
+
+def w8a8_linear(
+    q: Tensor, sx: Tensor, w: Tensor, wsum: Tensor | None, sw: Tensor, bias: Tensor | None
+) -> Tensor:
+    """float32 (M, N) = ((q · wᵀ) · s_x) · s_w + b for int8 q (M, K), w (N, K); ``sw`` (N,) or a scalar."""
+    _check(q, sx, w, wsum, sw, bias)
+    m, k = q.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    _library().qk_w8a8_linear(
+        q.data_ptr(), sx.data_ptr(), m, w.data_ptr(), _ptr(wsum), sw.data_ptr(), int(sw.numel() > 1),
+        _ptr(bias), y.data_ptr(), n, k, _threads(),
+    )  # fmt: skip
+    return y
+
+
+def scale_output(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None) -> Tensor:
+    """float32 ((acc · s_x) · s_w + b) of an int32 (M, N) accumulator, in one pass."""
+    _check(acc, sx, sw, bias)
+    m, n = acc.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    _library().qk_scale_output(
+        acc.data_ptr(), m, n, sx.data_ptr(), sw.data_ptr(), int(sw.numel() > 1), _ptr(bias), y.data_ptr(),
+        _threads(),
+    )  # fmt: skip
+    return y
+
+
+def dequantize(codes: Tensor, bits4: bool, scale: Tensor, zero: Tensor | None, in_features: int) -> Tensor:
+    """Ŵ = (q − z) · s, float32 (N, K), equal to ``primitives.dequantize`` bit for bit.
+
+    ``codes``: uint8 nibbles (N, ⌈K/2⌉) when ``bits4``, else int8 (symmetric) or uint8 (N, K); ``scale`` float32
+    and ``zero`` uint8 (or None) are (N, G).
+    """
+    _check(codes, scale, zero)
+    n, groups = scale.shape
+    out = torch.empty(n, in_features, dtype=torch.float32)
+    _library().qk_dequantize(
+        codes.data_ptr(), int(bits4), int(codes.dtype == torch.int8), scale.data_ptr(), _ptr(zero), n,
+        in_features, groups, out.data_ptr(), _threads(),
+    )  # fmt: skip
+    return out
+
+
+def weight_only_linear(
+    x: Tensor, codes: Tensor, bits4: bool, scale: Tensor, zero: Tensor | None, bias: Tensor | None
+) -> Tensor | None:
+    """float32 (M, N) = x · Ŵᵀ + b without building Ŵ (see :func:`dequantize` for the arguments); None when this
+    build or group size has no fast loop (then dequantise)."""
+    _check(x, codes, scale, zero, bias)
+    m, k = x.shape
+    n, groups = scale.shape
+    lib = _library()
+    xp = x
+    if bits4:
+        xp = torch.empty(m, k - k % 64, dtype=torch.float32)
+        lib.qk_w4_permute_x(x.data_ptr(), m, k, xp.data_ptr())
+    y = torch.empty(m, n, dtype=torch.float32)
+    ok = lib.qk_weight_only_linear(
+        x.data_ptr(), xp.data_ptr(), m, codes.data_ptr(), int(bits4), int(codes.dtype == torch.int8),
+        scale.data_ptr(), _ptr(zero), groups, _ptr(bias), y.data_ptr(), n, k, _threads(),
+    )  # fmt: skip
+    return y if ok else None

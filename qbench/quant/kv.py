@@ -1,0 +1,255 @@
+"""KV-cache quantisation (fake): what a cache stores is quantised, every query reads it back dequantised.
+
+    from qbench.quant.kv import KVConfig, apply_kv
+    kv_model = apply_kv(model, KVConfig(bits=2, keep_first=1))   # a copy; ``model`` is untouched
+
+Definition (design/metrics.md, "KV-cache quantisation"; KIVI, Liu et al. 2024, §3.1 eq. 1 and §3.2–3.3):
+
+- What: per layer and (KV) head, the keys *after* the rotary embedding (where the model has one) and the values
+  after their projection — exactly the tensors a KV cache would hold. Every query position attends over the
+  dequantised keys and values. The extra always-visible key of softmax-1 (zeros) and the learned sink's key/value
+  are parameters, not cache entries, and stay float.
+- Quantiser (KIVI eq. 1): asymmetric round-to-nearest over a group X of the cache,
+  z = min X, s = (max X − min X) / (2^b − 1), q = clamp(round((x − z) / s), 0, 2^b − 1), x̂ = q · s + z.
+  (Unlike qbench's weight "zeropoint", the range is [min X, max X], not widened to include 0: KIVI's formula.)
+  ``round`` is round-half-to-even (``torch.round``); s is floored at float32's TINY so a constant group
+  dequantises to itself; arithmetic in float32, the result cast back to the input dtype.
+- Groups: ``granularity="kivi"`` (default) quantises keys per channel — one (z, s) per (sequence, head, channel)
+  over the token positions — and values per token — one (z, s) per (sequence, head, position) over the head's
+  channels. ``granularity="per-token"`` quantises both per token.
+- Window (ours, documented simplification): KIVI computes key statistics over groups of G consecutive tokens and
+  keeps the R most recent tokens in float while generating. Here perplexity scores whole windows at once, so a
+  key channel's statistics are taken over **all positions of the window being scored** (excluding kept ones, see
+  below). This is not causal — a query at position t reads keys whose range also depends on later keys — and it
+  is the same for every query; it is what a cache filled by one prefill of the window and then quantised holds.
+  Per-token groups (values, and keys under ``per-token``) are causal.
+- ``keep_first=K`` leaves positions 0..K−1 in float (bit-exact) and computes every other position's statistics
+  without them — sink protection as in IntactKV, KVQuant's attention-sink handling and PrefixQuant.
+- Never across sequences of a batch: results do not depend on how windows are batched.
+
+Our models expose a neutral hook (``CausalSelfAttention.kv_transform``, called on (k, v) after RoPE);
+transformers models get their registered attention function wrapped (``qbench_kv+<implementation>``), so
+eager, sdpa, ``softmax1`` and ``softmax1_eager`` all read quantised keys/values (GPT-2 and Llama layouts, and
+any model whose attention goes through transformers' ``AttentionInterface``).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from models.errors import UserError, unknown_choice
+from qbench.quant.primitives import TINY, check_finite
+
+KV_BITS = (8, 6, 4, 3, 2)
+GRANULARITIES = ("kivi", "per-token")
+_GRANULARITY_LABEL = {"kivi": "", "per-token": "-tok"}
+# Informative to_dict keys; from_dict ignores them.
+_INFO_KEYS = ("label", "keys", "values", "range", "statistics")
+KV_PREFIX = "qbench_kv+"  # transformers attention implementations registered by this module
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """How the KV cache is quantised: ``bits`` (8, 6, 4, 3, 2), ``granularity`` ("kivi" = keys per channel and
+    values per token; "per-token" = both per token), ``keep_first`` (leading positions kept in float)."""
+
+    bits: int
+    granularity: str = "kivi"
+    keep_first: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or self.bits not in KV_BITS:
+            raise UserError(
+                f"KV-cache bits {self.bits!r} are not supported; choose from: {', '.join(map(str, KV_BITS))}"
+            )
+        if self.granularity not in GRANULARITIES:
+            raise unknown_choice("KV-cache granularity", self.granularity, GRANULARITIES)
+        if isinstance(self.keep_first, bool) or not isinstance(self.keep_first, int) or self.keep_first < 0:
+            raise UserError(
+                f"KV-cache keep_first {self.keep_first!r} is not supported; "
+                "choose an integer ≥ 0 (leading positions kept in float)"
+            )
+
+    @property
+    def label(self) -> str:
+        """Short name for tables: ``kv2``, ``kv2-keep1``, ``kv4-tok``."""
+        keep = f"-keep{self.keep_first}" if self.keep_first else ""
+        return f"kv{self.bits}{_GRANULARITY_LABEL[self.granularity]}{keep}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The full config plus informative fields (label, what is quantised how), written into every record."""
+        key_groups = "per channel" if self.granularity == "kivi" else "per token"
+        return {
+            "bits": self.bits,
+            "granularity": self.granularity,
+            "keep_first": self.keep_first,
+            "label": self.label,
+            "keys": f"{key_groups}, after the rotary embedding",
+            "values": "per token, after the projection",
+            "range": "asymmetric [min, max] round-to-nearest (KIVI eq. 1)",
+            "statistics": "per sequence and head; per-channel ranges over the whole scored window, "
+            f"positions < {self.keep_first} kept in float and left out of the ranges",
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVConfig:
+        known = ("bits", "granularity", "keep_first")
+        unknown = set(d) - set(known) - set(_INFO_KEYS)
+        if unknown:
+            raise UserError(f"unknown KV-cache config field(s) {sorted(unknown)}; known: {list(known)}")
+        return cls(**{k: d[k] for k in known if k in d})
+
+
+# ----------------------------------------------------------------------------------------------- quantiser
+
+
+def fake_quantize_minmax(x: Tensor, bits: int, dim: int) -> Tensor:
+    """KIVI eq. 1 over ``dim`` (one (z, s) per slice along the other dims): x̂ = round((x − min)/s)·s + min."""
+    xf = x.float()
+    lo, hi = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
+    check_finite((lo, hi), "KV-cache quantisation")
+    qmax = 2**bits - 1
+    scale = ((hi - lo) / qmax).clamp_min(TINY)
+    q = (xf - lo).div_(scale).round_().clamp_(0, qmax)
+    return q.mul_(scale).add_(lo).to(x.dtype)
+
+
+def _quantize_positions(x: Tensor, bits: int, dim: int, keep_first: int) -> Tensor:
+    """Fake-quantise a (B, H, T, D) cache tensor over ``dim``, positions < ``keep_first`` untouched and unseen."""
+    if keep_first <= 0:
+        return fake_quantize_minmax(x, bits, dim)
+    if x.size(-2) <= keep_first:
+        return x
+    head, rest = x[..., :keep_first, :], x[..., keep_first:, :]
+    return torch.cat([head, fake_quantize_minmax(rest, bits, dim)], dim=-2)
+
+
+def quantize_kv(key: Tensor, value: Tensor, config: KVConfig) -> tuple[Tensor, Tensor]:
+    """The dequantised (key, value) a cache quantised under ``config`` gives back; both (B, H, T, D)."""
+    key_dim = -2 if config.granularity == "kivi" else -1  # per channel: reduce over positions
+    return (
+        _quantize_positions(key, config.bits, key_dim, config.keep_first),
+        _quantize_positions(value, config.bits, -1, config.keep_first),
+    )
+
+
+class KVQuantizer:
+    """The callable attached to attention modules: ``(k, v) -> quantize_kv(k, v, config)``."""
+
+    def __init__(self, config: KVConfig) -> None:
+        self.config = config
+
+    def __call__(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        return quantize_kv(key, value, self.config)
+
+    def __repr__(self) -> str:
+        return f"KVQuantizer({self.config.label})"
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def apply_kv(model: nn.Module, config: KVConfig) -> nn.Module:
+    """A copy of ``model`` (ours or transformers) whose KV cache is quantised under ``config``.
+
+    ``model`` is not modified. The copy shares the float weights with it (KV quantisation changes activations
+    only, and evaluation never writes weights), so it costs almost no memory.
+    """
+    _check_config(config)
+    _check_not_kv(model)
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return attach_kv(copy.deepcopy(model, shared), config)
+
+
+def attach_kv(model: nn.Module, config: KVConfig) -> nn.Module:
+    """Quantise the KV cache of ``model`` *in place* — only for a copy you own (e.g. ``quantize``'s result)."""
+    from models.transformer import Transformer
+
+    _check_config(config)
+    _check_not_kv(model)
+    if isinstance(model, Transformer):
+        for block in model.transformer.h:
+            block.attn.kv_transform = KVQuantizer(config)
+    else:
+        _attach_transformers(model, config)
+    model.qbench_kv = config.to_dict()
+    return model
+
+
+def _check_config(config: Any) -> None:
+    if not isinstance(config, KVConfig):
+        raise UserError(f"KV-cache quantisation needs a KVConfig, got {type(config).__name__}")
+
+
+def _check_not_kv(model: nn.Module) -> None:
+    if getattr(model, "qbench_kv", None) is not None:
+        raise UserError(
+            f"the model's KV cache is already quantised ({model.qbench_kv['label']}); "
+            "start from the float model instead of stacking KV quantisations"
+        )
+
+
+def _attach_transformers(model: nn.Module, config: KVConfig) -> None:
+    """Point the copy's config at a wrapping attention function and give each attention module its quantiser."""
+    hf_config = getattr(model, "config", None)
+    base = getattr(hf_config, "_attn_implementation", None)
+    if base is None:
+        raise UserError(
+            f"cannot quantise the KV cache of {type(model).__name__}: not a transformers model with an "
+            "attention implementation (config._attn_implementation)"
+        )
+    modules = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    if not modules:
+        raise UserError(
+            f"cannot find the attention modules of {type(model).__name__} to quantise its KV cache"
+        )
+    for module in modules:
+        module.qbench_kv = KVQuantizer(config)
+    hf_config._attn_implementation = register_kv_attention(base)  # the copy's own config (deep-copied)
+
+
+def _base_attention(base: str, module: nn.Module) -> Callable:
+    """The attention function ``base`` names; "eager" is each model file's own ``eager_attention_forward``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if base == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[base]
+
+
+def _kv_attention(base: str) -> Callable:
+    def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any):
+        quantizer = getattr(module, "qbench_kv", None)
+        if quantizer is None:  # never silently run a float cache under a KV-quantised name
+            raise RuntimeError(f"{type(module).__name__} has no KV quantiser but runs {KV_PREFIX}{base}")
+        key, value = quantizer(key, value)  # (B, kv heads, T, D): as stored, before GQA's repeat
+        return _base_attention(base, module)(module, query, key, value, *args, **kwargs)
+
+    attention.__doc__ = f"{base} attention reading a quantised KV cache (qbench.quant.kv)."
+    return attention
+
+
+def register_kv_attention(base: str) -> str:
+    """Register ``qbench_kv+<base>`` (attention and mask functions) with transformers; returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if base.startswith(KV_PREFIX):
+        raise UserError("the model's KV cache is already quantised; start from the float model")
+    name = KV_PREFIX + base
+    if base != "eager":
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        if base not in ALL_ATTENTION_FUNCTIONS:
+            raise UserError(f"attention implementation {base!r} is not registered with transformers")
+    AttentionInterface.register(name, _kv_attention(base))
+    if base in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:  # same masks as the wrapped implementation
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[base])
+    return name

@@ -1,0 +1,198 @@
+"""Scheme overrides: ``NAME:key=value[,key=value…]`` turns any registered scheme into a variant of it.
+
+``get_scheme("absmax-coarse:w=4,a=4,o=4")`` is absmax-coarse with 4-bit weights, activations and outputs. The
+result is an ordinary frozen ``QuantScheme`` whose ``name`` is canonical — the base name, then the overrides
+that changed something, sorted by key (``absmax-coarse:a=4,o=4,w=4``) — so the same variant always gets the same
+name, its records the same file, and ``get_scheme(scheme.name)`` rebuilds it. Overrides that change nothing
+vanish (``absmax-coarse:w=8`` *is* ``absmax-coarse``). ``label`` stays the short table name (``W4A4-tensor+out``).
+
+Keys (:data:`KEYS`): ``w``/``a``/``o`` bits of weights, input activations, outputs (2–8, or ``none`` = float);
+``group`` weight group size (an integer such as 32/64/128, ``none`` = per output channel, ``tensor`` = one
+scale per tensor); ``sym`` symmetric (absmax) or asymmetric (zeropoint) weights; ``agran`` activation
+granularity (token, tensor, channel); ``static`` calibrated activation/output scales (``static.py``; a per-token
+activation granularity becomes per tensor, since a static scale cannot follow tokens — give ``agran=channel``
+for per channel); ``calib``/``calib_seed`` the calibration windows and their sampling seed; ``head`` also
+quantise the LM head; plus the base method's own parameters (``alpha`` for smoothquant, ``seed`` for hadamard,
+``threshold`` for llm-int8, ``blocksize`` for bnb-nf4). The bitsandbytes schemes take only ``head`` and their
+own parameters: their layers fix everything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from models.errors import UserError, did_you_mean
+from qbench.quant.granularity import Granularity, PerAxis, PerGroup, PerTensor, PerToken
+
+TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+_AGRAN = {"token": PerToken(), "tensor": PerTensor(), "channel": PerAxis(-1)}
+
+
+def _bits(text: str) -> int | None:
+    if text == "none":
+        return None
+    if text.isdigit() and 2 <= int(text) <= 8:
+        return int(text)
+    raise ValueError("an integer 2–8 or none")
+
+
+def _bool(text: str) -> bool:
+    if text in TRUE or text in FALSE:
+        return text in TRUE
+    raise ValueError("true or false")
+
+
+def _group(text: str) -> Granularity:
+    if text in ("none", "channel"):
+        return PerAxis(0)
+    if text == "tensor":
+        return PerTensor()
+    if text.isdigit() and int(text) >= 1:
+        return PerGroup(int(text))
+    raise ValueError("a positive integer (e.g. 32, 64, 128), none (per output channel) or tensor")
+
+
+def _agran(text: str) -> Granularity:
+    if text in _AGRAN:
+        return _AGRAN[text]
+    raise ValueError("token, tensor or channel")
+
+
+def _count(text: str) -> int:
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise ValueError("a positive integer")
+
+
+def _seed(text: str) -> int | None:
+    if text == "none":
+        return None
+    if text.isdigit():
+        return int(text)
+    raise ValueError("a non-negative integer or none (the first windows)")
+
+
+# key -> (QuantScheme field, parser, the valid range in words)
+KEYS: dict[str, tuple[str, Callable[[str], Any], str]] = {
+    "w": ("weight_bits", _bits, "2-8|none"),
+    "a": ("act_bits", _bits, "2-8|none"),
+    "o": ("out_bits", _bits, "2-8|none"),
+    "group": ("weight_granularity", _group, "int|none|tensor"),
+    "sym": ("weight_symmetric", _bool, "true|false"),
+    "agran": ("act_granularity", _agran, "token|tensor|channel"),
+    "static": ("static", _bool, "true|false"),
+    "calib": ("calib_windows", _count, "int>=1"),
+    "calib_seed": ("calib_seed", _seed, "int|none"),
+    "head": ("quantize_lm_head", _bool, "true|false"),
+}
+BNB_KEYS = ("head",)  # what the bitsandbytes schemes accept besides their own parameters
+SYNTAX = (
+    "NAME:key=value[,key=value…], e.g. absmax-coarse:w=4,a=4,o=4 or zeropoint-int4:group=128. Keys: "
+    + ", ".join(f"{k} ({v[2]})" for k, v in KEYS.items())
+    + "; and the method's own parameters (smoothquant alpha, hadamard seed)"
+)
+
+
+def _param_parser(default: Any) -> Callable[[str], Any]:
+    kind = type(default)
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise ValueError(f"a {'number' if kind is float else 'integer'}") from None
+        if value < 0:
+            raise ValueError("a non-negative number")
+        return value
+
+    return parse
+
+
+def _valid_keys(base: Any) -> dict[str, tuple[str, Callable[[str], Any], str]]:
+    """The keys ``base`` accepts: :data:`KEYS` (only ``head`` for bitsandbytes) plus its method parameters."""
+    keys = {k: v for k, v in KEYS.items() if base.method not in ("llm-int8", "bnb-nf4") or k in BNB_KEYS}
+    for param, default in base.params.items():
+        keys[param] = (f"params.{param}", _param_parser(default), type(default).__name__)
+    return keys
+
+
+def parse_overrides(spec: str, base: Any, full: str) -> dict[str, tuple[str, Any]]:
+    """``"w=4,a=4"`` -> {key: (value text as given, parsed value)}; a one-line UserError on any bad item."""
+    keys = _valid_keys(base)
+    valid = ", ".join(f"{k} ({v[2]})" for k, v in keys.items())
+    out: dict[str, tuple[str, Any]] = {}
+    for item in spec.split(","):
+        key, sep, text = (part.strip().lower() for part in item.partition("="))
+        if not sep or not key or not text:
+            raise UserError(
+                f"scheme {full!r}: override {item.strip()!r} is not key=value; valid keys: {valid}"
+            )
+        if key not in keys:
+            raise UserError(
+                f"scheme {full!r}: unknown override key {key!r}{did_you_mean(key, keys)} for {base.name}; "
+                f"valid keys: {valid}"
+            )
+        if key in out:
+            raise UserError(f"scheme {full!r}: override key {key!r} is given twice")
+        try:
+            out[key] = (text, keys[key][1](text))
+        except ValueError as e:
+            raise UserError(f"scheme {full!r}: {key}={text!r} is not valid; {key} takes {e}") from None
+    return out
+
+
+def _updates(base: Any, parsed: dict[str, tuple[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per key, the fields it sets (static=true on a per-token activation also sets per-tensor, see docstring)."""
+    updates: dict[str, dict[str, Any]] = {}
+    for key, (_, value) in parsed.items():
+        field = _valid_keys(base)[key][0]
+        if field.startswith("params."):
+            updates[key] = {"params": {**base.params, field.split(".", 1)[1]: value}}
+        else:
+            updates[key] = {field: value}
+    static_on = parsed.get("static", ("", False))[1]
+    if static_on and "agran" not in parsed and isinstance(base.act_granularity, PerToken):
+        updates["static"]["act_granularity"] = PerTensor()
+    return updates
+
+
+def _canonical_value(text: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    if isinstance(value, PerAxis) and value.axis == 0:
+        return "none"
+    if isinstance(value, PerGroup):
+        return str(value.group_size)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value) if isinstance(value, int) else text
+
+
+def apply_overrides(base: Any, spec: str, full: str | None = None) -> Any:
+    """``base`` (a QuantScheme) with the overrides in ``spec`` applied; ``base`` itself when nothing changes."""
+    full = full or f"{base.name}:{spec}"
+    if not spec.strip():
+        raise UserError(f"scheme {full!r}: nothing after ':'; give overrides as {SYNTAX}")
+    parsed = parse_overrides(spec, base, full)
+    updates = _updates(base, parsed)
+    changed = {
+        key: fields
+        for key, fields in updates.items()
+        if any(getattr(base, f) != v for f, v in fields.items())
+    }
+    if not changed:
+        return base
+    merged: dict[str, Any] = {}
+    for key in parsed:  # in the order given; params updates merge
+        for f, v in changed.get(key, {}).items():
+            merged[f] = {**merged.get(f, {}), **v} if f == "params" else v
+    if "params" in merged:
+        merged["params"] = {**base.params, **merged["params"]}
+    items = sorted(f"{k}={_canonical_value(parsed[k][0], parsed[k][1])}" for k in changed)
+    name = f"{base.name}:{','.join(items)}"
+    description = f"{base.description} — overridden: {', '.join(items)}"
+    return dataclasses.replace(base, name=name, description=description, **merged)

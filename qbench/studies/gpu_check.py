@@ -1,0 +1,373 @@
+"""``scripts/gpu-check``: everything qbench wants to know the first time it meets a GPU, in one prepared run.
+
+Run on a CUDA machine (≤ 8 minutes on one GPU; no downloads — it builds its own models and uses the embedded
+corpus), it checks, each as a named entry of one JSON summary:
+
+- ``pytest-gpu``: the test suite's ``gpu``-marked tests;
+- ``softmax1-flash``: softmax-1 on the CUDA flash (bf16) and memory-efficient (fp32) kernels against the
+  float64 reference, values and gradients, and its speed against plain causal SDPA (forward, forward+backward);
+- ``triton-fake-quant``: the Triton fake-quantisation kernel against the CPU reference
+  (``qbench.quant.primitives.fake_quantize``), bit-exact, per-row scales, 2/4/8 bits, both symmetries, fp32 and
+  bf16, short rows and the long-row (split) path;
+- ``real-vs-fake``: real int8 (absmax-fine) and int4 (zeropoint-int4) CUDA layers against fake mode on a model;
+- ``qbench-speed``: ``qbench speed --device cuda`` (its table is kept in the summary);
+- ``train-gpt2-130m`` / ``train-gpt2-130m-compiled``: 300 steps of ``gpt2-130m`` with the ``paper`` recipe
+  (batch 16 × 1024, bf16 autocast): steady tokens/s (median over steps 11–300), MFU (``trainers.throughput``)
+  and OrthoAdam's share of a step;
+- ``ddp-2gpu``: a 2-process DDP run (torchrun) when two GPUs are present.
+
+It exits 0 only if every check passed. Without CUDA (or with ``--dry-run``) it says so in one line and runs the
+CPU-side self-test instead — softmax-1's fused path against the reference, the FLOPs formula, a few training
+steps reporting tokens/s and MFU — and exits 0 when that passes. The summary goes to
+``results/gpu/<gpu name>.json`` (``--out`` to change it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN_STEPS = 300
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+
+
+class Checks:
+    """Runs named checks, records each as {name, ok, seconds, details | error}."""
+
+    def __init__(self) -> None:
+        self.results: list[dict[str, Any]] = []
+
+    def run(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:
+        start = time.perf_counter()
+        try:
+            details, ok, error = fn(), True, None
+        except Exception as e:  # a failed check is a result, not the end of the run
+            details, ok = {}, False
+            error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
+        seconds = round(time.perf_counter() - start, 2)
+        self.results.append({"name": name, "ok": ok, "seconds": seconds, "details": details, "error": error})
+        print(
+            f"{'PASS' if ok else 'FAIL'} {name} ({seconds:.1f} s){'' if ok else ': ' + error.splitlines()[0]}"
+        )
+
+    @property
+    def passed(self) -> bool:
+        return all(r["ok"] for r in self.results)
+
+
+def _assert(cond: bool, message: str) -> None:
+    if not cond:
+        raise AssertionError(message)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Checks shared by CPU and GPU
+
+
+def _softmax1_check(device: str, shape=(2, 4, 128, 64)) -> dict[str, Any]:
+    """Fused softmax-1 vs the float64 reference: max |error| of values and gradients per dtype."""
+    from models.attention import attention_reference
+    from models.flash_softmax1 import kernel_for, softmax1_flash
+
+    out = {}
+    dtypes = (torch.float32, torch.bfloat16) if device == "cuda" else (torch.float32,)
+    for dtype in dtypes:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(*shape, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
+        y = softmax1_flash(q, k, v)
+        _assert(y is not None, f"no fused kernel served {device}/{dtype}")
+        ref_in = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+        ref, _ = attention_reference(*ref_in, "softmax1")
+        grad = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+        fast_grads = torch.autograd.grad(y, (q, k, v), grad.to(device, dtype))
+        ref_grads = torch.autograd.grad(ref, ref_in, grad)
+        value_err = (y.double().cpu() - ref).abs().max().item()
+        grad_err = max((a.double().cpu() - b).abs().max().item() for a, b in zip(fast_grads, ref_grads))
+        tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+        _assert(
+            value_err < tol and grad_err < 10 * tol, f"{dtype}: value {value_err:.2e}, grad {grad_err:.2e}"
+        )
+        out[str(dtype)] = {"kernel": kernel_for(q), "max_value_error": value_err, "max_grad_error": grad_err}
+    return out
+
+
+def _attention_speed(device: str, dtype: torch.dtype, shape=(16, 12, 1024, 64), repeats: int = 20) -> dict:
+    """softmax-1 (fused + lse) and softmax-1 (extra key, explicit mask) over plain causal SDPA, as time ratios."""
+    import torch.nn.functional as F
+
+    from models.attention import attention_extra_key
+    from models.flash_softmax1 import softmax1_flash
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*shape, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
+    paths = {
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "softmax1_fused": lambda: softmax1_flash(q, k, v),
+        "softmax1_extra_key": lambda: attention_extra_key(q, k, v, "softmax1"),
+    }
+
+    def timed(fn, backward: bool) -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        y = fn()
+        if backward:
+            y.sum().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    result = {}
+    for backward in (False, True):
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        for _ in range(repeats):  # interleaved, so drifts hit every path alike
+            for name, fn in paths.items():
+                with torch.set_grad_enabled(backward):
+                    times[name].append(timed(fn, backward))
+        base = statistics.median(times["sdpa"][2:])
+        key = "forward_backward" if backward else "forward"
+        result[key] = {n: round(statistics.median(t[2:]) / base, 3) for n, t in times.items() if n != "sdpa"}
+    return {"shape": list(shape), "dtype": str(dtype), "ratio_to_sdpa": result}
+
+
+def _flops_check() -> dict[str, Any]:
+    """The MFU formula on gpt2-130m against a hand count (the model built on 'meta': no memory)."""
+    from models import build, preset_config
+    from trainers.throughput import flops_per_token, matmul_parameters
+
+    cfg = preset_config("gpt2-130m")
+    with torch.device("meta"):
+        model = build(cfg)
+    d, f, L, V, T = cfg.d_model, cfg.d_ff, cfg.n_layer, cfg.vocab_size, cfg.context
+    by_hand = L * (3 * d * d + d * d + 2 * d * f) + V * d  # q/k/v, attention out, MLP in/out; the (tied) head
+    _assert(matmul_parameters(model) == by_hand, f"{matmul_parameters(model)} != {by_hand}")
+    expected = 6 * by_hand + 12 * L * d * T
+    _assert(flops_per_token(model, L, d, T) == expected, "flops_per_token differs from 6N + 12LdT")
+    return {"matmul_parameters": by_hand, "flops_per_token": expected}
+
+
+def _micro_corpus(folder: Path) -> Path:
+    """The first 40 documents of the embedded corpus cut to 8 KB: tokenised in under a second."""
+    import gzip
+
+    path = folder / "micro.jsonl"
+    with (
+        gzip.open(REPO / "trainers/corpus/embedded.jsonl.gz", "rt", encoding="utf-8") as f,
+        open(path, "w") as out,
+    ):
+        for _, line in zip(range(40), f):
+            doc = json.loads(line)
+            out.write(json.dumps({"id": doc["id"], "text": doc["text"][:8000]}) + "\n")
+    return path
+
+
+def _steady(out: Path, skip: int = 10) -> dict[str, Any]:
+    """Median tokens/s and MFU over the steps after the first ``skip`` (compilation and warm-up left out)."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("step", 0) > skip and "tokens_per_s" in r]
+    steps = steps or [r for r in records if "tokens_per_s" in r]
+    mfus = [r["mfu"] for r in steps if r.get("mfu") is not None]
+    return {
+        "steady_tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
+        "steady_mfu": statistics.median(mfus) if mfus else None,
+        "optim_share": sum(r["optim_s"] for r in steps) / sum(r["step_s"] for r in steps),
+        "final_loss": records[-1].get("loss"),
+    }
+
+
+def _train(work: Path, name: str, **changes: Any) -> dict[str, Any]:
+    from trainers.loop import TrainConfig, train
+
+    cfg = TrainConfig(**{"eval_every": 10**6, "probe_every": 10**6, "ckpt_every": 10**6, **changes})
+    summary = train(cfg, work / name, overwrite=True, progress=False)
+    keep = ("tokens_per_s", "mfu", "optim_share", "train_s", "compiled", "throughput", "val_loss")
+    return {**{k: summary.get(k) for k in keep}, **_steady(work / name)}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GPU-only checks
+
+
+def _pytest_gpu() -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    tail = result.stdout.strip().splitlines()[-1:] or [""]
+    _assert(result.returncode in (0, 5), f"pytest -m gpu exited {result.returncode}: {result.stdout[-1500:]}")
+    return {"summary": tail[0]}
+
+
+def _triton_check() -> dict[str, Any]:
+    from qbench.quant import triton_fake
+    from qbench.quant.granularity import PerToken
+    from qbench.quant.primitives import fake_quantize
+
+    cases = 0
+    for (R, L, split), bits, sym, dtype in (
+        (shape, b, s, dt)
+        for shape in ((64, 4096, 1 << 16), (8, 20000, 4096), (3, 70000, 1 << 16))
+        for b in (2, 4, 8)
+        for s in (True, False)
+        for dt in (torch.float32, torch.bfloat16)
+    ):
+        x = (torch.randn(R, L, generator=torch.Generator().manual_seed(R + L + bits)) * 3 + 0.25).to(dtype)
+        got = triton_fake.fake_quantize_rows(x.cuda(), bits, sym, split_len=split).cpu()
+        want = fake_quantize(x, bits, PerToken(), sym)
+        _assert(
+            torch.equal(got, want), f"mismatch at R={R} L={L} split={split} bits={bits} sym={sym} {dtype}"
+        )
+        cases += 1
+    return {"cases_bit_exact": cases}
+
+
+def _real_vs_fake() -> dict[str, Any]:
+    from models import build, preset_config
+    from qbench.quant import quantize
+
+    model = build(preset_config("small"), seed=0).cuda().eval()
+    x = torch.randint(0, model.config.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0)).cuda()
+    out = {}
+    for scheme in ("absmax-fine", "zeropoint-int4"):
+        with torch.no_grad():
+            fake = quantize(model, scheme, mode="fake")(x).float()
+            real_model = quantize(model, scheme, mode="real")
+            real = real_model(x).float()
+        rel = ((real - fake).abs().max() / fake.abs().max()).item()
+        from qbench.quant.apply import real_kernels
+
+        out[scheme] = {"max_rel_logit_diff": rel, "kernels": list(real_kernels(real_model))}
+        _assert(rel < 1e-2, f"{scheme}: real differs from fake by {rel:.2e} of the logits' range")
+    return out
+
+
+def _speed(work: Path) -> dict[str, Any]:
+    path = work / "speed.json"
+    cmd = [sys.executable, "-m", "qbench", "speed", "--device", "cuda", "--repeats", "5", "--json", str(path)]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    _assert(
+        result.returncode == 0,
+        f"qbench speed --device cuda exited {result.returncode}: {result.stderr[-800:]}",
+    )
+    return {"table": result.stdout[-4000:], "records": json.loads(path.read_text()).get("records")}
+
+
+def _ddp(work: Path) -> dict[str, Any]:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    args = ["-m", "trainers", "--preset", "small", "--recipe", "paper", "--steps", "5", "--device", "cuda"]
+    args += ["--data", str(_micro_corpus(work)), "--out", str(work / "ddp"), "--eval-every", "5", "--json"]
+    result = subprocess.run([*launcher, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    _assert(result.returncode == 0, f"2-process DDP exited {result.returncode}: {result.stderr[-1500:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def gpu_checks(checks: Checks, work: Path, ngpu: int) -> None:
+    checks.run("pytest-gpu", _pytest_gpu)
+    checks.run("softmax1-flash", lambda: _softmax1_check("cuda"))
+    checks.run(
+        "softmax1-speed",
+        lambda: {dt: _attention_speed("cuda", getattr(torch, dt)) for dt in ("bfloat16", "float32")},
+    )
+    checks.run("triton-fake-quant", _triton_check)
+    checks.run("real-vs-fake", _real_vs_fake)
+    checks.run("qbench-speed", lambda: _speed(work))
+    paper = dict(preset="gpt2-130m", recipe="paper", steps=TRAIN_STEPS, batch_size=16)
+    checks.run("train-gpt2-130m", lambda: _train(work, "eager", **paper))
+    checks.run("train-gpt2-130m-compiled", lambda: _train(work, "compiled", compile=True, **paper))
+    if ngpu >= 2:
+        checks.run("ddp-2gpu", lambda: _ddp(work))
+
+
+def cpu_checks(checks: Checks, work: Path) -> None:
+    checks.run("softmax1-fused-cpu", lambda: _softmax1_check("cpu", shape=(2, 3, 33, 16)))
+    checks.run("flops-formula", _flops_check)
+    micro = {"n_layer": 2, "d_model": 64, "n_head": 2, "d_ff": 128}
+    checks.run(
+        "train-micro-cpu",
+        lambda: _train(
+            work,
+            "micro",
+            preset="tiny",
+            recipe="paper",
+            switches=micro,
+            context=32,
+            batch_size=4,
+            steps=3,
+            data=str(_micro_corpus(work)),
+            eval_tokens=256,
+            probe_batch=2,
+        ),
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The command
+
+
+def summary(checks: Checks, device: str, dry_run: bool, started: float) -> dict[str, Any]:
+    from models.io import git_commit, software_versions
+
+    return {
+        "device": device,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "dry_run": dry_run,
+        "all_passed": checks.passed,
+        "seconds": round(time.perf_counter() - started, 1),
+        "checks": checks.results,
+        "software": software_versions(),
+        "git_commit": git_commit(),
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/gpu-check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="run only the CPU-side self-test")
+    parser.add_argument("--out", help="summary JSON path (default results/gpu/<gpu name>.json)")
+    args = parser.parse_args(argv)
+    from models.io import atomic_write_json
+
+    started, checks = time.perf_counter(), Checks()
+    cuda = torch.cuda.is_available() and not args.dry_run
+    device = torch.cuda.get_device_name(0) if cuda else "cpu"
+    if not cuda:
+        why = "--dry-run" if args.dry_run else "no CUDA device"
+        print(f"gpu-check: {why}: running the CPU-side self-test only")
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        if cuda:
+            gpu_checks(checks, Path(tmp), torch.cuda.device_count())
+        else:  # the micro corpus's token cache goes with the temporary folder
+            saved = os.environ.get("QBENCH_CACHE")
+            os.environ["QBENCH_CACHE"] = str(Path(tmp) / "cache")
+            try:
+                cpu_checks(checks, Path(tmp))
+            finally:
+                if saved is None:
+                    os.environ.pop("QBENCH_CACHE", None)
+                else:
+                    os.environ["QBENCH_CACHE"] = saved
+    default = REPO / "results" / "gpu" / (f"{_slug(device)}.json" if cuda else "cpu-dry-run.json")
+    out = Path(args.out) if args.out else default
+    atomic_write_json(out, summary(checks, device, not cuda, started))
+    passed = sum(r["ok"] for r in checks.results)
+    print(f"gpu-check: {passed}/{len(checks.results)} checks passed on {device} -> {out}")
+    return 0 if checks.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

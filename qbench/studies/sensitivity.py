@@ -1,0 +1,455 @@
+"""``qbench sensitivity``: where a model breaks under a scheme, and the smallest float repair, verified.
+
+    result = sensitivity(spec, by="layer", tolerance=1.0)   # spec: a GridSpec of one model, one scheme, one mode
+    write_sensitivity(result, out, command)                 # sensitivity.json, sensitivity.md, heatmap.png
+
+1. Units (``by``): each linear layer the scheme quantises (``layer``), each decoder block (``block``: the pattern
+   ``<block>.*``), or each module type (``type``: ``*.<name inside its block>``, e.g. ``*.mlp.down_proj``). A
+   unit's name is an fnmatch pattern that ``qbench run --exclude`` accepts as it is.
+2. Sensitivity (metrics.md, "Sensitivity"): the model with only that unit quantised -- every other layer the
+   scheme quantises kept in float through ``exclude`` -- evaluated on the same windows as the float baseline;
+   the damage is its perplexity change in %. One harness cell per unit (``run_grid``): the cells live in
+   ``<out>/cells/<unit>/`` beside one float record ``<out>/cells/<model>/fp.json``, so an interrupted study
+   resumes and finished units are reused.
+3. Statistics beside each unit, of the float model (``qbench.eval.metrics.linear_ranges`` on the protocol's
+   outlier windows): input crest factor max|x| / RMS(x), input raw kurtosis (across channels per token, mean
+   over tokens), max |input|, weight crest factor; a unit of several layers takes its largest layer value. Then
+   Spearman's rank correlation of each statistic with the damage: does it predict where quantisation hurts?
+   With a quantised KV cache (``GridSpec.kv``) every cell has it, the units' changes include the cache's, and
+   ``kv_only_ppl_change_pct`` is the cache's alone (every layer float).
+4. Repair: from the fully quantised model, while its change exceeds ``tolerance`` %, keep the next most
+   sensitive unit in float and evaluate again; once within, try dropping each kept unit, least sensitive first,
+   keeping a drop when the measured change stays within. Every step is a measured cell, so the reported
+   perplexity is the one ``qbench run --exclude <each name>`` gives on the same protocol.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from models.errors import UserError, unknown_choice
+from models.io import atomic_write_json, atomic_write_text
+from qbench.eval.harness import GridSpec, environment, run_grid
+from qbench.eval.load import LoadedModel, load_model
+
+BY = ("layer", "block", "type")
+# unit statistic -> key of qbench.eval.metrics.linear_ranges' per-layer entry
+STATISTICS = {
+    "input_crest": "input_crest",
+    "input_kurtosis": "input_kurtosis",
+    "max_abs": "input_absmax",
+    "weight_crest": "weight_crest",
+}
+OnCell = Callable[[str, dict[str, Any], bool], None]  # (phase "unit" | "repair", record, reused)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What is quantised alone: ``name`` is an fnmatch pattern over layer names matching exactly ``layers``."""
+
+    name: str
+    layers: tuple[str, ...]
+    block: int | None  # decoder block (heatmap row); None for a type unit or a layer outside the blocks
+    kind: str | None  # module type, the name inside its block (heatmap column); None for a block unit
+
+
+# ------------------------------------------------------------------------------------------------------ units
+
+
+def layer_places(model: Any, layers: Sequence[str]) -> dict[str, tuple[int | None, str]]:
+    """{layer: (decoder block index or None, its name inside the block, else its full name)}."""
+    from qbench.eval.adapters import decoder_layers
+
+    index = {id(m): i for i, m in enumerate(decoder_layers(model))}
+    prefixes = {name: index[id(m)] for name, m in model.named_modules() if id(m) in index}
+    places: dict[str, tuple[int | None, str]] = {}
+    for layer in layers:
+        owner = next((p for p in prefixes if layer.startswith(p + ".")), None)
+        places[layer] = (prefixes[owner], layer[len(owner) + 1 :]) if owner else (None, layer)
+    return places
+
+
+def units_of(model: Any, targets: Sequence[str], by: str = "layer") -> list[Unit]:
+    """The units of ``targets`` (the layers the scheme quantises, in model order) for ``by``."""
+    if by not in BY:
+        raise unknown_choice("--by", by, BY)
+    places = layer_places(model, targets)
+    if by == "layer":
+        return [Unit(t, (t,), *places[t]) for t in targets]
+    units: dict[str, Unit] = {}
+    for t in targets:
+        block, kind = places[t]
+        if block is None:  # outside the blocks (an LM head quantised with --quantize-lm-head): its own unit
+            pattern, place = t, (None, t)
+        elif by == "block":
+            pattern, place = t[: -len(kind) - 1] + ".*", (block, None)
+        else:
+            pattern, place = "*." + kind, (None, kind)
+        if pattern not in units:
+            units[pattern] = Unit(pattern, tuple(fnmatch.filter(targets, pattern)), *place)
+    return list(units.values())
+
+
+def unit_statistics(unit: Unit, per_layer: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """The float model's statistics of a unit: the largest value among its layers (None where unmeasured)."""
+    out: dict[str, float | None] = {}
+    for stat, key in STATISTICS.items():
+        values = [
+            per_layer[layer][key] for layer in unit.layers if per_layer.get(layer, {}).get(key) is not None
+        ]
+        out[stat] = max(values) if values else None
+    return out
+
+
+# ------------------------------------------------------------------------------------------- rank correlation
+
+
+def ranks(values: Sequence[float]) -> list[float]:
+    """1-based ranks, ties sharing the mean of the ranks they span (as Spearman's coefficient needs)."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for k in range(start, end + 1):
+            out[order[k]] = (start + end) / 2 + 1
+        start = end + 1
+    return out
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
+    """Spearman's rho: Pearson's correlation of the average ranks. None for fewer than 3 pairs or a constant side
+    (the coefficient is undefined there, and a number would suggest evidence that does not exist)."""
+    if len(x) != len(y):
+        raise ValueError(f"spearman needs pairs: {len(x)} vs {len(y)} values")
+    if len(x) < 3:
+        return None
+    rx, ry = ranks(x), ranks(y)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return None if sxx == 0 or syy == 0 else sxy / math.sqrt(sxx * syy)
+
+
+def correlations(units: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """{statistic: Spearman's rho with the damage} over the units where both are known (NaN cells rank worst)."""
+    out = {}
+    for stat in STATISTICS:
+        pairs = [(u[stat], damage(u)) for u in units if u.get(stat) is not None]
+        out[stat] = spearman([p[0] for p in pairs], [p[1] for p in pairs])
+    return out
+
+
+def damage(entry: dict[str, Any]) -> float:
+    """A cell's perplexity change in % for ranking: a model that produced NaN/inf is the worst damage."""
+    change = entry.get("ppl_change_pct")
+    return math.inf if entry.get("status") == "nonfinite" or change is None else change
+
+
+# ------------------------------------------------------------------------------------------------ the study
+
+
+@dataclass
+class _Study:
+    spec: GridSpec  # one model, one scheme, one mode; output_path = <out>/cells
+    lm: LoadedModel
+    targets: list[str]
+    on_cell: OnCell | None = None
+
+    def cell(self, key: str, exclude: Sequence[str], phase: str) -> dict[str, Any]:
+        """The record of the model quantised except ``exclude``, in ``cells/<key>/`` (reused when finished)."""
+        spec = replace(
+            self.spec,
+            exclude=tuple(exclude),
+            output_path=self.spec.output_path / key,
+            baseline_path=self.spec.output_path,
+        )
+        seen: list[bool] = []
+        records = run_grid(spec, lambda r, reused: seen.append(reused), loaded={spec.models[0]: self.lm})
+        record = records[-1]
+        if record.get("status") == "unsupported":
+            raise UserError(f"scheme {record['scheme']['name']!r} cannot run here: {record['error']}")
+        if self.on_cell:
+            self.on_cell(phase, record, seen[-1])
+        return record
+
+    def unit_cell(self, unit: Unit) -> dict[str, Any]:
+        others = [t for t in self.targets if t not in unit.layers]
+        return self.cell("unit-" + _slug(unit.name), others, "unit")
+
+    def kept_cell(self, kept: Sequence[str]) -> dict[str, Any]:
+        """The model quantised except the units ``kept`` (their patterns, as ``--exclude`` takes them)."""
+        if not kept:
+            return self.cell("all", (), "repair")
+        digest = hashlib.sha256("\n".join(kept).encode()).hexdigest()[:12]
+        return self.cell(f"repair-{len(kept)}-{digest}", kept, "repair")
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "unit"
+
+
+def _entry(unit: Unit, record: dict[str, Any], stats: dict[str, float | None]) -> dict[str, Any]:
+    m = record["metrics"]
+    return {
+        "name": unit.name,
+        "layers": list(unit.layers),
+        "block": unit.block,
+        "kind": unit.kind,
+        "ppl": m["perplexity"],
+        "ppl_change_pct": m["ppl_change_pct"],
+        "status": record["status"],
+        **stats,
+        "seconds": record.get("wall_seconds"),
+    }
+
+
+def _within(record: dict[str, Any], tolerance: float) -> bool:
+    change = record["metrics"]["ppl_change_pct"]
+    return record["status"] == "ok" and change is not None and change <= tolerance
+
+
+def repair(study: _Study, ranked: Sequence[dict[str, Any]], tolerance: float) -> dict[str, Any]:
+    """Greedy forward by measured sensitivity, then a backward pass; every set is evaluated (module docstring)."""
+    kept: list[str] = []
+    current = study.kept_cell(kept)
+    steps = [_step(kept, current)]
+    full = current
+    for unit in ranked:
+        if _within(current, tolerance):
+            break
+        kept.append(unit["name"])
+        current = study.kept_cell(kept)
+        steps.append(_step(kept, current))
+    if _within(current, tolerance) and len(kept) > 1:
+        for name in reversed(list(kept)):  # least sensitive first
+            trial = [k for k in kept if k != name]
+            record = study.kept_cell(trial)
+            steps.append(_step(trial, record))
+            if _within(record, tolerance):
+                kept, current = trial, record
+    m = current["metrics"]
+    return {
+        "tolerance_pct": tolerance,
+        "reached": _within(current, tolerance),
+        "exclude": kept,
+        "count": len(kept),
+        "ppl": m["perplexity"],
+        "ppl_change_pct": m["ppl_change_pct"],
+        "weight_share_float": _weight_share(study, kept),
+        "quantised_ppl": full["metrics"]["perplexity"],
+        "quantised_ppl_change_pct": full["metrics"]["ppl_change_pct"],
+        "steps": steps,
+    }
+
+
+def _step(kept: Sequence[str], record: dict[str, Any]) -> dict[str, Any]:
+    m = record["metrics"]
+    return {"exclude": list(kept), "ppl": m["perplexity"], "ppl_change_pct": m["ppl_change_pct"]}
+
+
+def _weight_share(study: _Study, kept: Sequence[str]) -> float:
+    """Share of the quantised layers' weight elements that the patterns ``kept`` leave in float."""
+    from qbench.quant.apply import linear_weight
+
+    modules = dict(study.lm.model.named_modules())
+    sizes = {t: linear_weight(modules[t])[0].numel() for t in study.targets}
+    kept_layers = {t for t in study.targets if any(fnmatch.fnmatchcase(t, p) for p in kept)}
+    return sum(sizes[t] for t in kept_layers) / sum(sizes.values())
+
+
+def _per_layer_statistics(study: _Study, fp: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The float record's per-layer linear ranges; recomputed when the record predates a statistic."""
+    per_layer = (fp.get("linear_ranges") or {}).get("per_layer") or {}
+    if all(key in v for v in per_layer.values() for key in STATISTICS.values()) and per_layer:
+        return per_layer
+    from qbench.eval.adapters import context_length
+    from qbench.eval.metrics import linear_ranges, make_windows
+
+    protocol = study.spec.protocol
+    windows = make_windows(study.lm.tokenizer, protocol, context_length(study.lm.model))
+    return linear_ranges(study.lm.model, windows, protocol.outlier_windows, device=study.spec.device)[
+        "per_layer"
+    ]
+
+
+def sensitivity(
+    spec: GridSpec,
+    by: str = "layer",
+    tolerance: float = 1.0,
+    on_cell: OnCell | None = None,
+    on_units: Callable[[int], None] | None = None,
+    lm: LoadedModel | None = None,
+) -> dict[str, Any]:
+    """The sensitivity map and the verified repair of ``spec``'s one model under its one scheme and mode.
+
+    ``spec.output_path`` is the cells folder. ``on_units(n)`` is told the number of units before the first cell
+    is evaluated (for a progress bar); ``on_cell(phase, record, reused)`` after each cell.
+    """
+    from qbench.quant.apply import select_layers
+
+    if by not in BY:
+        raise unknown_choice("--by", by, BY)
+    if len(spec.models) != 1 or len(spec.schemes) != 1 or len(spec.modes) != 1:
+        raise ValueError("sensitivity takes a GridSpec of one model, one scheme and one mode")
+    if not tolerance >= 0:
+        raise UserError(f"--tolerance must be a percentage ≥ 0, got {tolerance}")
+    start = time.perf_counter()
+    scheme = spec.scheme(spec.schemes[0])
+    lm = lm or load_model(
+        spec.models[0],
+        dtype=spec.dtype,
+        device=spec.device,
+        trust_remote_code=spec.trust_remote_code,
+        allow_unsafe_weights=spec.allow_unsafe_weights,
+    )
+    study = _Study(spec, lm, list(select_layers(lm.model, scheme)), on_cell)
+    units = units_of(lm.model, study.targets, by)
+    if not units:
+        raise UserError(f"scheme {scheme.name!r} quantises no layer of {lm.name}: nothing to map")
+    if on_units:
+        on_units(len(units))
+    records = [study.unit_cell(unit) for unit in units]  # the first one also writes the float record
+    kv_only = study.cell("kv-only", study.targets, "unit") if spec.kv is not None else None
+    fp = _read_fp(spec, lm.name)
+    per_layer = _per_layer_statistics(study, fp)
+    entries = [_entry(u, r, unit_statistics(u, per_layer)) for u, r in zip(units, records, strict=True)]
+    ranked = sorted(entries, key=lambda e: -damage(e))  # stable: model order among equal damage
+    units_wall = time.perf_counter() - start
+    cell_seconds = [e["seconds"] for e in entries if e["seconds"] is not None]
+    return {
+        "model": fp["model"],
+        "scheme": scheme.to_dict(),
+        "mode": spec.modes[0],
+        "by": by,
+        "protocol": fp["protocol"],
+        "fp_perplexity": fp["metrics"]["perplexity"],
+        "kv": spec.kv.to_dict() if spec.kv is not None else None,
+        # with a quantised KV cache every cell has it: its damage alone (no layer quantised) for comparison
+        "kv_only_ppl_change_pct": kv_only["metrics"]["ppl_change_pct"] if kv_only else None,
+        "units": ranked,
+        "kinds": list(
+            dict.fromkeys(u.kind for u in units if u.kind is not None)
+        ),  # model order: heatmap columns
+        "correlation": correlations(ranked),
+        "correlation_definition": "Spearman's rho (average ranks for ties) of each float-model statistic with "
+        "the unit's perplexity change; None with < 3 units or a constant side",
+        "repair": repair(study, ranked, tolerance),
+        "timing": {
+            "units": len(units),
+            "seconds_per_unit": sum(cell_seconds) / len(cell_seconds) if cell_seconds else None,
+            "units_wall_seconds": round(units_wall, 3),
+            "wall_seconds": round(time.perf_counter() - start, 3),
+            "note": "seconds_per_unit: mean over the unit cells of quantise + evaluate, as measured when each "
+            "cell was made; the wall times are this call's (reused cells cost almost nothing)",
+        },
+        "env": environment(spec.device),
+        "seed": spec.seed,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def _read_fp(spec: GridSpec, model_name: str) -> dict[str, Any]:
+    import json
+
+    from qbench.eval.harness import record_path
+
+    return json.loads(record_path(spec.output_path, model_name, None, None).read_text())
+
+
+# ----------------------------------------------------------------------------------------------- the outputs
+
+
+def _fmt(x: float | None, spec: str = ".3g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def change_text(x: float | None) -> str:
+    """A perplexity change for people: '+1.23 %', or 'NaN' for a model that produced NaN/inf."""
+    return "NaN" if x is None else f"{x:+.3f} %"
+
+
+def top_table(result: dict[str, Any], k: int = 10) -> str:
+    """The ``k`` most damaging units as a markdown table, with the statistics beside them."""
+    from tabulate import tabulate
+
+    rows = [
+        [
+            i + 1,
+            f"`{u['name']}`",
+            _fmt(u["ppl"], ".3f"),
+            change_text(u["ppl_change_pct"]),
+            *(_fmt(u[s]) for s in STATISTICS),
+        ]
+        for i, u in enumerate(result["units"][:k])
+    ]
+    headers = ["#", "unit", "ppl", "change", "input crest", "input κ", "max abs input", "weight crest"]
+    return tabulate(rows, headers, tablefmt="github")
+
+
+def heatmap_grid(result: dict[str, Any]) -> tuple[list[str], list[str], list[list[float]]]:
+    """(row labels, column labels, perplexity change per cell; NaN where there is no unit) for the heatmap:
+    rows = decoder blocks, columns = module types (one column for ``--by block``, one row for ``--by type``)."""
+    units = [u for u in result["units"] if u["block"] is not None or u["kind"] is not None]
+    blocks = sorted({u["block"] for u in units if u["block"] is not None})
+    kinds = result.get("kinds") or list(dict.fromkeys(u["kind"] for u in units if u["kind"] is not None))
+    rows = [f"block {b}" for b in blocks] or ["all blocks"]
+    cols = kinds or ["whole block"]
+    grid = [[math.nan] * len(cols) for _ in rows]
+    for u in units:
+        r = blocks.index(u["block"]) if u["block"] is not None else 0
+        c = kinds.index(u["kind"]) if u["kind"] is not None else 0
+        change = u["ppl_change_pct"]
+        grid[r][c] = math.inf if u["status"] == "nonfinite" else math.nan if change is None else change
+    return rows, cols, grid
+
+
+def write_sensitivity(result: dict[str, Any], out: Path, command: str, top: int = 10) -> dict[str, Path]:
+    """sensitivity.json, sensitivity.md (top-k table, correlations, repair) and heatmap.png in ``out``."""
+    from qbench.studies.plots import sensitivity_heatmap
+
+    out = Path(out)
+    result = {**result, "command": command}
+    atomic_write_json(out / "sensitivity.json", result)
+    rows, cols, grid = heatmap_grid(result)
+    title = (
+        f"{result['model']['name']} under {result['scheme']['name']} ({result['mode']}): perplexity change "
+        "with only that unit quantised"
+    )
+    heatmap = sensitivity_heatmap(grid, rows, cols, out / "heatmap.png", title)
+    atomic_write_text(out / "sensitivity.md", report(result, top))
+    return {"json": out / "sensitivity.json", "markdown": out / "sensitivity.md", "heatmap": heatmap}
+
+
+def report(result: dict[str, Any], top: int = 10) -> str:
+    """The markdown summary: command, protocol, top-k units, correlations, the repair."""
+    p, r, t = result["protocol"], result["repair"], result["timing"]
+    corr = "\n".join(f"| {s} | {_fmt(v, '+.2f')} |" for s, v in result["correlation"].items())
+    excl = " ".join(f"--exclude '{name}'" for name in r["exclude"]) or "(nothing)"
+    verdict = "within" if r["reached"] else "NOT within"
+    return (
+        f"# Sensitivity of {result['model']['name']} to {result['scheme']['name']} ({result['mode']}), "
+        f"by {result['by']}\n\nMade by `{result.get('command', '')}`.\n\n"
+        f"Float perplexity {result['fp_perplexity']:.3f} on {p['corpus']}/{p['split']}, {p['tokens_scored']:,} "
+        f"tokens, window {p['window']}; every unit quantised alone, on the same windows. Statistics: the float "
+        f"model's linear-layer input (crest max|x|/RMS, raw kurtosis across channels per token, max |x|) and weight "
+        f"crest, largest over the unit's layers.\n\n## Top {min(top, len(result['units']))} of "
+        f"{len(result['units'])} units\n\n{top_table(result, top)}\n\n![heatmap](heatmap.png)\n\n"
+        f"## Does a statistic predict the damage? (Spearman's rho over all units)\n\n| statistic | rho |\n|---|---|\n"
+        f"{corr}\n\n## Repair (tolerance {r['tolerance_pct']:g} %)\n\nAll units quantised: "
+        f"{change_text(r['quantised_ppl_change_pct'])}. Kept in float ({r['count']} units, "
+        f"{r['weight_share_float']:.1%} of the quantised weights): {excl} → measured "
+        f"{change_text(r['ppl_change_pct'])} ({verdict} tolerance; {len(r['steps'])} cells evaluated).\n\n"
+        f"Time: {t['units']} units, {_fmt(t['seconds_per_unit'], '.2f')} s per unit cell "
+        f"(quantise + evaluate; {result['env'].get('processor')}, {result['env'].get('threads')} threads).\n"
+    )

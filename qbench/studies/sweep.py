@@ -1,0 +1,546 @@
+"""``qbench sweep``: robustness curves over bit widths, and the *breaking point* of each curve.
+
+At the paper's 8-bit settings small models barely move; lowering the bits until they do is what tells two models
+apart. A *curve* is one model under one scheme family with one *axis* swept over bit widths (default 8 → 2):
+
+- ``w`` / ``a`` / ``o``: only the family's weights / input activations / outputs at b bits (the scheme override
+  ``FAMILY:w=b``), everything else at the family's own bits — which tensor the model is sensitive in;
+- ``all``: every tensor the family quantises at b bits (``FAMILY:w=b,a=b,o=b``; a tensor the family leaves in
+  float stays float);
+- ``kv``: the float model with a b-bit KV cache (``--kv-bits b``, family ``fp``); for every ``keep_first`` K > 0 a
+  second curve ``kv-keepK`` keeps cache positions 0..K−1 in float (sink protection, as IntactKV / KVQuant /
+  PrefixQuant do). Bit widths the KV cache does not offer are left out of its curves.
+
+Every cell is one record of the evaluation grid (:func:`qbench.eval.harness.run_grid`) under
+``output_path/<model>/``, so the grid's reuse rules hold: a re-run, or a sweep interrupted half way, evaluates only
+what is missing. A cell whose overrides equal the family's own bits *is* the family (``absmax-coarse:w=8`` is
+``absmax-coarse``), so the curves of one family share their widest cell.
+
+**Breaking point** (design/metrics.md): the lowest bit width b whose perplexity change stays within the
+tolerance at b *and at every wider width swept*, so one lucky noisy cell below a failing one cannot lower it;
+``None`` ("none") when even the widest width fails. "Within" means change ≤ tolerance: quantisation that lowers
+perplexity is noise, not damage. A cell that produced NaN/inf, or could not run, fails.
+
+Outputs beside the records: ``sweep.json`` (every cell with its perplexity, change and record path, the breaking
+points with the tolerance, each model's float perplexity, protocol, versions and commit), ``sweep.md`` (generated
+from that JSON) and ``sweep.png`` (perplexity ratio vs bits, log scale, one line per model and family/axis).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from models.errors import UserError, unknown_choice
+from models.io import atomic_write_json, atomic_write_text
+from qbench.eval.harness import FLOAT_SCHEME as FLOAT_FAMILY  # the KV curves: only the cache quantised
+from qbench.eval.metrics import Protocol
+
+SWEEP_VERSION = 1
+AXES = ("w", "a", "o", "all", "kv")
+DEFAULT_AXES = AXES
+# The paper's absmax family at its coarsest: weights, inputs and outputs each with one scale per tensor.
+DEFAULT_FAMILY = "absmax-coarse"
+DEFAULT_BITS = (8, 7, 6, 5, 4, 3, 2)
+DEFAULT_TOLERANCE = 1.0  # percent
+_TENSOR_FIELDS = {"w": "weight_bits", "a": "act_bits", "o": "out_bits"}
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One line of the sweep: a family with one axis varied (``kv`` / ``kv-keepK`` for the cache)."""
+
+    family: str
+    axis: str
+    keep_first: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.family} {self.axis}"
+
+
+@dataclass(frozen=True)
+class Cell:
+    curve: Curve
+    bits: int
+    scheme: str  # what the grid evaluates: a scheme name with overrides
+    kv_bits: int | None = None  # the KV cache's bits (kv curves only)
+
+
+def parse_axes(text: str | Iterable[str]) -> list[str]:
+    """``"w,a,all"`` (or a list of such strings) -> ["w", "a", "all"], checked against :data:`AXES`."""
+    parts = [text] if isinstance(text, str) else list(text)
+    axes: list[str] = []
+    for part in parts:
+        for axis in (a.strip() for a in part.split(",")):
+            if axis not in AXES:
+                raise unknown_choice("sweep axis", axis, AXES)
+            if axis not in axes:
+                axes.append(axis)
+    if not axes:
+        raise UserError(f"no sweep axis given; choose from: {', '.join(AXES)}")
+    return axes
+
+
+def parse_bits(text: str | Iterable[int]) -> list[int]:
+    """``"8,6,4"`` or ``"8-2"`` (or integers) -> widest first, each 2..8."""
+    values: list[int] = []
+    items = text.split(",") if isinstance(text, str) else list(text)
+    for item in items:
+        try:
+            if isinstance(item, str) and "-" in item.strip()[1:]:
+                hi, lo = (int(x) for x in item.split("-"))
+                values += range(max(hi, lo), min(hi, lo) - 1, -1)
+            else:
+                values.append(int(item))
+        except ValueError:
+            raise UserError(f"bad bit width {item!r}: give integers 2..8 like 8,6,4 or a range 8-2") from None
+    for b in values:
+        if not 2 <= b <= 8:
+            raise UserError(f"bit width {b} is out of range; choose integers from 2 to 8")
+    if not values:
+        raise UserError("no bit widths given (e.g. --bits 8-2)")
+    return sorted(set(values), reverse=True)
+
+
+def _with_overrides(family: str, overrides: Mapping[str, int]) -> str:
+    """``absmax-coarse`` + {w: 4} -> ``absmax-coarse:w=4`` (a family that already has overrides gets more)."""
+    if not overrides:
+        return family
+    text = ",".join(f"{k}={v}" for k, v in overrides.items())
+    return f"{family},{text}" if ":" in family else f"{family}:{text}"
+
+
+def family_bits(family: str) -> dict[str, int | None]:
+    """{w, a, o: bits or None} of a registered family (None: that tensor stays float)."""
+    from qbench.quant.schemes import get_scheme
+
+    scheme = get_scheme(family)
+    return {axis: getattr(scheme, name) for axis, name in _TENSOR_FIELDS.items()}
+
+
+def kv_bit_choices() -> tuple[int, ...]:
+    """The bit widths the KV cache offers (``qbench.quant.kv``)."""
+    from qbench.quant import kv
+
+    return tuple(kv.KV_BITS)
+
+
+def plan(
+    families: Sequence[str],
+    axes: Sequence[str],
+    bits: Sequence[int],
+    keep_first: Sequence[int] = (),
+) -> tuple[list[Cell], list[str]]:
+    """Every cell of the sweep, and a note for each (family, axis) that does not apply (a tensor left float)."""
+    cells: list[Cell] = []
+    skipped: list[str] = []
+    for family in families:
+        own = family_bits(family)
+        for axis in (a for a in axes if a != "kv"):
+            tensors = [t for t in _TENSOR_FIELDS if own[t] is not None] if axis == "all" else [axis]
+            if not tensors or own[tensors[0]] is None:
+                skipped.append(f"{family} {axis}: {family} keeps that tensor in float")
+                continue
+            for b in bits:
+                changed = {t: b for t in tensors if own[t] != b}
+                cells.append(Cell(Curve(family, axis), b, _with_overrides(family, changed)))
+    if "kv" in axes:
+        choices = kv_bit_choices()
+        kv_bits = [b for b in bits if b in choices]
+        if not kv_bits:
+            skipped.append(f"kv: none of bits {list(bits)} is a KV-cache width ({list(choices)})")
+        for k in dict.fromkeys([0, *keep_first]):
+            if k < 0:
+                raise UserError(f"--kv-keep-first must be ≥ 0, got {k}")
+            curve = Curve(FLOAT_FAMILY, "kv" if k == 0 else f"kv-keep{k}", k)
+            cells += [Cell(curve, b, FLOAT_FAMILY, kv_bits=b) for b in kv_bits]
+    return cells, skipped
+
+
+# -------------------------------------------------------------------------------------------- breaking point
+
+
+def passes(change: float | None, tolerance: float) -> bool:
+    """Whether one cell's perplexity change (percent; None = NaN/inf or not run) is within the tolerance."""
+    return change is not None and math.isfinite(change) and change <= tolerance
+
+
+def breaking_point(changes: Mapping[int, float | None], tolerance: float = DEFAULT_TOLERANCE) -> int | None:
+    """The lowest bit width whose change passes at that width and at every wider one; None if the widest fails.
+
+    ``changes``: {bits: perplexity change in percent, None for a failed cell}. Walks from the widest width
+    down and stops at the first failure, so a lucky cell below a failing one never lowers the result.
+    """
+    lowest = None
+    for b in sorted(changes, reverse=True):
+        if not passes(changes[b], tolerance):
+            break
+        lowest = b
+    return lowest
+
+
+def breaking_points(cells: Iterable[Mapping[str, Any]], tolerance: float) -> list[dict[str, Any]]:
+    """One entry per (model, family, axis) of ``sweep.json``'s cells, in first-seen order."""
+    curves: dict[tuple[str, str, str], dict[int, float | None]] = {}
+    for c in cells:
+        change = c["ppl_change_pct"] if c["status"] == "ok" else None
+        curves.setdefault((c["model"], c["family"], c["axis"]), {})[c["bits"]] = change
+    return [
+        {
+            "model": model,
+            "family": family,
+            "axis": axis,
+            "bits": breaking_point(changes, tolerance),
+            "widest": max(changes),
+            "lowest_swept": min(changes),
+            "tolerance_pct": tolerance,
+        }
+        for (model, family, axis), changes in curves.items()
+    ]
+
+
+def format_breaking_point(entry: Mapping[str, Any]) -> str:
+    """``4``, ``none`` (the widest failed), or ``≤2`` (nothing failed down to the lowest width swept)."""
+    if entry["bits"] is None:
+        return "none"
+    return f"≤{entry['bits']}" if entry["bits"] == entry["lowest_swept"] else str(entry["bits"])
+
+
+# ------------------------------------------------------------------------------------------------- running
+
+
+@dataclass
+class SweepConfig:
+    models: list[str]
+    families: list[str] = field(default_factory=lambda: [DEFAULT_FAMILY])
+    axes: list[str] = field(default_factory=lambda: list(DEFAULT_AXES))
+    bits: list[int] = field(default_factory=lambda: list(DEFAULT_BITS))
+    tolerance: float = DEFAULT_TOLERANCE
+    kv_keep_first: list[int] = field(default_factory=list)
+    kv_granularity: str | None = None  # None: the KV cache's default (KIVI)
+    protocol: Protocol = field(default_factory=Protocol)
+    output_path: Path = Path("qbench_results/sweep")
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+    attention: bool = True
+    trust_remote_code: bool = False
+    allow_unsafe_weights: bool = False
+    baseline_path: Path | None = None  # where the float records live if not output_path (shared with a grid)
+
+
+def _scheme_key(scheme: Mapping[str, Any]) -> str:
+    return json.dumps(scheme, sort_keys=True, default=str)
+
+
+def _load(cfg: SweepConfig, model: str) -> Any:
+    from qbench.eval.load import load_model
+
+    return load_model(
+        model,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        trust_remote_code=cfg.trust_remote_code,
+        allow_unsafe_weights=cfg.allow_unsafe_weights,
+    )
+
+
+def _grid_spec(cfg: SweepConfig, models: list[str], schemes: list[str], kv: Any = None) -> Any:
+    from qbench.eval.harness import GridSpec
+
+    return GridSpec(
+        models=models,
+        schemes=schemes,
+        modes=["fake"],
+        protocol=cfg.protocol,
+        output_path=Path(cfg.output_path),
+        seed=cfg.seed,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        attention=cfg.attention,
+        trust_remote_code=cfg.trust_remote_code,
+        allow_unsafe_weights=cfg.allow_unsafe_weights,
+        baseline_path=cfg.baseline_path,
+        kv=kv,
+    )
+
+
+def _kv_config(cfg: SweepConfig, cell: Cell) -> Any:
+    from qbench.quant.kv import KVConfig
+
+    kwargs = {"granularity": cfg.kv_granularity} if cfg.kv_granularity else {}
+    return KVConfig(cell.kv_bits, keep_first=cell.curve.keep_first, **kwargs)
+
+
+def _groups(cfg: SweepConfig, cells: list[Cell]) -> list[tuple[Any, list[Cell]]]:
+    """Cells grouped into grid runs: the linear-layer cells in one, the KV cells one run per cache setting."""
+    groups: dict[str, tuple[Any, list[Cell]]] = {}
+    for cell in cells:
+        kv = _kv_config(cfg, cell) if cell.kv_bits is not None else None
+        key = "" if kv is None else _scheme_key(kv.to_dict())
+        groups.setdefault(key, (kv, []))[1].append(cell)
+    return list(groups.values())
+
+
+def validate(cfg: SweepConfig) -> list[Cell]:
+    """The plan, with every scheme built once so a bad family or override fails before a model loads."""
+    from qbench.quant.schemes import get_scheme
+
+    if not cfg.tolerance >= 0:
+        raise UserError(f"--tolerance must be a percentage ≥ 0, got {cfg.tolerance}")
+    cells, _ = plan(cfg.families, cfg.axes, cfg.bits, cfg.kv_keep_first)
+    if not cells:
+        raise UserError(f"nothing to sweep: {'; '.join(plan(cfg.families, cfg.axes, cfg.bits)[1])}")
+    for cell in cells:
+        if cell.kv_bits is None:
+            get_scheme(cell.scheme)
+        else:
+            _kv_config(cfg, cell)
+    return cells
+
+
+def run_sweep(
+    cfg: SweepConfig,
+    on_record: Callable[[dict[str, Any], bool], None] | None = None,
+    command: str | None = None,
+    loaded: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Evaluate every cell not already on disk (:func:`run_grid`), write sweep.json/.md/.png, return the sweep.
+
+    ``loaded``: models already in memory by their entry in ``cfg.models`` (loaded once for all grid runs).
+    """
+    from qbench.eval.harness import run_grid
+
+    cells = validate(cfg)
+    _, skipped = plan(cfg.families, cfg.axes, cfg.bits, cfg.kv_keep_first)
+    start = time.perf_counter()
+    fps: dict[str, dict[str, Any]] = {}
+    rows: list[dict[str, Any]] = []
+    sources: dict[str, str] = {}
+    for model in cfg.models:  # one model in memory at a time, loaded once for all its grid runs
+        lm = (loaded or {}).get(model) or _load(cfg, model)
+        if sources.setdefault(lm.name, lm.source) != lm.source:
+            raise UserError(
+                f"two models are both named {lm.name!r} ({sources[lm.name]} and {lm.source}): their records "
+                f"would share {Path(cfg.output_path) / lm.name}/; rename one folder"
+            )
+        for kv, group in _groups(cfg, cells):
+            spec = _grid_spec(cfg, [model], list(dict.fromkeys(c.scheme for c in group)), kv)
+            records = run_grid(spec, on_record=on_record, loaded={model: lm})
+            fps.setdefault(lm.name, records[0])  # run_grid's float baseline comes first
+            index = {_scheme_key(r["scheme"]): r for r in records[1:]}
+            for cell in group:
+                record = index[_scheme_key(spec.scheme_record(cell.scheme))]
+                rows.append(_row(cfg, cell, record, fps[lm.name]))
+    sweep = _summary(cfg, rows, fps, skipped, command, time.perf_counter() - start)
+    write_outputs(sweep, Path(cfg.output_path))
+    return sweep
+
+
+def _row(cfg: SweepConfig, cell: Cell, record: dict[str, Any], fp: dict[str, Any]) -> dict[str, Any]:
+    from qbench.eval.harness import record_path
+
+    m = record["metrics"]
+    path = record_path(
+        Path(cfg.output_path), record["model"]["name"], record["scheme"]["name"], record["mode"]
+    )
+    kv_name = getattr(record.get("kv"), "get", lambda _k: None)("label")
+    fp_seconds = fp.get("eval_seconds") or 0.0
+    return {
+        "model": record["model"]["name"],
+        "family": cell.curve.family,
+        "axis": cell.curve.axis,
+        "bits": cell.bits,
+        "scheme": record["scheme"]["name"],
+        "scheme_label": record["scheme"].get("label"),
+        "kv": record.get("kv"),
+        "kv_label": kv_name,
+        "perplexity": m["perplexity"],
+        "fp_perplexity": m["fp_perplexity"],
+        "ppl_ratio": m["ppl_ratio"],
+        "ppl_change_pct": m["ppl_change_pct"],
+        "status": record.get("status", "ok"),
+        "eval_seconds": record.get("eval_seconds"),
+        "eval_vs_float": round(record["eval_seconds"] / fp_seconds, 3)
+        if fp_seconds and record.get("eval_seconds")
+        else None,
+        "record": _relative(path, cfg.output_path),
+    }
+
+
+def _relative(path: Path, out: Path) -> str:
+    """A record's path as ``sweep.json`` names it: relative to the sweep folder (``../x/fp.json`` for a shared
+    float baseline), so the folder can be moved or committed as a whole."""
+    return os.path.relpath(path, out)
+
+
+def _summary(
+    cfg: SweepConfig,
+    rows: list[dict[str, Any]],
+    fps: dict[str, dict[str, Any]],
+    skipped: list[str],
+    command: str | None,
+    wall: float,
+) -> dict[str, Any]:
+    from qbench.eval.harness import environment, record_path
+
+    return {
+        "sweep_version": SWEEP_VERSION,
+        "command": command,
+        "tolerance_pct": cfg.tolerance,
+        "breaking_point_definition": (
+            "lowest bit width whose perplexity change is ≤ tolerance at that width and at every wider width "
+            "swept; none if the widest fails"
+        ),
+        "families": list(cfg.families),
+        "axes": list(cfg.axes),
+        "bits": list(cfg.bits),
+        "kv_keep_first": list(cfg.kv_keep_first),
+        "models": {
+            name: {
+                "model": fp["model"],
+                "fp_perplexity": fp["metrics"]["fp_perplexity"],
+                "fp_eval_seconds": fp.get("eval_seconds"),
+                "protocol": fp["protocol"],
+                "record": _relative(
+                    record_path(cfg.baseline_path or cfg.output_path, name, None, None), cfg.output_path
+                ),
+            }
+            for name, fp in fps.items()
+        },
+        "cells": rows,
+        "breaking_points": breaking_points(rows, cfg.tolerance),
+        "skipped": skipped,
+        "env": environment(cfg.device),  # this run's; every record also carries the one it was made with
+        "wall_seconds": round(wall, 3),
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+# ------------------------------------------------------------------------------------------------- outputs
+
+
+def _change(cell: Mapping[str, Any] | None) -> str:
+    if cell is None:
+        return "-"
+    if cell["status"] == "nonfinite":
+        return "NaN"
+    if cell["status"] != "ok" or cell["ppl_change_pct"] is None:
+        return "n/a"
+    return f"{cell['ppl_change_pct']:+.2f} %"
+
+
+def curves_of(sweep: Mapping[str, Any]) -> dict[tuple[str, str, str], dict[int, dict[str, Any]]]:
+    """{(model, family, axis): {bits: cell}} in the sweep's order."""
+    curves: dict[tuple[str, str, str], dict[int, dict[str, Any]]] = {}
+    for c in sweep["cells"]:
+        curves.setdefault((c["model"], c["family"], c["axis"]), {})[c["bits"]] = c
+    return curves
+
+
+def sweep_table(sweep: Mapping[str, Any]) -> str:
+    """The sweep as a markdown table (rows = model × family × axis, columns = bits, then the breaking point)."""
+    from tabulate import tabulate
+
+    tol = sweep["tolerance_pct"]
+    bits = sweep["bits"]
+    points = {(p["model"], p["family"], p["axis"]): p for p in sweep["breaking_points"]}
+    rows = [
+        [model, family, axis, *(_change(cells.get(b)) for b in bits), format_breaking_point(points[key])]
+        for key, cells in curves_of(sweep).items()
+        for model, family, axis in [key]
+    ]
+    headers = ["model", "family", "axis", *(f"{b} bit" for b in bits), f"breaking point (≤ {tol:g} %)"]
+    return tabulate(rows, headers, tablefmt="github", disable_numparse=True)
+
+
+def sweep_caption(sweep: Mapping[str, Any]) -> str:
+    """What the table measured: protocol, tolerance, axes, float perplexities and the time per cell."""
+    models = sweep["models"]
+    p = next(iter(models.values()))["protocol"]
+    fps = ", ".join(f"{name} {m['fp_perplexity']:.2f}" for name, m in models.items())
+    ratios = sorted(c["eval_vs_float"] for c in sweep["cells"] if c.get("eval_vs_float"))
+    timing = (
+        f" One cell's evaluation took ×{ratios[len(ratios) // 2]:.2f} of the float evaluation (median)."
+        if ratios
+        else ""
+    )
+    text = (
+        f"Perplexity change vs float (fp perplexity: {fps}) on {p['corpus']}/{p['split']}, "
+        f"{p['tokens_scored']:,} tokens, window {p['window']}, fake quantisation. Axis w / a / o: only the "
+        "family's weights / input activations / outputs at that width, the rest at the family's own bits; "
+        "all: every tensor the family quantises; kv: the float model with a quantised KV cache (kv-keepK: "
+        f"positions < K kept in float). Breaking point: the lowest width with change ≤ {sweep['tolerance_pct']:g} % "
+        "there and at every wider width; ≤b: nothing failed down to the lowest width swept; none: the widest "
+        f"failed.{timing}"
+    )
+    if sweep.get("skipped"):
+        text += f" Not swept: {'; '.join(sweep['skipped'])}."
+    return text
+
+
+def write_outputs(sweep: dict[str, Any], out: Path) -> dict[str, Path]:
+    """sweep.json, sweep.md (from that JSON) and sweep.png in ``out``."""
+    from qbench.studies.plots import sweep_plot
+
+    paths = {"json": out / "sweep.json", "md": out / "sweep.md", "png": out / "sweep.png"}
+    atomic_write_json(paths["json"], sweep)
+    command = f"Made by `{sweep['command']}`.\n\n" if sweep.get("command") else ""
+    atomic_write_text(
+        paths["md"],
+        f"# qbench sweep\n\n{command}{sweep_table(sweep)}\n\n{sweep_caption(sweep)}\n\n![sweep](sweep.png)\n",
+    )
+    sweep_plot(sweep, curves_of(sweep), paths["png"])  # curves passed in: plots imports no study
+    return paths
+
+
+def read_sweep(path: str | Path) -> dict[str, Any]:
+    """A ``sweep.json`` (or the folder holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "sweep.json"
+    try:
+        sweep = json.loads(path.read_text())
+    except OSError:
+        raise UserError(f"no sweep at {path}: run `qbench sweep` first") from None
+    except ValueError:
+        raise UserError(f"{path} is not valid JSON (a torn or hand-edited sweep file?)") from None
+    if not isinstance(sweep, dict) or "breaking_points" not in sweep:
+        raise UserError(f"{path} is not a qbench sweep (no breaking_points)")
+    return sweep
+
+
+def breaking_point_columns(sweep: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+    """{model: {"break <family> <axis>": "4" | "none" | "≤2"}} — extra columns for ``qbench compare``."""
+    columns: dict[str, dict[str, str]] = {}
+    for p in sweep["breaking_points"]:
+        header = f"break {p['family']} {p['axis']} (≤{p['tolerance_pct']:g} %)"
+        columns.setdefault(p["model"], {})[header] = format_breaking_point(p)
+    return columns
+
+
+def expected_records(cfg: SweepConfig) -> int:
+    """How many records the sweep's grid runs pass to ``on_record`` (float baselines included): a progress total."""
+    return sum(
+        len(cfg.models) * (1 + len(dict.fromkeys(c.scheme for c in group)))
+        for _, group in _groups(cfg, validate(cfg))
+    )
+
+
+def describe_breaking_points(points: Iterable[Mapping[str, Any]]) -> str:
+    """``absmax-coarse all: 6, fp kv: 4 (change ≤ 1 %)`` — one line for a model's breaking points."""
+    points = list(points)
+    if not points:
+        return "no breaking points"
+    text = ", ".join(f"{p['family']} {p['axis']}: {format_breaking_point(p)}" for p in points)
+    return f"{text} bits (change ≤ {points[0]['tolerance_pct']:g} %)"

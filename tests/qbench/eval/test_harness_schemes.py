@@ -1,0 +1,92 @@
+"""Overridden and calibrated schemes in the grid (issue 10.1/10.2): the record's scheme config rebuilds the same
+scheme, calibration windows/seed/corpus are recorded, and a record is reused only for an equal config."""
+
+import json
+
+import torch
+
+from qbench.eval.harness import GridSpec, calibration_windows, record_path, run_grid
+from qbench.eval.load import load_model
+from qbench.eval.metrics import Protocol, make_windows
+from qbench.quant.schemes import QuantScheme, get_scheme
+
+SMALL = Protocol(tokens=31 * 4, batch_size=2, outlier_windows=2)
+SCHEMES = ["absmax-coarse:w=4,a=4,o=4", "absmax-fine:static=true,calib=2,calib_seed=1"]
+
+
+def grid(tmp_path, ckpt_dir, schemes=SCHEMES):
+    return GridSpec(
+        models=[str(ckpt_dir)],
+        schemes=schemes,
+        protocol=SMALL,
+        output_path=tmp_path / "results",
+        attention=False,
+    )
+
+
+def rebuilt(record_scheme: dict) -> QuantScheme:
+    """The scheme a record describes: its config without the grid's extras (exclude, calibration)."""
+    return QuantScheme.from_dict(
+        {k: v for k, v in record_scheme.items() if k not in ("exclude", "calibration")}
+    )
+
+
+def test_records_rebuild_their_scheme_and_carry_the_calibration(tmp_path, ckpt_dir):
+    fp, coarse4, static = run_grid(grid(tmp_path, ckpt_dir))
+    for record, name in ((coarse4, SCHEMES[0]), (static, SCHEMES[1])):
+        assert record["status"] == "ok", record["error"]
+        assert rebuilt(record["scheme"]) == get_scheme(name)
+        assert record["scheme"]["name"] == get_scheme(name).name
+    assert coarse4["scheme"]["name"] == "absmax-coarse:a=4,o=4,w=4" and "calibration" not in coarse4["scheme"]
+    assert coarse4["scheme"]["label"] == "W4A4-tensor+out"
+    assert static["scheme"]["static"] and static["scheme"]["calibration"] == {
+        "corpus": "embedded",
+        "split": "train",
+        "windows": 2,
+        "seed": 1,
+        "selection": "seeded sample",
+    }
+    assert static["scheme"]["calib_windows"] == 2 and static["scheme"]["calib_seed"] == 1
+    path = record_path(tmp_path / "results", fp["model"]["name"], coarse4["scheme"]["name"], "fake")
+    assert path.name == "absmax-coarse@a=4,o=4,w=4__fake.json" and path.exists()
+
+
+def test_reuse_needs_an_equal_config(tmp_path, ckpt_dir):
+    spec = grid(tmp_path, ckpt_dir, SCHEMES[:1])
+    run_grid(spec)
+    seen = []
+    run_grid(spec, on_record=lambda record, reused: seen.append(reused))
+    assert seen == [True, True]  # the same config: reused
+    path = next((tmp_path / "results").rglob("absmax-coarse@*__fake.json"))
+    record = json.loads(path.read_text())
+    record["scheme"]["out_bits"] = 8  # the same name, another config (older code, a hand edit)
+    path.write_text(json.dumps(record))
+    seen.clear()
+    run_grid(spec, on_record=lambda record, reused: seen.append(reused))
+    assert seen == [True, False]  # recomputed
+    assert json.loads(path.read_text())["scheme"]["out_bits"] == 4
+
+
+def test_calibration_windows_come_from_the_train_split(ckpt_dir):
+    lm = load_model(str(ckpt_dir))
+    first = calibration_windows(lm.tokenizer, SMALL, 32, get_scheme("absmax-fine:static=true,calib=3"))
+    train = make_windows(lm.tokenizer, Protocol(split="train", tokens=3 * 31, window=32), 32).ids
+    assert torch.equal(first, train)
+    sampled = calibration_windows(
+        lm.tokenizer, SMALL, 32, get_scheme("absmax-fine:static=true,calib=3,calib_seed=0")
+    )
+    assert sampled.shape == (3, 32) and not torch.equal(sampled, first)
+    validation = make_windows(lm.tokenizer, SMALL, 32).ids
+    assert not any(torch.equal(w, v) for w in sampled for v in validation)  # never the evaluated text
+
+
+def test_cli_takes_overrides_and_explains_them(tmp_path, ckpt_dir, capsys):
+    from qbench.cli import main
+
+    argv = ["run", "--ckpt", str(ckpt_dir), "--tokens", "124", "--batch-size", "2", "--no-attention"]
+    assert main([*argv, "--scheme", "absmax-coarse:w=4,a=4,o=4", "--output-path", str(tmp_path)]) == 0
+    assert next(tmp_path.rglob("absmax-coarse@a=4,o=4,w=4__fake.json"))
+    assert main([*argv, "--scheme", "absmax-coarse:w=44", "--output-path", str(tmp_path)]) == 2
+    assert "w takes an integer 2–8 or none" in capsys.readouterr().err
+    assert main(["ls", "schemes"]) == 0
+    assert "NAME:key=value" in capsys.readouterr().out.replace("\n", " ")

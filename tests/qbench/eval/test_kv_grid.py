@@ -1,0 +1,117 @@
+"""KV-cache quantisation through the harness, the report and the CLI: records, names, reuse, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from models.errors import UserError
+from qbench.cli import main
+from qbench.eval.harness import GridSpec, run_grid
+from qbench.eval.metrics import Protocol
+from qbench.eval.report import comparison
+from qbench.quant.kv import KVConfig
+
+SMALL = Protocol(tokens=31 * 4, batch_size=2, outlier_windows=2)
+
+
+def grid(tmp_path, model, schemes, kv=None, modes=("fake",)):
+    return GridSpec(
+        models=[str(model)],
+        schemes=list(schemes),
+        modes=list(modes),
+        protocol=SMALL,
+        output_path=tmp_path / "results",
+        attention=False,
+        kv=kv,
+    )
+
+
+@pytest.mark.parametrize("fixture", ["ckpt_dir", "hf_llama_dir"])
+def test_records_carry_the_kv_block_and_names_show_it(fixture, request, tmp_path):
+    model = request.getfixturevalue(fixture)
+    kv = KVConfig(2, keep_first=1)
+    records = run_grid(grid(tmp_path, model, ["fp", "absmax-fine"], kv, modes=("fake", "real")))
+    assert [(r["scheme"]["name"], r["mode"]) for r in records] == [
+        ("fp", "float"),
+        ("fp+kv2-keep1", "fake"),  # the cache alone: once, whatever the modes
+        ("absmax-fine+kv2-keep1", "fake"),
+        ("absmax-fine+kv2-keep1", "real"),
+    ]
+    assert records[0]["kv"] is None
+    for r in records[1:]:
+        assert r["status"] == "ok", r["error"]
+        assert KVConfig.from_dict(r["kv"]) == kv and r["kv"]["label"] == "kv2-keep1"
+        assert r["metrics"]["perplexity"] != records[0]["metrics"]["perplexity"]
+    assert records[1]["scheme"]["weight_bits"] is None and records[2]["scheme"]["weight_bits"] == 8
+    files = sorted(p.name for p in (tmp_path / "results").rglob("*.json"))
+    assert files == [
+        "absmax-fine+kv2-keep1__fake.json",
+        "absmax-fine+kv2-keep1__real.json",
+        "fp+kv2-keep1__fake.json",
+        "fp.json",
+    ]
+    plain = run_grid(grid(tmp_path, model, ["absmax-fine"]))[1]  # same scheme without KV: its own record
+    assert plain["kv"] is None and plain["scheme"]["name"] == "absmax-fine"
+    headers, _, caption = comparison([*records, plain])
+    assert headers[1:6] == [
+        "fp",
+        "fp+kv2-keep1/fake",
+        "absmax-fine/fake",
+        "absmax-fine+kv2-keep1/fake",
+        "absmax-fine+kv2-keep1/real",
+    ]
+    assert "+kvN: KV cache quantised" in caption
+
+
+def test_the_reuse_key_includes_the_kv_block(ckpt_dir, tmp_path):
+    spec = grid(tmp_path, ckpt_dir, ["fp"], KVConfig(4))
+    first = run_grid(spec)[1]
+    seen = []
+    run_grid(spec, on_record=lambda r, reused: seen.append(reused))
+    assert seen == [True, True]
+    path = tmp_path / "results" / ckpt_dir.name / "fp+kv4__fake.json"
+    record = json.loads(path.read_text())
+    record["kv"]["granularity"] = "per-token"  # a record made under another cache setting
+    path.write_text(json.dumps(record))
+    seen.clear()
+    again = run_grid(spec, on_record=lambda r, reused: seen.append(reused))[1]
+    assert seen == [True, False] and again["kv"] == first["kv"]
+
+
+def test_fp_scheme_needs_a_kv_cache(ckpt_dir, tmp_path):
+    with pytest.raises(UserError, match="only with a quantised KV cache"):
+        run_grid(grid(tmp_path, ckpt_dir, ["fp"]))
+
+
+FAST = ["--tokens", "124", "--batch-size", "2", "--no-attention"]
+
+
+def test_cli_run_and_score_with_a_quantised_cache(ckpt_dir, tmp_path, capsys):
+    out_path = str(tmp_path / "r")
+    argv = ["run", "--ckpt", str(ckpt_dir), "--scheme", "fp", "--kv-bits", "4", "--kv-keep-first", "1"]
+    assert main([*argv, *FAST, "--output-path", out_path]) == 0
+    assert "fp+kv4-keep1" in capsys.readouterr().out
+    argv = ["score", "--ckpt", str(ckpt_dir), "--scheme", "absmax-fine", "--kv-bits", "8"]
+    assert main([*argv, *FAST, "--output-path", out_path, "--kv-granularity", "per-token"]) == 0
+    assert "absmax-fine+kv8-tok" in capsys.readouterr().out
+    assert (tmp_path / "r" / ckpt_dir.name / "absmax-fine+kv8-tok__fake.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--kv-bits", "5"], "choose from: 8, 6, 4, 3, 2"),
+        (["--kv-bits", "two"], "--kv-bits"),
+        (["--kv-bits", "4", "--kv-granularity", "per-tokn"], "did you mean 'per-token'"),
+        (["--kv-bits", "4", "--kv-keep-first", "-1"], "integer ≥ 0"),
+        (["--kv-keep-first", "1"], "need --kv-bits"),
+        (["--scheme", "fp"], "only with a quantised KV cache"),
+    ],
+)
+def test_bad_kv_options_are_one_line_errors(extra, message, ckpt_dir, tmp_path, capsys):
+    code = main(["run", "--ckpt", str(ckpt_dir), *extra, *FAST, "--output-path", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) <= 2  # one message (rich may wrap a long line once)

@@ -1,0 +1,212 @@
+"""The compiled CPU kernels (``native.c``) and their dispatch (``paths.py``) equal fake mode and the torch paths.
+
+Integer accumulation is exact, so the W8A8 kernels equal the torch path bit for bit; the weight-only decode
+kernels reassociate float sums (equal to fake mode to float rounding) and the weight-only prefill path (C
+dequantise + torch GEMM) equals fake mode bit for bit. Shapes are odd on purpose: 63 → 37, 1 row, 17 rows.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qbench.quant.fake import FakeQuantLinear
+from qbench.quant.granularity import PerAxis, PerGroup
+from qbench.quant.kernels import Int4Linear, Int8Linear, make_real_linear, native, paths
+from qbench.quant.kernels.int4 import pack_int4
+from qbench.quant.kernels.int8 import quantize_activation
+from qbench.quant.kernels.w8 import Int8WeightOnlyLinear
+from qbench.quant.primitives import choose_qparams, fake_quantize, quantize
+from qbench.quant.schemes import SCHEMES, QuantScheme
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the torch paths run instead")
+
+SHAPES = [(63, 37), (256, 48)]  # (in, out): odd (scalar tails only), whole int4 steps
+ROWS = [(1,), (17,), (2, 5), (1, 1)]  # leading dims: decode, just above DECODE_ROWS, a batch, (B=1, T=1)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_build_reports_instruction_set():
+    assert native.isa() in native.ISA_NAMES.values()
+    assert "rows" in paths.backend_name("w8a8") and "rows" in paths.backend_name("weight-only")
+
+
+@pytest.mark.parametrize(("m", "k"), [(1, 63), (17, 63), (5, 200), (3, 2048), (2, 31)])
+@pytest.mark.parametrize("per_token", [True, False])
+def test_quantize_rows_equals_torch(m, k, per_token):
+    torch.manual_seed(m * k)
+    x = torch.randn(m, k) * 3
+    x[0, 1] = 50.0  # an outlier row
+    q, s = native.quantize_rows(x, 1 if per_token else m)
+    q_ref, s_ref = quantize_activation(x[None], per_token)
+    assert torch.equal(q, q_ref[0]) and torch.equal(s, s_ref.reshape(-1).expand(m))
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 63, 37), (17, 63, 37), (2, 2048, 9), (16, 96, 5)])
+def test_w8a8_kernel_is_exact(m, k, n):
+    torch.manual_seed(0)
+    q = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    sx, sw, bias = torch.rand(m) + 0.1, torch.rand(n) + 0.1, torch.randn(n)
+    acc = q.int() @ w.int().T  # exact int32
+    expected = acc.float() * sx[:, None] * sw + bias  # int8.py's epilogue, same order
+    wsum = w.sum(1, dtype=torch.int32)
+    assert torch.equal(native.w8a8_linear(q, sx, w, wsum, sw, bias), expected)
+    assert torch.equal(native.scale_output(acc, sx, sw, bias), expected)
+    one = torch.tensor(0.3)  # a per-tensor weight scale, no bias
+    assert torch.equal(native.w8a8_linear(q, sx, w, wsum, one, None), acc.float() * sx[:, None] * one)
+
+
+@pytest.mark.parametrize("scheme", ["absmax-fine", "absmax-moderate", "absmax-coarse"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_linear_native_equals_fake_and_torch_path(scheme, shape):
+    torch.manual_seed(1)
+    k, n = shape
+    weight, bias = torch.randn(n, k) * 0.1, torch.randn(n)
+    real = make_real_linear(weight, bias, SCHEMES.get(scheme))
+    fake = FakeQuantLinear(weight, bias, SCHEMES.get(scheme))
+    assert isinstance(real, Int8Linear) and real.qweight_t.t().is_contiguous()
+    for lead in ROWS:
+        x = torch.randn(*lead, k)
+        with native.enabled(False):
+            torch_path = real(x)
+        fast = real(x)
+        with torch.inference_mode():
+            assert rel_err(fast, fake(x)) < 1e-5
+        assert torch.equal(fast, torch_path)  # exact int32 accumulation, same epilogue order
+
+
+def test_int8_many_rows_through_int_mm_equal_the_c_kernel(monkeypatch):
+    torch.manual_seed(2)
+    real = Int8Linear.from_float(torch.randn(37, 63), torch.randn(37))
+    x = torch.randn(3, 11, 63)  # 33 rows: the prefill branch
+    monkeypatch.setattr(paths, "int_mm_preferred", lambda: False)
+    c_kernel = real(x)
+    monkeypatch.setattr(paths, "int_mm_preferred", lambda: True)
+    assert torch.equal(real(x), c_kernel)
+
+
+def _weight_only(kind: str, weight: torch.Tensor, bias: torch.Tensor, group: int | None, symmetric: bool):
+    if kind == "int4":
+        return Int4Linear.from_float(weight, bias, group)
+    return Int8WeightOnlyLinear.from_float(weight, bias, group, symmetric)
+
+
+@pytest.mark.parametrize(
+    ("kind", "symmetric"),
+    [("int4", False), ("int8", True), ("int8", False)],
+    ids=["w4-zp", "w8-absmax", "w8-zp"],
+)
+@pytest.mark.parametrize("group", [None, 32, 64, 128])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_weight_only_native_equals_fake(kind, symmetric, group, shape):
+    k, n = shape
+    if group is not None and k % group:
+        pytest.skip("group does not tile the row")
+    torch.manual_seed(3)
+    weight, bias = torch.randn(n, k) * 0.1, torch.randn(n)
+    granularity = PerAxis(0) if group is None else PerGroup(group)
+    bits = 4 if kind == "int4" else 8
+    scheme = QuantScheme("t", weight_bits=bits, weight_granularity=granularity, weight_symmetric=symmetric)
+    real = _weight_only(kind, weight, bias, group, symmetric)
+    assert torch.equal(real.dequantized_weight(), fake_quantize(weight, bits, granularity, symmetric))
+    fake = FakeQuantLinear(weight, bias, scheme)
+    for lead in ROWS:
+        x = torch.randn(*lead, k)
+        with torch.inference_mode():
+            expected = fake(x)
+        got = real(x)
+        if x.numel() // k > paths.DECODE_ROWS:
+            assert torch.equal(got, expected)  # C dequantise + the same F.linear
+        else:
+            assert rel_err(got, expected) < 1e-5  # reassociated float sums
+
+
+@pytest.mark.parametrize(("k", "group"), [(2048, 128), (63, 63), (96, 32)])
+def test_dequantize_kernel_equals_primitives(k, group):
+    torch.manual_seed(4)
+    w = torch.randn(7, k)
+    granularity = PerGroup(group)
+    for bits, symmetric in ((4, False), (8, True), (8, False)):
+        qp = choose_qparams(w, bits, granularity, symmetric)
+        codes = quantize(w, qp, bits, granularity, symmetric)
+        zero = None if symmetric else qp.zero_point.reshape(7, -1).to(torch.uint8).contiguous()
+        stored = pack_int4(codes) if bits == 4 else codes.contiguous()
+        out = native.dequantize(stored, bits == 4, qp.scale.reshape(7, -1).contiguous(), zero, k)
+        assert torch.equal(out, fake_quantize(w, bits, granularity, symmetric))
+
+
+def test_switched_off_layers_take_the_torch_path(monkeypatch):
+    torch.manual_seed(5)
+    weight, bias = torch.randn(37, 63), torch.randn(37)
+    layers = [Int8Linear.from_float(weight, bias), Int4Linear.from_float(weight, bias)]
+    x = torch.randn(1, 63)
+    fast = [m(x) for m in layers]
+    calls = []
+    monkeypatch.setattr(native, "_library", lambda: calls.append(1))  # any use of the library would show here
+    with native.enabled(False):
+        assert not native.available()
+        slow = [m(x) for m in layers]
+    assert calls == []
+    assert torch.equal(fast[0], slow[0]) and rel_err(fast[1], slow[1]) < 1e-5
+
+
+def test_no_compiler_means_torch_path(monkeypatch):
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    native._library.cache_clear()
+    try:
+        assert not native.available() and native.isa() is None
+        m = Int8Linear.from_float(torch.randn(5, 8), None)
+        assert m(torch.randn(2, 8)).shape == (2, 5)
+    finally:
+        native._library.cache_clear()  # the next use rebuilds with the real compiler
+
+
+def test_environment_variable_switches_off():
+    code = "from qbench.quant.kernels import native; print(native.available())"
+    env = {**os.environ, native.ENV: "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_two_threads_equal_one():
+    torch.manual_seed(6)
+    real = Int8Linear.from_float(torch.randn(37, 2048), torch.randn(37))
+    w4 = Int4Linear.from_float(torch.randn(37, 2048), None, 64)
+    x = torch.randn(3, 2048)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = (real(x), w4(x))
+        torch.set_num_threads(2)
+        two = (real(x), w4(x))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])  # rows never split across threads
+
+
+# ------------------------------------------------------------------------------------------------ CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rows", [1, 40])
+def test_real_layers_on_cuda_match_cpu(rows):
+    torch.manual_seed(7)
+    weight, bias = torch.randn(48, 256) * 0.1, torch.randn(48)
+    x = torch.randn(rows, 256)
+    for layer in (
+        Int8Linear.from_float(weight, bias),
+        Int4Linear.from_float(weight, bias, 64),
+        Int8WeightOnlyLinear.from_float(weight, bias, 64),
+    ):
+        y_cpu = layer(x)
+        y_gpu = layer.to("cuda")(x.cuda()).cpu()
+        assert rel_err(y_gpu, y_cpu) < 1e-5, type(layer).__name__

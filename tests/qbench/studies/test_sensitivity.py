@@ -1,0 +1,116 @@
+"""``qbench.studies.sensitivity``: ranks and Spearman by hand, units, the map on a planted outlier, resuming."""
+
+import json
+import math
+
+import pytest
+
+from models.checkpoint import save_checkpoint
+from qbench.eval.harness import GridSpec
+from qbench.eval.metrics import Protocol
+from qbench.studies.sensitivity import (
+    heatmap_grid,
+    ranks,
+    sensitivity,
+    spearman,
+    units_of,
+    write_sensitivity,
+)
+from tests.qbench.conftest import micro_config, planted_model, trained_like
+
+PLANTED = "transformer.h.1.mlp.down_proj"  # where planted_model puts the outlier
+# per-channel weights, one activation scale per sequence: only an activation outlier can hurt
+SCHEME = "absmax-fine:agran=tensor"
+
+
+@pytest.fixture(scope="module")
+def planted_ckpt(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("sens") / "planted"
+    save_checkpoint(path, planted_model(), tokenizer, provenance={"training": None})
+    return path
+
+
+def _spec(ckpt, out, scheme=SCHEME):
+    protocol = Protocol(tokens=4 * 31)
+    return GridSpec(models=[str(ckpt)], schemes=[scheme], protocol=protocol, output_path=out, attention=False)
+
+
+def test_ranks_average_ties_and_spearman_by_hand():
+    assert ranks([10, 20, 20, 30]) == [1, 2.5, 2.5, 4]
+    assert ranks([3, 1, 2]) == [3, 1, 2]
+    # no ties: rho = 1 - 6 Σd² / (n (n² - 1)) = 1 - 6·4 / 120
+    assert spearman([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)
+    # ties in y: ranks 1, 2, 3.5, 5, 3.5 -> Σ dx dy = 8, Σ dx² = 10, Σ dy² = 9.5
+    assert spearman([1, 2, 3, 4, 5], [5, 6, 7, 8, 7]) == pytest.approx(8 / math.sqrt(95))
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3], [4, 4, 4]) is None  # a constant side has no ranks to correlate
+    assert spearman([1, 2], [1, 2]) is None
+    assert spearman([1, 2, math.inf], [0.1, 0.2, 0.3]) == pytest.approx(1.0)  # a NaN cell ranks worst
+
+
+def test_units_by_layer_block_and_type():
+    model = trained_like(micro_config("llama"))
+    targets = [f"transformer.h.{b}.{k}" for b in (0, 1) for k in ("attn.q_proj", "mlp.down_proj")]
+    layers = units_of(model, targets, "layer")
+    assert [(u.name, u.block, u.kind) for u in layers][1] == (
+        "transformer.h.0.mlp.down_proj",
+        0,
+        "mlp.down_proj",
+    )
+    blocks = units_of(model, targets, "block")
+    assert [u.name for u in blocks] == ["transformer.h.0.*", "transformer.h.1.*"]
+    assert blocks[1].layers == ("transformer.h.1.attn.q_proj", "transformer.h.1.mlp.down_proj")
+    types = units_of(model, targets, "type")
+    assert [u.name for u in types] == ["*.attn.q_proj", "*.mlp.down_proj"]
+    assert types[1].layers == ("transformer.h.0.mlp.down_proj", "transformer.h.1.mlp.down_proj")
+
+
+def test_the_planted_layer_ranks_first_and_the_repair_keeps_it(planted_ckpt, tmp_path):
+    cells = []
+    result = sensitivity(
+        _spec(planted_ckpt, tmp_path / "cells"), tolerance=0.1, on_cell=lambda *c: cells.append(c)
+    )
+    first = result["units"][0]
+    assert first["name"] == PLANTED and first["ppl_change_pct"] > 0.2
+    assert all(u["ppl_change_pct"] < 0.1 for u in result["units"][1:])
+    # the statistics see the outlier in that layer's input: largest kurtosis of all the units
+    assert first["input_kurtosis"] == max(u["input_kurtosis"] for u in result["units"])
+    repair = result["repair"]
+    assert repair["exclude"] == [PLANTED] and repair["reached"] and repair["ppl_change_pct"] <= 0.1
+    assert repair["quantised_ppl_change_pct"] > 0.1 and 0 < repair["weight_share_float"] < 0.2
+    assert len(cells) == 14 + len(repair["steps"]) and not any(reused for _, _, reused in cells)
+    assert set(result["correlation"]) == {"input_crest", "input_kurtosis", "max_abs", "weight_crest"}
+    # a second run reuses every cell and gives the same map
+    again = []
+    second = sensitivity(
+        _spec(planted_ckpt, tmp_path / "cells"), tolerance=0.1, on_cell=lambda *c: again.append(c)
+    )
+    assert all(reused for _, _, reused in again) and second["units"] == result["units"]
+    paths = write_sensitivity(result, tmp_path, "qbench sensitivity ...", top=3)
+    written = json.loads(paths["json"].read_text())
+    assert written["units"][0]["name"] == PLANTED and written["repair"]["exclude"] == [PLANTED]
+    assert paths["heatmap"].stat().st_size > 0 and f"`{PLANTED}`" in paths["markdown"].read_text()
+    rows, cols, grid = heatmap_grid(result)
+    assert rows == ["block 0", "block 1"] and cols[-1] == "mlp.down_proj"
+    assert grid[1][-1] == pytest.approx(first["ppl_change_pct"])
+
+
+def test_by_type_finds_the_module_type(planted_ckpt, tmp_path):
+    result = sensitivity(_spec(planted_ckpt, tmp_path / "cells"), by="type", tolerance=0.1)
+    assert len(result["units"]) == 7 and result["units"][0]["name"] == "*.mlp.down_proj"
+    assert result["repair"]["exclude"] == ["*.mlp.down_proj"]
+    assert heatmap_grid(result)[0] == ["all blocks"]
+
+
+def test_a_quantised_kv_cache_is_in_every_cell_and_measured_alone(planted_ckpt, tmp_path):
+    from dataclasses import replace
+
+    from qbench.quant.kv import KVConfig
+
+    spec = replace(_spec(planted_ckpt, tmp_path / "cells"), kv=KVConfig(4))
+    result = sensitivity(spec, by="block", tolerance=100.0)
+    assert result["kv"]["bits"] == 4 and result["scheme"]["name"].endswith("+kv4")
+    assert result["kv_only_ppl_change_pct"] is not None
+    record = json.loads(next((tmp_path / "cells" / "kv-only").rglob("*.json")).read_text())
+    assert record["kv"]["bits"] == 4 and len(record["scheme"]["exclude"]) == 14  # every layer float
+    assert result["units"][0]["name"] == "transformer.h.1.*"

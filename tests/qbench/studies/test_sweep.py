@@ -1,0 +1,228 @@
+import json
+import re
+
+import pytest
+
+from models.errors import UserError
+from qbench.eval.harness import record_path
+from qbench.eval.metrics import Protocol
+from qbench.studies.sweep import (
+    SweepConfig,
+    breaking_point,
+    breaking_points,
+    format_breaking_point,
+    parse_axes,
+    parse_bits,
+    plan,
+    run_sweep,
+    write_outputs,
+)
+
+
+def test_breaking_point_is_the_lowest_width_passing_there_and_at_every_wider_one():
+    changes = {8: 0.01, 7: 0.2, 6: 0.8, 5: 2.5, 4: 21.0, 3: 300.0, 2: 900.0}
+    assert breaking_point(changes, 1.0) == 6
+    assert breaking_point(changes, 3.0) == 5
+    assert breaking_point({8: 0.0, 4: 0.5, 2: 0.9}, 1.0) == 2  # nothing failed
+    assert breaking_point({8: 0.0, 6: -0.4}, 1.0) == 6  # a lower perplexity is not damage
+
+
+def test_a_lucky_noisy_cell_below_a_failure_does_not_lower_the_breaking_point():
+    changes = {8: 0.1, 7: 0.3, 6: 1.7, 5: 0.6, 4: 0.9, 3: 40.0, 2: 200.0}  # 5 and 4 bits pass by luck
+    assert breaking_point(changes, 1.0) == 7
+    assert breaking_point({**changes, 6: None}, 1.0) == 7  # a NaN/unsupported cell fails too
+
+
+def test_breaking_point_is_none_when_even_the_widest_width_fails():
+    assert breaking_point({8: 1.5, 7: 0.2, 6: 0.1}, 1.0) is None
+    assert breaking_point({8: None, 7: 0.0}, 1.0) is None
+    assert breaking_point({8: float("nan")}, 1.0) is None
+
+
+def _cell(model, family, axis, bits, change, status="ok"):
+    return {
+        "model": model,
+        "family": family,
+        "axis": axis,
+        "bits": bits,
+        "ppl_change_pct": change,
+        "ppl_ratio": None if change is None else 1 + change / 100,
+        "status": status,
+        "eval_vs_float": 1.2,
+    }
+
+
+def _synthetic_sweep():
+    cells = []
+    for model, scale in (("vanilla", 1.0), ("paper", 0.2)):
+        for b, change in zip((8, 6, 4, 2), (0.02, 0.8, 21.6, 400.0), strict=True):
+            cells.append(_cell(model, "absmax-coarse", "all", b, change * scale))
+        for b, change in zip((8, 6, 4, 2), (0.0, 0.1, 3.0, None), strict=True):
+            cells.append(_cell(model, "fp", "kv", b, change, "ok" if change is not None else "nonfinite"))
+    protocol = {"corpus": "embedded", "split": "validation", "tokens_scored": 8191, "window": 128}
+    return {
+        "command": "qbench sweep --ckpt vanilla --ckpt paper",
+        "tolerance_pct": 1.0,
+        "bits": [8, 6, 4, 2],
+        "models": {m: {"fp_perplexity": 300.0, "protocol": protocol} for m in ("vanilla", "paper")},
+        "cells": cells,
+        "breaking_points": breaking_points(cells, 1.0),
+        "skipped": [],
+    }
+
+
+def test_breaking_points_per_model_family_axis_and_their_display():
+    sweep = _synthetic_sweep()
+    found = {(p["model"], p["axis"]): p for p in sweep["breaking_points"]}
+    assert found["vanilla", "all"]["bits"] == 6 and found["paper", "all"]["bits"] == 6  # paper: 4 bits +4.3 %
+    assert found["vanilla", "kv"]["bits"] == 6  # 4 bits +3 %, 2 bits NaN
+    assert all(p["tolerance_pct"] == 1.0 for p in found.values())
+    assert format_breaking_point({"bits": None, "lowest_swept": 2}) == "none"
+    assert format_breaking_point({"bits": 2, "lowest_swept": 2}) == "≤2"
+    assert format_breaking_point({"bits": 4, "lowest_swept": 2}) == "4"
+
+
+def test_table_and_plot_are_generated_from_the_json(tmp_path):
+    sweep = _synthetic_sweep()
+    paths = write_outputs(sweep, tmp_path)
+    assert paths["png"].stat().st_size > 10_000 and paths["png"].read_bytes()[:4] == b"\x89PNG"
+    assert json.loads(paths["json"].read_text()) == sweep
+    _assert_table_matches(paths["md"].read_text(), sweep)
+
+
+def _assert_table_matches(text: str, sweep: dict) -> None:
+    """Every change in the markdown table equals its JSON cell (2 decimals), and so does every breaking point."""
+    lines = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    header = [h.strip() for h in lines[0].strip("|").split("|")]
+    cells = {(c["model"], c["family"], c["axis"], c["bits"]): c for c in sweep["cells"]}
+    points = {(p["model"], p["family"], p["axis"]): p for p in sweep["breaking_points"]}
+    assert len(lines) - 1 == len(points)
+    for line in lines[1:]:
+        row = dict(zip(header, (v.strip() for v in line.strip("|").split("|")), strict=True))
+        key = (row["model"], row["family"], row["axis"])
+        for b in sweep["bits"]:
+            cell = cells.get((*key, b))
+            if cell is None:
+                assert row[f"{b} bit"] == "-"
+            elif cell["status"] == "nonfinite":
+                assert row[f"{b} bit"] == "NaN"
+            else:
+                value = float(re.fullmatch(r"([+-]\d+\.\d\d) %", row[f"{b} bit"]).group(1))
+                assert value == round(cell["ppl_change_pct"], 2)
+        (bp_header,) = [h for h in header if h.startswith("breaking point")]
+        assert row[bp_header] == format_breaking_point(points[key])
+
+
+def test_axes_and_bits_parsing_and_errors():
+    assert parse_axes("w,all") == ["w", "all"] and parse_axes(["w", "kv,w"]) == ["w", "kv"]
+    assert parse_bits("8-2") == [8, 7, 6, 5, 4, 3, 2] and parse_bits("4,8,6") == [8, 6, 4]
+    with pytest.raises(UserError, match="did you mean 'all'"):
+        parse_axes("al")
+    with pytest.raises(UserError, match="out of range"):
+        parse_bits("9,4")
+    with pytest.raises(UserError, match="bad bit width"):
+        parse_bits("eight")
+
+
+def test_plan_keeps_the_family_bits_on_other_axes_and_skips_float_tensors():
+    cells, skipped = plan(["absmax-coarse", "zeropoint-int4"], ["w", "a", "all"], [8, 4])
+    schemes = {(c.curve.family, c.curve.axis, c.bits): c.scheme for c in cells}
+    assert schemes["absmax-coarse", "w", 8] == "absmax-coarse"  # the family itself: its cell is shared
+    assert schemes["absmax-coarse", "w", 4] == "absmax-coarse:w=4"
+    assert schemes["absmax-coarse", "a", 4] == "absmax-coarse:a=4"
+    assert schemes["absmax-coarse", "all", 4] == "absmax-coarse:w=4,a=4,o=4"
+    assert schemes["zeropoint-int4", "w", 8] == "zeropoint-int4:w=8"
+    assert schemes["zeropoint-int4", "all", 4] == "zeropoint-int4"
+    assert ("zeropoint-int4", "a", 8) not in schemes
+    assert skipped == ["zeropoint-int4 a: zeropoint-int4 keeps that tensor in float"]
+
+
+MICRO = Protocol(tokens=62, window=32, outlier_windows=2)
+
+
+def test_a_sweep_writes_one_record_per_cell_and_a_rerun_reuses_them_all(ckpt_dir, tmp_path):
+    out = tmp_path / "sweep"
+    cfg = SweepConfig(
+        models=[str(ckpt_dir)],
+        axes=["w", "o", "all", "kv"],
+        bits=[8, 4, 2],
+        kv_keep_first=[1],
+        protocol=MICRO,
+        output_path=out,
+    )
+    seen: list[tuple[str, bool]] = []
+    sweep = run_sweep(cfg, on_record=lambda r, reused: seen.append((r["scheme"]["name"], reused)))
+    assert len(sweep["cells"]) == 5 * 3  # (axes w, o, all, kv, kv-keep1) x bits
+    unique = {c["scheme"] for c in sweep["cells"]}
+    assert len(unique) == 3 * 2 + 1 + 2 * 3  # the 8-bit cell of every axis is absmax-coarse itself
+    records = sorted((out / ckpt_dir.name).glob("*__fake.json"))
+    assert records == sorted(record_path(out, ckpt_dir.name, s, "fake") for s in unique)
+    for cell in sweep["cells"]:
+        record = json.loads((out / cell["record"]).read_text())
+        assert record["metrics"]["ppl_change_pct"] == cell["ppl_change_pct"]
+        assert record["scheme"]["name"] == cell["scheme"]
+    assert {c["scheme"] for c in sweep["cells"] if c["bits"] == 4} == {
+        "absmax-coarse:w=4",
+        "absmax-coarse:o=4",
+        "absmax-coarse:a=4,o=4,w=4",
+        "fp+kv4",
+        "fp+kv4-keep1",
+    }
+    kv = {c["axis"]: c["kv"] for c in sweep["cells"] if c["bits"] == 2 and c["family"] == "fp"}
+    assert (kv["kv"]["bits"], kv["kv"]["keep_first"], kv["kv-keep1"]["keep_first"]) == (2, 0, 1)
+    assert not any(reused for name, reused in seen if name != "fp")
+    written = json.loads((out / "sweep.json").read_text())
+    assert written["tolerance_pct"] == 1.0 and written["env"]["git_commit"] == sweep["env"]["git_commit"]
+    assert written["models"][ckpt_dir.name]["protocol"]["tokens_scored"] == 62
+    assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    _assert_table_matches((out / "sweep.md").read_text(), written)
+
+    seen.clear()
+    again = run_sweep(cfg, on_record=lambda r, reused: seen.append((r["scheme"]["name"], reused)))
+    quantised = [reused for name, reused in seen if name != "fp"]
+    assert quantised and all(quantised)  # every cell reused
+    assert [c["ppl_change_pct"] for c in again["cells"]] == [c["ppl_change_pct"] for c in sweep["cells"]]
+
+
+def test_bad_family_fails_before_any_model_loads(tmp_path):
+    cfg = SweepConfig(models=["no/such/model"], families=["absmax-coarse:w=9"], output_path=tmp_path / "s")
+    with pytest.raises(UserError, match="w='9'"):
+        run_sweep(cfg)
+    assert not (tmp_path / "s").exists()
+
+
+def test_sweep_command_then_compare_and_score_show_the_breaking_points(ckpt_dir, tmp_path, capsys):
+    from qbench.cli import main
+
+    res, fast = tmp_path / "res", ["--tokens", "62", "--window", "32", "--no-attention"]
+    assert (
+        main(["run", "--ckpt", str(ckpt_dir), "--scheme", "absmax-coarse", "--output-path", str(res), *fast])
+        == 0
+    )
+    argv = [
+        "sweep",
+        "--ckpt",
+        str(ckpt_dir),
+        "--axes",
+        "w",
+        "--bits",
+        "8,2",
+        "--output-path",
+        str(res / "sweep"),
+    ]
+    assert main([*argv, *fast]) == 0
+    out = capsys.readouterr().out
+    assert "of fp" in out and "breaking point" in out  # times as ratios, then the table
+    sweep = json.loads((res / "sweep" / "sweep.json").read_text())
+    (point,) = sweep["breaking_points"]
+    shown = format_breaking_point(point)
+
+    assert main(["compare", str(res), "--format", "csv", "--breaking-points"]) == 0
+    header, row = capsys.readouterr().out.strip().splitlines()
+    assert "absmax-coarse/fake" in header and "@" not in header  # the sweep's own cells stay out
+    assert header.endswith("break absmax-coarse w (≤1 %)") and row.endswith(f",{shown}")
+
+    score = ["score", "--ckpt", str(ckpt_dir), "--scheme", "int4", "--output-path", str(res), *fast]
+    assert main([*score, "--sweep", str(res / "sweep"), "--json", str(tmp_path / "s.json")]) == 0
+    assert f"absmax-coarse w: {shown} bits" in capsys.readouterr().out
+    assert json.loads((tmp_path / "s.json").read_text())["breaking_points"] == [point]

@@ -133,3 +133,17 @@ def atomic_output(path: str | os.PathLike) -> Iterator[IO[bytes]]:
     """A binary file object whose contents appear at ``path`` only when the block completes."""
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         yield f
+
+
+def cpu_model() -> str:
+    """The processor's marketing name (Linux /proc/cpuinfo), else what platform reports."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.io import cpu_model
+
 # name fragment of torch.cuda.get_device_name -> (bf16 dense TFLOPS, TF32 dense TFLOPS); first match wins, so the
 # more specific names come first (H100 NVL / PCIe before H100; A100 before A10).
 PEAK_TFLOPS: dict[str, tuple[float, float]] = {
@@ -54,17 +56,6 @@ def matmul_parameters(model: nn.Module) -> int:
 def flops_per_token(model: nn.Module, n_layer: int, d_model: int, window: int) -> int:
     """Training FLOPs per predicted token: 6·N + 12·L·d·T (see the module docstring)."""
     return 6 * matmul_parameters(model) + 12 * n_layer * d_model * window
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu"
 
 
 def peak_tflops(device: torch.device, bf16: bool) -> tuple[float | None, str]:
@@ -95,7 +86,7 @@ def describe(model: nn.Module, n_layer: int, d_model: int, window: int, device, 
         "formula": "6*N + 12*n_layer*d_model*T per token (PaLM appendix B)",
         "matmul_parameters": matmul_parameters(model),
         "flops_per_token": flops_per_token(model, n_layer, d_model, window),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(),
         "peak_tflops": peak,
         "peak_source": source,
     }

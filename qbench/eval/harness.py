@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from models.errors import UserError, unknown_choice
-from models.io import atomic_write_json, git_commit, software_versions
+from models.io import atomic_write_json, cpu_model, git_commit, software_versions
 from qbench.eval.adapters import context_length
 from qbench.eval.load import LoadedModel, load_model
 from qbench.eval.metrics import (
@@ -83,18 +83,6 @@ def check_modes(modes: Iterable[str]) -> list[str]:
         if mode not in MODES:
             raise unknown_choice("mode", mode, MODES)
     return modes
-
-
-def cpu_model() -> str:
-    """The processor's marketing name (Linux /proc/cpuinfo), else what platform reports."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def environment(device: str) -> dict[str, Any]:

@@ -163,7 +163,7 @@ def write_report(
     plots.compare_layers_plot(
         {name: r["outliers_per_layer"] for name, r in fp.items()}, out / "per_layer.png"
     )
-    from qbench.eval.harness import cpu_model
+    from models.io import cpu_model
 
     machine = f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}"
     sweep_time = f", bit-width sweep {timings['sweep']:.0f} s" if "sweep" in timings else ""

@@ -140,7 +140,7 @@ def _scheme_candidates(
     return out
 
 
-NATIVE_LAYERS = ("Int8Linear", "Int4Linear", "Int8WeightOnlyLinear")
+NATIVE_LAYERS = ("Int8Linear", "Int4Linear", "Int4A8Linear", "Int8WeightOnlyLinear")
 
 
 def _backend_of(model: nn.Module, mode: str) -> str:

@@ -15,6 +15,9 @@ weight-only (per channel or group)                                     CPU bf16:
                                                                        else dequantise on the fly
 W2/W3 (either symmetry), W4 absmax,    :class:`~.lowbit.LowBitLinear`  packed codes, dequantise on the fly
 weight-only (per channel or group)
+rtn / smoothquant / hadamard, W4A8     ``w4a8.Int4A8Linear``           CPU: C int4×int8 GEMV/GEMM
+absmax (W per channel or group of                                      (``native.c``); else F.linear on
+32 or 64·n, A per token or sequence)                                   s_x·q and Ŵ (fake's arithmetic)
 W8A8 static (calibrated per-tensor     :class:`~.int8.Int8Linear`      ``torch._int_mm``, eager
 activation/output scales)
 W8 weight-only (W8A16-style,           ``w8.Int8WeightOnlyLinear``     CPU fp32: C kernels (``paths.py``);
@@ -39,9 +42,11 @@ from qbench.quant.granularity import PerAxis, PerGroup, PerTensor, PerToken
 from qbench.quant.kernels.int4 import Int4Linear, int4pack_available, pack_int4, unpack_int4
 from qbench.quant.kernels.int8 import Int8Linear, int_mm, int_mm_available
 from qbench.quant.kernels.lowbit import PACKED_BITS, LowBitLinear, pack_bits, unpack_bits
+from qbench.quant.kernels.w4a8 import Int4A8Linear
 from qbench.quant.schemes import QuantScheme
 
 __all__ = [
+    "Int4A8Linear",
     "Int4Linear",
     "Int8Linear",
     "LowBitLinear",
@@ -57,6 +62,7 @@ __all__ = [
 REAL_KERNELS = (
     "W8A8 absmax (W per channel/tensor, A per token/sequence, optional O8 per sequence)",
     "W8A8 with static per-tensor activation/output scales",
+    "W4A8 absmax (W per channel or group of 32 / 64·n, A per token/sequence)",
     "W2/W3/W4 weight-only, zeropoint or absmax (per channel/group)",
     "W8 weight-only (W8A16-style), zeropoint or absmax (per channel/group)",
     "llm-int8",
@@ -100,6 +106,18 @@ def make_real_linear(
             static_act_scale=None if act_static is None else act_static.scale,
             static_out_scale=None if out_static is None else out_static.scale,
         )
+    if _is_w4a8(scheme) and act_static is None:
+        group = (
+            scheme.weight_granularity.group_size if isinstance(scheme.weight_granularity, PerGroup) else None
+        )
+        return Int4A8Linear.from_float(
+            weight,
+            bias,
+            group,
+            act="per_token" if isinstance(scheme.act_granularity, PerToken) else "per_tensor",
+            input_scale=input_scale,
+            rotation=rotation,
+        )
     if _is_w8_weight_only(scheme):
         return _w8_weight_only_linear(weight, bias, scheme, input_scale, rotation)
     if _is_weight_only_lowbit(scheme):
@@ -129,6 +147,19 @@ def _is_w8a8(scheme: QuantScheme) -> bool:
         scheme.out_bits == 8 and scheme.out_symmetric and isinstance(scheme.out_granularity, PerTensor)
     )
     return weight_ok and act_ok and out_ok
+
+
+def _is_w4a8(scheme: QuantScheme) -> bool:
+    """int4 absmax weights (per output channel or group) × int8 absmax activations per token / sequence."""
+    return (
+        scheme.weight_bits == 4
+        and scheme.weight_symmetric
+        and (_per_out_channel(scheme) or isinstance(scheme.weight_granularity, PerGroup))
+        and scheme.act_bits == 8
+        and scheme.act_symmetric
+        and isinstance(scheme.act_granularity, PerToken | PerTensor)
+        and scheme.out_bits is None
+    )
 
 
 def _is_w8_weight_only(scheme: QuantScheme) -> bool:

@@ -150,7 +150,7 @@ class Int4Linear(Float32Buffers):
         x = transform_input(x, self.input_scale, self.rotation)
         if self._fast_path_ok(x):
             return self._forward_int4pack(x)
-        y = paths.weight_only_forward(x, self.qweight, True, self.scales, self.zeros, self.bias)
+        y = paths.weight_only_forward(self, x, self.qweight, True, self.scales, self.zeros, self.bias)
         if y is not None:  # float32 on CPU: the compiled kernels (paths.py)
             return y
         w = self.dequantized_weight().to(x.dtype)

@@ -320,7 +320,7 @@ class Int8Linear(Float32Buffers):
         y = None
         if self.fused == "auto":  # the compiled CPU kernels where they apply (paths.py), else the torch path
             y = paths.int8_forward(
-                self, x3, self.qweight_t.t(), self.w_scale, self.bias, self.act == "per_token", input_scale
+                self, x3, self.qweight_t, self.w_scale, self.bias, self.act == "per_token", input_scale
             )
             y = y if y is None or not self.out_quant else fake_quantize_per_sequence(y)
         if y is None:

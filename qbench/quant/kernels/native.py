@@ -6,9 +6,13 @@ without AVX-512 VNNI, slow at any size), and the int4 kernels want bf16 activati
 
 - ``quantize_rows``: per-token (or per-sequence) absmax int8 quantisation of float32 activations, the same
   arithmetic as ``int8.quantize_activation`` (true division, round half to even) — equal codes, equal scales;
-- ``w8a8_linear``: int8 (M, K) · int8 (N, K)ᵀ accumulated exactly in int32 (AVX-512 VNNI ``dpbusd`` with the
-  +128 offset and a per-row weight-sum correction; AVX2 ``maddubs`` with x's sign moved onto w; portable C),
-  then the epilogue (acc · s_x) · s_w + b in int8.py's operation order, in one call;
+- ``w8a8_linear``: int8 (M, K) · int8 (N, K)ᵀ accumulated exactly in int32, then the epilogue
+  (acc · s_x) · s_w + b in int8.py's operation order, in one call. Up to 16 rows (decode) an AVX2 GEMV that
+  streams each weight row once (``maddubs`` with x's sign moved onto w); more rows an AVX2 GEMM on int16 codes
+  (``madd_epi16`` on repacked weight panels, twice float32's multiply rate); portable C without AVX2;
+- ``w8a8_forward``: ``quantize_rows`` + ``w8a8_linear`` in one foreign call (the layer's decode forward);
+- ``w4a8_forward``: the same for int4 weights (nibbles, per channel or per group) × int8 activations — exact
+  integer group sums (``maddubs`` of the nibble with the code at decode, the int16 panel GEMM above 16 rows);
 - ``scale_output``: that epilogue alone, after ``torch._int_mm`` (the prefill path on CPUs where oneDNN's
   int8 GEMM is faster);
 - ``weight_only_linear``: x (float32) · Ŵᵀ with Ŵ = s · (q − z) from int4 nibbles or int8 codes, per output
@@ -41,7 +45,7 @@ import torch
 from torch import Tensor
 
 ENV = "QBENCH_NATIVE_KERNELS"
-ISA_NAMES = {0: "C", 1: "AVX2", 2: "AVX-512 VNNI"}
+ISA_NAMES = {0: "C", 1: "AVX2"}
 _STATE = {"enabled": os.environ.get(ENV, "1") != "0"}
 _BASE_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-shared", "-fPIC"]
 _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -50,11 +54,13 @@ _SIGNATURES = {
     "qk_openmp": ([], _INT),
     "qk_quantize_rows": ([_PTR, _I64, _I64, _I64, _PTR, _PTR], None),
     "qk_scale_output": ([_PTR, _I64, _I64, _PTR, _PTR, _INT, _PTR, _PTR, _INT], None),
-    "qk_w8a8_linear": ([_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _INT], None),
+    "qk_w8a8_linear": ([_PTR, _PTR, _I64, _PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _INT], None),
+    "qk_w8a8_forward": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT, _PTR, _PTR, _I64, _INT], None),
+    "qk_w4a8_forward": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _INT], _INT),
     "qk_dequantize": ([_PTR, _INT, _INT, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT], None),
     "qk_w4_permute_x": ([_PTR, _I64, _I64, _PTR], None),
     "qk_weight_only_linear": (
-        [_PTR, _PTR, _I64, _PTR, _INT, _INT, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT],
+        [_PTR, _I64, _PTR, _INT, _INT, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT],
         _INT,
     ),
 }
@@ -110,22 +116,22 @@ def enabled(flag: bool) -> Iterator[None]:
 
 
 def isa() -> str | None:
-    """The instruction set the int8 loops were compiled for ("AVX-512 VNNI", "AVX2", "C"), None when not built."""
+    """The instruction set the loops were compiled for ("AVX2" or "C"), None when not built."""
     lib = _library()
     return None if lib is None else ISA_NAMES[lib.qk_isa()]
-
-
-def needs_weight_sums() -> bool:
-    """The VNNI loop needs Σ_k w[n, k] per output channel (the +128 offset's correction)."""
-    lib = _library()
-    return lib is not None and lib.qk_isa() == 2
 
 
 def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _threads() -> int:
+def library() -> ctypes.CDLL:
+    """The loaded library (call only when :func:`available`): for layers that bind its entry points once."""
+    return _library()
+
+
+def threads() -> int:
+    """Threads the kernels use: torch's intra-op setting."""
     return max(1, torch.get_num_threads())
 
 
@@ -145,19 +151,47 @@ def quantize_rows(x: Tensor, rows_per_scale: int = 1) -> tuple[Tensor, Tensor]:
     return q, s
 
 
-def w8a8_linear(
-    q: Tensor, sx: Tensor, w: Tensor, wsum: Tensor | None, sw: Tensor, bias: Tensor | None
-) -> Tensor:
+def w8a8_linear(q: Tensor, sx: Tensor, w: Tensor, sw: Tensor, bias: Tensor | None) -> Tensor:
     """float32 (M, N) = ((q · wᵀ) · s_x) · s_w + b for int8 q (M, K), w (N, K); ``sw`` (N,) or a scalar."""
-    _check(q, sx, w, wsum, sw, bias)
+    _check(q, sx, w, sw, bias)
     m, k = q.shape
     n = w.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     _library().qk_w8a8_linear(
-        q.data_ptr(), sx.data_ptr(), m, w.data_ptr(), _ptr(wsum), sw.data_ptr(), int(sw.numel() > 1),
-        _ptr(bias), y.data_ptr(), n, k, _threads(),
+        q.data_ptr(), sx.data_ptr(), m, w.data_ptr(), sw.data_ptr(), int(sw.numel() > 1), _ptr(bias),
+        y.data_ptr(), n, k, threads(),
     )  # fmt: skip
     return y
+
+
+def w8a8_forward(x: Tensor, rows_per_scale: int, w: Tensor, sw: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`quantize_rows` then :func:`w8a8_linear` in one foreign call (no intermediate tensors): float32
+    x (M, K) → float32 (M, N). The caller has checked the tensors (contiguous, on the CPU)."""
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    _library().qk_w8a8_forward(
+        x.data_ptr(), m, k, max(1, rows_per_scale), w.data_ptr(), sw.data_ptr(), int(sw.numel() > 1),
+        _ptr(bias), y.data_ptr(), n, threads(),
+    )  # fmt: skip
+    return y
+
+
+def w4a8_forward(
+    x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias: Tensor | None
+) -> Tensor | None:
+    """float32 (M, N) of the W4A8 linear: x float32 (M, K) quantised per ``rows_per_scale`` rows, ``w4`` uint8
+    nibbles (c + 8) (N, ⌈K/2⌉), ``scale`` float32 (N, G). None when the group size has no loop (g must be K,
+    32 or a multiple of 64)."""
+    _check(x, w4, scale, bias)
+    m, k = x.shape
+    n, groups = scale.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    ok = _library().qk_w4a8_forward(
+        x.data_ptr(), m, k, max(1, rows_per_scale), w4.data_ptr(), scale.data_ptr(), groups, _ptr(bias),
+        y.data_ptr(), n, threads(),
+    )  # fmt: skip
+    return y if ok else None
 
 
 def scale_output(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None) -> Tensor:
@@ -167,7 +201,7 @@ def scale_output(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None) -> Te
     y = torch.empty(m, n, dtype=torch.float32)
     _library().qk_scale_output(
         acc.data_ptr(), m, n, sx.data_ptr(), sw.data_ptr(), int(sw.numel() > 1), _ptr(bias), y.data_ptr(),
-        _threads(),
+        threads(),
     )  # fmt: skip
     return y
 
@@ -183,7 +217,7 @@ def dequantize(codes: Tensor, bits4: bool, scale: Tensor, zero: Tensor | None, i
     out = torch.empty(n, in_features, dtype=torch.float32)
     _library().qk_dequantize(
         codes.data_ptr(), int(bits4), int(codes.dtype == torch.int8), scale.data_ptr(), _ptr(zero), n,
-        in_features, groups, out.data_ptr(), _threads(),
+        in_features, groups, out.data_ptr(), threads(),
     )  # fmt: skip
     return out
 
@@ -196,14 +230,9 @@ def weight_only_linear(
     _check(x, codes, scale, zero, bias)
     m, k = x.shape
     n, groups = scale.shape
-    lib = _library()
-    xp = x
-    if bits4:
-        xp = torch.empty(m, k - k % 64, dtype=torch.float32)
-        lib.qk_w4_permute_x(x.data_ptr(), m, k, xp.data_ptr())
     y = torch.empty(m, n, dtype=torch.float32)
-    ok = lib.qk_weight_only_linear(
-        x.data_ptr(), xp.data_ptr(), m, codes.data_ptr(), int(bits4), int(codes.dtype == torch.int8),
-        scale.data_ptr(), _ptr(zero), groups, _ptr(bias), y.data_ptr(), n, k, _threads(),
+    ok = _library().qk_weight_only_linear(
+        x.data_ptr(), m, codes.data_ptr(), int(bits4), int(codes.dtype == torch.int8), scale.data_ptr(),
+        _ptr(zero), groups, _ptr(bias), y.data_ptr(), n, k, threads(),
     )  # fmt: skip
     return y if ok else None

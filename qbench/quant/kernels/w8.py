@@ -88,7 +88,7 @@ class Int8WeightOnlyLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = transform_input(x, self.input_scale, self.rotation)
-        y = paths.weight_only_forward(x, self.qweight, False, self.scales, self.zeros, self.bias)
+        y = paths.weight_only_forward(self, x, self.qweight, False, self.scales, self.zeros, self.bias)
         if y is not None:
             return y
         return F.linear(

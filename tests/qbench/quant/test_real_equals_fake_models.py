@@ -18,7 +18,7 @@ from qbench.quant.apply import real_kernels
 from tests.qbench.conftest import micro_config, trained_like
 
 # Every scheme with a real kernel of qbench's own (bitsandbytes' are compared with their definitions in
-# test_kernels.py): W8A8 three ways, W8A16, int4 per channel and per group, int3/int2 packed, and the
+# test_kernels.py): W8A8 three ways, W8A16, int4 per channel and per group, int3/int2 packed, W4A8, and the
 # rotation/smoothing baselines.
 REAL_SCHEMES = [
     "absmax-fine",
@@ -29,6 +29,8 @@ REAL_SCHEMES = [
     "zeropoint-int4-g32",
     "zeropoint-int3-g128",
     "zeropoint-int2-g64",
+    "absmax-fine:w=4",  # W4A8
+    "absmax-fine:w=4,group=32",
     "hadamard-absmax-coarse",
     "smoothquant",
 ]

@@ -1,0 +1,178 @@
+"""Real W4A8: symmetric int4 weights (per output channel or per group) × int8 absmax activations, integer dot products.
+
+The scheme is ``absmax-fine:w=4`` (``absmax-fine:w=4,group=32`` …): weights absmax 4-bit, codes c ∈ [−7, 7]
+with one scale per output channel or per group of g input channels; activations absmax 8-bit per token (or per
+sequence, ``absmax-moderate:w=4``). It is how int4 models are deployed on CPUs — llama.cpp multiplies its Q4
+weight blocks with Q8-quantised activations in integer arithmetic — because int4 *weight-only* with float
+activations spends its time turning nibbles into floats (``int4.py``), while an int8 × int4 product keeps the
+integer rate of W8A8 and reads half its bytes.
+
+Storage (``qweight`` has the ``int4.pack_int4`` layout, so the same byte order serves every int4 kernel):
+
+- ``qweight``  uint8 (out, ⌈in'/2⌉): c + 8 ∈ [1, 15] of input channel 2j in the low nibble, 2j+1 in the high;
+- ``scales``   float32 (out, in'/g): ŵ = s · c, equal to ``fake_quantize(W, 4, PerAxis(0) or PerGroup(g), True)``;
+  in' = in rounded up to whole groups: a group that does not divide the row is completed with zero channels,
+  as fake mode does (``fake.pad_to_groups``), and the input is zero-padded to match (zeros change no absmax).
+
+Forward: x' = ``transform_input(x, input_scale, rotation)`` (SmoothQuant / Hadamard, as ``FakeQuantLinear``),
+q, s_x = ``int8.quantize_activation(x')``; then y = s_x · Σ_g s_g · Σ_{k∈g} c_k q_k + b with exact int32 group
+sums (per output channel: (acc · s_x) · s_w + b, W8A8's epilogue). CPU float32 with g = in, 32 or a multiple
+of 64: one C call (``native.c``, ``qk_w4a8_forward``: up to 16 rows a GEMV reading the nibbles, more rows the
+int16 panel GEMM); otherwise the torch path F.linear(s_x · q, Ŵ) + b — fake mode's own arithmetic on the
+stored codes. Both equal fake mode to float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.errors import UserError, unknown_choice
+from qbench.quant.fake import pad_to_groups, transform_input, transform_weight
+from qbench.quant.float32 import Float32Buffers
+from qbench.quant.granularity import PerAxis, PerGroup
+from qbench.quant.kernels import paths
+from qbench.quant.kernels.int4 import pack_int4, unpack_int4
+from qbench.quant.kernels.int8 import (
+    ACT_GRANULARITIES,
+    as_rotation,
+    check_input_scale,
+    module_bytes,
+    quantize_activation,
+)
+from qbench.quant.primitives import choose_qparams, quantize
+
+BITS = 4
+OFFSET = (
+    8  # stored nibble = code + 8: codes [−7, 7] become [1, 15], the unsigned operand of the C dot product
+)
+
+
+def check_group(group_size: int | None) -> None:
+    if group_size is not None and group_size < 1:
+        raise UserError(f"W4A8 group_size={group_size} must be a positive number of input channels")
+
+
+def kernel_group_ok(group_size: int | None) -> bool:
+    """The group sizes the C kernels take: per output channel, 32, or a multiple of 64 (others: torch path)."""
+    return group_size is None or group_size == 32 or group_size % 64 == 0
+
+
+class Int4A8Linear(Float32Buffers):
+    """y = s_x · Σ_g s_g (c · q)_g + b: int4 weights × per-token int8 activations (see the module docstring)."""
+
+    _float32_buffers = ("scales", "bias", "input_scale")
+
+    def __init__(
+        self,
+        qweight: Tensor,
+        scales: Tensor,
+        bias: Tensor | None,
+        in_features: int,
+        group_size: int | None = None,
+        *,
+        act: str = "per_token",
+        input_scale: Tensor | None = None,
+        rotation: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        if act not in ACT_GRANULARITIES:
+            raise unknown_choice("W4A8 activation granularity", act, ACT_GRANULARITIES)
+        self.in_features, self.out_features, self.act = in_features, qweight.shape[0], act
+        self.group_size = group_size  # None: one group per output channel
+        self.register_buffer("qweight", qweight)  # (out, ⌈in/2⌉) uint8, c + 8
+        self.register_buffer("scales", scales)  # (out, groups) float32
+        self.register_buffer("bias", bias)
+        self.register_buffer("input_scale", check_input_scale(input_scale, in_features))
+        self.rotation = as_rotation(rotation, in_features)
+
+    @classmethod
+    def from_float(
+        cls,
+        weight: Tensor,
+        bias: Tensor | None = None,
+        group_size: int | None = None,
+        *,
+        act: str = "per_token",
+        input_scale: Tensor | None = None,
+        rotation: nn.Module | Tensor | None = None,
+    ) -> Int4A8Linear:
+        """Quantise R(W · diag(s)) of an (out, in) float weight, absmax 4-bit per output channel or group."""
+        out_features, in_features = weight.shape
+        check_group(group_size)
+        if group_size is not None and group_size >= in_features:
+            group_size = (
+                None  # one group per row: per output channel (as ``QuantScheme.weight_granularity_for``)
+            )
+        granularity = PerAxis(0) if group_size is None else PerGroup(group_size)
+        rotation = as_rotation(rotation, in_features)
+        w = transform_weight(weight, check_input_scale(input_scale, in_features), rotation)
+        # a group that does not divide the row: zero channels complete the last group, exactly as fake mode
+        # quantises it (zeros change no absmax); the input is padded to match in forward
+        w = pad_to_groups(w, granularity)
+        qp = choose_qparams(w, BITS, granularity, symmetric=True)
+        codes = quantize(w, qp, BITS, granularity, symmetric=True)  # int8 in [−7, 7]
+        scales = qp.scale.reshape(out_features, -1).float().contiguous()
+        b = None if bias is None else bias.detach().float().clone()
+        packed = pack_int4((codes.to(torch.int16) + OFFSET).to(torch.uint8))
+        return cls(
+            packed, scales, b, in_features, group_size, act=act, input_scale=input_scale, rotation=rotation
+        )
+
+    @property
+    def group(self) -> int:
+        return self.in_features if self.group_size is None else self.group_size
+
+    @property
+    def padded_features(self) -> int:
+        """Input channels as stored: in_features rounded up to whole groups (zero codes beyond in_features)."""
+        return self.in_features + (-self.in_features % self.group)
+
+    def dequantized_weight(self) -> Tensor:
+        """Ŵ = s · c in float32, (out, in) — equal to the fake-quantised weight."""
+        k = self.padded_features
+        codes = unpack_int4(self.qweight, k).float() - OFFSET
+        w = (codes.view(self.out_features, -1, self.group) * self.scales.unsqueeze(-1)).view(
+            self.out_features, k
+        )
+        return w[:, : self.in_features]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"Int4A8Linear expects (..., {self.in_features}) input, got {tuple(x.shape)}")
+        x = transform_input(x, self.input_scale, self.rotation)
+        per_token = self.act == "per_token"
+        if kernel_group_ok(self.group_size):
+            padded = (
+                x
+                if self.padded_features == x.shape[-1]
+                else F.pad(x, (0, self.padded_features - x.shape[-1]))
+            )
+            y = paths.w4a8_forward(self, padded, self.qweight, self.scales, self.bias, per_token)
+            if y is not None:
+                return y
+        return self._torch_forward(x, per_token)
+
+    def _torch_forward(self, x: Tensor, per_token: bool) -> Tensor:
+        """Fake mode's arithmetic on the stored codes: F.linear(s_x · q, Ŵ) + b (any device and dtype)."""
+        lead = x.shape[:-1]
+        x3 = x.float().reshape(1 if x.dim() <= 2 else x.shape[0], -1, self.in_features)
+        q, scale = quantize_activation(x3, per_token)
+        y = F.linear(q.float() * scale, self.dequantized_weight().to(x3.device), self.bias)
+        return y.reshape(*lead, self.out_features).to(x.dtype)
+
+    def nbytes(self) -> int:
+        """True storage: packed codes, scales, bias, input scale and rotation."""
+        tensors = (self.qweight, self.scales, self.bias, self.input_scale)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + module_bytes(
+            self.rotation
+        )
+
+    def extra_repr(self) -> str:
+        gran = "per output channel" if self.scales.shape[1] == 1 else f"per group of {self.group}"
+        act = "per token" if self.act == "per_token" else "per sequence"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"W int4 absmax {gran}, A int8 absmax {act}, {self.nbytes() / 2**20:.2f} MiB"
+        )

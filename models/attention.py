@@ -103,6 +103,31 @@ def attention_extra_key(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def attention_with_past(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    past: int,
+    kind: str = "softmax",
+    sink_k: Tensor | None = None,
+    sink_v: Tensor | None = None,
+) -> Tensor:
+    """Attention of T new queries over ``past`` cached keys plus their own (k, v: (B, nh, past + T, hs)).
+
+    Query i sees keys 0 … past + i. One new query (decoding) sees every key, so it needs no mask at all, the
+    case SDPA serves fastest; T > 1 gets the offset causal mask. softmax-1 and the sink prepend their extra key,
+    which every query sees.
+    """
+    T, L = q.size(2), k.size(2)
+    mask = None if T == 1 else torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=past)
+    extra = _extra_kv(kind, q, sink_k, sink_v)
+    if extra is not None:
+        k, v = torch.cat([extra[0], k], dim=2), torch.cat([extra[1], v], dim=2)
+        if mask is not None:
+            mask = torch.cat([torch.ones(T, 1, dtype=torch.bool, device=q.device), mask], dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def attention_reference(
     q: Tensor,
     k: Tensor,

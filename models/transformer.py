@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.attention import attention_fast, attention_reference
+from models.attention import attention_fast, attention_reference, attention_with_past
 from models.config import ModelConfig
 
 # ---------------------------------------------------------------------------------------------------- norms
@@ -62,6 +62,35 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+# ------------------------------------------------------------------------------------------------- KV cache
+
+
+class KVCache:
+    """Keys and values of the positions seen so far, for generation: ``model(ids, cache=cache)`` appends the new
+    positions and attends over all of them, so each new token costs one position's work instead of the prefix's.
+
+    One preallocated (B, n_head, context, head_dim) buffer per block and per key/value (no re-allocation as the
+    sequence grows), created on first use with the dtype and device of the keys. ``pos`` counts the positions
+    stored; the model advances it after each forward.
+    """
+
+    def __init__(self, n_layer: int) -> None:
+        self.pos = 0
+        self._k: list[Tensor | None] = [None] * n_layer
+        self._v: list[Tensor | None] = [None] * n_layer
+
+    def append(self, layer: int, k: Tensor, v: Tensor, context: int) -> tuple[Tensor, Tensor]:
+        """Store (k, v) (B, nh, T, hs) at positions pos … pos + T − 1 of ``layer``; return its keys/values so far."""
+        if self._k[layer] is None:
+            B, nh, _, hs = k.shape
+            self._k[layer] = k.new_empty(B, nh, context, hs)
+            self._v[layer] = v.new_empty(B, nh, context, hs)
+        end = self.pos + k.size(2)
+        self._k[layer][:, :, self.pos : end] = k
+        self._v[layer][:, :, self.pos : end] = v
+        return self._k[layer][:, :, :end], self._v[layer][:, :, :end]
+
+
 # ------------------------------------------------------------------------------------------------- attention
 
 
@@ -69,7 +98,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         d, bias = config.d_model, config.bias
-        self.kind, self.n_head = config.attn, config.n_head
+        self.kind, self.n_head, self.context = config.attn, config.n_head, config.context
         if config.family == "gpt2":
             self.c_attn = nn.Linear(d, 3 * d, bias=bias)  # fused q, k, v, as GPT-2 stores them
         else:
@@ -94,13 +123,25 @@ class CausalSelfAttention(nn.Module):
             return self.c_attn(x).chunk(3, dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, kv: tuple[KVCache, int] | None = None
+    ) -> Tensor:
+        """``kv`` = (cache, this block's index): attend over the cached positions too (probabilities are not
+        observed then; ``kv_transform`` sees only the new positions, i.e. what gets stored)."""
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self._qkv(x))
         if rope is not None:  # (B, nh, T, hs)
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.kv_transform is not None:
             k, v = self.kv_transform(k, v)
+        if kv is not None and kv[0].pos > 0:
+            cache, layer = kv
+            past = cache.pos
+            k, v = cache.append(layer, k, v, self.context)
+            y = attention_with_past(q, k, v, past, self.kind, self.sink_k, self.sink_v)
+            return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        if kv is not None:  # the prompt: store it, attend as without a cache
+            kv[0].append(kv[1], k, v, self.context)
         if self.probs_hook is None:
             y = attention_fast(q, k, v, self.kind, self.sink_k, self.sink_v)
         else:
@@ -147,11 +188,13 @@ class Block(nn.Module):
         self.ln_2 = build_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, kv: tuple[KVCache, int] | None = None
+    ) -> Tensor:
         if self.pre_norm:
-            x = x + self.attn(self.ln_1(x), rope)
+            x = x + self.attn(self.ln_1(x), rope, kv)
             return x + self.mlp(self.ln_2(x))
-        x = self.ln_1(x + self.attn(x, rope))
+        x = self.ln_1(x + self.attn(x, rope, kv))
         return self.ln_2(x + self.mlp(x))
 
 
@@ -208,19 +251,40 @@ class Transformer(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, cache: KVCache | None = None) -> Tensor:
+        """Logits (B, T, V). With a ``cache``, ``input_ids`` continue the cached positions (see :class:`KVCache`)."""
         T = input_ids.size(1)
-        if T > self.config.context:
-            raise ValueError(f"sequence length {T} exceeds the model's context {self.config.context}")
+        pos = 0 if cache is None else cache.pos
+        if pos + T > self.config.context:
+            raise ValueError(f"sequence length {pos + T} exceeds the model's context {self.config.context}")
         x = self.transformer.wte(input_ids)  # (B, T, C)
         if "wpe" in self.transformer:
-            x = x + self.transformer.wpe(torch.arange(T, device=input_ids.device))
-        rope = (self.rope_cos[:T], self.rope_sin[:T]) if self.config.pos == "rope" else None
-        for block in self.transformer.h:
-            x = block(x, rope)
+            x = x + self.transformer.wpe(torch.arange(pos, pos + T, device=input_ids.device))
+        rope = (
+            (self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T])
+            if self.config.pos == "rope"
+            else None
+        )
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, rope, None if cache is None else (cache, i))
+        if cache is not None:
+            cache.pos += T
         if "ln_f" in self.transformer:
             x = self.transformer.ln_f(x)
         return self.lm_head(x)  # (B, T, V)
+
+    @torch.inference_mode()
+    def generate(self, prompt: Tensor, new_tokens: int) -> Tensor:
+        """``new_tokens`` greedy tokens (B, new_tokens) after ``prompt`` (B, P), with a :class:`KVCache`."""
+        cache = KVCache(self.config.n_layer)
+        logits = self(prompt, cache)
+        out = []
+        for i in range(new_tokens):
+            token = logits[:, -1:].argmax(-1)
+            out.append(token)
+            if i + 1 < new_tokens:
+                logits = self(token, cache)
+        return torch.cat(out, dim=1)
 
     def num_parameters(self, embedding: bool = True) -> int:
         """Parameters counted once (tied weights once); ``embedding=False`` drops token/position embeddings

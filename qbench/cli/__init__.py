@@ -137,12 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-tokens", type=int, default=512, help="whole-model prefill tokens")
     p.add_argument("--new-tokens", type=int, default=128, help="whole-model generation: greedy tokens")
     p.add_argument("--no-generate", action="store_true", help="skip the whole-model generation figure")
+    p.add_argument(
+        "--generate-via",
+        default="own",
+        help="our models decode with their own KV cache (own, default) or exported to transformers (transformers)",
+    )
     p.add_argument("--no-layer", action="store_true", help="skip the per-layer and bandwidth figures")
     p.add_argument(
         "--device", default="cpu", help="cpu | cuda | cuda:N (peers without a kernel there: noted)"
     )
     p.add_argument("--no-peers", action="store_true", help="skip torch.ao / bitsandbytes / torchao peers")
     p.add_argument("--json", help="also write the records to this file ('-' for stdout only)")
+    p.add_argument("--from-json", help="measure nothing: print the tables of a file written by --json")
+    p.add_argument("--format", default="simple", help="table format: simple | md (GitHub markdown)")
 
     p = sub.add_parser(
         "demo", help="train vanilla + paper tiny models, evaluate the paper's schemes (~15 min CPU)"

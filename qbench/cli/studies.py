@@ -23,6 +23,20 @@ def cmd_speed(args: argparse.Namespace) -> None:
     from qbench.eval.harness import check_modes, expand_schemes
     from qbench.studies.speed import MALLOC_ENV, format_speed_table, run_speed
 
+    tablefmt = {"simple": "simple", "md": "github"}.get(args.format)
+    if tablefmt is None:
+        raise UserError(f"unknown table format {args.format!r}; choose simple or md")
+    if args.from_json:
+        path = Path(args.from_json)
+        if not path.is_file():
+            raise UserError(f"no speed records at {path} (write them with qbench speed --json {path})")
+        try:
+            payload = json.loads(path.read_text())
+            records = payload["records"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise UserError(f"{path} is not a qbench speed --json file ({err})") from None
+        sys.stdout.write(format_speed_table(records, tablefmt) + "\n")
+        return
     shape = (args.in_features, args.out_features)
     schemes = expand_schemes(args.scheme) if args.scheme else None
     if not all(v in os.environ for v in MALLOC_ENV):
@@ -43,6 +57,7 @@ def cmd_speed(args: argparse.Namespace) -> None:
         model_tokens=args.model_tokens,
         new_tokens=args.new_tokens,
         generate=not args.no_generate,
+        generate_via=args.generate_via,
         layer=not args.no_layer,
         device=args.device,
     )
@@ -53,7 +68,7 @@ def cmd_speed(args: argparse.Namespace) -> None:
             return
         atomic_write_json(args.json, payload)
         console.print(f"wrote {args.json}")
-    sys.stdout.write(format_speed_table(records) + "\n")  # plain text: never re-wrapped to the terminal width
+    sys.stdout.write(format_speed_table(records, tablefmt) + "\n")  # plain text: never re-wrapped
 
 
 # --------------------------------------------------------------------------------------------------- demo

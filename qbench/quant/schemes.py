@@ -327,6 +327,27 @@ _register(
     )
 )
 
+# W4A8: int4 absmax weights × int8 per-token activations in integer arithmetic — how int4 models are deployed on
+# CPUs (llama.cpp's Q4 weight blocks × Q8 activations); the real kernel is kernels/w4a8.py. The same as
+# `absmax-fine:w=4` (and `:group=32`), registered so that grids, `qbench speed` and `qbench ls` list them.
+_register(
+    QuantScheme(
+        "absmax-w4a8",
+        "int4 absmax weights per output channel, int8 absmax activations per token (integer dot products)",
+        **dict(_INT8_FINE, weight_bits=4),
+    ),
+    aliases=("w4a8",),
+)
+_register(
+    QuantScheme(
+        "absmax-w4a8-g32",
+        "int4 absmax weights per group of 32 input channels (llama.cpp Q4_0-style blocks), int8 activations "
+        "per token",
+        **dict(_INT8_FINE, weight_bits=4, weight_granularity=PerGroup(32)),
+    ),
+    aliases=("w4a8-g32",),
+)
+
 # Floating-point formats, fake mode only (formats.py holds the exact definitions and the spec sections).
 for _fmt in ("fp8-e4m3", "fp8-e5m2"):
     _register(

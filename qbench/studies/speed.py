@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from models.errors import UserError
+from models.errors import UserError, unknown_choice
 from qbench.quant.apply import model_bytes, real_kernels
 
 DEFAULT_MODES = ("fake", "real")
@@ -406,7 +406,14 @@ def _load_model(preset: str | None, ckpt: str | None) -> tuple[nn.Module, str, i
 
 
 def _is_transformers(model: nn.Module) -> bool:
-    return callable(getattr(model, "generate", None)) and hasattr(model, "config")
+    """A transformers model (its own generation API and ``use_cache``), as opposed to our ``Transformer``."""
+    from models.transformer import Transformer
+
+    return (
+        not isinstance(model, Transformer)
+        and callable(getattr(model, "generate", None))
+        and hasattr(model, "config")
+    )
 
 
 def _prefill(model: nn.Module, ids: Tensor) -> Callable[[], Any]:
@@ -441,7 +448,10 @@ def _model_records(
 
 
 def greedy_generate(model: nn.Module, prompt: Tensor, new_tokens: int) -> Tensor:
-    """``new_tokens`` greedy tokens after ``prompt`` (1, P) with the model's KV cache (transformers API)."""
+    """``new_tokens`` greedy tokens after ``prompt`` (1, P) with the model's KV cache: our models' own
+    (``models.KVCache``, through ``Transformer.generate``), a transformers model's through its API."""
+    if not _is_transformers(model):
+        return model.generate(prompt, new_tokens)
     # transformers 5 names the cache argument and output ``cache`` (``past_key_values`` before)
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out_ids = []
@@ -455,10 +465,18 @@ def greedy_generate(model: nn.Module, prompt: Tensor, new_tokens: int) -> Tensor
     return torch.cat(out_ids, dim=1)
 
 
-def _generation_model(model: nn.Module) -> tuple[nn.Module, str]:
-    """A model with a KV cache: transformers models as they are, ours through ``to_hf_model``."""
+GENERATE_VIA = ("own", "transformers")
+
+
+def _generation_model(model: nn.Module, via: str = "own") -> tuple[nn.Module, str]:
+    """A model with a KV cache: transformers models as they are; ours with their own cache (``via="own"``) or
+    exported to transformers (``via="transformers"``, the path of a user who converts the checkpoint)."""
+    if via not in GENERATE_VIA:
+        raise unknown_choice("generation path", via, GENERATE_VIA)
     if _is_transformers(model):
-        return model, "transformers"
+        return model, "transformers (KV cache)"
+    if via == "own":
+        return model, "qbench models.KVCache"
     from models.hf import to_hf_model
 
     device = next(model.parameters()).device
@@ -473,9 +491,10 @@ def _generate_records(
     repeats: int,
     schemes: Sequence[str],
     common: dict[str, Any],
+    via: str = "own",
 ) -> list[dict]:
     """Generation: tokens/s of greedy decoding, batch 1, fp32 vs every scheme in real mode."""
-    gen_model, how = _generation_model(model)
+    gen_model, how = _generation_model(model, via)
     prompt = torch.randint(0, vocab, (1, PROMPT_TOKENS), device=common["device"])
     calibration = torch.randint(0, vocab, (2, PROMPT_TOKENS * 4), device=common["device"])
     fp32 = Candidate("generate", f"{name} fp32", partial(greedy_generate, gen_model, prompt, new_tokens))
@@ -516,13 +535,15 @@ def run_speed(
     generate: bool = True,
     layer: bool = True,
     device: str = "cpu",
+    generate_via: str = "own",
 ) -> list[dict[str, Any]]:
     """Measure every scheme × mode per layer, the peers, fake-quant bandwidth and a whole model; return records.
 
     ``shape`` is (in_features, out_features); ``schemes`` defaults to every registered scheme; the whole model is
     ``ckpt`` (a qbench or transformers checkpoint) when given, else the ``model`` preset (None: no whole-model
     figures): prefill on ``model_tokens`` tokens and, with ``generate``, ``new_tokens`` tokens of greedy
-    generation (``repeats`` capped at 3 there: one call generates them all). ``layer=False`` skips the
+    generation (``repeats`` capped at 3 there: one call generates them all; our models decode with their own
+    KV cache, or exported to transformers with ``generate_via="transformers"``). ``layer=False`` skips the
     per-layer and bandwidth figures. ``device`` ("cpu", "cuda", "cuda:N") holds every tensor and model (peers
     that have no kernel there record the error). ``torch.set_num_threads(threads)`` holds
     inside and the previous count is restored. Records carry ``ms`` (median), ``ms_min``, ``speedup`` and
@@ -536,6 +557,8 @@ def run_speed(
     from qbench.eval.load import check_device
 
     device = str(check_device(device))
+    if generate_via not in GENERATE_VIA:
+        raise unknown_choice("generation path", generate_via, GENERATE_VIA)
     if min(threads, tokens, repeats, model_tokens, new_tokens) < 1:
         raise UserError(
             f"threads, tokens, repeats, model tokens and new tokens must be ≥ 1, got {threads}, {tokens}, "
@@ -571,7 +594,7 @@ def run_speed(
                 )
                 if generate:
                     records += _generate_records(
-                        net, name, vocab, new_tokens, min(repeats, 3), schemes, common
+                        net, name, vocab, new_tokens, min(repeats, 3), schemes, common, generate_via
                     )
     finally:
         torch.set_num_threads(previous_threads)
@@ -617,7 +640,7 @@ def format_speed_table(records: Sequence[dict[str, Any]], tablefmt: str = "simpl
         rows = [r for r in records if r["kind"] == kind]
         if not rows:
             continue
-        head = _section_title(title, rows[0])
+        head = _section_title(title, rows[0]) + ("\n" if tablefmt == "github" else "")  # md: a blank line
         if kind == "bandwidth":
             table = [
                 [

@@ -124,6 +124,9 @@ static inline int32_t dot_tail_i8(const int8_t *a, const int8_t *b, int64_t from
     return s;
 }
 
+/* the int4 code of channel i in a W4A8 row (nibbles hold code + 8) */
+static inline int w4_code(const uint8_t *wr, int64_t i) { return ((wr[i >> 1] >> ((i & 1) * 4)) & 15) - 8; }
+
 #define GEMV_ROWS 16 /* up to this many activation rows: the decode loop (paths.DECODE_ROWS mirrors it) */
 
 #ifdef QK_AVX2
@@ -166,13 +169,40 @@ static inline __attribute__((always_inline)) void gemv_pass(const int8_t *q, con
     for (int i = 0; i < mb; ++i) out[i] = r[i];
 }
 
+/* batch 1: one activation row against four consecutive weight rows, the activation loaded once for the four
+   and the four sums reduced together (the reduction otherwise costs as much as the products at K = 384:
+   2× faster there, 1536×384 from L3). Only for short rows: with rows of 2 KiB and more, one stream per row
+   measured faster (2048→8192 from L3: 0.6 ms one row at a time, 1.0–1.5 ms four at a time). */
+#define ROWS4_MAX_BYTES 1024
+
+static inline __m256i gemv_rows4(const int8_t *q, const int8_t *qa, const int8_t *w0, int64_t ldw, int64_t kv) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int64_t c = 0; c < kv; c += 32) {
+        if ((c & 63) == 0) _mm_prefetch((const char *)(w0 + c + PREFETCH_AHEAD), _MM_HINT_T0);
+        __m256i x = _mm256_loadu_si256((const __m256i *)(q + c)), ax = _mm256_loadu_si256((const __m256i *)(qa + c));
+        for (int r = 0; r < 4; ++r) {
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(w0 + r * ldw + c));
+            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, x)), ones));
+        }
+    }
+    return hsum4_epi32(acc[0], acc[1], acc[2], acc[3]);
+}
+
 static void w8a8_gemv(const int8_t *q, const float *sx, int64_t m_rows, const int8_t *w, const float *sw,
                       int per_channel, const float *bias, float *y, int64_t n_out, int64_t k, int nthreads) {
     int8_t *qa = malloc((size_t)(m_rows * k));
     for (int64_t i = 0; i < m_rows * k; ++i) qa[i] = (int8_t)(q[i] < 0 ? -q[i] : q[i]); /* |q| <= 127 */
-    int64_t kv = k & ~(int64_t)31;
+    int64_t kv = k & ~(int64_t)31, n4 = m_rows == 1 && k <= ROWS4_MAX_BYTES ? n_out & ~(int64_t)3 : 0;
 #pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
-    for (int64_t n = 0; n < n_out; ++n) {
+    for (int64_t n = 0; n < n4; n += 4) {
+        int32_t r[8];
+        _mm256_storeu_si256((__m256i *)r, gemv_rows4(q, qa, w + n * k, k, kv));
+        for (int j = 0; j < 4; ++j)
+            y[n + j] = epilogue(r[j] + dot_tail_i8(q, w + (n + j) * k, kv, k), sx[0], sw, per_channel, bias, n + j);
+    }
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
+    for (int64_t n = n4; n < n_out; ++n) {
         const int8_t *wr = w + n * k;
         for (int64_t m = 0; m < m_rows; m += 4) {
             int32_t acc[4];
@@ -203,15 +233,76 @@ static void w8a8_gemv(const int8_t *q, const float *sx, int64_t m_rows, const in
 #define GM_MR 3
 #define GM_NC 32
 
-static void pack_panel(const int8_t *w, int64_t n_out, int64_t k, int64_t n0, int64_t pairs, int32_t *panel) {
+
+/* dst[p · stride + i] = r[i] lane p for an 8 × 8 block of int32 (rows r[0..7] → columns): the panel's layout */
+static inline void transpose8_store(__m256i r[8], int32_t *dst, int64_t stride) {
+    __m256i a[8], b[8];
+    for (int i = 0; i < 8; i += 2) {
+        a[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        a[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        b[i] = _mm256_unpacklo_epi64(a[i], a[i + 2]);
+        b[i + 1] = _mm256_unpackhi_epi64(a[i], a[i + 2]);
+        b[i + 2] = _mm256_unpacklo_epi64(a[i + 1], a[i + 3]);
+        b[i + 3] = _mm256_unpackhi_epi64(a[i + 1], a[i + 3]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_si256((__m256i *)(dst + i * stride), _mm256_permute2x128_si256(b[i], b[i + 4], 0x20));
+        _mm256_storeu_si256((__m256i *)(dst + (i + 4) * stride), _mm256_permute2x128_si256(b[i], b[i + 4], 0x31));
+    }
+}
+
+static inline int32_t pair_i16(int16_t lo, int16_t hi) {
+    return (int32_t)(uint16_t)lo | (int32_t)((uint32_t)(uint16_t)hi << 16);
+}
+
+/* The panel of output channels n0 … n0 + 31, pairs p0 … p1 − 1: panel[(p − p0) · 32 + j] holds codes k = 2p,
+   2p + 1 of channel n0 + j as two int16 (zero past the last channel or K). Blocks of 8 channels × 8 pairs
+   are sign-extended and transposed in registers (the scalar loop costs as much as a 17-row GEMM); the rest
+   runs scalar. ``nibbles``: w holds int4 codes + 8 (the W4A8 layout), else int8 codes. */
+static void pack_panel_range(const void *w, int nibbles, int64_t n_out, int64_t k, int64_t n0, int64_t p0,
+                             int64_t p1, int32_t *panel) {
+    int64_t ldw = nibbles ? (k + 1) / 2 : k, full = n_out - n0 >= GM_NC ? GM_NC : 0;
+    int64_t pv = p0 + ((k / 2 - p0) > 0 ? ((k / 2 < p1 ? k / 2 : p1) - p0) & ~(int64_t)7 : 0); /* whole blocks */
+    for (int64_t j0 = 0; j0 < full; j0 += 8)
+        for (int64_t p = p0; p < pv; p += 8) {
+            __m256i r[8];
+            for (int i = 0; i < 8; ++i) {
+                __m128i codes;
+                if (nibbles) {
+                    const uint8_t *src = (const uint8_t *)w + (n0 + j0 + i) * ldw + p;
+                    __m128i b = _mm_loadl_epi64((const __m128i *)src); /* 8 bytes = 16 codes */
+                    __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+                    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+                    codes = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), _mm_set1_epi8(8));
+                } else {
+                    codes = _mm_loadu_si128((const __m128i *)((const int8_t *)w + (n0 + j0 + i) * ldw + 2 * p));
+                }
+                r[i] = _mm256_cvtepi8_epi16(codes); /* int32 lane q = the int16 pair (2q, 2q + 1) */
+            }
+            transpose8_store(r, panel + (p - p0) * GM_NC + j0, GM_NC);
+        }
     for (int64_t j = 0; j < GM_NC; ++j) {
         int64_t n = n0 + j;
-        const int8_t *wr = w + n * k;
-        for (int64_t p = 0; p < pairs; ++p) {
-            int16_t lo = n < n_out ? wr[2 * p] : 0, hi = (n < n_out && 2 * p + 1 < k) ? wr[2 * p + 1] : 0;
-            panel[p * GM_NC + j] = (int32_t)(uint16_t)lo | (int32_t)((uint32_t)(uint16_t)hi << 16);
+        for (int64_t p = (j < full ? pv : p0); p < p1; ++p) {
+            int16_t lo = 0, hi = 0;
+            if (n < n_out && nibbles) {
+                const uint8_t *wr = (const uint8_t *)w + n * ldw;
+                lo = (int16_t)w4_code(wr, 2 * p);
+                hi = 2 * p + 1 < k ? (int16_t)w4_code(wr, 2 * p + 1) : 0;
+            } else if (n < n_out) {
+                const int8_t *wr = (const int8_t *)w + n * ldw;
+                lo = wr[2 * p];
+                hi = 2 * p + 1 < k ? wr[2 * p + 1] : 0;
+            }
+            panel[(p - p0) * GM_NC + j] = pair_i16(lo, hi);
         }
     }
+}
+
+static void pack_panel(const int8_t *w, int64_t n_out, int64_t k, int64_t n0, int64_t pairs, int32_t *panel) {
+    pack_panel_range(w, 0, n_out, k, n0, 0, pairs, panel);
 }
 
 static inline __attribute__((always_inline)) void gemm_tile(const int16_t *a, int64_t lda, const int mr,
@@ -315,8 +406,6 @@ void qk_w8a8_forward(const float *x, int64_t m_rows, int64_t k, int64_t rows_per
    so g = 32 is one group per 128-bit lane. Prefill: the int16 panel GEMM above, with c unpacked into the panel
    and one integer tile per group folded into float. */
 
-static inline int w4_code(const uint8_t *wr, int64_t i) { return ((wr[i >> 1] >> ((i & 1) * 4)) & 15) - 8; }
-
 static int w4a8_groups_ok(int64_t k, int64_t groups) {
     int64_t g = k / groups;
     return groups == 1 || (k % groups == 0 && (g == 32 || g % 64 == 0));
@@ -348,6 +437,25 @@ static inline __attribute__((always_inline)) void w4a8_span(const int8_t *xd, in
             acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(s16, ones)); /* |s16| <= 4 · 15 · 127 */
         }
     }
+}
+
+/* One activation row against four consecutive weight rows (decode, batch 1): the activation bytes are loaded
+   once for all four and the four sums reduce together — at K = 384 (the small preset) the per-row reduction
+   and loads otherwise cost as much as the products. Returns the four int32 sums over steps [c0, c1). */
+static inline __m256i w4a8_span_rows4(const int8_t *xd, const uint8_t *w0, int64_t ldw, int64_t c0, int64_t c1) {
+    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int64_t c = c0; c < c1; c += 64) {
+        _mm_prefetch((const char *)(w0 + c / 2 + PREFETCH_AHEAD), _MM_HINT_T0);
+        __m256i xe = _mm256_loadu_si256((const __m256i *)(xd + c)), xo = _mm256_loadu_si256((const __m256i *)(xd + c + 32));
+        for (int r = 0; r < 4; ++r) {
+            __m256i b = _mm256_loadu_si256((const __m256i *)(w0 + r * ldw + c / 2));
+            __m256i lo = _mm256_and_si256(b, nib), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+            __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(s16, ones));
+        }
+    }
+    return hsum4_epi32(acc[0], acc[1], acc[2], acc[3]);
 }
 
 static inline int32_t hsum_epi32(__m256i a) {
@@ -419,8 +527,28 @@ static void w4a8_gemv(const int8_t *q, const float *sx, int64_t m_rows, const ui
                 xsum[m * groups + (c + 2 * j) / g] += even;
                 xsum[m * groups + (c + 2 * j + 1) / g] += odd;
             }
+    /* batch 1, per channel or groups of 64·n: four weight rows per pass (all but the last n_out % 4 rows) */
+    int64_t n4 = (m_rows == 1 && ldw <= ROWS4_MAX_BYTES && (groups == 1 || g % 64 == 0)) ? n_out & ~(int64_t)3 : 0;
 #pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
-    for (int64_t n = 0; n < n_out; ++n) {
+    for (int64_t n = 0; n < n4; n += 4) {
+        const uint8_t *w0 = w + n * ldw;
+        int32_t acc[4][64], *big = groups > 64 ? malloc((size_t)(4 * groups) * sizeof(int32_t)) : NULL;
+        int64_t gs = groups == 1 ? kv : g;
+        for (int64_t c0 = 0, grp = 0; c0 < kv; c0 += gs, ++grp) {
+            int32_t r[8];
+            _mm256_storeu_si256((__m256i *)r, w4a8_span_rows4(xd, w0, ldw, c0, c0 + gs < kv ? c0 + gs : kv));
+            for (int j = 0; j < 4; ++j) (big ? big + j * groups : acc[j])[grp] = r[j] - 8 * xsum[grp];
+        }
+        for (int j = 0; j < 4; ++j) {
+            int32_t *a = big ? big + j * groups : acc[j];
+            if (kv < k) /* per channel only (g = 64·n tiles K): the scalar tail */
+                a[0] = (kv > 0 ? a[0] : 0) + w4a8_tail(q, w0 + j * ldw, kv, k);
+            y[n + j] = w4a8_epilogue(a, groups, sx[0], scale + (n + j) * groups, bias, n + j);
+        }
+        free(big);
+    }
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
+    for (int64_t n = n4; n < n_out; ++n) {
         const uint8_t *wr = w + n * ldw;
         int32_t acc[4 * 64], *big = groups > 64 ? malloc((size_t)(4 * groups) * sizeof(int32_t)) : NULL;
         int32_t *a = big ? big : acc;
@@ -457,21 +585,6 @@ static void w4a8_gemv(const int8_t *q, const float *sx, int64_t m_rows, const ui
 }
 
 #ifdef QK_AVX2
-/* the panel (pairs p0..p1 of 32 output channels) from int4 nibbles: c = nibble − 8 as int16 pairs */
-static void pack_panel_w4(const uint8_t *w, int64_t n_out, int64_t k, int64_t n0, int64_t p0, int64_t p1,
-                          int32_t *panel) {
-    int64_t ldw = (k + 1) / 2;
-    for (int64_t j = 0; j < GM_NC; ++j) {
-        int64_t n = n0 + j;
-        const uint8_t *wr = w + n * ldw;
-        for (int64_t p = p0; p < p1; ++p) {
-            int16_t lo = n < n_out ? (int16_t)w4_code(wr, 2 * p) : 0;
-            int16_t hi = (n < n_out && 2 * p + 1 < k) ? (int16_t)w4_code(wr, 2 * p + 1) : 0;
-            panel[(p - p0) * GM_NC + j] = (int32_t)(uint16_t)lo | (int32_t)((uint32_t)(uint16_t)hi << 16);
-        }
-    }
-}
-
 static void w4a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const uint8_t *w, const float *scale,
                       int64_t groups, const float *bias, float *y, int64_t n_out, int64_t k, int nthreads) {
     int64_t pairs = (k + 1) / 2, lda = 2 * pairs, n_panels = (n_out + GM_NC - 1) / GM_NC;
@@ -495,7 +608,7 @@ static void w4a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const ui
                     for (int64_t j = 0; j < GM_NC; ++j) sct[grp * GM_NC + j] = j < nc ? scale[(n0 + j) * groups + grp] : 0.0f;
             }
             for (int64_t grp = 0; grp < groups; ++grp) {
-                pack_panel_w4(w, n_out, k, n0, grp * gp, grp * gp + gp, panel);
+                pack_panel_range(w, 1, n_out, k, n0, grp * gp, grp * gp + gp, panel);
                 for (int64_t m = 0; m < m_rows; m += GM_MR) {
                     int32_t acc[GM_MR][GM_NC];
                     int64_t mr = m_rows - m < GM_MR ? m_rows - m : GM_MR;

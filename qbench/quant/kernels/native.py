@@ -70,9 +70,18 @@ def _compiler() -> str | None:
     return next((c for c in (os.environ.get("CC"), "cc", "gcc") if c and shutil.which(c)), None)
 
 
+BUILD_FLAGS = (["-march=native", "-fopenmp"], ["-march=native"], ["-fopenmp"], [])  # first that compiles
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The loaded library, or None when no compiler builds it (then every caller takes its torch path)."""
+    return next((lib for extra in BUILD_FLAGS if (lib := build(extra)) is not None), None)
+
+
+def build(extra_flags: list[str]) -> ctypes.CDLL | None:
+    """``native.c`` compiled with the base flags plus ``extra_flags`` and loaded, or None when the compiler is
+    missing or refuses (tests build the portable loops with ``[]`` to compare them with the vector ones)."""
     cc = _compiler()
     if cc is None:
         return None
@@ -81,17 +90,16 @@ def _library() -> ctypes.CDLL | None:
         src, lib = os.path.join(tmp, "native.c"), os.path.join(tmp, "native.so")
         with open(src, "w") as f:
             f.write(source)
-        for extra in (["-march=native", "-fopenmp"], ["-march=native"], ["-fopenmp"], []):
-            build = subprocess.run(
-                [cc, *_BASE_FLAGS, *extra, "-o", lib, src], capture_output=True, timeout=120
-            )
-            if build.returncode == 0:
-                dll = ctypes.CDLL(lib)  # loaded: the file may go
-                for name, (args, res) in _SIGNATURES.items():
-                    fn = getattr(dll, name)
-                    fn.argtypes, fn.restype = args, res
-                return dll
-    return None
+        done = subprocess.run(
+            [cc, *_BASE_FLAGS, *extra_flags, "-o", lib, src], capture_output=True, timeout=120
+        )
+        if done.returncode != 0:
+            return None
+        dll = ctypes.CDLL(lib)  # loaded: the file may go
+    for name, (args, res) in _SIGNATURES.items():
+        fn = getattr(dll, name)
+        fn.argtypes, fn.restype = args, res
+    return dll
 
 
 def available() -> bool:

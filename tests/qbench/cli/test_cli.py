@@ -157,3 +157,18 @@ def test_inspect_score_and_intervene_through_the_cli(hf_llama_dir, ckpt_dir, tmp
     assert code == 0
     code, _, err = run(["intervene", "--ckpt", ckpt_dir, "--set", "nan"], capsys)
     assert code == 2 and "zero" in err
+
+
+def test_speed_writes_json_and_renders_it_again(tmp_path, capsys):
+    records = tmp_path / "speed.json"
+    argv = ["speed", "--in-features", 64, "--out-features", 32, "--tokens", 1, "--repeats", 1, "--no-peers"]
+    argv += ["--scheme", "absmax-w4a8", "--mode", "real", "--no-model", "--json", records]
+    code, out, _ = run(argv, capsys)
+    assert code == 0 and "absmax-w4a8 [real]" in out and "Int4A8Linear" in out
+    code, again, _ = run(["speed", "--from-json", records, "--format", "md"], capsys)
+    assert code == 0 and "| absmax-w4a8 [real]" in again and "per layer: 64→32, 1 tokens" in again
+    assert json.loads(records.read_text())["git_commit"]
+    code, _, err = run(["speed", "--from-json", tmp_path / "missing.json"], capsys)
+    assert code == 2 and "no speed records at" in err
+    code, _, err = run(["speed", "--from-json", records, "--format", "html"], capsys)
+    assert code == 2 and "unknown table format 'html'" in err

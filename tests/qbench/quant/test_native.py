@@ -16,7 +16,7 @@ import torch
 
 from qbench.quant.fake import FakeQuantLinear
 from qbench.quant.granularity import PerAxis, PerGroup
-from qbench.quant.kernels import Int4Linear, Int8Linear, make_real_linear, native, paths
+from qbench.quant.kernels import Int4A8Linear, Int4Linear, Int8Linear, make_real_linear, native, paths
 from qbench.quant.kernels.int4 import pack_int4
 from qbench.quant.kernels.int8 import quantize_activation
 from qbench.quant.kernels.w8 import Int8WeightOnlyLinear
@@ -195,6 +195,32 @@ def test_two_threads_equal_one():
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])  # rows never split across threads
+
+
+def test_portable_loops_equal_the_vector_loops():
+    """The plain-C build (no -march=native: what a CPU without AVX2 runs) against this machine's build, exactly:
+    W8A8 (GEMV and GEMM row counts), W4A8 per channel and per group, and the activation quantiser."""
+    portable = native.build(["-fopenmp"]) or native.build([])
+    assert portable is not None and portable.qk_isa() == 0
+
+    def call(lib, name, *args):
+        return getattr(lib, name)(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
+
+    torch.manual_seed(9)
+    for m, k, n, group in [(1, 63, 37, None), (3, 256, 20, 32), (20, 130, 9, None), (17, 256, 40, 64)]:
+        q = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        sx, sw, bias = torch.rand(m), torch.rand(n), torch.randn(n)
+        y = torch.empty(m, n)
+        call(portable, "qk_w8a8_linear", q, sx, m, w, sw, 1, bias, y, n, k, 1)
+        assert torch.equal(y, native.w8a8_linear(q, sx, w, sw, bias))
+        layer = Int4A8Linear.from_float(torch.randn(n, k), bias, group)
+        x = torch.randn(m, k)
+        groups = layer.scales.shape[1]
+        assert call(
+            portable, "qk_w4a8_forward", x, m, k, 1, layer.qweight, layer.scales, groups, bias, y, n, 1
+        )
+        assert torch.equal(y, native.w4a8_forward(x, 1, layer.qweight, layer.scales, bias))
 
 
 # ------------------------------------------------------------------------------------------------ CUDA

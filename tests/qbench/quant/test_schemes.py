@@ -26,6 +26,9 @@ EXPECTED = {
     "zeropoint-int4-g32",
     "zeropoint-int3-g128",
     "zeropoint-int2-g64",
+    # W4A8, integer (issue 12)
+    "absmax-w4a8",
+    "absmax-w4a8-g32",
     # floating-point formats, fake mode (issue 10.4)
     *("fp8-e4m3", "fp8-e4m3-rowwise", "fp8-e5m2", "fp8-e5m2-rowwise", "mxfp8", "mxfp6", "mxfp4", "nvfp4"),
 }

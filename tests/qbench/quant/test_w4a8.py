@@ -44,6 +44,8 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, group: 
     ("m", "k", "n", "group"),
     [
         (1, 63, 37, None),  # odd K: every channel in the scalar tail
+        (1, 200, 13, None),  # batch 1: four weight rows per pass, a K tail, one row left over
+        (1, 256, 33, 64),
         (3, 2048, 9, None),
         (1, 96, 8, 32),  # K % 64 == 32: the last group is a tail group
         (16, 128, 5, 32),

@@ -15,6 +15,7 @@ SCHEMES = [
     "absmax-coarse",
     "absmax-fine-perchannel",
     "zeropoint-int4",
+    "absmax-w4a8",
     "llm-int8",
     "smoothquant",
 ]
@@ -80,9 +81,9 @@ def test_model_records(records):
 def test_generate_records(records):
     gen = by_name(records, "generate")
     assert gen["tiny fp32"]["speedup"] == 1.0 and gen["tiny fp32"]["tokens_per_s"] > 0
-    for name in ("absmax-fine [real]", "zeropoint-int4 [real]"):
+    for name in ("absmax-fine [real]", "zeropoint-int4 [real]", "absmax-w4a8 [real]"):
         assert gen[name]["error"] is None and gen[name]["tokens_per_s"] > 0, name
-        assert gen[name]["via"].startswith("exported to transformers") and gen[name]["new_tokens"] == 4
+        assert gen[name]["via"] == "qbench models.KVCache" and gen[name]["new_tokens"] == 4
     assert "no real kernel" in gen["absmax-fine-perchannel [real]"]["error"]
 
 
@@ -95,6 +96,16 @@ def test_greedy_generate_equals_transformers_generate():
     ours = greedy_generate(hf, prompt, 5)
     theirs = hf.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)[:, 7:]
     assert torch.equal(ours, theirs)
+
+
+def test_our_cache_generates_what_the_transformers_export_generates():
+    """Our models decode with models.KVCache; the same tokens come out of their transformers twin's cache."""
+    from models import build, preset_config
+    from models.hf import to_hf_model
+
+    model = build(preset_config("tiny"), seed=0).eval()
+    prompt = torch.randint(0, 8192, (1, 7), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(greedy_generate(model, prompt, 6), greedy_generate(to_hf_model(model), prompt, 6))
 
 
 def test_table(records):
@@ -144,6 +155,8 @@ def test_storage_bytes_counts_tied_weights_once():
 def test_bad_arguments():
     with pytest.raises(UserError):
         run_speed(shape=(8, 8), tokens=0, repeats=1, schemes=[], bandwidth=False, model=None)
+    with pytest.raises(UserError, match="unknown generation path 'hf'"):
+        run_speed(shape=(8, 8), repeats=1, schemes=[], bandwidth=False, model=None, generate_via="hf")
 
 
 @pytest.mark.parametrize("fixture", ["hf_llama_dir", "ckpt_dir"])
@@ -164,7 +177,15 @@ def test_whole_model_figures_for_a_checkpoint(request, fixture):
     gen = [r for r in recs if r["kind"] == "generate"]
     assert all(r["error"] is None and r["tokens_per_s"] > 0 for r in gen), gen
     via = gen[0]["via"]
-    assert via == ("transformers" if fixture == "hf_llama_dir" else "exported to transformers (KV cache)")
+    assert via == ("transformers (KV cache)" if fixture == "hf_llama_dir" else "qbench models.KVCache")
+    if fixture == "ckpt_dir":  # the export path a user who converts the checkpoint would run
+        exported = run_speed(
+            repeats=1, schemes=[], modes=["real"], model=None, ckpt=ckpt, model_tokens=8, new_tokens=3,
+            layer=False, generate_via="transformers",
+        )  # fmt: skip
+        assert {r["via"] for r in exported if r["kind"] == "generate"} == {
+            "exported to transformers (KV cache)"
+        }
 
 
 @pytest.mark.gpu

@@ -325,6 +325,23 @@ static inline __attribute__((always_inline)) void gemm_tile(const int16_t *a, in
         for (int j = 0; j < 4; ++j) _mm256_storeu_si256((__m256i *)(out[i] + 8 * j), acc[i][j]);
 }
 
+/* y[0 … nc) = (acc · sx) · sw[n0 …] + b[n0 …] for one row of a tile: epilogue()'s operations and order, eight
+   lanes at a time when the tile is whole (the scalar form costs ~10 % of a 512-row GEMM) */
+static inline void tile_epilogue(const int32_t *acc, int64_t nc, float sx, const float *sw, int per_channel,
+                                 const float *bias, int64_t n0, float *y) {
+    if (nc == GM_NC) {
+        const __m256 vsx = _mm256_set1_ps(sx), vsw0 = _mm256_set1_ps(sw[0]);
+        for (int64_t j = 0; j < GM_NC; j += 8) {
+            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(acc + j))), vsx);
+            v = _mm256_mul_ps(v, per_channel ? _mm256_loadu_ps(sw + n0 + j) : vsw0);
+            if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n0 + j));
+            _mm256_storeu_ps(y + j, v);
+        }
+        return;
+    }
+    for (int64_t j = 0; j < nc; ++j) y[j] = epilogue(acc[j], sx, sw, per_channel, bias, n0 + j);
+}
+
 static void w8a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const int8_t *w, const float *sw,
                       int per_channel, const float *bias, float *y, int64_t n_out, int64_t k, int nthreads) {
     int64_t pairs = (k + 1) / 2, lda = 2 * pairs, n_panels = (n_out + GM_NC - 1) / GM_NC;
@@ -350,8 +367,7 @@ static void w8a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const in
                 default: gemm_tile(am, lda, 3, panel, pairs, acc); break;
                 }
                 for (int64_t i = 0; i < mr; ++i)
-                    for (int64_t j = 0; j < nc; ++j)
-                        y[(m + i) * n_out + n0 + j] = epilogue(acc[i][j], sx[m + i], sw, per_channel, bias, n0 + j);
+                    tile_epilogue(acc[i], nc, sx[m + i], sw, per_channel, bias, n0, y + (m + i) * n_out + n0);
             }
         }
         free(panel);
@@ -626,8 +642,7 @@ static void w4a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const ui
                         }
                     else
                         for (int64_t i = 0; i < mr; ++i)
-                            for (int64_t j = 0; j < nc; ++j)
-                                y[(m + i) * n_out + n0 + j] = epilogue(acc[i][j], sx[m + i], scale, 1, bias, n0 + j);
+                            tile_epilogue(acc[i], nc, sx[m + i], scale, 1, bias, n0, y + (m + i) * n_out + n0);
                 }
             }
             if (facc)

@@ -21,9 +21,10 @@ What is measured:
   every parameter and buffer.
 - ``generate``: whole-model **generation** — greedy decoding of ``new_tokens`` tokens (default 128) after a
   16-token prompt, batch 1, with a KV cache, fp32 vs each scheme in real mode; ``tokens_per_s`` per record.
-  Our own ``Transformer`` has no KV cache, so it generates through its exported transformers twin
-  (``models.hf.to_hf_model``: same weights, same function) — quantised the same way; a transformers
-  checkpoint generates as it is.
+  Our own ``Transformer`` generates with its own cache (``models.KVCache`` through ``Transformer.generate``),
+  or with ``generate_via="transformers"`` through its exported transformers twin (``models.hf.to_hf_model``:
+  same weights, same function, the path of a user who converts the checkpoint) — quantised the same way; a
+  transformers checkpoint generates with its own cache.
 - ``backend`` of a real layer names the module and, where the compiled CPU kernels run
   (``kernels/paths.py``), the instruction set they were built for.
 

@@ -231,11 +231,14 @@ def _bnb_linear(
 
 
 def available_backends() -> dict[str, bool]:
-    """Which real kernels work here: integer GEMM and int4 packing per device, and bitsandbytes."""
+    """Which real kernels work here: the compiled C kernels, integer GEMM and int4 packing per device, bitsandbytes."""
+    from qbench.quant.kernels import native
     from qbench.quant.kernels.bnb import bnb_available
 
     cuda = torch.cuda.is_available()
+    isa = native.isa() if native.available() else None
     return {
+        f"C kernels: W8A8, W4A8, weight-only (cpu{', ' + isa if isa else ''})": isa is not None,
         "int8 _int_mm (cpu)": int_mm_available("cpu"),
         "int8 _int_mm (cuda)": cuda and int_mm_available("cuda"),
         "int4 pack (cpu, bf16)": int4pack_available("cpu"),

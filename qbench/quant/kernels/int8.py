@@ -259,6 +259,12 @@ class Int8Linear(Float32Buffers):
         self.act, self.out_quant, self.fused = act, out_quant, fused
         # (in, out) int8 for _int_mm; from_float stores it as the transpose of a contiguous (out, in) tensor,
         # the layout of the compiled kernels (``paths.int8_forward``), so both read the same bytes
+        if qweight_t.dtype != torch.int8 or (qweight_t.numel() and int(qweight_t.min()) < -QMAX):
+            # −128 has no place in absmax codes (±127), and the C GEMV's sign trick relies on |code| ≤ 127
+            raise UserError(
+                f"Int8Linear needs int8 weight codes in [−{QMAX}, {QMAX}] (absmax), got {qweight_t.dtype} "
+                f"with minimum {int(qweight_t.min()) if qweight_t.numel() else 'n/a'}"
+            )
         self.register_buffer("qweight_t", qweight_t)
         self.register_buffer("w_scale", w_scale)  # (out,) per channel or () per tensor, float32
         self.register_buffer("bias", bias)

@@ -81,26 +81,18 @@ def _bound(owner: object, stored: tuple[Tensor | None, ...], make: Callable[[], 
     key = tuple(None if t is None else t.data_ptr() for t in stored)
     cached = owner.__dict__.get("_native_call")
     if cached is None or cached.key != key:
-        usable = all(t is None or t.device.type == "cpu" for t in stored) and _layout_ok(*stored)
+        usable = all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in stored)
         cached = _Bound(key, make() if usable else None)
         owner.__dict__["_native_call"] = cached
     return cached.call
-
-
-def _layout_ok(first: Tensor, *rest: Tensor | None) -> bool:
-    """Contiguous stored tensors; the first (the weight) may be stored transposed (Int8Linear's (K, N) view)."""
-    return (first.is_contiguous() or first.t().is_contiguous()) and all(
-        t is None or t.is_contiguous() for t in rest
-    )
 
 
 def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _int8_call(w_t: Tensor, w_scale: Tensor, bias: Tensor | None) -> Callable[[Tensor, int], Tensor]:
+def _int8_call(w: Tensor, w_scale: Tensor, bias: Tensor | None) -> Callable[[Tensor, int], Tensor]:
     fn = native.library().qk_w8a8_forward
-    w = w_t.t()
     sw = w_scale.reshape(-1).contiguous()
     n, k = w.shape
     args = (w.data_ptr(), sw.data_ptr(), int(sw.numel() > 1), _ptr(bias))
@@ -142,7 +134,8 @@ def int8_forward(
         b = None if bias is None else bias.contiguous()
         acc = torch._int_mm(q, w_t)
         return native.scale_output(acc, sx, w_scale.reshape(-1).contiguous(), b).reshape(B, T, -1)
-    call = _bound(owner, (w_t, w_scale, bias), lambda: _int8_call(w_t, w_scale, bias))
+    w = w_t.t()  # (N, K): the C kernels' row-major layout — a contiguous (K, N) w_t is not (torch path then)
+    call = _bound(owner, (w, w_scale, bias), lambda: _int8_call(w, w_scale, bias))
     return None if call is None else call(x2, rows_per_scale).reshape(B, T, -1)
 
 
@@ -167,7 +160,7 @@ def w4a8_forward(
 ) -> Tensor | None:
     """float32 (…, N) of the W4A8 linear (int4 nibbles × int8 activations) from the C kernel, or None (use the
     torch path). Per-tensor activation scales are per leading batch element, as in ``Int8Linear``."""
-    if not input_ok(x):
+    if not input_ok(x) or x.numel() == 0:
         return None
     k = x.shape[-1]
     rows = x.numel() // k

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from models.errors import UserError
 from qbench.quant.fake import FakeQuantLinear
 from qbench.quant.granularity import PerAxis, PerGroup
 from qbench.quant.kernels import Int4A8Linear, Int4Linear, Int8Linear, make_real_linear, native, paths
@@ -195,6 +196,23 @@ def test_two_threads_equal_one():
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])  # rows never split across threads
+
+
+def test_a_weight_stored_in_another_layout_takes_the_torch_path():
+    """A contiguous (K, N) qweight_t (e.g. rebuilt from a safetensors file) is not the C kernels' (N, K) layout:
+    the layer must notice and compute the same output through torch, not read the bytes as (N, K)."""
+    torch.manual_seed(8)
+    layer = Int8Linear.from_float(torch.randn(37, 96), torch.randn(37))
+    x = torch.randn(2, 96)
+    expected = layer(x)
+    layer.qweight_t = layer.qweight_t.contiguous()
+    assert torch.equal(layer(x), expected)
+
+
+def test_int8_codes_outside_absmax_range_are_refused():
+    codes = torch.full((8, 4), -128, dtype=torch.int8)  # (K, N): −128 is not an absmax code
+    with pytest.raises(UserError, match=r"int8 weight codes in \[−127, 127\]"):
+        Int8Linear(codes, torch.ones(4), None)
 
 
 def test_portable_loops_equal_the_vector_loops():

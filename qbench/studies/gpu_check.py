@@ -9,7 +9,7 @@ corpus), it checks, each as a named entry of one JSON summary:
 - ``triton-fake-quant``: the Triton fake-quantisation kernel against the CPU reference
   (``qbench.quant.primitives.fake_quantize``), bit-exact, per-row scales, 2/4/8 bits, both symmetries, fp32 and
   bf16, short rows and the long-row (split) path;
-- ``real-vs-fake``: real int8 (absmax-fine) and int4 (zeropoint-int4) CUDA layers against fake mode on a model;
+- ``real-vs-fake``: real int8 (absmax-fine), int4 (zeropoint-int4) and W4A8 CUDA layers against fake mode on a model;
 - ``qbench-speed``: ``qbench speed --device cuda`` (its table is kept in the summary);
 - ``train-gpt2-130m`` / ``train-gpt2-130m-compiled``: 300 steps of ``gpt2-130m`` with the ``paper`` recipe
   (batch 16 × 1024, bf16 autocast): steady tokens/s (median over steps 11–300), MFU (``trainers.throughput``)
@@ -243,7 +243,7 @@ def _real_vs_fake() -> dict[str, Any]:
     model = build(preset_config("small"), seed=0).cuda().eval()
     x = torch.randint(0, model.config.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0)).cuda()
     out = {}
-    for scheme in ("absmax-fine", "zeropoint-int4"):
+    for scheme in ("absmax-fine", "zeropoint-int4", "absmax-w4a8"):
         with torch.no_grad():
             fake = quantize(model, scheme, mode="fake")(x).float()
             real_model = quantize(model, scheme, mode="real")

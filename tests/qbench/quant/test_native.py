@@ -255,6 +255,7 @@ def test_real_layers_on_cuda_match_cpu(rows):
         Int8Linear.from_float(weight, bias),
         Int4Linear.from_float(weight, bias, 64),
         Int8WeightOnlyLinear.from_float(weight, bias, 64),
+        Int4A8Linear.from_float(weight, bias, 64),  # CUDA: the torch path (fake's arithmetic on the codes)
     ):
         y_cpu = layer(x)
         y_gpu = layer.to("cuda")(x.cuda()).cpu()

@@ -516,6 +516,38 @@ static inline __attribute__((always_inline)) void w4a8_row_sums(const int8_t *q,
         }
     }
 }
+/* g = 32, batch of mb <= 4 rows: Σ_g s_g · A_g straight into float. Each step holds two groups, one per 128-bit
+   lane: two hadds reduce a lane's four partials to its exact group sum, 8 Σ q of the group comes off in integers,
+   and s_g · A_g accumulates in float lanes 0 (even groups) and 4 (odd groups) — instead of storing every group
+   sum and scaling them one at a time (decode 2048→8192 went from 2.6× to 4.4× fp32 here). A group in the K tail (K % 64 = 32)
+   is added last. Float order: even groups, then odd groups, each in step order (the GEMM's is group order). */
+static inline __attribute__((always_inline)) void w4a8_g32_rows(const int8_t *q, const int8_t *xd,
+                                                                 const int32_t *xsum, int64_t k, int64_t kv,
+                                                                 const int mb, const uint8_t *wr, const float *sr,
+                                                                 int64_t groups, int prefetch, float out[4]) {
+    const __m256i lanes2 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    __m256 facc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t c = 0; c < kv; c += 64) {
+        __m256i v[4];
+        w4a8_span(xd, kv, mb, wr, c, c + 64, prefetch && (c & 127) == 0, v);
+        __m128 two = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(sr + c / 32)));
+        __m256 sv = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), lanes2);
+        for (int i = 0; i < mb; ++i) {
+            __m256i h = _mm256_hadd_epi32(v[i], v[i]);
+            h = _mm256_hadd_epi32(h, h); /* lanes 0-3: the step's first group, 4-7: its second */
+            __m128i s2 = _mm_slli_epi32(_mm_loadl_epi64((const __m128i *)(xsum + i * groups + c / 32)), 3);
+            __m256i corr = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(s2), lanes2);
+            facc[i] = _mm256_add_ps(facc[i], _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(h, corr)), sv));
+        }
+    }
+    for (int i = 0; i < mb; ++i) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, facc[i]);
+        float t = lanes[0] + lanes[4];
+        if (kv < k) t += sr[kv / 32] * (float)w4a8_tail(q + i * k, wr, kv, k);
+        out[i] = t;
+    }
+}
 #endif
 
 /* y[m, n] from the group sums: per channel W8A8's epilogue; per group s_x · Σ_g s_g · A_g + b */
@@ -572,6 +604,21 @@ static void w4a8_gemv(const int8_t *q, const float *sx, int64_t m_rows, const ui
             int64_t mb = m_rows - m < 4 ? m_rows - m : 4;
             const int8_t *qm = q + m * k, *xm = xd + m * kv;
             const int32_t *sm = xsum + m * groups;
+            if (g == 32 && groups > 1) {
+                float t[4];
+                const float *sr = scale + n * groups;
+                switch (mb) {
+                case 1: w4a8_g32_rows(qm, xm, sm, k, kv, 1, wr, sr, groups, m == 0, t); break;
+                case 2: w4a8_g32_rows(qm, xm, sm, k, kv, 2, wr, sr, groups, m == 0, t); break;
+                case 3: w4a8_g32_rows(qm, xm, sm, k, kv, 3, wr, sr, groups, m == 0, t); break;
+                default: w4a8_g32_rows(qm, xm, sm, k, kv, 4, wr, sr, groups, m == 0, t); break;
+                }
+                for (int64_t i = 0; i < mb; ++i) {
+                    float v = t[i] * sx[m + i];
+                    y[(m + i) * n_out + n] = bias ? v + bias[n] : v;
+                }
+                continue;
+            }
             switch (mb) {
             case 1: w4a8_row_sums(qm, xm, sm, k, kv, 1, wr, groups, m == 0, a); break;
             case 2: w4a8_row_sums(qm, xm, sm, k, kv, 2, wr, groups, m == 0, a); break;

@@ -216,8 +216,9 @@ def test_int8_codes_outside_absmax_range_are_refused():
 
 
 def test_portable_loops_equal_the_vector_loops():
-    """The plain-C build (no -march=native: what a CPU without AVX2 runs) against this machine's build, exactly:
-    W8A8 (GEMV and GEMM row counts), W4A8 per channel and per group, and the activation quantiser."""
+    """The plain-C build (no -march=native: what a CPU without AVX2 runs) against this machine's build, exactly
+    (W8A8 at GEMV and GEMM row counts, W4A8 per channel and per group), except W4A8's g = 32 decode loop, whose
+    float sum runs in another order (then to float rounding)."""
     portable = native.build(["-fopenmp"]) or native.build([])
     assert portable is not None and portable.qk_isa() == 0
 
@@ -238,7 +239,11 @@ def test_portable_loops_equal_the_vector_loops():
         assert call(
             portable, "qk_w4a8_forward", x, m, k, 1, layer.qweight, layer.scales, groups, bias, y, n, 1
         )
-        assert torch.equal(y, native.w4a8_forward(x, 1, layer.qweight, layer.scales, bias))
+        vector = native.w4a8_forward(x, 1, layer.qweight, layer.scales, bias)
+        if group == 32 and m <= paths.DECODE_ROWS:  # the AVX2 decode loop sums g = 32 groups in another order
+            assert rel_err(y, vector) < 1e-6
+        else:
+            assert torch.equal(y, vector)
 
 
 # ------------------------------------------------------------------------------------------------ CUDA

@@ -20,6 +20,6 @@ qbench speed --no-layer --model small --mode real --repeats 3 --generate-via tra
 qbench speed --no-layer --model gpt2-130m --mode real --repeats 3 --scheme absmax-fine --scheme absmax-fine:head=true \
     --scheme zeropoint-int4 --scheme absmax-w4a8 --scheme absmax-w4a8:head=true --scheme absmax-w4a8-g32:head=true \
     --json gpt2-130m.json > /dev/null
-for f in decode prefill small small-via-transformers gpt2-130m; do
+for f in decode prefill small small-via-transformers gpt2-130m; do  # (README.md is hand-written)
     qbench speed --from-json "$f.json" --format md > "$f.md"
 done

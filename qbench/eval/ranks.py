@@ -65,7 +65,7 @@ def run_grid_ranks(
         return run_grid(spec, on_record=on_record)
     import torch.distributed as dist
 
-    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    say = log or _log_line
     spec = replace(spec, device=rank_device(spec.device, local_rank))
     owns = not dist.is_initialized()
     if owns:
@@ -126,3 +126,10 @@ def launch(qbench_argv: Sequence[str], nproc: int, env: dict[str, str] | None = 
         *strip_nproc(qbench_argv),
     ]
     return subprocess.run(command, env=env).returncode
+
+
+def _log_line(msg: str) -> None:
+    """One whole line per write: ranks share stderr, and ``print`` writes the text and its newline separately, so
+    two ranks' lines could interleave mid-line (a pipe keeps writes of up to 4 KiB whole)."""
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()

@@ -81,7 +81,7 @@ def test_two_ranks_write_every_cell_exactly_once_and_rerun_reuses(two_models, tm
     out = tmp_path / "results"
     first = _grid(models, corpus, out, 2)
     assert first.returncode == 0, first.stderr[-3000:]
-    wrote = re.findall(r"rank (\d)/2 wrote (\S+)", first.stderr)
+    wrote = re.findall(r"rank (\d)/2 wrote (\S+?\.json)", first.stderr)
     expected = {
         str(out / m.name / f) for m in models for f in ["fp.json", *(f"{s}__fake.json" for s in SCHEMES)]
     }

@@ -58,12 +58,6 @@ def _extra_kv(
     )
 
 
-def _causal_mask_with_extra(T: int, device: torch.device) -> Tensor:
-    """(T, T+1) boolean mask, True = may attend: column 0 (the extra key) always, then the causal triangle."""
-    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    return torch.cat([torch.ones(T, 1, dtype=torch.bool, device=device), causal], dim=1)
-
-
 def attention_fast(
     q: Tensor,
     k: Tensor,
@@ -94,13 +88,7 @@ def attention_extra_key(
     sink_v: Tensor | None = None,
 ) -> Tensor:
     """SDPA over [extra key] + real keys with an explicit mask (softmax-1's fallback; the sink's only path)."""
-    extra = _extra_kv(kind, q, sink_k, sink_v)
-    if extra is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    k = torch.cat([extra[0], k], dim=2)  # (B, nh, T+1, hs)
-    v = torch.cat([extra[1], v], dim=2)
-    mask = _causal_mask_with_extra(q.size(2), q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return attention_with_past(q, k, v, 0, kind, sink_k, sink_v)
 
 
 def attention_with_past(
@@ -112,15 +100,18 @@ def attention_with_past(
     sink_k: Tensor | None = None,
     sink_v: Tensor | None = None,
 ) -> Tensor:
-    """Attention of T new queries over ``past`` cached keys plus their own (k, v: (B, nh, past + T, hs)).
+    """Causal attention of T queries at positions past … past + T − 1 over keys 0 … past + T − 1
+    (k, v: (B, nh, past + T, hs); past = 0 is ordinary causal attention, past > 0 decodes after a KV cache).
 
-    Query i sees keys 0 … past + i. One new query (decoding) sees every key, so it needs no mask at all, the
-    case SDPA serves fastest; T > 1 gets the offset causal mask. softmax-1 and the sink prepend their extra key,
-    which every query sees.
+    Query i sees keys 0 … past + i: the offset causal mask (True = may attend). One query sees every key and
+    needs no mask, the case SDPA serves fastest; plain softmax without a past keeps SDPA's own causal kernel.
+    softmax-1 and the sink prepend their extra key, which every query sees.
     """
     T, L = q.size(2), k.size(2)
-    mask = None if T == 1 else torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=past)
     extra = _extra_kv(kind, q, sink_k, sink_v)
+    if extra is None and past == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mask = None if T == 1 else torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=past)
     if extra is not None:
         k, v = torch.cat([extra[0], k], dim=2), torch.cat([extra[1], v], dim=2)
         if mask is not None:

@@ -74,17 +74,17 @@ class KVCache:
     stored; the model advances it after each forward.
     """
 
-    def __init__(self, n_layer: int) -> None:
-        self.pos = 0
-        self._k: list[Tensor | None] = [None] * n_layer
-        self._v: list[Tensor | None] = [None] * n_layer
+    def __init__(self, config: ModelConfig) -> None:
+        self.pos, self.context = 0, config.context
+        self._k: list[Tensor | None] = [None] * config.n_layer
+        self._v: list[Tensor | None] = [None] * config.n_layer
 
-    def append(self, layer: int, k: Tensor, v: Tensor, context: int) -> tuple[Tensor, Tensor]:
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store (k, v) (B, nh, T, hs) at positions pos … pos + T − 1 of ``layer``; return its keys/values so far."""
         if self._k[layer] is None:
             B, nh, _, hs = k.shape
-            self._k[layer] = k.new_empty(B, nh, context, hs)
-            self._v[layer] = v.new_empty(B, nh, context, hs)
+            self._k[layer] = k.new_empty(B, nh, self.context, hs)
+            self._v[layer] = v.new_empty(B, nh, self.context, hs)
         end = self.pos + k.size(2)
         self._k[layer][:, :, self.pos : end] = k
         self._v[layer][:, :, self.pos : end] = v
@@ -98,7 +98,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         d, bias = config.d_model, config.bias
-        self.kind, self.n_head, self.context = config.attn, config.n_head, config.context
+        self.kind, self.n_head = config.attn, config.n_head
         if config.family == "gpt2":
             self.c_attn = nn.Linear(d, 3 * d, bias=bias)  # fused q, k, v, as GPT-2 stores them
         else:
@@ -134,14 +134,13 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.kv_transform is not None:
             k, v = self.kv_transform(k, v)
-        if kv is not None and kv[0].pos > 0:
+        if kv is not None:
             cache, layer = kv
             past = cache.pos
-            k, v = cache.append(layer, k, v, self.context)
-            y = attention_with_past(q, k, v, past, self.kind, self.sink_k, self.sink_v)
-            return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
-        if kv is not None:  # the prompt: store it, attend as without a cache
-            kv[0].append(kv[1], k, v, self.context)
+            k, v = cache.append(layer, k, v)
+            if past > 0:  # after the prompt: attend over the cached positions too
+                y = attention_with_past(q, k, v, past, self.kind, self.sink_k, self.sink_v)
+                return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
         if self.probs_hook is None:
             y = attention_fast(q, k, v, self.kind, self.sink_k, self.sink_v)
         else:
@@ -276,7 +275,7 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def generate(self, prompt: Tensor, new_tokens: int) -> Tensor:
         """``new_tokens`` greedy tokens (B, new_tokens) after ``prompt`` (B, P), with a :class:`KVCache`."""
-        cache = KVCache(self.config.n_layer)
+        cache = KVCache(self.config)
         logits = self(prompt, cache)
         out = []
         for i in range(new_tokens):

@@ -21,5 +21,5 @@ qbench speed --no-layer --model gpt2-130m --mode real --repeats 3 --scheme absma
     --scheme zeropoint-int4 --scheme absmax-w4a8 --scheme absmax-w4a8:head=true --scheme absmax-w4a8-g32:head=true \
     --json gpt2-130m.json > /dev/null
 for f in decode prefill small small-via-transformers gpt2-130m; do  # (README.md is hand-written)
-    qbench speed --from-json "$f.json" --format md > "$f.md"
+    qbench speed --from-json "$f.json" --format md > "$f.md.tmp" && mv "$f.md.tmp" "$f.md"  # atomic
 done

@@ -40,7 +40,7 @@ def test_cached_logits_equal_one_full_pass(family, switches, chunks):
     ids = torch.randint(0, 97, (2, sum(chunks)), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = model(ids)
-        cache, start, parts = KVCache(model.config.n_layer), 0, []
+        cache, start, parts = KVCache(model.config), 0, []
         for size in chunks:
             parts.append(model(ids[:, start : start + size], cache))
             start += size
@@ -72,7 +72,7 @@ def test_generate_equals_argmax_over_full_passes(family, switches):
 
 def test_cached_positions_count_against_the_context():
     model = _model("gpt2", dict(attn="softmax"))
-    cache = KVCache(model.config.n_layer)
+    cache = KVCache(model.config)
     with torch.no_grad():
         model(torch.zeros(1, model.config.context - 1, dtype=torch.long), cache)
         model(torch.zeros(1, 1, dtype=torch.long), cache)

@@ -107,9 +107,8 @@ def make_real_linear(
             static_out_scale=None if out_static is None else out_static.scale,
         )
     if _is_w4a8(scheme) and act_static is None:
-        group = (
-            scheme.weight_granularity.group_size if isinstance(scheme.weight_granularity, PerGroup) else None
-        )
+        g = scheme.weight_granularity_for(weight.shape[1])  # a group ≥ the row is per channel
+        group = g.group_size if isinstance(g, PerGroup) else None
         return Int4A8Linear.from_float(
             weight,
             bias,

@@ -10,13 +10,14 @@ without AVX-512 VNNI, slow at any size), and the int4 kernels want bf16 activati
   (acc · s_x) · s_w + b in int8.py's operation order, in one call. Up to 16 rows (decode) an AVX2 GEMV that
   streams each weight row once (``maddubs`` with x's sign moved onto w); more rows an AVX2 GEMM on int16 codes
   (``madd_epi16`` on repacked weight panels, twice float32's multiply rate); portable C without AVX2;
-- ``w8a8_forward``: ``quantize_rows`` + ``w8a8_linear`` in one foreign call (the layer's decode forward);
+- ``qk_w8a8_forward`` (bound per layer in ``paths.py``): ``quantize_rows`` + ``w8a8_linear`` in one foreign call;
 - ``w4a8_forward``: the same for int4 weights (nibbles, per channel or per group) × int8 activations — exact
   integer group sums (``maddubs`` of the nibble with the code at decode, the int16 panel GEMM above 16 rows);
 - ``scale_output``: that epilogue alone, after ``torch._int_mm`` (the prefill path on CPUs where oneDNN's
   int8 GEMM is faster);
-- ``weight_only_linear``: x (float32) · Ŵᵀ with Ŵ = s · (q − z) from int4 nibbles or int8 codes, per output
-  channel or per group, without building Ŵ (sums are reassociated: equal to fake mode to float rounding);
+- ``qk_weight_only_linear`` (bound per layer in ``paths.py``): x (float32) · Ŵᵀ with Ŵ = s · (q − z) from int4
+  nibbles or int8 codes, per output channel or per group, without building Ŵ (sums are reassociated: equal to
+  fake mode to float rounding);
 - ``dequantize``: Ŵ as float32, bit-identical to ``primitives.dequantize`` (the prefill path: one pass, then
   torch's sgemm, so prefill equals fake mode exactly).
 
@@ -172,19 +173,6 @@ def w8a8_linear(q: Tensor, sx: Tensor, w: Tensor, sw: Tensor, bias: Tensor | Non
     return y
 
 
-def w8a8_forward(x: Tensor, rows_per_scale: int, w: Tensor, sw: Tensor, bias: Tensor | None) -> Tensor:
-    """:func:`quantize_rows` then :func:`w8a8_linear` in one foreign call (no intermediate tensors): float32
-    x (M, K) → float32 (M, N). The caller has checked the tensors (contiguous, on the CPU)."""
-    m, k = x.shape
-    n = w.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    _library().qk_w8a8_forward(
-        x.data_ptr(), m, k, max(1, rows_per_scale), w.data_ptr(), sw.data_ptr(), int(sw.numel() > 1),
-        _ptr(bias), y.data_ptr(), n, threads(),
-    )  # fmt: skip
-    return y
-
-
 def w4a8_forward(
     x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias: Tensor | None
 ) -> Tensor | None:
@@ -228,19 +216,3 @@ def dequantize(codes: Tensor, bits4: bool, scale: Tensor, zero: Tensor | None, i
         in_features, groups, out.data_ptr(), threads(),
     )  # fmt: skip
     return out
-
-
-def weight_only_linear(
-    x: Tensor, codes: Tensor, bits4: bool, scale: Tensor, zero: Tensor | None, bias: Tensor | None
-) -> Tensor | None:
-    """float32 (M, N) = x · Ŵᵀ + b without building Ŵ (see :func:`dequantize` for the arguments); None when this
-    build or group size has no fast loop (then dequantise)."""
-    _check(x, codes, scale, zero, bias)
-    m, k = x.shape
-    n, groups = scale.shape
-    y = torch.empty(m, n, dtype=torch.float32)
-    ok = _library().qk_weight_only_linear(
-        x.data_ptr(), m, codes.data_ptr(), int(bits4), int(codes.dtype == torch.int8), scale.data_ptr(),
-        _ptr(zero), groups, _ptr(bias), y.data_ptr(), n, k, threads(),
-    )  # fmt: skip
-    return y if ok else None

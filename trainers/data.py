@@ -149,7 +149,7 @@ class LocalCorpus(Corpus):
                 for n, doc in enumerate(read_jsonl(path), 1):
                     yield str(doc.get("id", f"{rel}:{n}")), doc["text"]
             else:
-                text = path.read_text(encoding="utf-8", errors="replace")
+                text = read_utf8_text(path)
                 for n, chunk in enumerate(_paragraph_chunks(text, LOCAL_CHUNK_CHARS)):
                     yield (f"{rel}#{n}" if n else rel), chunk
 
@@ -159,6 +159,36 @@ class LocalCorpus(Corpus):
             h.update(f"|{path.relative_to(self.path.parent if self.path.is_file() else self.path)}|".encode())
             h.update(sha256_file(path).encode())
         return h.hexdigest()
+
+
+_BOMS = (  # longest first: UTF-32 LE's mark begins with UTF-16 LE's
+    (b"\xff\xfe\x00\x00", "UTF-32 (little-endian)"),
+    (b"\x00\x00\xfe\xff", "UTF-32 (big-endian)"),
+    (b"\xff\xfe", "UTF-16 (little-endian)"),
+    (b"\xfe\xff", "UTF-16 (big-endian)"),
+)
+
+
+def read_utf8_text(path: Path) -> str:
+    """A local corpus file as text, refused in one line unless it is UTF-8 text (a UTF-8 BOM is dropped).
+
+    Why: decoding with replacement characters would score a UTF-16 file, a binary or a Latin-1 text as
+    something else entirely, and the record would still say "perplexity on <file>"."""
+    data = path.read_bytes()
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            raise UserError(
+                f"--data {str(path)!r} is {encoding} text, not UTF-8; convert it (e.g. iconv -t UTF-8)"
+            )
+    if b"\x00" in data[:65536]:
+        raise UserError(f"--data {str(path)!r} is a binary file (it holds NUL bytes), not UTF-8 text")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise UserError(
+            f"--data {str(path)!r} is not UTF-8 text (byte {err.start} is {data[err.start : err.start + 1]!r}; "
+            "a Latin-1 or Windows-1252 file?); convert it to UTF-8"
+        ) from None
 
 
 def _paragraph_chunks(text: str, target: int) -> Iterator[str]:

@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="share the cells among K local processes (torchrun; --device cuda: one GPU each)",
     )
+    p.add_argument(
+        "--allow-unsupported",
+        action="store_true",
+        help="exit 0 even when some cells cannot run here (e.g. real mode without a real kernel); "
+        "they are recorded as unsupported and listed either way",
+    )
 
     for name, module, text in (
         (

@@ -66,7 +66,30 @@ def _run_and_show(spec) -> list[dict]:
 
 @command("run")
 def cmd_run(args: argparse.Namespace) -> None:
-    _run_and_show(_grid_spec(args, [args.ckpt]))
+    from qbench.eval.harness import unsupported_cells
+
+    spec = _grid_spec(args, [args.ckpt])
+    unsupported = unsupported_cells(spec)
+    if unsupported:  # refused before the model is even loaded
+        _, mode, why = unsupported[0]
+        raise UserError(f"--mode {mode}: {why}")
+    _run_and_show(spec)
+
+
+def _check_unsupported(records: list[dict], allow: bool) -> int | None:
+    """List the grid's unsupported cells; exit status 1 unless ``--allow-unsupported``."""
+    unsupported = [r for r in records if r.get("status") == "unsupported"]
+    if not unsupported:
+        return None
+    console.print(f"[yellow]{len(unsupported)} cell(s) cannot run here and were recorded as unsupported:[/]")
+    for r in unsupported:
+        console.print(
+            f"  {r['model']['name']} {r['scheme']['name']}/{r['mode']}: {r['error']}", highlight=False
+        )
+    if allow:
+        return None
+    console.print("[yellow]exit status 1: pass --allow-unsupported to accept them[/]")
+    return 1
 
 
 @command("grid")
@@ -79,14 +102,15 @@ def cmd_grid(args: argparse.Namespace) -> int | None:
     if args.nproc_per_node > 1 and world_size == 1:  # relaunch this very command under torchrun
         return ranks.launch(shlex.split(args.command_line)[1:], args.nproc_per_node)
     spec = _grid_spec(args, args.ckpt)
+    allow = getattr(args, "allow_unsupported", False)
     if world_size == 1:
-        _run_and_show(spec)
-        return None
+        return _check_unsupported(_run_and_show(spec), allow)
     records = ranks.run_grid_ranks(spec, on_record=_print_record if rank == 0 else None)
     if records is not None:
         from qbench.eval.report import rich_table
 
         print_wide(rich_table(records))
+        return _check_unsupported(records, allow)
     return None
 
 

@@ -16,6 +16,7 @@ scheme and KV-cache config, so an interrupted grid resumes where it stopped and 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import platform
@@ -49,7 +50,8 @@ RECORD_VERSION = 1
 # The evaluation code's version: bump it whenever a definition changes the numbers a record holds (a metric, a
 # quantiser, the protocol), so records written by older code are recomputed rather than reused.
 # 2: first-token top-1 share no longer counts rows attending nowhere (argmax ties) as key 0.
-EVAL_VERSION = 2
+# 3: per-token NLL summed in float64 (a float32 batch sum could hide a small effect); record identity.
+EVAL_VERSION = 3
 MODES = ("fake", "real")
 PAPER_SCHEMES = ("absmax-fine", "absmax-moderate", "absmax-coarse", "zeropoint-int4")
 DEFAULT_OUTPUT = Path("qbench_results")
@@ -152,9 +154,53 @@ class GridSpec:
 
 
 def record_path(output_path: Path, model_name: str, scheme: str | None, mode: str | None) -> Path:
-    """``<model>/fp.json`` or ``<model>/<scheme>__<mode>.json``; an override name's ':' becomes '@' in the file."""
+    """``<model>/fp.json`` or ``<model>/<scheme>__<mode>.json``; an override name's ':' becomes '@' in the file.
+
+    This is a cell's *plain* name. When that file already holds another cell (same names, but other weights,
+    protocol, excludes, KV cache…), the cell is stored beside it under its identity (:func:`stored_path`)."""
     stem = None if scheme is None else scheme.replace(":", "@")
     return output_path / model_name / ("fp.json" if stem is None else f"{stem}__{mode}.json")
+
+
+def cell_identity(record: dict[str, Any]) -> str:
+    """A short hash of everything that changes a record's number: the model's weights (their fingerprint, else
+    the path they were loaded from), the full scheme config with its excludes, the mode, the KV-cache config,
+    the requested protocol (corpus, split, tokens, window, BOS, batch size…) and the seed. Computed from the
+    record's own fields, so records written before the hash existed get one too. Not in it: the evaluation
+    code's version (a record of older code is the same cell, recomputed in place)."""
+    from qbench.eval.metrics import Protocol
+
+    model = record.get("model") or {}
+    protocol = record.get("protocol") or {}
+    requested = {k: protocol.get(k) for k in Protocol.__dataclass_fields__}
+    if record.get("mode") == "float":
+        requested["attention_statistics"] = protocol.get("attention_statistics")
+    key = {
+        "model": model.get("fingerprint") or model.get("path") or model.get("name"),
+        "scheme": record.get("scheme"),
+        "mode": record.get("mode"),
+        "kv": record.get("kv"),
+        "protocol": requested,
+        "seed": record.get("seed"),
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def stored_path(output_path: Path, record: dict[str, Any]) -> Path:
+    """Where ``record`` is stored under ``output_path``: its plain name (:func:`record_path`) unless that file
+    holds another cell — then ``<plain stem>.<identity>.json`` beside it. So two different cells never share
+    a file, and the same cell always finds its file again."""
+    scheme = None if record["mode"] == "float" else record["scheme"]["name"]
+    return _path_for(
+        record_path(output_path, record["model"]["name"], scheme, record["mode"]), cell_identity(record)
+    )
+
+
+def _path_for(plain: Path, identity: str) -> Path:
+    existing = _read_record(plain)
+    if existing is None or cell_identity(existing) == identity:
+        return plain
+    return plain.with_name(f"{plain.stem}.{identity}.json")
 
 
 def float_scheme() -> Any:
@@ -217,6 +263,46 @@ class ModelEvaluation:
             and record.get("protocol") == self.protocol_record()
         )
 
+    def check(self) -> None:
+        """Refuse bad input before anything is evaluated (one line each): an ``exclude`` pattern that matches no
+        layer the scheme would quantise, and a KV cache whose kept positions cover the whole window."""
+        from qbench.quant.apply import select_layers
+
+        for name in self.spec.schemes:
+            if name != FLOAT_SCHEME:
+                select_layers(self.lm.model, self.spec.scheme(name), self.spec.exclude)
+        kv = self.spec.kv
+        if kv is not None and kv.keep_first >= self.windows.window:
+            raise UserError(
+                f"--kv-keep-first {kv.keep_first} keeps every position of the {self.windows.window}-token "
+                f"window in float (nothing would be quantised); choose a value below {self.windows.window}"
+            )
+
+    def identity(self, scheme_name: str | None, mode: str) -> str:
+        """:func:`cell_identity` of a cell before it is evaluated (``scheme_name`` None: the float record)."""
+        skeleton = {
+            "model": {"name": self.name, **self.lm.description},
+            "scheme": self._fp_scheme() if scheme_name is None else self.spec.scheme_record(scheme_name),
+            "mode": "float" if scheme_name is None else mode,
+            "kv": None if scheme_name is None else self.spec.kv_record(),
+            "protocol": self.protocol_record(),
+            "seed": self.spec.seed,
+        }
+        return cell_identity(skeleton)
+
+    def fp_path(self) -> Path:
+        """Where this model's float record is (or goes) for this protocol."""
+        plain = record_path(self.spec.baseline_path or self.spec.output_path, self.name, None, None)
+        return _path_for(plain, self.identity(None, "float"))
+
+    def cell_path(self, scheme_name: str, mode: str) -> Path:
+        """Where a quantised cell's record is (or goes) under ``spec.output_path``."""
+        plain = record_path(self.spec.output_path, self.name, self.spec.scheme(scheme_name).name, mode)
+        return _path_for(plain, self.identity(scheme_name, mode))
+
+    def _fp_scheme(self) -> dict[str, Any]:
+        return {"name": "fp", "description": f"unquantised ({self.spec.dtype})"}
+
     def protocol_record(self) -> dict[str, Any]:
         record = protocol_record(self.spec.protocol, self.windows, self.lm.tokenizer, self.spec.dtype)
         return {**record, "attention_statistics": self.spec.attention}
@@ -225,7 +311,7 @@ class ModelEvaluation:
         """The float baseline (perplexity, outliers, massive activations), read from disk when already there."""
         if self._fp is not None:
             return self._fp
-        path = record_path(self.spec.baseline_path or self.spec.output_path, self.name, None, None)
+        path = self.fp_path()
         existing = _read_record(path)
         if existing and self.matches(existing) and "linear_ranges" in existing:  # older records lack them
             self._fp, self.fp_reused = existing, True
@@ -251,7 +337,7 @@ class ModelEvaluation:
             self.lm.model, self.windows, self.spec.protocol.outlier_windows, device=self.spec.device
         )
         record = self._record(
-            {"name": "fp", "description": f"unquantised ({self.spec.dtype})"},
+            self._fp_scheme(),
             "float",
             "torch",
             ppl,
@@ -287,9 +373,10 @@ class ModelEvaluation:
         ratio = value / base if math.isfinite(value) and math.isfinite(base) and base > 0 else float("nan")
         if status == "ok" and not math.isfinite(value):
             status, error = "nonfinite", f"perplexity is {value} (the quantised model produced NaN/inf)"
-        return {
+        record = {
             "record_version": RECORD_VERSION,
             "eval_version": EVAL_VERSION,
+            "cell_id": None,  # filled below from the record's own fields
             "model": {"name": self.name, **self.lm.description},
             "scheme": scheme,
             "kv": self.spec.kv_record() if mode != "float" else None,
@@ -318,6 +405,8 @@ class ModelEvaluation:
             "model_bytes": nbytes,
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
+        record["cell_id"] = cell_identity(record)
+        return record
 
     def quantised_record(self, scheme_name: str, mode: str) -> dict[str, Any]:
         """Quantise a copy of the model, evaluate it, and return the record (errors become records too)."""
@@ -447,6 +536,20 @@ def _read_record(path: Path) -> dict[str, Any] | None:
         return None  # missing or torn: recompute
 
 
+def unsupported_cells(spec: GridSpec) -> list[tuple[str, str, str]]:
+    """(scheme, mode, why) of the cells that cannot run here: real mode without a real kernel. Static, so a
+    command can refuse them before loading anything (``qbench run``) or list them (``qbench grid``)."""
+    from qbench.quant.apply import real_kernel_problem
+
+    out = []
+    for scheme, mode in cells(spec):
+        if mode == "real":
+            problem = real_kernel_problem(spec.scheme(scheme))
+            if problem is not None:
+                out.append((scheme, mode, problem))
+    return out
+
+
 def cells(spec: GridSpec) -> list[tuple[str, str]]:
     """(scheme, mode) pairs; the ``fp`` scheme (float weights + quantised KV cache) once, in fake mode."""
     if FLOAT_SCHEME in spec.schemes and spec.kv is None:
@@ -482,6 +585,7 @@ def run_grid(
                 f"{evaluation.lm.source}): their results would share {spec.output_path / evaluation.name}/; "
                 "rename one folder or evaluate them with different --output-path"
             )
+        evaluation.check()
         records.append(evaluation.fp_record())
         if on_record:
             on_record(records[-1], evaluation.fp_reused)
@@ -496,7 +600,7 @@ def run_grid(
 def cell_record(spec: GridSpec, evaluation: ModelEvaluation, scheme: str, mode: str) -> tuple[dict, bool]:
     """One quantised cell: its record from disk when reusable, else evaluated and written atomically.
     Returns (record, reused). ``qbench.eval.ranks`` calls it for the cells of one rank."""
-    path = record_path(spec.output_path, evaluation.name, spec.scheme(scheme).name, mode)
+    path = evaluation.cell_path(scheme, mode)
     existing = _read_record(path)
     reusable = (
         existing is not None

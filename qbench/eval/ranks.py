@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from qbench.eval.harness import GridSpec, ModelEvaluation, cell_record, cells, record_path, run_grid
+from qbench.eval.harness import GridSpec, ModelEvaluation, cell_record, cells, run_grid
 
 BARRIER_TIMEOUT = datetime.timedelta(hours=48)
 
@@ -83,13 +83,13 @@ def run_grid_ranks(
             ev = evaluation(i)
             ev.fp_record()
             if not ev.fp_reused:
-                say(f"{tag} wrote {record_path(spec.output_path, ev.name, None, None)}")
+                say(f"{tag} wrote {ev.fp_path()}")
         dist.barrier()
         for i, scheme, mode in share(grid_cells(spec), rank, world_size):
             ev = evaluation(i)
             _, reused = cell_record(spec, ev, scheme, mode)
             if not reused:
-                say(f"{tag} wrote {record_path(spec.output_path, ev.name, spec.scheme(scheme).name, mode)}")
+                say(f"{tag} wrote {ev.cell_path(scheme, mode)}")
         evaluations.clear()  # free the models before rank 0 loads them all for the summary
         dist.barrier()
         records = run_grid(spec, on_record=on_record) if rank == 0 else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -40,11 +41,44 @@ def read_records(folder: Path) -> list[dict[str, Any]]:
             continue
         try:
             record = json.loads(path.read_text())
-        except ValueError:
-            raise UserError(f"{path} is not valid JSON (a torn or hand-edited result file?)") from None
-        if isinstance(record, dict) and "record_version" in record:
-            records.append(record)
+        except (ValueError, UnicodeDecodeError):
+            _skip(path, "not valid JSON (a torn or hand-edited result file?)")
+            continue
+        if not (isinstance(record, dict) and "record_version" in record):
+            continue  # another kind of JSON (sweep.json, a speed file): not a record
+        problem = malformed(record)
+        if problem:
+            _skip(path, problem)
+            continue
+        records.append(record)
     return records
+
+
+# What every table reads from a record; a record missing one is skipped with a warning, not a traceback.
+REQUIRED = {
+    "model": ("name",),
+    "scheme": ("name",),
+    "metrics": ("perplexity", "fp_perplexity", "ppl_change_pct"),
+    "protocol": ("corpus", "split", "tokens_scored", "window", "stride", "bos", "dtype"),
+}
+
+
+def malformed(record: dict[str, Any]) -> str | None:
+    """What a record lacks for the tables (None: nothing)."""
+    if not isinstance(record.get("mode"), str):
+        return "no 'mode'"
+    for key, fields in REQUIRED.items():
+        block = record.get(key)
+        if not isinstance(block, dict):
+            return f"no {key!r} block"
+        missing = [f for f in fields if f not in block]
+        if missing:
+            return f"its {key!r} block lacks {', '.join(map(repr, missing))}"
+    return None
+
+
+def _skip(path: Path, why: str) -> None:
+    sys.stderr.write(f"warning: skipped {path}: {why}\n")
 
 
 def _model_key(model: dict[str, Any]) -> tuple[str, str]:
@@ -53,18 +87,39 @@ def _model_key(model: dict[str, Any]) -> tuple[str, str]:
 
 
 def cell_key(record: dict[str, Any]) -> str:
-    """A record's column: ``fp`` or ``<scheme>/<mode>``."""
-    return "fp" if record["scheme"]["name"] == "fp" else f"{record['scheme']['name']}/{record['mode']}"
+    """A record's column: ``fp`` or ``<scheme>/<mode>``, with ``[float: PATTERNS]`` when layers were excluded."""
+    if record["scheme"]["name"] == "fp":
+        return "fp"
+    exclude = record["scheme"].get("exclude") or []
+    kept = f" [float: {', '.join(exclude)}]" if exclude else ""
+    return f"{record['scheme']['name']}/{record['mode']}{kept}"
+
+
+# The requested protocol fields that tell two evaluations of one model apart in a table's row label.
+_ROW_PROTOCOL = ("corpus", "split", "tokens", "window", "bos")
 
 
 def cells_by_model(records: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """{row label: {column: record}}, in first-seen order. A model is labelled by its name, or by its path when two
-    models of one name (e.g. step-02000 of two runs) are in the records."""
-    models: dict[tuple[str, str], dict[str, dict]] = {}
+    """{row label: {column: record}}, in first-seen order. A row is one model under one protocol: labelled by
+    the model's name, by its path when two models of one name (e.g. step-02000 of two runs) are in the records,
+    and with the protocol fields that differ (``[tokens=512]``) when one model was evaluated under several — so
+    no record silently hides another."""
+    rows: dict[tuple[str, str, str], dict[str, dict]] = {}
     for r in records:
-        models.setdefault(_model_key(r["model"]), {})[cell_key(r)] = r
-    names = [name for name, _ in models]
-    return {name if names.count(name) == 1 else identity: cells for (name, identity), cells in models.items()}
+        protocol = json.dumps({k: r["protocol"].get(k) for k in _ROW_PROTOCOL}, sort_keys=True)
+        rows.setdefault((*_model_key(r["model"]), protocol), {})[cell_key(r)] = r
+    by_model = [(name, identity) for name, identity, _ in rows]
+    labels = {}
+    for name, identity, protocol in rows:
+        unique = len({i for n, i in by_model if n == name}) == 1
+        label = name if unique else identity
+        if by_model.count((name, identity)) > 1:
+            fields = json.loads(protocol)
+            others = [json.loads(p) for n, i, p in rows if (n, i) == (name, identity) and p != protocol]
+            differ = [k for k in _ROW_PROTOCOL if any(o[k] != fields[k] for o in others)]
+            label += " [" + ", ".join(f"{k}={fields[k]}" for k in differ) + "]"
+        labels[(name, identity, protocol)] = label
+    return {labels[key]: cells for key, cells in rows.items()}
 
 
 def _cell(record: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ import importlib
 import sys
 from collections.abc import Iterable
 
+import torch
 from torch import Tensor, nn
 
 from models.errors import UserError, unknown_choice
@@ -235,6 +236,32 @@ def quantize(
             config.tie_word_embeddings = False
     quantized.qbench_scheme = scheme.to_dict()
     return quantized
+
+
+def real_kernel_problem(scheme: str | QuantScheme | dict) -> str | None:
+    """Why ``scheme`` cannot run with ``mode="real"`` here, or None when it can — asked before any evaluation,
+    so a cell with no real kernel is refused (or recorded as unsupported) at once.
+
+    The answer comes from building one small real layer the way :func:`quantize` would (unit input scales for
+    SmoothQuant, the scheme's Hadamard rotation, static quantisers from a unit range), so it is the dispatch's
+    own verdict and cannot drift from it."""
+    scheme = get_scheme(scheme)
+    if scheme.format != "int":
+        return f"scheme {scheme.name!r}: no real kernel for format {scheme.format!r}; run it with mode='fake'"
+    d_in, d_out = 256, 32
+    layer = nn.Linear(d_in, d_out)
+    scale = torch.ones(d_in) if scheme.method == "smoothquant" else None
+    rotation = _rotations({"probe": layer}, scheme).get("probe")
+    static = (None, None)
+    if scheme.static:
+        ones = torch.ones(d_in)
+        observed = Observed(-ones, ones, -ones, ones, -torch.ones(d_out), torch.ones(d_out))
+        static = static_quantizers(scheme, observed, scale)
+    try:
+        _replacement(layer, scheme, "real", scale, rotation, static)
+    except UserError as err:
+        return str(err)
+    return None
 
 
 def _attached_tensors(obj: object, depth: int = 2) -> Iterable[Tensor]:

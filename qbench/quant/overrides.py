@@ -20,6 +20,7 @@ own parameters: their layers fix everything else.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -66,12 +67,25 @@ def _count(text: str) -> int:
     raise ValueError("a positive integer")
 
 
+# torch.Generator.manual_seed takes 64-bit seeds; larger ones end in a traceback deep inside torch.
+SEED_LIMIT = 2**63
+
+
+def _seed_value(text: str) -> int:
+    if text.isdigit() and int(text) < SEED_LIMIT:
+        return int(text)
+    raise ValueError(f"an integer from 0 to 2**63 − 1 ({SEED_LIMIT - 1})")
+
+
 def _seed(text: str) -> int | None:
     if text == "none":
         return None
-    if text.isdigit():
-        return int(text)
-    raise ValueError("a non-negative integer or none (the first windows)")
+    try:
+        return _seed_value(text)
+    except ValueError:
+        raise ValueError(
+            f"an integer from 0 to 2**63 − 1 ({SEED_LIMIT - 1}) or none (the first windows)"
+        ) from None
 
 
 # key -> (QuantScheme field, parser, the valid range in words)
@@ -95,16 +109,24 @@ SYNTAX = (
 )
 
 
-def _param_parser(default: Any) -> Callable[[str], Any]:
+# Method parameters with a bounded range: SmoothQuant's migration strength α ∈ [0, 1] (Xiao et al. 2023, §4.2).
+PARAM_RANGES: dict[str, tuple[float, float]] = {"alpha": (0.0, 1.0)}
+
+
+def _param_parser(name: str, default: Any) -> Callable[[str], Any]:
     kind = type(default)
+    if name == "seed" and kind is int:
+        return _seed_value
+    low, high = PARAM_RANGES.get(name, (0, math.inf))
 
     def parse(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
             raise ValueError(f"a {'number' if kind is float else 'integer'}") from None
-        if value < 0:
-            raise ValueError("a non-negative number")
+        if not (math.isfinite(value) and low <= value <= high):  # nan and inf fail every comparison here
+            bound = f"from {low:g} to {high:g}" if math.isfinite(high) else "non-negative and finite"
+            raise ValueError(f"a number {bound}")
         return value
 
     return parse
@@ -114,7 +136,7 @@ def _valid_keys(base: Any) -> dict[str, tuple[str, Callable[[str], Any], str]]:
     """The keys ``base`` accepts: :data:`KEYS` (only ``head`` for bitsandbytes) plus its method parameters."""
     keys = {k: v for k, v in KEYS.items() if base.method not in ("llm-int8", "bnb-nf4") or k in BNB_KEYS}
     for param, default in base.params.items():
-        keys[param] = (f"params.{param}", _param_parser(default), type(default).__name__)
+        keys[param] = (f"params.{param}", _param_parser(param, default), type(default).__name__)
     return keys
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from models.io import atomic_write_json
-from qbench.eval.harness import GridSpec, ModelEvaluation, expand_schemes, record_path
+from qbench.eval.harness import GridSpec, ModelEvaluation, expand_schemes
 from qbench.eval.load import LoadedModel
 from qbench.eval.metrics import Protocol
 from qbench.quant import PAPER_SCHEMES
@@ -130,6 +130,6 @@ def score(
     records = []
     for name in names:
         record = evaluation.quantised_record(name, "fake")
-        atomic_write_json(record_path(spec.output_path, lm.name, spec.scheme(name).name, "fake"), record)
+        atomic_write_json(evaluation.cell_path(name, "fake"), record)
         records.append(record)
     return summarise(fp, records)

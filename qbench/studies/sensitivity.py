@@ -321,7 +321,7 @@ def sensitivity(
         on_units(len(units))
     records = [study.unit_cell(unit) for unit in units]  # the first one also writes the float record
     kv_only = study.cell("kv-only", study.targets, "unit") if spec.kv is not None else None
-    fp = _read_fp(spec, lm.name)
+    fp = _read_fp(spec, lm)
     per_layer = _per_layer_statistics(study, fp)
     entries = [_entry(u, r, unit_statistics(u, per_layer)) for u, r in zip(units, records, strict=True)]
     ranked = sorted(entries, key=lambda e: -damage(e))  # stable: model order among equal damage
@@ -359,12 +359,11 @@ def sensitivity(
     }
 
 
-def _read_fp(spec: GridSpec, model_name: str) -> dict[str, Any]:
-    import json
+def _read_fp(spec: GridSpec, lm: LoadedModel) -> dict[str, Any]:
+    """The float record the first unit cell wrote (read back, never recomputed: same spec, same identity)."""
+    from qbench.eval.harness import ModelEvaluation
 
-    from qbench.eval.harness import record_path
-
-    return json.loads(record_path(spec.output_path, model_name, None, None).read_text())
+    return ModelEvaluation(spec, lm.source, lm=lm).fp_record()
 
 
 # ----------------------------------------------------------------------------------------------- the outputs

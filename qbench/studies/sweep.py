@@ -348,12 +348,10 @@ def run_sweep(
 
 
 def _row(cfg: SweepConfig, cell: Cell, record: dict[str, Any], fp: dict[str, Any]) -> dict[str, Any]:
-    from qbench.eval.harness import record_path
+    from qbench.eval.harness import stored_path
 
     m = record["metrics"]
-    path = record_path(
-        Path(cfg.output_path), record["model"]["name"], record["scheme"]["name"], record["mode"]
-    )
+    path = stored_path(Path(cfg.output_path), record)
     kv_name = getattr(record.get("kv"), "get", lambda _k: None)("label")
     fp_seconds = fp.get("eval_seconds") or 0.0
     return {
@@ -392,7 +390,7 @@ def _summary(
     command: str | None,
     wall: float,
 ) -> dict[str, Any]:
-    from qbench.eval.harness import environment, record_path
+    from qbench.eval.harness import environment, stored_path
 
     return {
         "sweep_version": SWEEP_VERSION,
@@ -413,7 +411,7 @@ def _summary(
                 "fp_eval_seconds": fp.get("eval_seconds"),
                 "protocol": fp["protocol"],
                 "record": _relative(
-                    record_path(cfg.baseline_path or cfg.output_path, name, None, None), cfg.output_path
+                    stored_path(Path(cfg.baseline_path or cfg.output_path), fp), cfg.output_path
                 ),
             }
             for name, fp in fps.items()

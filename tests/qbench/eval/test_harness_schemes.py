@@ -64,7 +64,9 @@ def test_reuse_needs_an_equal_config(tmp_path, ckpt_dir):
     seen.clear()
     run_grid(spec, on_record=lambda record, reused: seen.append(reused))
     assert seen == [True, False]  # recomputed
-    assert json.loads(path.read_text())["scheme"]["out_bits"] == 4
+    assert json.loads(path.read_text())["scheme"]["out_bits"] == 8  # the other cell's file is kept as it was
+    beside = [p for p in path.parent.glob("absmax-coarse@*__fake.*.json")]
+    assert len(beside) == 1 and json.loads(beside[0].read_text())["scheme"]["out_bits"] == 4
 
 
 def test_calibration_windows_come_from_the_train_split(ckpt_dir):

@@ -92,8 +92,37 @@ def test_records_of_different_protocols_are_flagged(results, ckpt_dir, hf_gpt2_d
     assert gpt2["absmax-coarse/fake"] == "-"  # a cell that was never evaluated is blank, not borrowed
 
 
-def test_a_torn_record_is_a_one_line_error(results, capsys):
-    next(iter(_files(results).values())).write_text('{"record_version": 1, "model": ')
+def test_a_torn_or_malformed_record_is_skipped_with_a_one_line_warning(results, capsys):
+    files = _files(results)
+    torn = files["absmax-coarse__fake.json"]
+    torn.write_text('{"record_version": 1, "model": ')
+    stripped = files["zeropoint-int4__fake.json"]
+    record = json.loads(stripped.read_text())
+    del record["metrics"]["fp_perplexity"]
+    stripped.write_text(json.dumps(record))
     code = main(["compare", str(results), "--format", "md"])
-    err = capsys.readouterr().err
-    assert code == 2 and "not valid JSON" in err and "Traceback" not in err
+    out, err = capsys.readouterr()
+    assert code == 0 and "Traceback" not in err
+    warnings = [line for line in err.splitlines() if line.startswith("warning: skipped")]
+    assert len(warnings) == 2
+    assert any(str(torn) in w and "not valid JSON" in w for w in warnings)
+    assert any(str(stripped) in w and "'fp_perplexity'" in w for w in warnings)
+    assert "absmax-fine/fake" in out and "zeropoint-int4/fake" not in out  # the good records still shown
+
+
+def test_one_model_under_two_protocols_gets_two_rows(ckpt_dir, results, capsys):
+    first = json.loads(_files(results)["absmax-coarse__fake.json"].read_text())
+    run_grid(
+        GridSpec(
+            models=[str(ckpt_dir)],
+            schemes=["absmax-coarse"],
+            protocol=Protocol(tokens=31 * 2, batch_size=2, outlier_windows=2),
+            output_path=results,
+        )
+    )
+    table = json.loads(_compare([results, "--format", "json"], capsys))
+    labels = [row[0] for row in table["rows"]]
+    assert sorted(labels) == [f"{ckpt_dir.name} [tokens=124]", f"{ckpt_dir.name} [tokens=62]"]
+    # the first run's record is untouched; the second cell has a file of its own
+    assert json.loads(_files(results)["absmax-coarse__fake.json"].read_text()) == first
+    assert len([p for p in results.rglob("absmax-coarse__fake*.json")]) == 2

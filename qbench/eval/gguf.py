@@ -35,8 +35,11 @@ def gguf_summary(path: Path) -> dict[str, Any]:
     gguf = _import_gguf()
     try:
         reader = gguf.GGUFReader(str(path))
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path} is not a readable GGUF file: {str(e).splitlines()[0]}") from None
+    # A truncated or corrupt file fails anywhere in the reader's parsing: an IndexError or KeyError from a
+    # short array, an OverflowError from a garbage length, not only the ValueError of a wrong magic.
+    except (OSError, ValueError, IndexError, KeyError, TypeError, OverflowError, EOFError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{path} is not a readable GGUF file (corrupt or truncated: {why})") from None
 
     def field(name: str) -> Any:
         f = reader.fields.get(name)

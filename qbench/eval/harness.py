@@ -263,6 +263,15 @@ class ModelEvaluation:
             and record.get("protocol") == self.protocol_record()
         )
 
+    def _nonfinite_weights(self) -> str:
+        """``"; the float weights hold N NaN/inf values (first in NAME)"`` when they do, else ``""``."""
+        bad = [(name, int((~p.isfinite()).sum())) for name, p in self.lm.model.named_parameters()]
+        bad = [(name, n) for name, n in bad if n]
+        if not bad:
+            return ""
+        total = sum(n for _, n in bad)
+        return f"; the float weights hold {total} NaN/inf value(s) (first in {bad[0][0]})"
+
     def check(self) -> None:
         """Refuse bad input before anything is evaluated (one line each): an ``exclude`` pattern that matches no
         layer the scheme would quantise, and a KV cache whose kept positions cover the whole window."""
@@ -372,7 +381,9 @@ class ModelEvaluation:
         value, base = ppl["perplexity"], fp_ppl["perplexity"]
         ratio = value / base if math.isfinite(value) and math.isfinite(base) and base > 0 else float("nan")
         if status == "ok" and not math.isfinite(value):
-            status, error = "nonfinite", f"perplexity is {value} (the quantised model produced NaN/inf)"
+            which = "float" if mode == "float" else "quantised"
+            status = "nonfinite"
+            error = f"perplexity is {value} (the {which} model produced NaN/inf){self._nonfinite_weights()}"
         record = {
             "record_version": RECORD_VERSION,
             "eval_version": EVAL_VERSION,
@@ -432,7 +443,8 @@ class ModelEvaluation:
                 )
             )
             qmodel = self._with_kv(qmodel)
-        except UserError as e:  # e.g. no real kernel for this scheme here: recorded, the grid goes on
+        except (UserError, NonFiniteError) as e:  # no real kernel here / NaN or inf weights: recorded, go on
+            nonfinite = isinstance(e, NonFiniteError)
             return self._record(
                 self.spec.scheme_record(scheme_name),
                 mode,
@@ -444,8 +456,8 @@ class ModelEvaluation:
                 0.0,
                 time.perf_counter() - start,
                 0,
-                status="unsupported",
-                error=str(e),
+                status="nonfinite" if nonfinite else "unsupported",
+                error=f"{e}{self._nonfinite_weights()}" if nonfinite else str(e),
             )
         eval_start = time.perf_counter()
         try:
@@ -463,7 +475,7 @@ class ModelEvaluation:
                 time.perf_counter() - start,
                 _model_bytes(qmodel),
                 status="nonfinite",
-                error=str(e),
+                error=f"{e}{self._nonfinite_weights()}",
             )
         eval_seconds = time.perf_counter() - eval_start
         return self._record(

@@ -95,7 +95,9 @@ def test_kv_keep_first_must_leave_part_of_the_window(ckpt_dir, tmp_path):
 @pytest.mark.parametrize("scheme", ["fp8-e4m3", "mxfp4", "absmax-fine-perchannel", "absmax-coarse:a=4"])
 def test_run_real_without_a_kernel_is_a_one_line_error(ckpt_dir, tmp_path, capsys, scheme):
     out = tmp_path / "results"
-    code = main(["run", "--ckpt", str(ckpt_dir), "--scheme", scheme, "--mode", "real", "--output-path", str(out)])
+    code = main(
+        ["run", "--ckpt", str(ckpt_dir), "--scheme", scheme, "--mode", "real", "--output-path", str(out)]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "no real kernel" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1

@@ -514,8 +514,9 @@ def calibration_windows(tokenizer: Any, protocol: Protocol, window: int, scheme:
     from qbench.quant.calibrate import POOL_FACTOR, select_windows
 
     n = scheme.calib_windows * (1 if scheme.calib_seed is None else POOL_FACTOR)
-    per_window = window - 1 if protocol.bos else window
-    train = replace(protocol, split="train", tokens=n * per_window, window=window)
+    train = replace(
+        protocol, split="train", tokens=n * window, window=window
+    )  # each window predicts `window`
     ids = make_windows(tokenizer, train, window).ids
     return select_windows(ids, scheme.calib_windows, scheme.calib_seed)
 

@@ -137,7 +137,7 @@ def test_plan_keeps_the_family_bits_on_other_axes_and_skips_float_tensors():
     assert skipped == ["zeropoint-int4 a: zeropoint-int4 keeps that tensor in float"]
 
 
-MICRO = Protocol(tokens=62, window=32, outlier_windows=2)
+MICRO = Protocol(tokens=64, window=32, outlier_windows=2)
 
 
 def test_a_sweep_writes_one_record_per_cell_and_a_rerun_reuses_them_all(ckpt_dir, tmp_path):
@@ -173,7 +173,7 @@ def test_a_sweep_writes_one_record_per_cell_and_a_rerun_reuses_them_all(ckpt_dir
     assert not any(reused for name, reused in seen if name != "fp")
     written = json.loads((out / "sweep.json").read_text())
     assert written["tolerance_pct"] == 1.0 and written["env"]["git_commit"] == sweep["env"]["git_commit"]
-    assert written["models"][ckpt_dir.name]["protocol"]["tokens_scored"] == 62
+    assert written["models"][ckpt_dir.name]["protocol"]["tokens_scored"] == 64
     assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
     _assert_table_matches((out / "sweep.md").read_text(), written)
 
@@ -194,7 +194,7 @@ def test_bad_family_fails_before_any_model_loads(tmp_path):
 def test_sweep_command_then_compare_and_score_show_the_breaking_points(ckpt_dir, tmp_path, capsys):
     from qbench.cli import main
 
-    res, fast = tmp_path / "res", ["--tokens", "62", "--window", "32", "--no-attention"]
+    res, fast = tmp_path / "res", ["--tokens", "64", "--window", "32", "--no-attention"]
     assert (
         main(["run", "--ckpt", str(ckpt_dir), "--scheme", "absmax-coarse", "--output-path", str(res), *fast])
         == 0

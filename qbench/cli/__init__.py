@@ -169,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokens", type=int, default=TIMING_TOKENS, help="per-layer figures: tokens per timed forward"
     )
-    p.add_argument("--repeats", type=int, default=15, help="timed repeats per figure (the median is shown)")
+    p.add_argument(
+        "--repeats", type=int, default=15, help="timed repeats per figure (medians and minima are compared)"
+    )
     p.add_argument("--scheme", action="append", help="repeatable; default: every registered scheme")
     p.add_argument("--mode", action="append", help="fake | real (default both)")
     p.add_argument("--model", default="small", help="preset for the whole-model figure")
@@ -213,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the budget at which quantisation damage appears in the vanilla model (Llama style, ~50 min)",
     )
     p.add_argument(
-        "--steps", type=int, help="training steps per model, 16 x 128 tokens each (default 500; --long 2000)"
+        "--steps", type=int, help="training steps per model, 16 x 128 tokens each (default: 500; --long 2000)"
     )
     p.add_argument(
         "--tokens",
@@ -221,8 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEMO_TOKENS,
         help="evaluation token budget per model (the demo's recipe)",
     )
-    p.add_argument("--ckpt-root", help="default ckpts/demo (--long: ckpts/demo-long)")
-    add_output_argument(p, "default results/demo (--long: results/demo-long)", metavar="DIR")
+    p.add_argument("--ckpt-root", help="checkpoint folder (default: ckpts/demo; --long: ckpts/demo-long)")
+    add_output_argument(p, "results folder (default: results/demo; --long: results/demo-long)", metavar="DIR")
     p.add_argument("--seed", type=int, default=0, help="training and evaluation seed")
     p.add_argument("--no-sweep", action="store_true", help="skip the bit-width sweep (8→2 bits, KV cache)")
 
@@ -280,7 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
         "reproduce", help="the paper's Tables 2-3 (and 4): train the variants, evaluate, tabulate"
     )
     p.add_argument("--preset", required=True, help="model preset (qbench ls presets)")
-    p.add_argument("--recipes", nargs="+", help="default: vanilla softmax1 orthoadam softmax1-orthoadam")
+    p.add_argument(
+        "--recipes",
+        nargs="+",
+        help="training recipes (default: vanilla softmax1 orthoadam softmax1-orthoadam)",
+    )
     p.add_argument("--ablations", action="store_true", help="also the Table-4 ablation recipes")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--steps", type=int, help="training steps per model (default: the preset's)")
@@ -301,11 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="train each model with torchrun on K devices, and share the evaluation cells among K ranks",
     )
-    p.add_argument("--batch-size", type=int, help="training windows per step, all devices (default 16)")
+    p.add_argument("--batch-size", type=int, help="training windows per step, all devices (default: 16)")
     p.add_argument("--compile", action="store_true", help="train through torch.compile (GPUs)")
     p.add_argument("--parallel", type=int, default=1, help="models trained at once (CPU: one thread each)")
-    p.add_argument("--ckpt-root", help="default ckpts/reproduce/<preset>")
-    add_output_argument(p, "default results/reproduce/<preset>", metavar="DIR")
+    p.add_argument("--ckpt-root", help="checkpoint folder (default: ckpts/reproduce/<preset>)")
+    add_output_argument(p, "results folder (default: results/reproduce/<preset>)", metavar="DIR")
 
     sub.add_parser(
         "train",
@@ -329,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--from", metavar="DIR", help="prepare: a local folder with allenai/c4's en/*.json.gz files"
     )
-    p.add_argument("--cache-dir", help="default: $QBENCH_CACHE or ~/.cache/qbench")
+    p.add_argument("--cache-dir", help="cache folder (default: $QBENCH_CACHE or ~/.cache/qbench)")
     return parser
 
 

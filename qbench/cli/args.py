@@ -106,7 +106,7 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-keep-first",
         type=int,
-        help="keep cache positions 0..K-1 in float and out of the ranges (sink protection; default 0)",
+        help="keep cache positions 0..K-1 in float and out of the ranges (sink protection; default: 0)",
     )
 
 

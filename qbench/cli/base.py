@@ -17,9 +17,8 @@ err_console = Console(stderr=True)
 COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {}
 
 INTERRUPTED = "qbench: interrupted"
-_GIVEN = (
-    "_qbench_given"  # namespace slot of _StoreOnce's bookkeeping; removed again by _Parser.parse_known_args
-)
+# the namespace slot of _StoreOnce's bookkeeping; _Parser.parse_known_args removes it again
+_GIVEN = "_qbench_given"
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -29,12 +28,12 @@ class _HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         if isinstance(action, argparse.BooleanOptionalAction) and isinstance(action.default, bool):
-            # name the spelling that is in effect: "(default: True)" would not say which of the two it is
+            # name the spelling in effect: "(default: True)", which Python 3.10 appends itself, says less
             shown = action.option_strings[0 if action.default else 1]
-            return text if "%(default)" in text else f"{text} (default: {shown})"
+            return f"{text.removesuffix(' (default: %(default)s)')} (default: {shown})"
         if (
             action.option_strings
-            and action.nargs != 0  # switches: off unless given (BooleanOptionalAction adds its own default)
+            and action.nargs != 0  # switches: off unless given
             and action.default not in (None, argparse.SUPPRESS)
             and "%(default)" not in text
         ):

@@ -156,12 +156,16 @@ class QuantScheme:
             d[key] = d[key].to_dict()
         d["params"] = dict(self.params)
         d["label"] = self.label  # informative only; from_dict ignores it
+        if self.format != INT and FORMATS[self.format].recipe:
+            # The block-scale rule, in every record: nvfp4's changed (the E4M3 floor dropped, NVIDIA's recipe), so a
+            # record made under the old rule has none and is recomputed, not reused. Derived; from_dict ignores it.
+            d["format_recipe"] = FORMATS[self.format].recipe
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantScheme:
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names - {"label"}
+        unknown = set(d) - names - {"label", "format_recipe"}
         if unknown:
             raise UserError(f"unknown quantisation scheme field(s) {sorted(unknown)}; known: {sorted(names)}")
         kwargs = {k: v for k, v in d.items() if k in names}
@@ -366,7 +370,7 @@ for _fmt in ("fp8-e4m3", "fp8-e5m2"):
             **dict(_INT8_FINE),
         )
     )
-for _fmt in ("mxfp8", "mxfp6", "mxfp4", "nvfp4"):
+for _fmt in ("mxfp8", "mxfp6", "mxfp4", "nvfp4", "nvfp4-torchao"):
     _block = PerGroup(FORMATS[_fmt].block_size)
     _register(
         QuantScheme(

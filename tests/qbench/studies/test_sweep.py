@@ -287,3 +287,13 @@ def test_sweep_command_then_compare_and_score_show_the_breaking_points(ckpt_dir,
     assert main([*score, "--sweep", str(res / "sweep"), "--json", str(tmp_path / "s.json")]) == 0
     assert f"absmax-coarse w: {shown} bits" in capsys.readouterr().out
     assert json.loads((tmp_path / "s.json").read_text())["breaking_points"] == [point]
+
+
+def test_sweep_command_with_a_family_that_sets_the_swept_axis(ckpt_dir, tmp_path):
+    from qbench.cli import main
+
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--ckpt", str(ckpt_dir), "--family", "absmax-coarse:w=4", "--axes", "w", "--bits", "8,4"]
+    assert main([*argv, "--output-path", str(out), "--tokens", "62", "--window", "32", "--no-attention"]) == 0
+    cells = json.loads((out / "sweep.json").read_text())["cells"]
+    assert [(c["bits"], c["scheme"]) for c in cells] == [(8, "absmax-coarse"), (4, "absmax-coarse:w=4")]

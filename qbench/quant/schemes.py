@@ -28,7 +28,8 @@ Conventions every scheme shares (and every result records, since ``to_dict()`` i
 - ``static=True``: activation and output scales calibrated once on ``calib_windows`` train windows
   (``static.py``, ``calibrate.py``) instead of per sequence.
 - ``format`` (default ``"int"``): the number format of quantised weights and activations. ``fp8-e4m3[-rowwise]``,
-  ``fp8-e5m2[-rowwise]``, ``mxfp8``, ``mxfp6``, ``mxfp4`` and ``nvfp4`` use float formats (``formats.py``: the
+  ``fp8-e5m2[-rowwise]``, ``mxfp8``, ``mxfp6``, ``mxfp4``, ``nvfp4`` (NVIDIA's recipe) and
+  ``nvfp4-torchao`` (torchao's block scales, floored at 2^−6) use float formats (``formats.py``: the
   exact definitions and spec sections), fake mode only; MX/NVFP4 blocks are the scheme's ``PerGroup`` (32 / 16)
   along the input dimension of both the weight and the activation, as in torchao's MX and NVFP4 recipes.
 """

@@ -435,8 +435,8 @@ def _summary(
         "command": command,
         "tolerance_pct": cfg.tolerance,
         "breaking_point_definition": (
-            "lowest bit width whose perplexity change is ≤ tolerance at that width and at every wider width "
-            "swept; none if the widest fails"
+            "lowest bit width whose perplexity change is ≤ tolerance (up to 1e-9 relative) at that width and at "
+            "every wider width swept; none if the widest fails"
         ),
         "families": list(cfg.families),
         "axes": list(cfg.axes),

@@ -294,6 +294,6 @@ def test_sweep_command_with_a_family_that_sets_the_swept_axis(ckpt_dir, tmp_path
 
     out = tmp_path / "sweep"
     argv = ["sweep", "--ckpt", str(ckpt_dir), "--family", "absmax-coarse:w=4", "--axes", "w", "--bits", "8,4"]
-    assert main([*argv, "--output-path", str(out), "--tokens", "62", "--window", "32", "--no-attention"]) == 0
+    assert main([*argv, "--output-path", str(out), "--tokens", "64", "--window", "32", "--no-attention"]) == 0
     cells = json.loads((out / "sweep.json").read_text())["cells"]
     assert [(c["bits"], c["scheme"]) for c in cells] == [(8, "absmax-coarse"), (4, "absmax-coarse:w=4")]

@@ -119,12 +119,16 @@ def _with_progress(spec, args: argparse.Namespace, lm) -> dict:
         TimeElapsedColumn(),
         console=console,
     ) as progress:
-        units = progress.add_task("units", total=None)
-        repair = progress.add_task("repair", total=None, visible=False)
+        # one bar per phase, so "units n/n" counts the units alone; the repair's length is known only as it runs
+        tasks = {
+            "unit": progress.add_task("units", total=None),
+            "kv": progress.add_task("KV cache alone", total=1, visible=False),
+            "repair": progress.add_task("repair", total=None, visible=False),
+        }
+        units = tasks["unit"]
 
         def on_cell(phase: str, record: dict, reused: bool) -> None:
-            task = units if phase == "unit" else repair
-            progress.update(task, advance=1, visible=True)
+            progress.update(tasks[phase], advance=1, visible=True)
 
         return sensitivity(
             spec,

@@ -10,7 +10,11 @@ bitsandbytes is optional (``pip install 'qbench[bnb]'``) and imported only insid
   would change with ``--batch-size``; the layer is therefore called once per sequence (issue 13.10), like the
   per-sequence activation scales of the other schemes.
 - ``bnb-nf4``: ``Linear4bit(quant_type="nf4")``, blocks of 64 weights with an absmax each, NormalFloat-4 codebook,
-  weight-only (activations stay in ``compute_dtype``).
+  weight-only (activations stay in ``compute_dtype``) — except on CPUs with AVX512-BF16: there bitsandbytes
+  (0.45+, ``backends/cpu/ops.py``) repacks the weight on the first inference forward and its CPU ``gemv_4bit``
+  casts the activations *and the block absmax* to bf16 and computes in bf16 (relative error ~3e-3 against the
+  float32 product), whatever ``compute_dtype`` says. :func:`nf4_compute_dtype` tells which, and the layer's
+  name in records says it (``bnb-nf4 (bf16 compute)``).
 
 bitsandbytes quantises a weight only when the parameter is moved with ``.to(device)`` (or on a forward in eval
 mode): we build on the CPU, move to the weight's device — which quantises — and return the layer in eval mode,
@@ -26,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import UserError
+from qbench.quant.kernels.base import RealLinear
 
 _CAST_WARNING = "inputs will be cast from"
 
@@ -63,14 +68,45 @@ def _silence_cast_warning() -> None:
         logger.addFilter(_DropCastWarning())
 
 
-class BnbLinear(nn.Module):
+def nf4_compute_dtype(layer: nn.Module) -> torch.dtype:
+    """The dtype a bitsandbytes ``Linear4bit`` computes in for inference input on its device.
+
+    bitsandbytes' CPU path (``Linear4bit.forward``): when ``support_avx512bf16_for_cpu`` (the CPU has AVX512-BF16
+    and the library was built with it) the weight is repacked for ``gemv_4bit``, whose CPU kernel converts the
+    input and the absmax to bf16; otherwise the weight is dequantised to ``compute_dtype`` and multiplied."""
+    on_cpu = layer.weight.device.type == "cpu"
+    if on_cpu and getattr(layer, "support_avx512bf16_for_cpu", False):
+        return torch.bfloat16
+    return layer.compute_dtype or torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+
+
+class BnbLinear(RealLinear):
     """A bitsandbytes layer with qbench's reporting (``extra_repr``, ``nbytes``); forward is the layer's own."""
 
     def __init__(self, layer: nn.Module, method: str, per_sequence: bool = False) -> None:
         super().__init__()
         self.layer, self.method, self.per_sequence = layer.eval(), method, per_sequence
+        self.in_features, self.out_features = layer.in_features, layer.out_features
 
-    def forward(self, x: Tensor) -> Tensor:
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What bitsandbytes computes in: bf16 or ``compute_dtype`` for NF4 (:func:`nf4_compute_dtype`); fp16 for
+        LLM.int8 (its outlier columns and its casts)."""
+        if isinstance(self.layer, import_bnb().nn.Linear4bit):
+            return nf4_compute_dtype(self.layer)
+        return torch.float16
+
+    @property
+    def kernel_name(self) -> str:
+        """The name records carry (``apply.real_kernels``): the method and the compute dtype."""
+        kind = "bnb-nf4" if self.method.startswith("nf4") else "llm-int8"
+        return f"BnbLinear {kind} ({dtype_name(self.compute_dtype)} compute)"
+
+    def _forward(self, x: Tensor) -> Tensor:
         if not self.per_sequence or x.dim() < 3 or x.shape[0] == 1:
             return self.layer(x)
         # (B, T, in): one call per sequence
@@ -98,7 +134,8 @@ class BnbLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.layer.in_features}, out_features={self.layer.out_features}, "
-            f"bias={self.layer.bias is not None}, bitsandbytes {self.method}, {self.nbytes() / 2**20:.2f} MiB"
+            f"bias={self.layer.bias is not None}, bitsandbytes {self.method}, "
+            f"{dtype_name(self.compute_dtype)} compute, {self.nbytes() / 2**20:.2f} MiB"
         )
 
     def train(self, mode: bool = True) -> BnbLinear:

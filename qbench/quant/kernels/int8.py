@@ -52,6 +52,7 @@ from qbench.quant.fake import transform_input, transform_weight
 from qbench.quant.float32 import Float32Buffers
 from qbench.quant.granularity import PerAxis, PerTensor
 from qbench.quant.kernels import paths
+from qbench.quant.kernels.base import RealLinear
 from qbench.quant.primitives import TINY, choose_qparams, quantize
 
 QMAX = 127
@@ -232,11 +233,10 @@ def check_input_scale(input_scale: Tensor | None, in_features: int) -> Tensor | 
     return input_scale.detach().float().clone()
 
 
-class Int8Linear(Float32Buffers):
-    """W8A8 absmax linear with an integer GEMM; see the module docstring for the exact definition."""
+class Int8Linear(RealLinear):
+    """W8A8 absmax linear with an integer GEMM; see the module docstring for the exact definition.
 
-    # bias too: the compiled CPU kernels read it as float32 (a bf16 bias gave outputs ~1e32)
-    _float32_buffers = ("w_scale", "bias", "input_scale", "static_act_scale", "static_out_scale")
+    Scales and bias stay float32 through casts (``base.RealLinear``): the C kernels read them as float32."""
 
     def __init__(
         self,
@@ -267,7 +267,7 @@ class Int8Linear(Float32Buffers):
             )
         self.register_buffer("qweight_t", qweight_t)
         self.register_buffer("w_scale", w_scale)  # (out,) per channel or () per tensor, float32
-        self.register_buffer("bias", bias)
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.register_buffer("input_scale", check_input_scale(input_scale, self.in_features))  # SmoothQuant s
         self.rotation = as_rotation(rotation, self.in_features)
         # static (calibrated) scales: see the end of the class
@@ -311,9 +311,7 @@ class Int8Linear(Float32Buffers):
             static_out_scale=static_out_scale,
         )
 
-    def forward(self, x: Tensor) -> Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"Int8Linear expects (..., {self.in_features}) input, got {tuple(x.shape)}")
+    def _forward(self, x: Tensor) -> Tensor:
         if self.static_act_scale is not None:
             return self._static_forward(x)
         lead = x.shape[:-1]
@@ -377,17 +375,6 @@ class Int8Linear(Float32Buffers):
         """s_w · q_w as (out, in) float32: the (transformed) weight the integer GEMM effectively uses."""
         scale = self.w_scale.reshape(-1, 1) if self.w_scale.dim() else self.w_scale
         return self.qweight_t.t().float() * scale
-
-    def nbytes(self) -> int:
-        """True storage of this layer and its submodules: int8 weight, scales, bias, SmoothQuant scale, rotation.
-
-        A rotation shared by several layers (one per input size) is counted by each; a model-level count that
-        walks modules should not descend into a module that has ``nbytes()``.
-        """
-        tensors = (self.qweight_t, self.w_scale, self.bias, self.input_scale)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + module_bytes(
-            self.rotation
-        )
 
     def extra_repr(self) -> str:
         w = "per channel" if self.w_scale.dim() else "per tensor"

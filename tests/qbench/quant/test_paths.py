@@ -1,0 +1,105 @@
+"""Every dispatch branch of the real layers that this CPU can take, forced, equals fake mode (``paths.force``).
+
+The default branch depends on the CPU (``torch._int_mm`` for W8A8 above 16 rows only with AVX-512 VNNI / AMX,
+the C GEMV / GEMM only in AVX2 builds), so a test of the defaults alone leaves branches untested on any one
+machine. Here each path ``paths.offered`` lists for this build is forced at 1, 16, 17 and 512 rows and compared
+with ``FakeQuantLinear``; the integer paths (W8A8 all four, W4A8 per channel) must agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.errors import UserError
+from qbench.quant.granularity import PerGroup
+from qbench.quant.kernels import native, paths
+from tests.qbench.quant.real_cases import CASES, build, inputs, rel_err
+
+ROWS = (1, 16, 17, 512)  # decode, the last GEMV row count, the first above it, a prefill
+# float32 dot products of fake mode against the kernels' exact integer sums or reassociated float sums
+FLOAT_ROUNDING = 5e-6
+
+
+def _forward(layer: torch.nn.Module, x: torch.Tensor, path: str | None) -> tuple[torch.Tensor, str]:
+    with paths.force(path), torch.inference_mode():
+        y = layer(x)
+    return y, layer.last_path
+
+
+def _bound(case, path: str) -> float:
+    if case.float_exact and path in ("c-dequant", "torch"):
+        return 0.0  # the same Ŵ (bit for bit) and the same F.linear as fake mode
+    if case.scheme.out_bits is not None:
+        # output quantised per sequence: a float-rounding difference may move one output code by one step
+        return 1.01 / 127
+    return FLOAT_ROUNDING
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_every_offered_path_equals_fake_mode(case, rows):
+    real, fake = build(case)
+    x = inputs(rows, case.in_features)
+    with torch.inference_mode():
+        expected = fake(x)
+    outputs = {}
+    for path in paths.offered(case.kind):
+        with paths.force(path):
+            assert paths.choose(case.kind, rows) == path
+        y, taken = _forward(real, x, path)
+        assert taken == path, f"{case.id}: forced {path}, ran {taken}"
+        assert y.dtype == torch.float32 and not y.isnan().any()
+        err = rel_err(y, expected)
+        assert err <= _bound(case, path), f"{case.id} {path} at {rows} rows: {err:.3g}"
+        outputs[path] = y
+    integer: tuple[str, ...] = ()
+    if case.kind == "w8a8":
+        integer = tuple(outputs)  # every W8A8 path: exact int32 sums, then the same epilogue order
+    elif case.kind == "w4a8" and not isinstance(case.scheme.weight_granularity, PerGroup):
+        # per channel the C loops' int32 sums are exact; per group of 32 the decode loop adds the scaled group
+        # sums in another float order (equal to rounding, checked above)
+        integer = ("c-gemv", "c-gemm")
+    same = [p for p in integer if p in outputs]
+    for path in same[1:]:
+        assert torch.equal(outputs[path], outputs[same[0]]), f"{case.id}: {path} != {same[0]} at {rows} rows"
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_layers_take_the_path_choose_names(case, rows):
+    """What ``qbench env`` lists (``paths.choose``) is what the layer runs, unforced."""
+    real, _ = build(case)
+    _, taken = _forward(real, inputs(rows, case.in_features), None)
+    assert taken == paths.choose(case.kind, rows)
+
+
+def test_default_choice_follows_the_cpu(monkeypatch):
+    if not native.available():
+        assert {paths.choose(k, r) for k in paths.KINDS for r in ROWS} == {"torch"}
+        return
+    avx2 = native.isa() == "AVX2"
+    for preferred, big in ((True, "int-mm"), (False, "c-gemm" if avx2 else "c-gemv")):
+        monkeypatch.setattr(paths, "int_mm_preferred", lambda p=preferred: p)
+        assert paths.choose("w8a8", 16) == "c-gemv" and paths.choose("w8a8", 17) == big
+    assert paths.choose("w4a8", 17) == ("c-gemm" if avx2 else "c-gemv")
+    assert (
+        paths.choose("w4", 16) == ("c-gemv" if avx2 else "c-dequant")
+        and paths.choose("w8", 17) == "c-dequant"
+    )
+    assert paths.choose("lowbit", 1) == "torch"
+
+
+def test_force_by_environment_and_bad_names(monkeypatch):
+    monkeypatch.setenv(paths.FORCE_ENV, "torch")
+    assert {paths.choose(k, r) for k in paths.KINDS for r in ROWS} == {"torch"}
+    with paths.force("c-dequant"):  # the context manager wins over the environment
+        assert paths.choose("w8", 1) == ("c-dequant" if native.available() else "torch")
+        assert paths.choose("w8a8", 1) != "c-dequant"  # a kind without that path keeps its default
+    monkeypatch.setenv(paths.FORCE_ENV, "c-gemmm")
+    with pytest.raises(UserError, match=r"QBENCH_FORCE_PATH='c-gemmm'.*c-gemm"):
+        paths.choose("w8a8", 1)
+    with pytest.raises(UserError, match="kernel path 'gemv'"), paths.force("gemv"):
+        pass
+    with pytest.raises(UserError, match="real layer kind"):
+        paths.choose("int5", 1)

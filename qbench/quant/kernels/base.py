@@ -44,7 +44,8 @@ class RealLinear(nn.Module):
         if x.numel() == 0:  # no rows: the reductions of activation quantisation have nothing to reduce
             return x.new_zeros(*x.shape[:-1], self.out_features)
         self.__dict__["last_path"] = "torch"  # what ran, for tests: paths.py overwrites it when a kernel runs
-        return self._forward(x)
+        # one layout: a strided input would otherwise take other BLAS loops (other roundings) than its copy
+        return self._forward(x.contiguous())
 
     def _forward(self, x: Tensor) -> Tensor:
         raise NotImplementedError
@@ -53,10 +54,11 @@ class RealLinear(nn.Module):
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> RealLinear:
         def keep_float32(t: Tensor) -> Tensor:
-            out = fn(t)
-            if t.dtype == torch.float32 and out.is_floating_point() and out.dtype != torch.float32:
-                return out.float()  # the cast's device move stays, its dtype change does not
-            return out
+            if t.dtype != torch.float32:
+                return fn(t)
+            probe = fn(t.new_empty(0))  # where and to what the cast sends a float32 tensor
+            # the cast's device move stays, its dtype change does not (casting and back would round the values)
+            return fn(t) if probe.dtype == torch.float32 else t.to(probe.device)
 
         self.invalidate()
         return super()._apply(keep_float32, recurse)

@@ -132,12 +132,32 @@ def describe(kind: str, rows: int) -> str:
     path = choose(kind, rows)
     isa = native.isa()
     return {
-        "c-gemv": f"C {isa} GEMV" if kind in ("w8a8", "w4a8") else f"C {isa} kernel on packed codes",
+        "c-gemv": f"C {isa} GEMV" if kind in ("w8a8", "w4a8") else f"C {isa} kernel reading the codes (no Ŵ)",
         "c-gemm": f"C {isa} int16 GEMM",
         "int-mm": "C quantiser + torch._int_mm + C epilogue",
         "c-dequant": "C dequantise + torch sgemm",
         "torch": "torch (dequantise + F.linear)" if kind != "w8a8" else "torch._int_mm (torch quantiser)",
     }[path]
+
+
+ISA_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_int8",
+    "amx_bf16",
+)
+
+
+def instruction_set() -> str:
+    """The CPU's vector extensions that decide a path here, and what the C kernels were built for."""
+    have = [f for f in ISA_FLAGS if f in cpu_flags()]
+    built = f"C kernels built for {native.isa()}" if native.available() else "C kernels off"
+    return f"{' '.join(have) or 'no AVX2'}; {built}"
 
 
 def _record(owner: object, path: str) -> None:

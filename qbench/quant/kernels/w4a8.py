@@ -154,7 +154,8 @@ class Int4A8Linear(RealLinear):
         lead = x.shape[:-1]
         x3 = x.float().reshape(1 if x.dim() <= 2 else x.shape[0], -1, self.in_features)
         q, scale = quantize_activation(x3, per_token)
-        y = F.linear(q.float() * scale, self.dequantized_weight().to(x3.device), self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        y = F.linear(q.float() * scale, self.dequantized_weight().to(x3.device), bias)
         return y.reshape(*lead, self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:

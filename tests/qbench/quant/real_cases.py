@@ -25,6 +25,7 @@ class Case(NamedTuple):
     scheme: QuantScheme
     kind: str  # paths.KINDS, or "bnb"
     in_features: int = IN
+    out_features: int = OUT
     float_exact: bool = False  # its torch path (and c-dequant) runs fake mode's very arithmetic: bit for bit
 
 
@@ -54,14 +55,19 @@ CASES = [
     Case("w8-zp-g64", get_scheme("zeropoint-int4-g64:w=8"), "w8", in_features=256, float_exact=True),
     Case("w8-absmax-channel", get_scheme("absmax-fine:a=none"), "w8", float_exact=True),
 ]
-BNB_CASES = [Case("bnb-nf4", get_scheme("bnb-nf4"), "bnb"), Case("llm-int8", get_scheme("llm-int8"), "bnb")]
+BNB_CASES = [
+    Case("bnb-nf4", get_scheme("bnb-nf4"), "bnb"),
+    # 64 × 256: the shape bitsandbytes repacks for its bf16 CPU kernel on CPUs with AVX512-BF16
+    Case("bnb-nf4-64x256", get_scheme("bnb-nf4"), "bnb", in_features=256, out_features=64),
+    Case("llm-int8", get_scheme("llm-int8"), "bnb"),
+]
 
 
-def build(case: Case, seed: int = 0, out_features: int = OUT) -> tuple[torch.nn.Module, FakeQuantLinear]:
+def build(case: Case, seed: int = 0) -> tuple[torch.nn.Module, FakeQuantLinear]:
     """(real layer, fake layer) of one random float weight and bias."""
     g = torch.Generator().manual_seed(seed)
-    weight = torch.randn(out_features, case.in_features, generator=g) * 0.05
-    bias = torch.randn(out_features, generator=g) * 0.1
+    weight = torch.randn(case.out_features, case.in_features, generator=g) * 0.05
+    bias = torch.randn(case.out_features, generator=g) * 0.1
     return make_real_linear(weight, bias, case.scheme), FakeQuantLinear(weight, bias, case.scheme)
 
 

@@ -13,7 +13,8 @@ import torch
 
 from models.errors import UserError
 from qbench.quant.granularity import PerGroup
-from qbench.quant.kernels import native, paths
+from qbench.quant.kernels import PATH_LAYERS, kernel_paths, native, paths
+from qbench.quant.kernels.bnb import bnb_available
 from tests.qbench.quant.real_cases import CASES, build, inputs, rel_err
 
 ROWS = (1, 16, 17, 512)  # decode, the last GEMV row count, the first above it, a prefill
@@ -103,3 +104,23 @@ def test_force_by_environment_and_bad_names(monkeypatch):
         pass
     with pytest.raises(UserError, match="real layer kind"):
         paths.choose("int5", 1)
+
+
+def test_the_env_listing_is_the_dispatch():
+    """``qbench env``'s paths come from ``paths.choose``: forcing a path changes the listing with it."""
+    listing = kernel_paths()
+    assert {"cpu instruction set", "path W8A8 (Int8Linear)", "path W4A8 (Int4A8Linear)"} <= set(listing)
+    for name, kind in PATH_LAYERS:
+        text = listing[f"path {name}"]
+        assert (
+            f"1 row: {paths.describe(kind, 1)};" in text and f"512 rows: {paths.describe(kind, 512)}" in text
+        )
+    big = "torch._int_mm" if paths.int_mm_preferred() and native.available() else "GEMM"
+    assert big in listing["path W8A8 (Int8Linear)"].split("512 rows:")[1]
+    with paths.force("torch"):
+        assert "C " not in kernel_paths()["path W8A8 (Int8Linear)"]
+    if bnb_available():
+        from bitsandbytes.functional import has_avx512bf16
+
+        nf4 = "bf16 compute" if has_avx512bf16() else "fp32 compute"
+        assert nf4 in listing["path bnb-nf4 (BnbLinear)"]

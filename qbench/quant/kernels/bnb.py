@@ -7,7 +7,7 @@ bitsandbytes is optional (``pip install 'qbench[bnb]'``) and imported only insid
   float16 (the outlier decomposition of Dettmers et al. 2022). bitsandbytes casts activations to float16 first, so
   values beyond ±65504 overflow — a limit of the method as implemented, relevant for massive activations.
   The outlier columns are chosen over all rows of one call, so a batch of sequences would share them and a cell
-  would change with ``--batch-size``; the layer is therefore called once per sequence (issue 13.10), like the
+  would change with ``--batch-size``; the layer is therefore called once per sequence, like the
   per-sequence activation scales of the other schemes.
 - ``bnb-nf4``: ``Linear4bit(quant_type="nf4")``, blocks of 64 weights with an absmax each, NormalFloat-4 codebook,
   weight-only (activations stay in ``compute_dtype``) — except on CPUs with AVX512-BF16: there bitsandbytes

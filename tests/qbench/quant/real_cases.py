@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from qbench.quant.fake import FakeQuantLinear
+from qbench.quant.fake import FakeQuantLinear, HadamardRotation
 from qbench.quant.granularity import PerTensor
 from qbench.quant.kernels import make_real_linear
 from qbench.quant.schemes import QuantScheme, get_scheme
@@ -26,6 +26,7 @@ class Case(NamedTuple):
     kind: str  # paths.KINDS, or "bnb"
     in_features: int = IN
     out_features: int = OUT
+    transform: str | None = None  # "smooth": a SmoothQuant input scale; "hadamard": a rotation
     float_exact: bool = False  # its torch path (and c-dequant) runs fake mode's very arithmetic: bit for bit
 
 
@@ -38,6 +39,14 @@ CASES = [
     Case("w8a8-channel-sequence", _replace("absmax-fine", act_granularity=PerTensor()), "w8a8"),
     Case("w8a8-tensor-sequence", get_scheme("absmax-moderate"), "w8a8"),
     Case("w8a8-tensor-out8", get_scheme("absmax-coarse"), "w8a8"),
+    Case("w8a8-smoothquant", get_scheme("smoothquant"), "w8a8", transform="smooth"),
+    Case(
+        "w8a8-hadamard-out8",
+        get_scheme("hadamard-absmax-coarse"),
+        "w8a8",
+        in_features=256,
+        transform="hadamard",
+    ),
     Case("w4a8-channel", get_scheme("absmax-w4a8"), "w4a8", float_exact=True),
     Case("w4a8-g32", get_scheme("absmax-w4a8-g32"), "w4a8", float_exact=True),
     Case(
@@ -48,6 +57,16 @@ CASES = [
     ),
     Case("int4-zp-channel", get_scheme("zeropoint-int4"), "w4", float_exact=True),
     Case("int4-zp-g128", get_scheme("zeropoint-int4-g128"), "w4", in_features=256, float_exact=True),
+    # 64 outputs, g128: a shape torch's int4pack kernel takes (bf16 input)
+    Case("int4-zp-g128-64x256", get_scheme("zeropoint-int4-g128"), "w4", 256, 64, float_exact=True),
+    Case(
+        "int4-zp-hadamard",
+        get_scheme("hadamard-zeropoint-int4"),
+        "w4",
+        256,
+        transform="hadamard",
+        float_exact=True,
+    ),
     Case("int3-g128", get_scheme("zeropoint-int3-g128"), "lowbit", float_exact=True),
     Case("int2-g64", get_scheme("zeropoint-int2-g64"), "lowbit", float_exact=True),
     Case("int4-absmax-channel", get_scheme("absmax-fine:w=4,a=none"), "lowbit", float_exact=True),
@@ -68,7 +87,14 @@ def build(case: Case, seed: int = 0) -> tuple[torch.nn.Module, FakeQuantLinear]:
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(case.out_features, case.in_features, generator=g) * 0.05
     bias = torch.randn(case.out_features, generator=g) * 0.1
-    return make_real_linear(weight, bias, case.scheme), FakeQuantLinear(weight, bias, case.scheme)
+    extra: dict[str, object] = {}
+    if case.transform == "smooth":
+        extra["input_scale"] = torch.rand(case.in_features, generator=g) + 0.5
+    elif case.transform == "hadamard":
+        extra["rotation"] = HadamardRotation(case.in_features, seed=seed)
+    return make_real_linear(weight, bias, case.scheme, **extra), FakeQuantLinear(
+        weight, bias, case.scheme, **extra
+    )
 
 
 def inputs(rows: int, in_features: int, seed: int = 1) -> torch.Tensor:

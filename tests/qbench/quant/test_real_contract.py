@@ -20,6 +20,8 @@ import torch
 
 from qbench.quant.kernels import paths
 from qbench.quant.kernels.bnb import bnb_available
+from qbench.quant.kernels.int4 import Int4Linear, int4pack_available
+from qbench.quant.kernels.int8 import Int8Linear
 from tests.qbench.quant.real_cases import BNB_CASES, CASES, build, inputs, rel_err
 
 ALL = CASES + (BNB_CASES if bnb_available() else [])
@@ -46,6 +48,15 @@ def _reference(case, real, fake, x: torch.Tensor) -> torch.Tensor:
     return _run(real if case.kind == "bnb" else fake, x.float())
 
 
+def _low_precision_path(layer: torch.nn.Module, dtype: torch.dtype, rows: int) -> str:
+    """The C kernels read float32 only: Int8Linear computes in float32 from the start (its C paths then run);
+    Int4Linear takes torch's int4pack kernel for bf16 input where its shape fits; all else the torch path."""
+    if isinstance(layer, Int8Linear):
+        return paths.choose("w8a8", rows)
+    fits = isinstance(layer, Int4Linear) and layer.kernel_group() is not None and int4pack_available("cpu")
+    return "int4pack" if fits and dtype == torch.bfloat16 else "torch"
+
+
 def _floating_dtypes(layer: torch.nn.Module) -> set[torch.dtype]:
     return {t.dtype for t in (*layer.parameters(), *layer.buffers()) if t.is_floating_point()}
 
@@ -66,6 +77,7 @@ def test_a_cast_keeps_kernel_dtypes_and_the_output_follows_the_input(case, dtype
         low = x.to(dtype)
         y = _run(real, low)
         assert y.dtype == dtype and not y.isnan().any()
+        assert real.last_path == _low_precision_path(real, dtype, rows)
         err = rel_err(y, _reference(case, real, fake, low))
         assert err < LOW_PRECISION[dtype] + _float32_bound(case), f"{case.id} {dtype} {rows} rows: {err:.3g}"
     real.float()

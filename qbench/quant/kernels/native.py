@@ -130,7 +130,12 @@ def enabled(flag: bool) -> Iterator[None]:
 def isa() -> str | None:
     """The instruction set the loops were compiled for ("AVX2" or "C"), None when not built."""
     lib = _library()
-    return None if lib is None else ISA_NAMES[lib.qk_isa()]
+    return None if lib is None else _isa_of(lib)
+
+
+@functools.cache
+def _isa_of(lib: ctypes.CDLL) -> str:
+    return ISA_NAMES[lib.qk_isa()]  # a foreign call: layers ask on every forward (paths.choose)
 
 
 def _ptr(t: Tensor | None) -> int | None:

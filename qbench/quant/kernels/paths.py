@@ -85,8 +85,12 @@ def force(path: str | None) -> Iterator[None]:
 
 def forced() -> str | None:
     """The forced path: :func:`force`, else ``QBENCH_FORCE_PATH``, else None."""
-    if _FORCED["path"] is not None:
-        return _FORCED["path"]
+    return _FORCED["path"] or env_forced()
+
+
+@functools.cache
+def env_forced() -> str | None:
+    """``QBENCH_FORCE_PATH``, read once (every forward asks; ``env_forced.cache_clear()`` reads it again)."""
     env = os.environ.get(FORCE_ENV)
     if not env:
         return None
@@ -97,11 +101,17 @@ def forced() -> str | None:
 
 def offered(kind: str) -> tuple[str, ...]:
     """The paths a layer kind can take here (CPU, float32 input), default ones first."""
+    available = native.available()
+    return _offered(kind, native.isa() if available else None)
+
+
+@functools.cache
+def _offered(kind: str, isa: str | None) -> tuple[str, ...]:
     if kind not in KINDS:
         raise unknown_choice("real layer kind", kind, KINDS)
-    if not native.available() or kind == "lowbit":
+    if isa is None or kind == "lowbit":
         return ("torch",)
-    avx2 = native.isa() == "AVX2"
+    avx2 = isa == "AVX2"
     if kind == "w8a8":
         return ("c-gemv", *(("c-gemm",) if avx2 else ()), "int-mm", "torch")
     if kind == "w4a8":
@@ -118,22 +128,21 @@ def choose(kind: str, rows: int) -> str:
     want = forced()
     if want in paths:
         return want
-    if paths == ("torch",):
-        return "torch"
     if rows <= DECODE_ROWS:
         return paths[0]
     if kind == "w8a8" and int_mm_preferred():
         return "int-mm"
-    return paths[1] if paths[1] != "torch" else paths[0]
+    big = "c-gemm" if kind in ("w8a8", "w4a8") else "c-dequant"
+    return big if big in paths else paths[0]  # the portable build: its one loop takes every row count
 
 
 def describe(kind: str, rows: int) -> str:
     """Words for ``choose(kind, rows)``, for ``qbench env`` and benchmark tables."""
     path = choose(kind, rows)
-    isa = native.isa()
+    c = "portable C" if native.isa() == "C" else f"C {native.isa()}"
     return {
-        "c-gemv": f"C {isa} GEMV" if kind in ("w8a8", "w4a8") else f"C {isa} kernel reading the codes (no Ŵ)",
-        "c-gemm": f"C {isa} int16 GEMM",
+        "c-gemv": f"{c} GEMV" if kind in ("w8a8", "w4a8") else f"{c} kernel reading the codes (no Ŵ)",
+        "c-gemm": f"{c} int16 GEMM",
         "int-mm": "C quantiser + torch._int_mm + C epilogue",
         "c-dequant": "C dequantise + torch sgemm",
         "torch": "torch (dequantise + F.linear)" if kind != "w8a8" else "torch._int_mm (torch quantiser)",

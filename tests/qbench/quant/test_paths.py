@@ -8,6 +8,8 @@ with ``FakeQuantLinear``; the integer paths (W8A8 all four, W4A8 per channel) mu
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -91,13 +93,26 @@ def test_default_choice_follows_the_cpu(monkeypatch):
     assert paths.choose("lowbit", 1) == "torch"
 
 
+def test_the_portable_build_runs_its_one_loop_at_every_row_count(monkeypatch):
+    """Without AVX2 (``native.isa() == "C"``) there is no C GEMM and no weight-only GEMV to choose."""
+    monkeypatch.setattr(native, "available", lambda: True)
+    monkeypatch.setattr(native, "isa", lambda: "C")
+    monkeypatch.setattr(paths, "int_mm_preferred", lambda: False)
+    assert paths.offered("w8a8") == ("c-gemv", "int-mm", "torch")
+    assert [paths.choose(k, r) for k in ("w8a8", "w4a8") for r in (1, 512)] == ["c-gemv"] * 4
+    assert {paths.choose(k, r) for k in ("w4", "w8") for r in (1, 512)} == {"c-dequant"}
+    assert paths.describe("w8a8", 512) == "portable C GEMV"
+
+
 def test_force_by_environment_and_bad_names(monkeypatch):
+    monkeypatch.setattr(paths, "env_forced", functools.cache(paths.env_forced.__wrapped__))
     monkeypatch.setenv(paths.FORCE_ENV, "torch")
     assert {paths.choose(k, r) for k in paths.KINDS for r in ROWS} == {"torch"}
     with paths.force("c-dequant"):  # the context manager wins over the environment
         assert paths.choose("w8", 1) == ("c-dequant" if native.available() else "torch")
         assert paths.choose("w8a8", 1) != "c-dequant"  # a kind without that path keeps its default
     monkeypatch.setenv(paths.FORCE_ENV, "c-gemmm")
+    paths.env_forced.cache_clear()  # the variable is read once per process
     with pytest.raises(UserError, match=r"QBENCH_FORCE_PATH='c-gemmm'.*c-gemm"):
         paths.choose("w8a8", 1)
     with pytest.raises(UserError, match="kernel path 'gemv'"), paths.force("gemv"):

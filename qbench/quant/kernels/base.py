@@ -24,9 +24,53 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from models.errors import UserError
+from qbench.quant.float32 import Float32Buffers
+
+CODE_DTYPES = (torch.int8, torch.uint8)  # what the kernels read codes as (packed nibbles, bit-packed, int8)
+
 
 def tensor_bytes(*tensors: Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
+
+
+class MatrixRotation(Float32Buffers):
+    """x ↦ x · Rᵀ for an explicit (dim, dim) orthogonal matrix R (computed in float32, returned in x's dtype)."""
+
+    _float32_buffers = ("matrix",)
+
+    def __init__(self, matrix: Tensor) -> None:
+        super().__init__()
+        if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
+            raise UserError(f"a rotation matrix must be square, got shape {tuple(matrix.shape)}")
+        self.register_buffer("matrix", matrix.detach().float().clone())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x.float() @ self.matrix.T).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.matrix.shape[0]}, dense"
+
+
+def as_rotation(rotation: nn.Module | Tensor | None, in_features: int) -> nn.Module | None:
+    """A rotation module (``HadamardRotation``, …) as is; a matrix wrapped in :class:`MatrixRotation`."""
+    if isinstance(rotation, Tensor):
+        rotation = MatrixRotation(rotation)
+    dim = getattr(rotation, "dim", None)
+    if isinstance(rotation, MatrixRotation):
+        dim = rotation.matrix.shape[0]
+    if rotation is not None and dim is not None and dim != in_features:
+        raise UserError(f"rotation of size {dim} does not fit a linear with in_features={in_features}")
+    return rotation
+
+
+def check_input_scale(input_scale: Tensor | None, in_features: int) -> Tensor | None:
+    """A SmoothQuant input scale (in,) as a float32 copy, or None."""
+    if input_scale is None:
+        return None
+    if input_scale.shape != (in_features,):
+        raise UserError(f"input_scale must have shape ({in_features},), got {tuple(input_scale.shape)}")
+    return input_scale.detach().float().clone()
 
 
 class RealLinear(nn.Module):
@@ -49,6 +93,25 @@ class RealLinear(nn.Module):
 
     def _forward(self, x: Tensor) -> Tensor:
         raise NotImplementedError
+
+    def store(
+        self,
+        codes: dict[str, Tensor | None],
+        floats: dict[str, Tensor | None],
+        *,
+        input_scale: Tensor | None = None,
+        rotation: nn.Module | Tensor | None = None,
+    ) -> None:
+        """Register the layer's stored tensors: integer ``codes`` as given (int8 / uint8, the layouts the kernels
+        read), ``floats`` (scales, bias) as float32 copies, the SmoothQuant ``input_scale`` and the rotation."""
+        for name, t in codes.items():
+            if t is not None and t.dtype not in CODE_DTYPES:
+                raise UserError(f"{type(self).__name__}: {name} must hold int8 or uint8 codes, got {t.dtype}")
+            self.register_buffer(name, t)
+        for name, t in floats.items():
+            self.register_buffer(name, None if t is None else t.detach().float())
+        self.register_buffer("input_scale", check_input_scale(input_scale, self.in_features))
+        self.rotation = as_rotation(rotation, self.in_features)
 
     # ------------------------------------------------------------------------------------ storage and casts
 

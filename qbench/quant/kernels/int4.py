@@ -36,8 +36,7 @@ from models.errors import UserError
 from qbench.quant.fake import transform_input, transform_weight
 from qbench.quant.granularity import PerAxis, PerGroup
 from qbench.quant.kernels import paths
-from qbench.quant.kernels.base import RealLinear
-from qbench.quant.kernels.int8 import as_rotation, check_input_scale
+from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.primitives import choose_qparams, quantize
 
 BITS = 4
@@ -93,12 +92,13 @@ class Int4Linear(RealLinear):
         super().__init__()
         self.in_features, self.out_features = in_features, qweight.shape[0]
         self.group_size = group_size  # None: one group per output channel (the zeropoint-int4 scheme)
-        self.register_buffer("qweight", qweight)  # (out, ⌈in/2⌉) uint8
-        self.register_buffer("scales", scales)  # (out, in/g) float32
-        self.register_buffer("zeros", zeros)  # (out, in/g) uint8
-        self.register_buffer("bias", None if bias is None else bias.detach().float())
-        self.register_buffer("input_scale", check_input_scale(input_scale, in_features))
-        self.rotation = as_rotation(rotation, in_features)
+        # qweight (out, ⌈in/2⌉) uint8 nibbles, zeros (out, in/g) uint8, scales (out, in/g)
+        self.store(
+            {"qweight": qweight, "zeros": zeros},
+            {"scales": scales, "bias": bias},
+            input_scale=input_scale,
+            rotation=rotation,
+        )
         self._kernel_cache: tuple[Tensor, Tensor, int] | None = None
 
     @classmethod

@@ -49,10 +49,9 @@ from torch import Tensor, nn
 
 from models.errors import UserError, unknown_choice
 from qbench.quant.fake import transform_input, transform_weight
-from qbench.quant.float32 import Float32Buffers
 from qbench.quant.granularity import PerAxis, PerTensor
 from qbench.quant.kernels import paths
-from qbench.quant.kernels.base import RealLinear
+from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.primitives import TINY, choose_qparams, quantize
 
 QMAX = 127
@@ -188,51 +187,6 @@ def _run_forward(
 # ----------------------------------------------------------------------------------------------- module
 
 
-class MatrixRotation(Float32Buffers):
-    """x ↦ x · Rᵀ for an explicit (dim, dim) orthogonal matrix R (computed in float32, returned in x's dtype)."""
-
-    _float32_buffers = ("matrix",)
-
-    def __init__(self, matrix: Tensor) -> None:
-        super().__init__()
-        if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
-            raise UserError(f"a rotation matrix must be square, got shape {tuple(matrix.shape)}")
-        self.register_buffer("matrix", matrix.detach().float().clone())
-
-    def forward(self, x: Tensor) -> Tensor:
-        return (x.float() @ self.matrix.T).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"dim={self.matrix.shape[0]}, dense"
-
-
-def as_rotation(rotation: nn.Module | Tensor | None, in_features: int) -> nn.Module | None:
-    """A rotation module (``HadamardRotation``, …) as is; a matrix wrapped in :class:`MatrixRotation`."""
-    if isinstance(rotation, Tensor):
-        rotation = MatrixRotation(rotation)
-    dim = getattr(rotation, "dim", None)
-    if isinstance(rotation, MatrixRotation):
-        dim = rotation.matrix.shape[0]
-    if rotation is not None and dim is not None and dim != in_features:
-        raise UserError(f"rotation of size {dim} does not fit a linear with in_features={in_features}")
-    return rotation
-
-
-def module_bytes(module: nn.Module | None) -> int:
-    """Bytes of a helper module's parameters and buffers (a rotation's signs or matrix); 0 for None."""
-    if module is None:
-        return 0
-    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-
-
-def check_input_scale(input_scale: Tensor | None, in_features: int) -> Tensor | None:
-    if input_scale is None:
-        return None
-    if input_scale.shape != (in_features,):
-        raise UserError(f"input_scale must have shape ({in_features},), got {tuple(input_scale.shape)}")
-    return input_scale.detach().float().clone()
-
-
 class Int8Linear(RealLinear):
     """W8A8 absmax linear with an integer GEMM; see the module docstring for the exact definition.
 
@@ -265,11 +219,13 @@ class Int8Linear(RealLinear):
                 f"Int8Linear needs int8 weight codes in [−{QMAX}, {QMAX}] (absmax), got {qweight_t.dtype} "
                 f"with minimum {int(qweight_t.min()) if qweight_t.numel() else 'n/a'}"
             )
-        self.register_buffer("qweight_t", qweight_t)
-        self.register_buffer("w_scale", w_scale)  # (out,) per channel or () per tensor, float32
-        self.register_buffer("bias", None if bias is None else bias.detach().float())
-        self.register_buffer("input_scale", check_input_scale(input_scale, self.in_features))  # SmoothQuant s
-        self.rotation = as_rotation(rotation, self.in_features)
+        # w_scale: (out,) per channel or () per tensor
+        self.store(
+            {"qweight_t": qweight_t},
+            {"w_scale": w_scale, "bias": bias},
+            input_scale=input_scale,
+            rotation=rotation,
+        )
         # static (calibrated) scales: see the end of the class
         self._init_static(static_act_scale, static_out_scale)
 

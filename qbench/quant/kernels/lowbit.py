@@ -30,8 +30,7 @@ from torch import Tensor, nn
 from models.errors import UserError
 from qbench.quant.fake import pad_to_groups, transform_input, transform_weight
 from qbench.quant.granularity import Granularity, PerAxis, PerGroup
-from qbench.quant.kernels.base import RealLinear
-from qbench.quant.kernels.int8 import as_rotation, check_input_scale
+from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.primitives import choose_qparams, qrange, quantize
 
 PACKED_BITS = (2, 3, 4)
@@ -92,12 +91,13 @@ class LowBitLinear(RealLinear):
         _unit(bits)
         self.in_features, self.out_features, self.bits = in_features, scales.shape[0], bits
         self.group = in_features if group is None else group  # the last group of a ragged row is shorter
-        self.register_buffer("qweight", qweight)  # (out, packed) uint8
-        self.register_buffer("scales", scales)  # (out, in/g) float32
-        self.register_buffer("zeros", zeros)  # (out, in/g) uint8, None when symmetric (zero point qmax)
-        self.register_buffer("bias", None if bias is None else bias.detach().float())
-        self.register_buffer("input_scale", check_input_scale(input_scale, in_features))
-        self.rotation = as_rotation(rotation, in_features)
+        # qweight (out, packed) uint8, zeros (out, in/g) uint8 or None when symmetric (zero point qmax)
+        self.store(
+            {"qweight": qweight, "zeros": zeros},
+            {"scales": scales, "bias": bias},
+            input_scale=input_scale,
+            rotation=rotation,
+        )
 
     @property
     def symmetric(self) -> bool:

@@ -32,14 +32,9 @@ from models.errors import UserError, unknown_choice
 from qbench.quant.fake import pad_to_groups, transform_input, transform_weight
 from qbench.quant.granularity import PerAxis, PerGroup
 from qbench.quant.kernels import paths
-from qbench.quant.kernels.base import RealLinear
+from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.kernels.int4 import pack_int4, unpack_int4
-from qbench.quant.kernels.int8 import (
-    ACT_GRANULARITIES,
-    as_rotation,
-    check_input_scale,
-    quantize_activation,
-)
+from qbench.quant.kernels.int8 import ACT_GRANULARITIES, quantize_activation
 from qbench.quant.primitives import choose_qparams, quantize
 
 BITS = 4
@@ -78,11 +73,10 @@ class Int4A8Linear(RealLinear):
             raise unknown_choice("W4A8 activation granularity", act, ACT_GRANULARITIES)
         self.in_features, self.out_features, self.act = in_features, qweight.shape[0], act
         self.group_size = group_size  # None: one group per output channel
-        self.register_buffer("qweight", qweight)  # (out, ⌈in/2⌉) uint8, c + 8
-        self.register_buffer("scales", scales)  # (out, groups) float32
-        self.register_buffer("bias", None if bias is None else bias.detach().float())
-        self.register_buffer("input_scale", check_input_scale(input_scale, in_features))
-        self.rotation = as_rotation(rotation, in_features)
+        # qweight (out, ⌈in/2⌉) uint8 nibbles c + 8, scales (out, groups)
+        self.store(
+            {"qweight": qweight}, {"scales": scales, "bias": bias}, input_scale=input_scale, rotation=rotation
+        )
 
     @classmethod
     def from_float(

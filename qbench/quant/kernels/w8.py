@@ -22,8 +22,7 @@ from models.errors import UserError
 from qbench.quant.fake import transform_input, transform_weight
 from qbench.quant.granularity import PerAxis, PerGroup
 from qbench.quant.kernels import paths
-from qbench.quant.kernels.base import RealLinear
-from qbench.quant.kernels.int8 import as_rotation, check_input_scale
+from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.primitives import choose_qparams, quantize
 
 BITS = 8
@@ -44,12 +43,13 @@ class Int8WeightOnlyLinear(RealLinear):
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
-        self.register_buffer("qweight", qweight)  # (out, in) int8 (symmetric) or uint8
-        self.register_buffer("scales", scales)  # (out, in/g) float32
-        self.register_buffer("zeros", zeros)  # (out, in/g) uint8 or None
-        self.register_buffer("bias", None if bias is None else bias.detach().float())
-        self.register_buffer("input_scale", check_input_scale(input_scale, self.in_features))
-        self.rotation = as_rotation(rotation, self.in_features)
+        # qweight (out, in) int8 (symmetric) or uint8, zeros (out, in/g) uint8 or None, scales (out, in/g)
+        self.store(
+            {"qweight": qweight, "zeros": zeros},
+            {"scales": scales, "bias": bias},
+            input_scale=input_scale,
+            rotation=rotation,
+        )
 
     @classmethod
     def from_float(

@@ -139,3 +139,12 @@ def test_the_env_listing_is_the_dispatch():
 
         nf4 = "bf16 compute" if has_avx512bf16() else "fp32 compute"
         assert nf4 in listing["path bnb-nf4 (BnbLinear)"]
+
+
+def test_qbench_env_prints_the_paths(capsys):
+    from qbench.cli import main
+
+    assert main(["env"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the table wraps long cells
+    assert "instruction set" in out and "Int8Linear" in out and "LowBitLinear" in out
+    assert "1 row:" in out and "rows:" in out

@@ -18,7 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.errors import UserError
 from qbench.quant.kernels import paths
+from qbench.quant.kernels.base import RealLinear
 from qbench.quant.kernels.bnb import bnb_available
 from qbench.quant.kernels.int4 import Int4Linear, int4pack_available
 from qbench.quant.kernels.int8 import Int8Linear
@@ -132,3 +134,17 @@ def test_a_c_kernel_never_reads_a_tensor_in_another_dtype(case):
     assert real.last_path == "torch" and not y.isnan().any()
     assert paths.choose(case.kind, 17) != "torch"  # a C path would have run with a float32 bias
     assert rel_err(y, _run(fake, x)) < 1e-2
+
+
+def test_every_real_layer_class_is_covered_and_stores_codes_as_the_kernels_read_them():
+    import qbench.quant.kernels.w8  # noqa: F401  (imported lazily by make_real_linear)
+
+    built = {type(build(case)[0]) for case in ALL}
+    expected = {cls for cls in RealLinear.__subclasses__() if cls.__module__.startswith("qbench.")}
+    if not bnb_available():
+        expected = {cls for cls in expected if cls.__name__ != "BnbLinear"}
+    assert expected <= built, f"no contract case for {expected - built}"
+    layer, _ = build(CASES[0])
+    codes = layer.qweight_t.t().contiguous().to(torch.int32)  # int32 codes: no kernel reads them
+    with pytest.raises(UserError, match=r"qweight_t must hold int8 or uint8 codes, got torch\.int32"):
+        RealLinear.store(layer, {"qweight_t": codes}, {})

@@ -3,6 +3,8 @@
 Every real layer (``Int8Linear``, ``Int4Linear``, ``LowBitLinear``, ``Int4A8Linear``, ``Int8WeightOnlyLinear``,
 ``BnbLinear``) is a :class:`RealLinear`. The base
 
+- owns the stored tensors (:meth:`RealLinear.store`): codes as int8 / uint8 (the layouts the kernels read),
+  scales and bias as float32, the SmoothQuant input scale, the rotation;
 - keeps every float32 tensor of the layer (scales, bias, SmoothQuant input scale, rotation, static scales) in
   float32 whatever ``.to(dtype)`` / ``.half()`` / ``.bfloat16()`` does to the model: the C kernels read them
   through float32 pointers (a bf16 bias read as float32 gave NaN and drifts of 0.08), and a bf16 scale moves every

@@ -193,12 +193,14 @@ def cmd_env(args: argparse.Namespace) -> None:
     table.add_row("torch threads", str(torch.get_num_threads()))
     table.add_row("cuda", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "[dim]none[/]")
     try:
-        from qbench.quant.kernels import available_backends
+        from qbench.quant.kernels import available_backends, kernel_paths
     except ImportError:
         available_backends = None
     if available_backends is not None:
         for backend, ok in available_backends().items():
             table.add_row(f"kernel {backend}", "[green]yes[/]" if ok else "[dim]no[/]")
+        for what, path in kernel_paths().items():  # from the dispatch code itself (paths.choose)
+            table.add_row(what, path)
     console.print(table)
 
 

@@ -205,17 +205,21 @@ def attach_kv(model: nn.Module, config: KVConfig) -> nn.Module:
     return model
 
 
-def kv_quantizers(model: nn.Module) -> list[list[KVQuantizer]]:
-    """Per decoder layer, the KV quantisers attached inside it (empty list: none)."""
-    from qbench.eval.adapters import decoder_layers, is_ours
+def kv_quantizers(model: nn.Module) -> dict[str, KVQuantizer]:
+    """The KV quantisers attached to ``model``, by the name of the attention module holding each."""
+    from models.transformer import Transformer
 
-    if is_ours(model):
-        found = [[b.attn.kv_transform] for b in model.transformer.h]
-        return [[q for q in qs if isinstance(q, KVQuantizer)] for qs in found]
-    return [
-        [m.qbench_kv for m in layer.modules() if isinstance(getattr(m, "qbench_kv", None), KVQuantizer)]
-        for layer in decoder_layers(model)
-    ]
+    if isinstance(model, Transformer):
+        return {
+            f"transformer.h.{i}.attn": block.attn.kv_transform
+            for i, block in enumerate(model.transformer.h)
+            if isinstance(block.attn.kv_transform, KVQuantizer)
+        }
+    return {
+        name: m.qbench_kv
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "qbench_kv", None), KVQuantizer)
+    }
 
 
 PROBE_TOKENS = 4  # a probe forward is this long: enough for every layer to run, cheap on any model
@@ -229,18 +233,24 @@ def probe_ids(model: nn.Module) -> Tensor:
 
 @torch.no_grad()
 def _probe(model: nn.Module) -> None:
-    """Run a short forward and refuse the model unless its KV quantiser ran in every decoder layer."""
-    from qbench.eval.adapters import logits
+    """Run a short forward and refuse the model unless the quantiser of every attention module it was attached
+    to (one per decoder layer) ran."""
+    from models.transformer import Transformer
 
-    layers = kv_quantizers(model)
-    before = [sum(q.calls for q in qs) for qs in layers]
-    logits(model, probe_ids(model))
-    missed = [i for i, qs in enumerate(layers) if sum(q.calls for q in qs) == before[i]]
+    quantizers = kv_quantizers(model)
+    before = {name: q.calls for name, q in quantizers.items()}
+    ids = probe_ids(model)
+    if isinstance(model, Transformer):
+        model(ids)
+    else:
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    missed = [name for name, q in quantizers.items() if q.calls == before[name]]
     if missed:
         raise UserError(
-            f"KV-cache quantisation did not run in layer(s) {', '.join(map(str, missed))} of "
-            f"{len(layers)} of {type(model).__name__}: supported are qbench models and transformers models "
-            "whose attention goes through transformers' attention functions or updates a Cache per layer"
+            f"KV-cache quantisation did not run in {len(missed)} of {len(quantizers)} attention modules of "
+            f"{type(model).__name__} ({', '.join(missed[:3])}{', …' if len(missed) > 3 else ''}): supported "
+            "are qbench models and transformers models whose attention goes through transformers' attention "
+            "functions or updates a Cache per layer"
         )
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from models.errors import UserError
 from qbench.eval.adapters import context_length, decoder_layers, forward_observed, observe_any
 from qbench.quant import FakeQuantLinear, get_scheme, quantize
-from qbench.quant.kv import KVConfig, apply_kv, kv_quantizers
+from qbench.quant.kv import KVConfig, apply_kv
 
 VOCAB, T = 128, 12
 SCHEMES = ("absmax-fine", "zeropoint-int4")
@@ -171,9 +171,13 @@ def check(model: nn.Module, name: str) -> dict:
     except UserError as e:
         return {"refused": str(e)}
     if name in KV:
-        before = [sum(q.calls for q in qs) for qs in kv_quantizers(transformed)]
+        per_layer = [
+            [m.qbench_kv for m in layer.modules() if hasattr(m, "qbench_kv")]
+            for layer in decoder_layers(transformed)
+        ]
+        before = [sum(q.calls for q in qs) for qs in per_layer]
         logits = run(transformed, ids)
-        after = [sum(q.calls for q in qs) for qs in kv_quantizers(transformed)]
+        after = [sum(q.calls for q in qs) for qs in per_layer]
         every_layer = all(a > b for a, b in zip(after, before, strict=True))
     elif name == "float":
         logits, every_layer = run(transformed, ids), None
@@ -232,7 +236,7 @@ def test_a_kv_cache_that_cannot_be_reached_is_refused(family_models, monkeypatch
     import qbench.quant.kv as kv
 
     monkeypatch.setattr(kv, "_uses_attention_registry", lambda module: True)
-    with pytest.raises(UserError, match=r"did not run in layer\(s\) 0, 1 of 2 of GPTNeoForCausalLM") as e:
+    with pytest.raises(UserError, match=r"did not run in 2 of 2 attention modules of GPTNeoForCausalLM") as e:
         apply_kv(_model(family_models, "gpt_neo"), KVConfig(2))
     assert "\n" not in str(e.value)
 

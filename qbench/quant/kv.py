@@ -40,9 +40,11 @@ Where the cache is intercepted:
   ``_attn_implementation == "sdpa"`` and, failing it, adds an sdpa-style boolean mask to eager scores and sees
   future tokens. Instead each attention module is handed a stand-in cache (``_QuantisingCache``) as its cache
   argument; the module calls ``cache.update(key, value, layer)`` with exactly what a cache stores and attends
-  over what it returns. Falcon: keys after RoPE (rotary variants) or as projected (ALiBi variants); Bloom and
-  MPT (ALiBi, bias added to the scores): keys and values as projected; GPT-Neo (learned absolute positions)
-  and XGLM (sinusoidal positions added to the embeddings): as projected.
+  over what it returns. Falcon: keys after RoPE (rotary variants) or as projected (ALiBi variants); Falcon-40B's
+  layout broadcasts each k/v group to its query heads before the update, so every copy is quantised alike,
+  as its own cache would hold them; Bloom and MPT (ALiBi, bias added to the scores): keys and values as
+  projected; GPT-Neo (learned absolute positions) and XGLM (sinusoidal positions added to the embeddings):
+  as projected. A real cache passed in (generation) is updated first and read back quantised.
 
 No silent no-op: after attaching, a probe forward of a few tokens checks that the quantiser ran in every
 decoder layer; otherwise ``attach_kv`` refuses the model in one line.
@@ -107,7 +109,7 @@ class KVConfig:
             "granularity": self.granularity,
             "keep_first": self.keep_first,
             "label": self.label,
-            "keys": f"{key_groups}, after the rotary embedding",
+            "keys": f"{key_groups}, after the rotary embedding where the model has one",
             "values": "per token, after the projection",
             "range": "asymmetric [min, max] round-to-nearest (KIVI eq. 1)",
             "statistics": "per sequence and head; per-channel ranges over the whole scored window, "

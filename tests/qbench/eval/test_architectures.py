@@ -280,6 +280,30 @@ def test_observers_refuse_a_layer_whose_hook_never_runs():
     assert "\n" not in str(e.value)
 
 
+def test_an_intervention_whose_layer_never_runs_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from qbench.studies.intervene import Site, intervention
+
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=VOCAB)
+    ).eval()
+    ids, _ = test_inputs()
+    sites = [Site(layer=1, channel=0, threshold=0.0, mean=0.0, count=1)]
+    with torch.no_grad(), intervention(model, sites, "zero") as editor:
+        run(model, ids)  # the edit runs ...
+        assert editor.edited > 0
+        hooked = model.transformer.h[1]
+
+        class Bypass(nn.Module):
+            def forward(self, *args, **kwargs):
+                return hooked.forward(*args, **kwargs)
+
+        model.transformer.h[1] = Bypass()
+        with pytest.raises(UserError, match=r"intervention did not run in layer\(s\) 1 of GPT2LMHeadModel"):
+            run(model, ids)  # ... and a forward that skips it is refused
+
+
 def test_attention_metrics_refuse_layers_without_probabilities(family_models, monkeypatch):
     from contextlib import nullcontext
 
@@ -343,7 +367,7 @@ if __name__ == "__main__":
     sys.stdout.write(table() + "\n")
 
 
-@pytest.mark.parametrize("family", ["bloom", "falcon"])
+@pytest.mark.parametrize("family", ["bloom", "mpt", "falcon", "gpt_neo", "xglm"])
 def test_qbench_run_loads_the_family_and_its_kv_cache_moves_perplexity(family, tokenizer, tmp_path):
     """End to end (load, windows, KV cache): Bloom has no context length, so the window comes from --window."""
     from dataclasses import replace

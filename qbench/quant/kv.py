@@ -279,8 +279,9 @@ def _attach_transformers(model: nn.Module, config: KVConfig) -> None:
             "attention implementation (config._attn_implementation)"
         )
     named = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    ids = {id(m) for m in named}
     # The innermost ones: GPT-Neo's GPTNeoAttention only dispatches to its GPTNeoSelfAttention.
-    modules = [m for m in named if not any(c is not m and c in named for c in m.modules())]
+    modules = [m for m in named if not any(c is not m and id(c) in ids for c in m.modules())]
     if not modules:
         raise UserError(
             f"cannot find the attention modules of {type(model).__name__} to quantise its KV cache"

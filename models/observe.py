@@ -39,12 +39,8 @@ class EveryLayer:
     were missed. This is the probe: the first forward pass after attaching (or a short one run on purpose)."""
 
     def __init__(self, model: nn.Module, layers: list[int], what: str, supported: str) -> None:
-        self.model_name, self.layers, self.what, self.supported = (
-            type(model).__name__,
-            layers,
-            what,
-            supported,
-        )
+        self.model_name = type(model).__name__
+        self.layers, self.what, self.supported = layers, what, supported
         self.counts: dict[int, int] = dict.fromkeys(layers, 0)
 
     def hit(self, layer: int) -> None:

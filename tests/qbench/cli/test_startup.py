@@ -45,6 +45,8 @@ LIGHT = [
     ["sensitivity", "--help"],
     ["score", "--help"],
     ["lm-eval", "--help"],
+    ["ls", "presets"],
+    ["ls", "corpora"],
     ["ls", "recipes"],
     ["ls", "results", "--output-path", "no-such-folder"],
 ]

@@ -81,15 +81,17 @@ class _RegisterWhenTransformersLoads(importlib.abc.MetaPathFinder):
 
         spec = importlib.util.find_spec(fullname)  # the real finders: this one has just left
         loader = spec.loader if spec is not None else None
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec  # an unusual loader: qbench's own loading paths register explicitly anyway
+        if loader is None or isinstance(loader, type) or not hasattr(loader, "exec_module"):
+            # no loader instance of its own to wrap (patching a loader class would reach every module it
+            # loads); qbench's own loading paths register explicitly anyway
+            return spec
         exec_module = loader.exec_module
 
         def exec_then_register(module: ModuleType) -> None:
             try:
                 exec_module(module)
             finally:
-                del loader.exec_module  # the loader's own method again (it may load a reload)
+                del loader.exec_module  # the instance is left as it was found
             _register_softmax1()
 
         loader.exec_module = exec_then_register  # type: ignore[method-assign]  (this loader instance only)

@@ -205,6 +205,10 @@ def softmax_with_sink_logit(scores: Tensor, sink_logit: Tensor, dim: int = -1) -
     return torch.softmax(torch.cat([s, scores], dim=dim), dim=dim)[..., 1:]
 
 
+def _at_least_float32(t: Tensor) -> Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _offset_causal(T: int, L: int, device: torch.device) -> Tensor:
     """(T, L) True where query i (at position L − T + i) may see key j."""
     return torch.ones(T, L, dtype=torch.bool, device=device).tril(diagonal=L - T)
@@ -227,12 +231,14 @@ def remedy_attention(q: Tensor, k: Tensor, v: Tensor, kind: str, params: RemedyP
         return F.scaled_dot_product_attention(
             q, torch.cat([zero, k], dim=2), torch.cat([zero, v], dim=2), attn_mask=mask
         )
-    scores = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5
+    # The weights in float32 (as the softpick reference does): under bf16 autocast e^x − 1 and the clip's
+    # (ζ − γ)p + γ lose most of their mantissa near 0, exactly where these normalisations differ from softmax.
+    scores = _at_least_float32(q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5
     scores = scores.masked_fill(~causal, float("-inf"))
     if kind == "clipped":
-        return clipped_softmax(scores, params.gamma, params.zeta) @ v
+        return clipped_softmax(scores, params.gamma, params.zeta).to(v.dtype) @ v
     if kind == "softpick":
-        return softpick(scores, params.eps) @ v
+        return softpick(scores, params.eps).to(v.dtype) @ v
     raise ValueError(f"unknown remedy attention {kind!r}; known: {REMEDY_KINDS}")
 
 
@@ -241,7 +247,7 @@ def remedy_attention_reference(
 ) -> tuple[Tensor, Tensor]:
     """The remedies' equations written out over a causal (T, T) score matrix: (output, probs (B, nh, T, T))."""
     T = q.size(2)
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    scores = _at_least_float32(q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
     scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
     if kind == "clipped":
         probs = clipped_softmax(scores, params.gamma, params.zeta)
@@ -251,4 +257,5 @@ def remedy_attention_reference(
         probs = softmax_with_sink_logit(scores, params.sink_logit)
     else:
         raise ValueError(f"unknown remedy attention {kind!r}; known: {REMEDY_KINDS}")
+    probs = probs.to(v.dtype)
     return probs @ v, probs

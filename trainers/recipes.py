@@ -123,7 +123,10 @@ RECIPES.register(
 
 
 _REMEDIES: dict[str, tuple[dict[str, Any], str]] = {
-    "muon": (dict(optim="muon"), "Muon (hidden matrices) + AdamW (embeddings, head, norms, biases); softmax"),
+    "muon": (
+        dict(optim="muon"),
+        "Muon on hidden matrices + AdamW on embeddings, head, norms, biases; softmax attention",
+    ),
     "osp": (
         dict(optim="muon", norm="rmsnorm_single", emb_proj=True),
         "Outlier-Safe Pre-Training: Muon + RMSNorm-S + learnable embedding projection",

@@ -66,3 +66,19 @@ def test_panel_trains_resumes_and_writes_one_table(micro_panel, monkeypatch, tmp
     osp = [r for r in records if r["model"]["name"] == "osp"]
     assert osp and all(r["model"]["merged_emb_proj"] for r in osp)
     assert study.estimate(micro_panel)["steps_left"] == 0  # a rerun resumes to nothing
+
+
+def test_cli_module_prints_the_estimate_and_refuses_bad_input(micro_panel, capsys):
+    import argparse
+
+    from qbench.cli import recipes as cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    train_args = [f"--train-arg={a}" for a in micro_panel.extra_args]
+    cli.run(
+        parser.parse_args(["--estimate", "--recipes", "vanilla", "sink-logit", "--steps", "3", *train_args])
+    )
+    assert "2 runs x 3 steps" in capsys.readouterr().out
+    with pytest.raises(UserError, match="--steps"):
+        cli.run(parser.parse_args(["--steps", "0"]))

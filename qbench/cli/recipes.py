@@ -1,0 +1,66 @@
+"""``qbench recipes``: the options and the printout; the study is :mod:`qbench.studies.recipes`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from models.errors import UserError
+from qbench.cli.args import console
+from qbench.studies.recipes import DEFAULT_RECIPES, RecipesConfig, describe_estimate, estimate, run_panel
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="tiny", help="model preset (default tiny)")
+    parser.add_argument(
+        "--recipes", nargs="+", default=list(DEFAULT_RECIPES), help=f"default: {' '.join(DEFAULT_RECIPES)}"
+    )
+    parser.add_argument("--steps", type=int, default=500, help="optimiser steps of every run (default 500)")
+    parser.add_argument(
+        "--lr", type=float, default=4e-3, help="peak learning rate of every run (default 4e-3)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokens", type=int, default=16384, help="evaluation tokens (default 16384)")
+    parser.add_argument("--mode", action="append", choices=("fake", "real"), help="default fake")
+    parser.add_argument("--parallel", type=int, default=2, help="runs trained at once (default 2)")
+    parser.add_argument("--ckpt-root", default="ckpts/recipes")
+    parser.add_argument("--output-path", default="results/recipes")
+    parser.add_argument(
+        "--estimate", action="store_true", help="print the cost estimate and stop (nothing is trained)"
+    )
+    parser.add_argument(
+        "--train-arg",
+        action="append",
+        default=[],
+        help="a trainer option for every run, e.g. --train-arg=--set --train-arg=n_layer=2 (repeatable)",
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    from qbench.cli.evaluate import _print_record
+
+    if args.steps < 1 or args.tokens < 2 or args.parallel < 1:
+        raise UserError(
+            f"--steps and --parallel must be ≥ 1 and --tokens ≥ 2, got {args.steps}, {args.parallel}, {args.tokens}"
+        )
+    cfg = RecipesConfig(
+        preset=args.preset,
+        recipes=tuple(args.recipes),
+        steps=args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        ckpt_root=Path(args.ckpt_root),
+        output_path=Path(args.output_path),
+        eval_tokens=args.tokens,
+        modes=tuple(args.mode or ("fake",)),
+        parallel=args.parallel,
+        extra_args=tuple(args.train_arg),
+    )
+    if args.estimate:
+        from qbench.studies.recipes import time_one_step
+
+        console.print(describe_estimate(estimate(cfg, time_one_step(cfg))), highlight=False)
+        return
+    command = getattr(args, "command_line", "qbench recipes")
+    table = run_panel(cfg, console, command, on_record=_print_record)
+    console.print(f"wrote {table}")

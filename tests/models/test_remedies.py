@@ -170,6 +170,26 @@ def test_fast_path_equals_reference_and_is_causal(kind):
     )
 
 
+@pytest.mark.parametrize("kind", ["clipped", "softpick", "sink-logit"])
+def test_attention_gradients_gradcheck(kind):
+    q, k, v = (t.requires_grad_() for t in qkv(T=4, hs=3, dtype=torch.float64, seed=2))
+    s = torch.tensor([0.3, -0.7], dtype=torch.float64, requires_grad=True)
+
+    def fast(q, k, v, s):
+        return remedy_attention(q, k, v, kind, RemedyParams(gamma=-0.05, zeta=1.0, eps=1e-8, sink_logit=s))
+
+    assert torch.autograd.gradcheck(fast, (q, k, v, s))
+
+
+def test_bfloat16_keeps_its_dtype_and_the_float32_weights():
+    q, k, v = qkv()
+    for kind in ("clipped", "softpick", "sink-logit"):
+        ref = remedy_attention(q, k, v, kind, PARAMS)
+        low = remedy_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), kind, PARAMS)
+        assert low.dtype == torch.bfloat16
+        torch.testing.assert_close(low.float(), ref, rtol=0.05, atol=0.05)
+
+
 def test_sink_logit_fast_path_carries_the_gradient_to_the_logits():
     q, k, v = qkv(T=5, hs=4, dtype=torch.float64)
     s_fast = torch.tensor([0.3, -0.2], dtype=torch.float64, requires_grad=True)

@@ -182,7 +182,12 @@ class CausalSelfAttention(nn.Module):
         return RemedyParams(self.remedy.gamma, self.remedy.zeta, self.remedy.eps, self.sinks)
 
     def _project(self, y: Tensor, x: Tensor) -> Tensor:
-        """Heads (B, nh, T, hs) -> gate (if any) -> concatenated channels -> output projection."""
+        """Heads (B, nh, T, hs) -> gate (if any) -> concatenated channels -> output projection.
+
+        The gate is Qiu et al.'s G1 (after SDPA, before the output projection): y_h ⊙ σ(x W_g + b_g) with x this
+        layer's input. Head-wise, it is Bondarenko et al.'s conditional gated attention (2023) with a linear gating
+        function: one sigmoid per head and token, scaling that head's output.
+        """
         B, nh, T, hs = y.shape
         y = y.transpose(1, 2)  # (B, T, nh, hs)
         if self.gate != "none":

@@ -202,6 +202,17 @@ def test_sink_logit_fast_path_carries_the_gradient_to_the_logits():
     assert s_fast.grad.abs().min() > 0
 
 
+def test_sink_logit_fast_path_at_zero_is_softmax1s_extra_key_path_after_a_cache_too():
+    from models.attention import attention_with_past
+
+    q, k, v = qkv()
+    zero = RemedyParams(sink_logit=torch.zeros(2))
+    for rows in (9, 3, 1):  # no past, a chunk after 6 cached positions, one decoding step
+        got = remedy_attention(q[:, :, -rows:], k, v, "sink-logit", zero)
+        want = attention_with_past(q[:, :, -rows:], k, v, 9 - rows, "softmax1")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_sink_logit_model_with_zero_logits_is_the_softmax1_model():
     x = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(0))
     for family in ("gpt2", "llama"):

@@ -112,3 +112,11 @@ def test_muon_state_resumes_bit_identically(osp_run, tmp_path):
     train(cfg, tmp_path, stop_at=2, progress=False)
     train(cfg, tmp_path, resume=True, progress=False)
     assert_bit_identical(whole, tmp_path)
+
+
+def test_gate_and_embedding_projection_flags_override_the_recipe():
+    from trainers.__main__ import build_parser, config_from_args
+
+    args = vars(build_parser().parse_args(["--recipe", "osp", "--gate", "headwise", "--no-emb-proj"]))
+    model = config_from_args(args).model_config()
+    assert (model.gate, model.emb_proj, model.norm) == ("headwise", False, "rmsnorm_single")

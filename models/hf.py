@@ -126,6 +126,7 @@ ATTN_IMPLEMENTATIONS = {
     "softpick": SOFTPICK,
     "sink-logit": SINK_LOGIT,
 }
+REMEDY_IMPLEMENTATIONS = (CLIPPED, SOFTPICK, SINK_LOGIT)  # explicit: they return their probabilities
 
 
 def _masked_scores(

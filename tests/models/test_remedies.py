@@ -348,6 +348,16 @@ def test_transformers_export_reproduces_the_remedies(family, attn, tmp_path):
     y = x.clone()
     y[:, 12:] = (y[:, 12:] + 1) % 97  # still causal through the registered mask function
     torch.testing.assert_close(hf(x).logits[:, :12], hf(y).logits[:, :12])
+    from qbench.eval.adapters import forward_observed, observe_any
+
+    with observe_any(hf, attention=True) as obs:  # the harness's attention statistics: probabilities as ours
+        forward_observed(hf, x, obs)
+    with observe(model, hidden=False, attention=True) as ours:
+        model(x)
+    torch.testing.assert_close(obs.attention[1], ours.attention[1], rtol=1e-4, atol=1e-5)
+    assert hf.config._attn_implementation == {"clipped": "clipped_softmax", "softpick": "softpick"}.get(
+        attn, "sink_logit"
+    )
     if family == "llama":  # a plain from_pretrained of the saved folder (parameters in config.json)
         hf.save_pretrained(str(tmp_path))
         again = AutoModelForCausalLM.from_pretrained(

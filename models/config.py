@@ -64,10 +64,10 @@ class ModelConfig:
     # as the plain one); merged into the embedding for evaluation and export (models.transformer.merge_emb_proj).
     emb_proj: bool = False
     # Clipped softmax clip((zeta - gamma) softmax(x) + gamma, 0, 1) with gamma = -clip_alpha / context: the
-    # paper parametrises gamma = -alpha/T by the sequence length T; zeta = 1 (no stretch above 1) is the default
-    # here as in its language-model settings. alpha = 4 is our default, chosen so that T = 128 gives gamma of about -0.03, the order of the paper's
-    # BERT setting (from memory; not re-checked against its tables offline). T is the model's context, a
-    # constant, so a query's weights do not depend on how many tokens a batch or a KV cache happens to hold.
+    # paper parametrises gamma = -alpha/T by the sequence length T. Defaults: zeta = 1 (no stretch) and alpha = 4,
+    # so that T = 128 gives gamma of about -0.03, the order of the paper's BERT setting (from memory; not
+    # re-checked against its tables offline). T is the model's context, a constant, so a query's weights do not
+    # depend on how many tokens a batch or a KV cache happens to hold.
     clip_alpha: float = 4.0
     clip_zeta: float = 1.0
     # Softpick's denominator epsilon: 1e-8, added to the (max-shifted) sum as the paper's reference code does.

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from models.io import atomic_write_text
-from qbench.eval.harness import PAPER_SCHEMES, GridSpec, run_grid
+from qbench.eval.harness import GridSpec, run_grid
 from qbench.eval.metrics import Protocol
+from qbench.quant import PAPER_SCHEMES
 from qbench.studies.runs import TrainRun, train_runs
 
 DEFAULT_RECIPES = (

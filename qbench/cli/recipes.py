@@ -7,6 +7,8 @@ from pathlib import Path
 
 from models.errors import UserError
 from qbench.cli.args import console
+from qbench.cli.base import add_output_argument
+from qbench.cli.budgets import DEMO_TOKENS
 from qbench.studies.recipes import DEFAULT_RECIPES, RecipesConfig, describe_estimate, estimate, run_panel
 
 
@@ -20,11 +22,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lr", type=float, default=4e-3, help="peak learning rate of every run (default 4e-3)"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tokens", type=int, default=16384, help="evaluation tokens (default 16384)")
-    parser.add_argument("--mode", action="append", choices=("fake", "real"), help="default fake")
+    parser.add_argument(
+        "--tokens", type=int, default=DEMO_TOKENS, help="evaluation token budget per model (the demo's)"
+    )
+    parser.add_argument(
+        "--mode", action="append", choices=("fake", "real"), help="fake (default) | real; repeatable"
+    )
     parser.add_argument("--parallel", type=int, default=2, help="runs trained at once (default 2)")
-    parser.add_argument("--ckpt-root", default="ckpts/recipes")
-    parser.add_argument("--output-path", default="results/recipes")
+    parser.add_argument(
+        "--ckpt-root", default="ckpts/recipes", help="checkpoint folder (default: ckpts/recipes)"
+    )
+    add_output_argument(
+        parser, "results folder (default: results/recipes)", default="results/recipes", metavar="DIR"
+    )
     parser.add_argument(
         "--estimate", action="store_true", help="print the cost estimate and stop (nothing is trained)"
     )

@@ -155,17 +155,34 @@ def estimate(cfg: RecipesConfig, step_s: float | None = None) -> dict[str, Any]:
     return result
 
 
+def _flops(n: float) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.3g} FLOP"
+
+
+def _duration(seconds: float) -> str:
+    return (
+        f"{seconds:.0f} s"
+        if seconds < 120
+        else f"{seconds / 60:.0f} min"
+        if seconds < 7200
+        else f"{seconds / 3600:.1f} h"
+    )
+
+
 def describe_estimate(est: dict[str, Any]) -> str:
     runs = len(est["runs"])
     text = (
-        f"{runs} runs x {est['runs'][0]['steps']} steps = {est['tokens'] / 1e6:.2f} M training tokens, "
-        f"{est['flops'] / 1e15:.2f} PFLOP"
+        f"{runs} runs x {est['runs'][0]['steps']} steps = {est['tokens']:,} training tokens, "
+        f"{_flops(est['flops'])}"
     )
     if est["steps_left"] != runs * est["runs"][0]["steps"]:
         text += f"; {est['steps_left']} steps left to train (the rest resumes from checkpoints)"
     if est["wall_s"] is not None:
         text += (
-            f"; about {est['wall_s'] / 60:.0f} min of training at {est['step_s']:.2f} s per step "
+            f"; about {_duration(est['wall_s'])} of training at {est['step_s']:.2f} s per step "
             "(the baseline's step timed here; Muon, OrthoAdam and explicit attention run slower)"
         )
     return text

@@ -59,7 +59,7 @@ def test_panel_trains_resumes_and_writes_one_table(micro_panel, monkeypatch, tmp
     table = study.run_panel(micro_panel, console, "qbench recipes --test")
     text = table.read_text()
     assert "| vanilla" in text and "| osp" in text
-    assert "`osp`: Outlier-Safe Pre-Training" in text and "PFLOP" in text
+    assert "`osp`: Outlier-Safe Pre-Training" in text and "FLOP" in text
     cfg = json.loads((micro_panel.ckpt_root / "osp" / "config.json").read_text())
     assert cfg["model"]["emb_proj"]  # trained with the projection, evaluated merged
     records = [json.loads(p.read_text()) for p in micro_panel.output_path.glob("*/*.json")]

@@ -190,9 +190,10 @@ def softpick(scores: Tensor, eps: float = 1e-8, dim: int = -1) -> Tensor:
     The paper's stable form multiplies numerator and denominator by e^−m: (e^(x−m) − e^−m). Its reference code
     takes m = the row max, which overflows e^−m (inf − inf = NaN) when every logit of a row is below about −88
     in float32; m = max(row max, 0) keeps e^−m ≤ 1 and is the same as the paper's for any row whose max is ≥ 0.
-    ε is added to the shifted denominator, as in the reference code (it only matters when every e^x_j − 1 is 0).
+    ε is added to the shifted denominator, as in the reference code (it only matters when that sum is near 0, e.g.
+    a row whose only visible logit is 0). So m is part of the function and is not detached.
     """
-    m = scores.amax(dim=dim, keepdim=True).clamp(min=0).detach()
+    m = scores.amax(dim=dim, keepdim=True).clamp(min=0)
     shifted = torch.exp(scores - m) - torch.exp(-m)  # e^−m (e^x − 1)
     shifted = torch.where(torch.isneginf(scores), 0.0, shifted)
     return F.relu(shifted) / (shifted.abs().sum(dim=dim, keepdim=True) + eps)

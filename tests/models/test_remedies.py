@@ -320,7 +320,9 @@ def test_evaluation_loads_the_merged_model(tmp_path):
     from models.tokenizer import load_tokenizer
     from qbench.eval.load import load_model
 
-    model = build(micro("llama", emb_proj=True).replace(vocab_size=8192), seed=6)  # the tokenizer's vocabulary
+    model = build(
+        micro("llama", emb_proj=True).replace(vocab_size=8192), seed=6
+    )  # the tokenizer's vocabulary
     with torch.no_grad():
         model.transformer.emb_proj.weight.add_(0.3 * torch.randn(32, 32))
     save_checkpoint(tmp_path / "ckpt", model.eval(), load_tokenizer("bpe8192"))

@@ -367,6 +367,18 @@ def test_transformers_export_reproduces_the_remedies(family, attn, tmp_path):
         assert (again(x).logits - model(x)).abs().max() <= 1e-4
 
 
+def test_kv_cache_quantisation_reads_the_same_keys_in_ours_and_the_export():
+    from models.hf import to_hf_model
+    from qbench.quant.kv import KVConfig, apply_kv
+
+    x = torch.randint(0, 97, (1, 24))
+    for attn in ("clipped", "softpick", "sink-logit"):
+        model = perturbed("llama", dict(attn=attn))
+        ours, theirs = apply_kv(model, KVConfig(4)), apply_kv(to_hf_model(model), KVConfig(4))
+        assert (ours(x) - model(x)).abs().max() > 1e-4  # 4-bit keys/values change something
+        torch.testing.assert_close(theirs(x).logits, ours(x), rtol=1e-4, atol=1e-4)
+
+
 def test_gated_attention_is_refused_by_the_export():
     from models.hf import to_hf_model
 

@@ -407,5 +407,7 @@ def export_to_hf(checkpoint: Checkpoint | str | Path, out: str | Path) -> Path:
         "model": ckpt.config.to_dict(),
         "provenance": ckpt.provenance,
     }
+    if ckpt.config.emb_proj:  # "model" is what was trained; the weights are its merged, plain form
+        hf_config["qbench"]["merged_emb_proj"] = True
     atomic_write_json(config_file, hf_config)
     return out

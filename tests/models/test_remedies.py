@@ -379,6 +379,24 @@ def test_kv_cache_quantisation_reads_the_same_keys_in_ours_and_the_export():
         torch.testing.assert_close(theirs(x).logits, ours(x), rtol=1e-4, atol=1e-4)
 
 
+def test_an_osp_checkpoint_exports_as_the_plain_model(tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from models.checkpoint import save_checkpoint
+    from models.hf import export_to_hf
+
+    model = perturbed("llama", dict(emb_proj=True, norm="rmsnorm_single", attn="softpick"))
+    save_checkpoint(tmp_path / "ckpt", model, None)
+    out = export_to_hf(tmp_path / "ckpt", tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["qbench"]["merged_emb_proj"] and config["attn_implementation"] == "softpick"
+    hf = AutoModelForCausalLM.from_pretrained(str(out))
+    x = torch.randint(0, 97, (2, 24))
+    assert (hf(x).logits - model(x)).abs().max() <= 1e-4
+
+
 def test_gated_attention_is_refused_by_the_export():
     from models.hf import to_hf_model
 

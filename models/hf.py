@@ -137,9 +137,8 @@ def _masked_scores(
     scale = scaling if scaling is not None else query.size(-1) ** -0.5
     scores = (query @ key.transpose(-2, -1)).float() * scale
     if attention_mask is None:
-        if (
-            query.size(2) > 1
-        ):  # never hit with the mask function registered; refuse rather than drop causality
+        # Never hit with the mask function registered; refuse rather than silently drop causality.
+        if query.size(2) > 1:
             raise RuntimeError("attention got no mask; register it with models.hf.register_remedies()")
         return scores
     mask = attention_mask[..., : key.size(2)]

@@ -7,14 +7,19 @@ One definition of ``--ckpt``, the loading switches and the perplexity protocol's
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from models.errors import UserError
 from qbench.cli.budgets import EVAL_TOKENS
-from qbench.eval.load import LoadedModel, load_model
-from qbench.eval.metrics import Protocol
-from qbench.quant.kv import GRANULARITIES, KV_BITS, KVConfig
+from qbench.quant.kv_options import GRANULARITIES, KV_BITS
+
+# the loader, the protocol and the KV cache import torch: only the commands that use them import them
+if TYPE_CHECKING:
+    from qbench.eval.load import LoadedModel
+    from qbench.eval.metrics import Protocol
+    from qbench.quant.kv import KVConfig
 
 console = Console(soft_wrap=True)  # long result lines stay whole in pipes and logs
 
@@ -64,6 +69,8 @@ def add_model_arguments(
 
 
 def protocol_from_args(args: argparse.Namespace, outlier_windows: int = 8) -> Protocol:
+    from qbench.eval.metrics import Protocol
+
     if args.tokens < 2:
         raise UserError(f"--tokens must be at least 2, got {args.tokens}")
     if args.batch_size < 1:
@@ -80,6 +87,8 @@ def protocol_from_args(args: argparse.Namespace, outlier_windows: int = 8) -> Pr
 
 
 def load_from_args(args: argparse.Namespace) -> LoadedModel:
+    from qbench.eval.load import load_model
+
     return load_model(
         args.ckpt,
         dtype=args.dtype,
@@ -117,4 +126,6 @@ def kv_from_args(args: argparse.Namespace) -> KVConfig | None:
         if granularity is not None or keep_first is not None:
             raise UserError("--kv-granularity and --kv-keep-first need --kv-bits (the KV cache's bit width)")
         return None
+    from qbench.quant.kv import KVConfig
+
     return KVConfig(args.kv_bits, granularity or "kivi", keep_first or 0)

@@ -63,10 +63,9 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import UserError, unknown_choice
+from qbench.quant.kv_options import GRANULARITIES, KV_BITS
 from qbench.quant.primitives import TINY, check_finite
 
-KV_BITS = (8, 6, 4, 3, 2)
-GRANULARITIES = ("kivi", "per-token")
 _GRANULARITY_LABEL = {"kivi": "", "per-token": "-tok"}
 # Informative to_dict keys; from_dict ignores them.
 _INFO_KEYS = ("label", "keys", "values", "range", "statistics")

@@ -1,4 +1,5 @@
-"""``qbench recipes``: the options and the printout; the study is :mod:`qbench.studies.recipes`."""
+"""``qbench recipes``: train a panel of training-time remedy recipes at one budget, evaluate each into one table;
+the study is :mod:`qbench.studies.recipes`."""
 
 from __future__ import annotations
 
@@ -6,10 +7,14 @@ import argparse
 from pathlib import Path
 
 from models.errors import UserError
-from qbench.cli.args import console
-from qbench.cli.base import add_output_argument
+from qbench.cli.base import add_output_argument, console
 from qbench.cli.budgets import DEMO_TOKENS
-from qbench.studies.recipes import DEFAULT_RECIPES, RecipesConfig, describe_estimate, estimate, run_panel
+from qbench.studies.recipes import DEFAULT_RECIPES  # torch-free: the parser stays light
+
+NAME = "recipes"
+HELP = (
+    "train remedy recipes (Muon, OSP, clipped softmax, gates, softpick, sink logit) at one budget; one table"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lr", type=float, default=4e-3, help="peak learning rate of every run (default 4e-3)"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="training and evaluation seed")
     parser.add_argument(
         "--tokens", type=int, default=DEMO_TOKENS, help="evaluation token budget per model (the demo's)"
     )
@@ -47,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from qbench.cli.evaluate import _print_record
+    from qbench.cli.evaluate import print_record
+    from qbench.studies.recipes import RecipesConfig, describe_estimate, estimate, run_panel, time_one_step
 
     if args.steps < 1 or args.tokens < 2 or args.parallel < 1:
         raise UserError(
@@ -67,10 +73,7 @@ def run(args: argparse.Namespace) -> None:
         extra_args=tuple(args.train_arg),
     )
     if args.estimate:
-        from qbench.studies.recipes import time_one_step
-
         console.print(describe_estimate(estimate(cfg, time_one_step(cfg))), highlight=False)
         return
-    command = getattr(args, "command_line", "qbench recipes")
-    table = run_panel(cfg, console, command, on_record=_print_record)
+    table = run_panel(cfg, console, getattr(args, "command_line", "qbench recipes"), on_record=print_record)
     console.print(f"wrote {table}")

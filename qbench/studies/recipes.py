@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from models.io import atomic_write_text
-from qbench.eval.harness import GridSpec, run_grid
-from qbench.eval.metrics import Protocol
-from qbench.quant import PAPER_SCHEMES
 from qbench.studies.runs import TrainRun, train_runs
+
+# Light at import (no torch): the command line builds its parser from this module's defaults.
 
 DEFAULT_RECIPES = (
     "vanilla",
@@ -54,7 +53,7 @@ class RecipesConfig:
     output_path: Path = Path("results/recipes")
     eval_tokens: int = 16384
     modes: tuple[str, ...] = ("fake",)
-    schemes: tuple[str, ...] = tuple(PAPER_SCHEMES)
+    schemes: tuple[str, ...] | None = None  # None: the paper's four (qbench.quant.PAPER_SCHEMES)
     probe_every: int = 25
     parallel: int = 2
     extra_args: tuple[str, ...] = field(default_factory=tuple)  # trainer options for every recipe
@@ -193,9 +192,13 @@ def train_panel(cfg: RecipesConfig, console: Any) -> float:
 
 
 def evaluate(cfg: RecipesConfig, on_record: Any = None) -> list[dict]:
+    from qbench.eval.harness import GridSpec, run_grid
+    from qbench.eval.metrics import Protocol
+    from qbench.quant import PAPER_SCHEMES
+
     spec = GridSpec(
         models=[str(cfg.ckpt_root / r) for r in cfg.recipes],
-        schemes=list(cfg.schemes),
+        schemes=list(cfg.schemes or PAPER_SCHEMES),
         modes=list(cfg.modes),
         protocol=Protocol(tokens=cfg.eval_tokens),
         output_path=cfg.output_path,

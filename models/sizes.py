@@ -23,6 +23,11 @@ def _attention(config: ModelConfig) -> int:
     n = 4 * d * d + (4 * d if config.bias else 0)  # q, k, v (fused or not: the same count) and the output
     if config.attn == "sink":
         n += 2 * config.n_head * config.head_dim  # the learned sink key and value per head
+    if config.attn == "sink-logit":
+        n += config.n_head  # one learned logit per head
+    if config.gate != "none":  # a sigmoid gate from the block input, with a bias: one per head or per channel
+        out = config.n_head if config.gate == "headwise" else d
+        n += d * out + out
     return n
 
 
@@ -41,5 +46,6 @@ def parameter_counts(config: ModelConfig) -> tuple[int, int]:
     position = config.context * config.d_model if config.pos == "learned" else 0
     head = 0 if config.tie_embeddings else token
     final_norm = _norm(config) if config.norm_position == "pre" else 0  # post-norm blocks already end in one
-    total = token + position + config.n_layer * block + final_norm + head
+    emb_proj = config.d_model**2 if config.emb_proj else 0  # OSP's projection after the token embedding
+    total = token + position + config.n_layer * block + final_norm + head + emb_proj
     return total, total - token - position - head

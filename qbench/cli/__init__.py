@@ -53,6 +53,7 @@ COMMAND_MODULES = (
     "sweep",
     "emergence",
     "reproduce",
+    "recipes",
     "train",
     "data",
 )

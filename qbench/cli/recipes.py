@@ -18,14 +18,15 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="tiny", help="model preset (default tiny)")
+    parser.add_argument("--preset", default="tiny", help="model preset (qbench ls presets)")
     parser.add_argument(
-        "--recipes", nargs="+", default=list(DEFAULT_RECIPES), help=f"default: {' '.join(DEFAULT_RECIPES)}"
+        "--recipes",
+        nargs="+",
+        default=list(DEFAULT_RECIPES),
+        help="training recipes of the panel (qbench ls recipes)",
     )
-    parser.add_argument("--steps", type=int, default=500, help="optimiser steps of every run (default 500)")
-    parser.add_argument(
-        "--lr", type=float, default=4e-3, help="peak learning rate of every run (default 4e-3)"
-    )
+    parser.add_argument("--steps", type=int, default=500, help="optimiser steps of every run")
+    parser.add_argument("--lr", type=float, default=4e-3, help="peak learning rate of every run")
     parser.add_argument("--seed", type=int, default=0, help="training and evaluation seed")
     parser.add_argument(
         "--tokens", type=int, default=DEMO_TOKENS, help="evaluation token budget per model (the demo's)"
@@ -33,13 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mode", action="append", choices=("fake", "real"), help="fake (default) | real; repeatable"
     )
-    parser.add_argument("--parallel", type=int, default=2, help="runs trained at once (default 2)")
-    parser.add_argument(
-        "--ckpt-root", default="ckpts/recipes", help="checkpoint folder (default: ckpts/recipes)"
-    )
-    add_output_argument(
-        parser, "results folder (default: results/recipes)", default="results/recipes", metavar="DIR"
-    )
+    parser.add_argument("--parallel", type=int, default=2, help="runs trained at once (one thread each)")
+    parser.add_argument("--ckpt-root", default="ckpts/recipes", help="checkpoint folder")
+    add_output_argument(parser, "results folder", default="results/recipes", metavar="DIR")
     parser.add_argument(
         "--estimate", action="store_true", help="print the cost estimate and stop (nothing is trained)"
     )

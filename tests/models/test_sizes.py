@@ -26,6 +26,7 @@ def _variants():
             n_layer=2, n_head=2, d_model=8, d_ff=12, context=6, vocab_size=10, bias=bias, tie_embeddings=tie
         )
         yield family_config(family, **base)
+        yield family_config(family, **base, emb_proj=True)  # a boolean switch, not in CHOICES
         for switch, values in CHOICES.items():  # a switch added to the config is covered at once
             for value in values:
                 if switch != "family":

@@ -27,6 +27,7 @@ WRITERS = {
     "sweep",
     "emergence",
     "reproduce",
+    "recipes",
     "data",
 }
 TOKEN_DEFAULTS = {  # command -> (option dest, its budget)
@@ -40,6 +41,7 @@ TOKEN_DEFAULTS = {  # command -> (option dest, its budget)
     "sensitivity": ("tokens", UNIT_TOKENS),
     "demo": ("tokens", DEMO_TOKENS),
     "reproduce": ("eval_tokens", PAPER_TOKENS),
+    "recipes": ("tokens", DEMO_TOKENS),
     "speed": ("tokens", TIMING_TOKENS),
 }
 BUDGET_DESTS = {"tokens", "eval_tokens", "model_tokens"}

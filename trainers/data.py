@@ -147,6 +147,8 @@ class LocalCorpus(Corpus):
             rel = path.name if self.path.is_file() else path.relative_to(self.path).as_posix()
             if path.name.endswith((".jsonl", ".jsonl.gz")):
                 for n, doc in enumerate(read_jsonl(path), 1):
+                    if not isinstance(doc.get("text"), str):
+                        raise UserError(f"{path}: document {n} has no 'text' string (keys: {sorted(doc)})")
                     yield str(doc.get("id", f"{rel}:{n}")), doc["text"]
             else:
                 text = read_utf8_text(path)

@@ -47,12 +47,23 @@ def read_jsonl(path: Path) -> Iterator[dict]:
     """JSON objects, one per non-empty line, of a ``.jsonl`` or ``.jsonl.gz`` file."""
     opener = gzip.open if path.name.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path}:{n} is not a JSON object: {e}") from None
+        n = 0
+        try:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        doc = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise UserError(f"{path}:{n} is not a JSON object: {e}") from None
+                    if not isinstance(doc, dict):
+                        raise UserError(
+                            f"{path}:{n} is {type(doc).__name__}, not a JSON object with a 'text'"
+                        )
+                    yield doc
+        except UnicodeDecodeError as e:
+            raise UserError(
+                f"{path}: line {n + 1} is not UTF-8 text (byte {e.start} of the read block); convert the file"
+            ) from None
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -116,6 +116,9 @@ class GridSpec:
     quantize_lm_head: bool = False  # the schemes' documented default keeps the LM head in float
     baseline_path: Path | None = None  # where fp.json lives, when not output_path (sensitivity's many cells)
     kv: KVConfig | None = None  # KV-cache quantisation on top of every cell's scheme (None: float cache)
+    allow_empty: bool = (
+        False  # an exclude list may keep every layer float (sensitivity's KV-only, repair cells)
+    )
 
     def scheme(self, name: str) -> Any:
         """The registered scheme, with the LM head quantised too when asked (then named ``<scheme>+head``) and
@@ -187,15 +190,17 @@ def record_path(output_path: Path, model_name: str, scheme: str | None, mode: st
 def cell_identity(record: dict[str, Any]) -> str:
     """A short hash of everything that changes a record's number: the model's weights (their fingerprint, else
     the path they were loaded from), the full scheme config with its excludes, the mode, the KV-cache config,
-    the requested protocol (corpus, split, tokens, window, BOS, batch size…) and the seed. Computed from the
+    the requested protocol (corpus, split, tokens, window, BOS, batch size…, dtype) and the seed (not for a float
+    record: nothing in it is seeded). Computed from the
     record's own fields, so records written before the hash existed get one too. Not in it: the evaluation
     code's version (a record of older code is the same cell, recomputed in place)."""
     from qbench.eval.metrics import Protocol
 
     model = record.get("model") or {}
     protocol = record.get("protocol") or {}
-    requested = {k: protocol.get(k) for k in Protocol.__dataclass_fields__}
-    if record.get("mode") == "float":
+    float_record = record.get("mode") == "float"
+    requested = {k: protocol.get(k) for k in (*Protocol.__dataclass_fields__, "dtype")}
+    if float_record:
         requested["attention_statistics"] = protocol.get("attention_statistics")
     key = {
         "model": model.get("fingerprint") or model.get("path") or model.get("name"),
@@ -203,7 +208,7 @@ def cell_identity(record: dict[str, Any]) -> str:
         "mode": record.get("mode"),
         "kv": record.get("kv"),
         "protocol": requested,
-        "seed": record.get("seed"),
+        "seed": None if float_record else record.get("seed"),  # nothing seeded in a float evaluation
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
@@ -219,10 +224,13 @@ def stored_path(output_path: Path, record: dict[str, Any]) -> Path:
 
 
 def _path_for(plain: Path, identity: str) -> Path:
-    existing = _read_record(plain)
-    if existing is None or cell_identity(existing) == identity:
+    beside = plain.with_name(f"{plain.stem}.{identity}.json")
+    if beside.exists():  # the cell went beside an earlier plain file once: it stays there
+        return beside
+    if not plain.exists():
         return plain
-    return plain.with_name(f"{plain.stem}.{identity}.json")
+    existing = _read_record(plain)  # a torn file or another JSON is kept as it is: the cell goes beside it
+    return plain if existing is not None and cell_identity(existing) == identity else beside
 
 
 def float_scheme() -> Any:
@@ -305,7 +313,7 @@ class ModelEvaluation:
 
         for name in self.spec.schemes:
             if name != FLOAT_SCHEME:
-                select_layers(self.lm.model, self.spec.scheme(name), self.spec.exclude)
+                select_layers(self.lm.model, self.spec.scheme(name), self.spec.exclude, self.spec.allow_empty)
         kv = self.spec.kv
         if kv is not None and kv.keep_first >= self.windows.window:
             raise UserError(
@@ -460,6 +468,7 @@ class ModelEvaluation:
                     mode=mode,
                     exclude=self.spec.exclude,
                     calibration=self._calibration(scheme) if _needs_calibration(scheme) else None,
+                    allow_empty=self.spec.allow_empty,
                 )
             )
             qmodel = self._with_kv(qmodel)
@@ -552,10 +561,12 @@ def _model_bytes(model: torch.nn.Module) -> int:
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:
+    """The record at ``path``, or None when it is missing, torn or not a record (then recompute)."""
     try:
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text())
     except (OSError, ValueError):
-        return None  # missing or torn: recompute
+        return None
+    return record if isinstance(record, dict) and "record_version" in record else None
 
 
 def unsupported_cells(spec: GridSpec) -> list[tuple[str, str, str]]:

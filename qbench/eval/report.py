@@ -89,11 +89,14 @@ def cell_key(record: dict[str, Any]) -> str:
         return "fp"
     exclude = record["scheme"].get("exclude") or []
     kept = f" [float: {', '.join(exclude)}]" if exclude else ""
-    return f"{record['scheme']['name']}/{record['mode']}{kept}"
+    seed = record.get("seed")
+    seeded = f" [seed={seed}]" if seed not in (0, None) else ""  # seed 0 is every command's default
+    return f"{record['scheme']['name']}/{record['mode']}{kept}{seeded}"
 
 
-# The requested protocol fields that tell two evaluations of one model apart in a table's row label.
-_ROW_PROTOCOL = ("corpus", "split", "tokens", "window", "bos")
+# The fields that tell two evaluations of one model apart in a table's row label: the requested protocol, the
+# dtype, and the weights (a folder retrained in place keeps its path, not its fingerprint).
+_ROW_PROTOCOL = ("corpus", "split", "tokens", "window", "bos", "dtype", "weights")
 
 
 def cells_by_model(records: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -103,7 +106,8 @@ def cells_by_model(records: Iterable[dict[str, Any]]) -> dict[str, dict[str, dic
     no record silently hides another."""
     rows: dict[tuple[str, str, str], dict[str, dict]] = {}
     for r in records:
-        protocol = json.dumps({k: (r.get("protocol") or {}).get(k) for k in _ROW_PROTOCOL}, sort_keys=True)
+        fields = {**(r.get("protocol") or {}), "weights": (r["model"].get("fingerprint") or "")[:10] or None}
+        protocol = json.dumps({k: fields.get(k) for k in _ROW_PROTOCOL}, sort_keys=True)
         rows.setdefault((*_model_key(r["model"]), protocol), {})[cell_key(r)] = r
     by_model = [(name, identity) for name, identity, _ in rows]
     labels = {}

@@ -79,22 +79,39 @@ def lm_head_names(model: nn.Module) -> set[str]:
     return names
 
 
-def select_layers(model: nn.Module, scheme: QuantScheme, exclude: Iterable[str] = ()) -> dict[str, nn.Module]:
-    """The linear layers ``quantize`` would replace, by name."""
+def select_layers(
+    model: nn.Module, scheme: QuantScheme, exclude: Iterable[str] = (), allow_empty: bool = False
+) -> dict[str, nn.Module]:
+    """The linear layers ``quantize`` would replace, by name.
+
+    Every ``exclude`` pattern must match a layer the scheme would quantise (an LM head the scheme leaves in float
+    does not count: excluding it changes nothing), and something must be left to quantise unless
+    ``allow_empty`` (a study's deliberate all-float cell) — either would be a quantisation that did not apply."""
     exclude = (exclude,) if isinstance(exclude, str) else tuple(exclude)
     linears = {name: m for name, m in model.named_modules() if is_linear(m)}
-    for pattern in exclude:
-        if not fnmatch.filter(linears, pattern):
-            shown = ", ".join(list(linears)[:6]) + (", …" if len(linears) > 6 else "")
-            raise UserError(
-                f"exclude pattern {pattern!r} matches no linear layer; linear layers: {shown or 'none'}"
-            )
     heads = set() if scheme.quantize_lm_head else lm_head_names(model)
-    return {
-        name: m
-        for name, m in linears.items()
-        if name not in heads and not any(fnmatch.fnmatchcase(name, p) for p in exclude)
+    targets = [name for name in linears if name not in heads]
+    for pattern in exclude:
+        if not fnmatch.filter(targets, pattern):
+            shown = ", ".join(targets[:6]) + (", …" if len(targets) > 6 else "")
+            kept = (
+                " (the LM head stays float under this scheme anyway)"
+                if fnmatch.filter(heads, pattern)
+                else ""
+            )
+            raise UserError(
+                f"exclude pattern {pattern!r} matches no layer the scheme quantises{kept}; "
+                f"those layers: {shown or 'none'}"
+            )
+    layers = {
+        name: linears[name] for name in targets if not any(fnmatch.fnmatchcase(name, p) for p in exclude)
     }
+    if exclude and not layers and not allow_empty:
+        raise UserError(
+            f"--exclude {' '.join(exclude)} keeps every layer of scheme {scheme.name!r} in float: nothing would be "
+            "quantised (the float model is the 'fp' record)"
+        )
+    return layers
 
 
 def smoothquant_from_observed(
@@ -207,8 +224,10 @@ def quantize(
     mode: str = "fake",
     exclude: Iterable[str] = (),
     calibration: Tensor | None = None,
+    allow_empty: bool = False,
 ) -> nn.Module:
-    """A quantised deep copy of ``model`` (see the module docstring); ``model`` itself is not modified."""
+    """A quantised deep copy of ``model`` (see the module docstring); ``model`` itself is not modified.
+    ``allow_empty``: accept an ``exclude`` that keeps every layer in float (a study's all-float cell)."""
     scheme = get_scheme(scheme)
     if mode not in MODES:
         raise unknown_choice("quantisation mode", mode, MODES)
@@ -217,7 +236,7 @@ def quantize(
             f"scheme {scheme.name!r}: no real kernel for format {scheme.format!r}; run it with mode='fake'"
         )
     _check_not_quantized(model)
-    layers = select_layers(model, scheme, exclude)
+    layers = select_layers(model, scheme, exclude, allow_empty)
     rotations = _rotations(layers, scheme)
     observed = _calibrate(model, layers, scheme, calibration, rotations)
     scales = {}

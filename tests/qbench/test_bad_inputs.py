@@ -99,3 +99,21 @@ def test_a_corrupt_gguf_file_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "is not a readable GGUF file (corrupt or truncated" in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (b'{"text": "caf\xe9"}\n', "not UTF-8 text"),
+        (b'["a"]\n', "not a JSON object"),
+        (b'{"t": 1}\n', "no 'text'"),
+    ],
+    ids=["latin1", "list", "no-text"],
+)
+def test_a_bad_jsonl_corpus_is_a_one_line_error(tmp_path, line, message):
+    from trainers.data import LocalCorpus
+
+    path = tmp_path / "docs.jsonl"
+    path.write_bytes(line)
+    with pytest.raises(UserError, match=message):
+        list(LocalCorpus(path).items())

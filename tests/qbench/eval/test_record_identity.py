@@ -81,7 +81,9 @@ def test_an_exclude_pattern_that_matches_nothing_is_refused_before_evaluating(ck
     out = tmp_path / "results"
     run_grid(spec([ckpt_dir], out))
     before = snapshot(out)
-    with pytest.raises(UserError, match=r"exclude pattern 'nosuchlayer\*' matches no linear layer"):
+    with pytest.raises(
+        UserError, match=r"exclude pattern 'nosuchlayer\*' matches no layer the scheme quantises"
+    ):
         run_grid(spec([ckpt_dir], out, exclude=("nosuchlayer*",)))
     assert snapshot(out) == before
 
@@ -115,3 +117,29 @@ def test_grid_records_unsupported_cells_lists_them_and_fails_unless_allowed(ckpt
     record = json.loads(next(out.rglob("fp8-e4m3__real.json")).read_text())
     assert record["status"] == "unsupported" and "no real kernel" in record["error"]
     assert main([*argv, "--allow-unsupported"]) == 0
+
+
+def test_a_dtype_change_is_another_cell(ckpt_dir, tmp_path):
+    out = tmp_path / "results"
+    run_grid(spec([ckpt_dir], out))
+    before = snapshot(out)
+    run_grid(spec([ckpt_dir], out, dtype="bfloat16"))
+    assert all(snapshot(out)[name] == text for name, text in before.items())
+
+
+def test_a_cell_beside_a_torn_plain_file_is_found_again(ckpt_dir, tmp_path):
+    out = tmp_path / "results"
+    run_grid(spec([ckpt_dir], out))
+    run_grid(spec([ckpt_dir], out, seed=1))  # goes beside the seed-0 file
+    plain = next(out.rglob("absmax-coarse__fake.json"))
+    plain.write_text("[1, 2]")  # not a record: kept as it is, never read as one
+    seen = []
+    run_grid(spec([ckpt_dir], out, seed=1), on_record=lambda r, reused: seen.append(reused))
+    assert seen == [True, True] and plain.read_text() == "[1, 2]"
+
+
+def test_an_exclude_that_keeps_every_layer_float_or_only_names_the_head_is_refused(ckpt_dir, tmp_path):
+    with pytest.raises(UserError, match="nothing would be quantised"):
+        run_grid(spec([ckpt_dir], tmp_path / "a", exclude=("*",)))
+    with pytest.raises(UserError, match="the LM head stays float under this scheme anyway"):
+        run_grid(spec([ckpt_dir], tmp_path / "b", exclude=("lm_head",)))

@@ -147,3 +147,65 @@ def attention_reference(
     all_probs = torch.softmax(torch.cat([sink_logit, scores], dim=-1), dim=-1)
     probs = all_probs[..., 1:]
     return probs @ v + all_probs[..., :1] * extra_v, probs
+
+
+def attention_two_version(
+    q: Tensor,
+    k: Tensor,
+    k_hat: Tensor,
+    v: Tensor,
+    v_hat: Tensor,
+    key_quantised: Tensor,
+    value_quantised: Tensor,
+    kind: str = "softmax",
+    sink_k: Tensor | None = None,
+    sink_v: Tensor | None = None,
+    *,
+    past: int = 0,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention over a cache that holds some positions quantised and some in float, *as each query saw it*.
+
+    A streaming quantised cache (KIVI's float residual, a value window) holds key j in float for early queries
+    and quantised for later ones, so one pass over a window needs both versions: with Mk[t, j] = True where
+    query t reads key j quantised (likewise Mv for values),
+
+        scores[t, j] = where(Mk[t, j], q_t·k̂_j, q_t·k_j) · scale,   out = (P ⊙ Mv)·V̂ + (P ⊙ ¬Mv)·V,
+
+    two score matrices selected by position instead of a loop over queries. q: (B, nh, T, hs) at positions
+    past … past + T − 1; k, k_hat, v, v_hat: (B, nh, L, hs); the masks broadcast to (B, nh, T, L). ``mask``:
+    None = offset causal (query i sees keys 0 … past + i), else boolean (True = may attend) or additive float,
+    broadcastable to (B, nh, T, L) (transformers' masks, sliding windows included). softmax-1 and the sink
+    follow :func:`attention_reference` (an extra key of logit q·sink_k·scale, value sink_v; zeros for softmax-1).
+    Scores and probabilities in float32. Returns (output (B, nh, T, hs) in q's dtype, probs on the real keys).
+    """
+    T, L = q.size(2), k.size(2)
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    qf = q.float()
+    s_float = (qf @ k.float().transpose(-2, -1)) * scale
+    s_quant = (qf @ k_hat.float().transpose(-2, -1)) * scale
+    scores = torch.where(key_quantised, s_quant, s_float)
+    if mask is None:
+        causal = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        scores = scores.masked_fill(~causal, float("-inf"))
+    elif mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask.float()
+    extra = None
+    if kind == "softmax":
+        probs = torch.softmax(scores, dim=-1)
+    elif kind == "softmax1":
+        probs = softmax1(scores, dim=-1)
+    else:
+        extra_k, extra_v = _extra_kv(kind, q, sink_k, sink_v)
+        sink_logit = (qf @ extra_k.float().transpose(-2, -1)) * scale  # (B, nh, T, 1)
+        all_probs = torch.softmax(torch.cat([sink_logit, scores], dim=-1), dim=-1)
+        probs, extra = all_probs[..., 1:], all_probs[..., :1] * extra_v.float()
+    zero = probs.new_zeros(())
+    out = torch.where(value_quantised, probs, zero) @ v_hat.float()
+    out = out + torch.where(value_quantised, zero, probs) @ v.float()
+    if extra is not None:
+        out = out + extra
+    return out.to(q.dtype), probs

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.attention import attention_fast, attention_reference, attention_with_past
+from models.attention import attention_fast, attention_reference, attention_two_version, attention_with_past
 from models.config import ModelConfig
 
 # ---------------------------------------------------------------------------------------------------- norms
@@ -132,6 +132,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self._qkv(x))
         if rope is not None:  # (B, nh, T, hs)
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if getattr(self.kv_transform, "streaming", False):
+            return self.c_proj(self._read_quantised_cache(q, k, v, kv).transpose(1, 2).reshape(B, T, C))
         if self.kv_transform is not None:
             k, v = self.kv_transform(k, v)
         if kv is not None:
@@ -147,6 +149,28 @@ class CausalSelfAttention(nn.Module):
             y, probs = attention_reference(q, k, v, self.kind, self.sink_k, self.sink_v)
             self.probs_hook(probs)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def _read_quantised_cache(
+        self, q: Tensor, k: Tensor, v: Tensor, kv: tuple[KVCache, int] | None
+    ) -> Tensor:
+        """Attention over a quantised KV cache (``kv_transform.read``, qbench.quant.kvschemes) as each query saw
+        it after its own token was written: one pass over a window, or a :class:`models.kvcache.QuantizedKVCache`
+        filled chunk by chunk; both give the same output (positions are absolute)."""
+        if kv is None:
+            past, view = 0, self.kv_transform.read(k, v, past=0)
+        else:
+            cache, layer = kv
+            if not hasattr(cache, "append_read"):
+                raise ValueError("a model with a quantised KV cache generates with model.new_cache()")
+            past, view = cache.pos, cache.append_read(layer, k, v, self.kv_transform)
+        y, probs = attention_two_version(
+            q, view.k, view.k_hat, view.v, view.v_hat, view.key_quantised, view.value_quantised,
+            self.kind, self.sink_k, self.sink_v, past=past,
+        )  # fmt: skip
+        self.kv_transform.observe(probs)
+        if self.probs_hook is not None and kv is None:
+            self.probs_hook(probs.to(q.dtype))
+        return y
 
 
 # ------------------------------------------------------------------------------------------------------- MLP
@@ -272,10 +296,19 @@ class Transformer(nn.Module):
             x = self.transformer.ln_f(x)
         return self.lm_head(x)  # (B, T, V)
 
+    def new_cache(self) -> KVCache:
+        """An empty cache for generation: a :class:`models.kvcache.QuantizedKVCache` when the blocks quantise
+        their KV cache (qbench.quant.kvschemes), else a float :class:`KVCache`."""
+        if any(getattr(block.attn.kv_transform, "streaming", False) for block in self.transformer.h):
+            from models.kvcache import QuantizedKVCache
+
+            return QuantizedKVCache(self.config)
+        return KVCache(self.config)
+
     @torch.inference_mode()
     def generate(self, prompt: Tensor, new_tokens: int) -> Tensor:
-        """``new_tokens`` greedy tokens (B, new_tokens) after ``prompt`` (B, P), with a :class:`KVCache`."""
-        cache = KVCache(self.config)
+        """``new_tokens`` greedy tokens (B, new_tokens) after ``prompt`` (B, P), with a KV cache (:meth:`new_cache`)."""
+        cache = self.new_cache()
         logits = self(prompt, cache)
         out = []
         for i in range(new_tokens):

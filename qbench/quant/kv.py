@@ -38,69 +38,72 @@ from __future__ import annotations
 import copy
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
-from models.errors import UserError, unknown_choice
+from models.errors import UserError
 from qbench.quant.primitives import TINY, check_finite
 
 KV_BITS = (8, 6, 4, 3, 2)
-GRANULARITIES = ("kivi", "per-token")
-_GRANULARITY_LABEL = {"kivi": "", "per-token": "-tok"}
+GRANULARITIES = ("kivi", "per-token")  # the former --kv-granularity values, now KV-scheme names
 # Informative to_dict keys; from_dict ignores them.
-_INFO_KEYS = ("label", "keys", "values", "range", "statistics")
+_INFO_KEYS = ("label", "keys", "values", "range", "statistics", "causal", "description")
 KV_PREFIX = "qbench_kv+"  # transformers attention implementations registered by this module
 
 
 @dataclass(frozen=True)
 class KVConfig:
-    """How the KV cache is quantised: ``bits`` (8, 6, 4, 3, 2), ``granularity`` ("kivi" = keys per channel and
-    values per token; "per-token" = both per token), ``keep_first`` (leading positions kept in float)."""
+    """How the KV cache is quantised: ``bits`` (8, 6, 4, 3, 2; 8 for fp8), ``scheme`` (a ``kvschemes.KV_SCHEMES``
+    name, optionally ``NAME:key=value,…``: kivi (default), per-token, fp8-e4m3, fp8-e5m2, window), ``keep_first``
+    (leading absolute positions kept in float), ``keep_sinks`` (the most-attended positions kept in float) and
+    the scheme's own options (``None`` = its default): kivi ``group``/``residual``, per-token ``block``/``sym``,
+    fp8 ``scale``, window ``key_axis``. See ``qbench.quant.kvschemes``."""
 
     bits: int
-    granularity: str = "kivi"
+    scheme: str = "kivi"
     keep_first: int = 0
+    keep_sinks: int = 0
+    group: int | None = None
+    residual: int | None = None
+    block: int | None = None
+    sym: bool | None = None
+    scale: float | None = None
+    key_axis: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or self.bits not in KV_BITS:
-            raise UserError(
-                f"KV-cache bits {self.bits!r} are not supported; choose from: {', '.join(map(str, KV_BITS))}"
-            )
-        if self.granularity not in GRANULARITIES:
-            raise unknown_choice("KV-cache granularity", self.granularity, GRANULARITIES)
-        if isinstance(self.keep_first, bool) or not isinstance(self.keep_first, int) or self.keep_first < 0:
-            raise UserError(
-                f"KV-cache keep_first {self.keep_first!r} is not supported; "
-                "choose an integer ≥ 0 (leading positions kept in float)"
-            )
+        from qbench.quant.kvschemes import normalize_config
+
+        normalize_config(self)  # resolves NAME:overrides and aliases, fills defaults; one-line UserErrors
+
+    @property
+    def causal(self) -> bool:
+        from qbench.quant.kvschemes import KV_SCHEMES
+
+        return KV_SCHEMES.get(self.scheme).causal
 
     @property
     def label(self) -> str:
-        """Short name for tables: ``kv2``, ``kv2-keep1``, ``kv4-tok``."""
-        keep = f"-keep{self.keep_first}" if self.keep_first else ""
-        return f"kv{self.bits}{_GRANULARITY_LABEL[self.granularity]}{keep}"
+        """Short name for tables: ``kv2``, ``kv2-keep1``, ``kv4-tok``, ``kv8-e4m3``, ``kv2-win``."""
+        from qbench.quant.kvschemes import label
+
+        return label(self)
 
     def to_dict(self) -> dict[str, Any]:
-        """The full config plus informative fields (label, what is quantised how), written into every record."""
-        key_groups = "per channel" if self.granularity == "kivi" else "per token"
-        return {
-            "bits": self.bits,
-            "granularity": self.granularity,
-            "keep_first": self.keep_first,
-            "label": self.label,
-            "keys": f"{key_groups}, after the rotary embedding",
-            "values": "per token, after the projection",
-            "range": "asymmetric [min, max] round-to-nearest (KIVI eq. 1)",
-            "statistics": "per sequence and head; per-channel ranges over the whole scored window, "
-            f"positions < {self.keep_first} kept in float and left out of the ranges",
-        }
+        """Every field (defaults filled in), causal yes/no and what is quantised how: written into every record."""
+        from qbench.quant.kvschemes import describe
+
+        return describe(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVConfig:
-        known = ("bits", "granularity", "keep_first")
+        from qbench.quant.kvschemes import LEGACY_GRANULARITY
+
+        known = [f.name for f in fields(cls)]
+        d = dict(d)
+        if "granularity" in d and "scheme" not in d:  # records from before the scheme registry
+            d.update(LEGACY_GRANULARITY.get(d.pop("granularity"), {"scheme": "?"}))
         unknown = set(d) - set(known) - set(_INFO_KEYS)
         if unknown:
             raise UserError(f"unknown KV-cache config field(s) {sorted(unknown)}; known: {list(known)}")
@@ -121,36 +124,21 @@ def fake_quantize_minmax(x: Tensor, bits: int, dim: int) -> Tensor:
     return q.mul_(scale).add_(lo).to(x.dtype)
 
 
-def _quantize_positions(x: Tensor, bits: int, dim: int, keep_first: int) -> Tensor:
-    """Fake-quantise a (B, H, T, D) cache tensor over ``dim``, positions < ``keep_first`` untouched and unseen."""
-    if keep_first <= 0:
-        return fake_quantize_minmax(x, bits, dim)
-    if x.size(-2) <= keep_first:
-        return x
-    head, rest = x[..., :keep_first, :], x[..., keep_first:, :]
-    return torch.cat([head, fake_quantize_minmax(rest, bits, dim)], dim=-2)
-
-
 def quantize_kv(key: Tensor, value: Tensor, config: KVConfig) -> tuple[Tensor, Tensor]:
-    """The dequantised (key, value) a cache quantised under ``config`` gives back; both (B, H, T, D)."""
-    key_dim = -2 if config.granularity == "kivi" else -1  # per channel: reduce over positions
-    return (
-        _quantize_positions(key, config.bits, key_dim, config.keep_first),
-        _quantize_positions(value, config.bits, -1, config.keep_first),
-    )
+    """The (key, value) a cache quantised under ``config`` holds once the whole window (B, H, T, D) is written:
+    final positions dequantised, the rest (KIVI's float residuals, kept positions) float."""
+    from qbench.quant.kvschemes import KVSchemeQuantizer
+
+    quantizer = KVSchemeQuantizer(config)
+    return quantizer.stored(key, value, quantizer.keep_mask(key.size(0), key.size(2), key.device))
 
 
-class KVQuantizer:
-    """The callable attached to attention modules: ``(k, v) -> quantize_kv(k, v, config)``."""
+def KVQuantizer(config: KVConfig) -> Any:
+    """The quantiser attached to attention modules (``kvschemes.KVSchemeQuantizer``): ``read(k, v, past)`` gives
+    each query's view of the cache (``models.attention.attention_two_version``)."""
+    from qbench.quant.kvschemes import KVSchemeQuantizer
 
-    def __init__(self, config: KVConfig) -> None:
-        self.config = config
-
-    def __call__(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        return quantize_kv(key, value, self.config)
-
-    def __repr__(self) -> str:
-        return f"KVQuantizer({self.config.label})"
+    return KVSchemeQuantizer(config)
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -229,6 +217,20 @@ def _kv_attention(base: str) -> Callable:
         quantizer = getattr(module, "qbench_kv", None)
         if quantizer is None:  # never silently run a float cache under a KV-quantised name
             raise RuntimeError(f"{type(module).__name__} has no KV quantiser but runs {KV_PREFIX}{base}")
+        if getattr(quantizer, "streaming", False):  # each query reads the cache as it was after its token
+            from models.hf import SOFTMAX1, SOFTMAX1_EAGER
+            from qbench.quant.kvschemes import hf_attention
+
+            return hf_attention(
+                quantizer,
+                module,
+                query,
+                key,
+                value,
+                *args,
+                softmax_one=base in (SOFTMAX1, SOFTMAX1_EAGER),
+                **kwargs,
+            )
         key, value = quantizer(key, value)  # (B, kv heads, T, D): as stored, before GQA's repeat
         return _base_attention(base, module)(module, query, key, value, *args, **kwargs)
 

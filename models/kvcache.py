@@ -1,0 +1,67 @@
+"""A quantised KV cache for generation: it holds each position quantised once its scheme says so, float before.
+
+``Transformer.new_cache()`` returns one when the model's blocks carry a KV-cache scheme (``qbench.quant.kvschemes``,
+attached by ``qbench.quant.kv.apply_kv``). Per layer the cache keeps one (B, nh, context, hs) buffer for keys and one
+for values, as :class:`models.transformer.KVCache` does; when n tokens have been written, positions below the
+scheme's ``keys_final(n)`` / ``values_final(n)`` hold their dequantised values (written over the float ones, so the
+float is gone, as in a deployed cache) and the rest float. A chunk of T > 1 new tokens is read as each of its
+queries would have read the cache after its own token: positions quantised during the chunk are still float for the
+chunk's earlier queries, so the chunk's float values are kept aside for that one call (two versions, selected by
+``attention_two_version``). Positions are absolute: ``keep_first`` and the sinks count from the first token.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from torch import Tensor
+
+from models.config import ModelConfig
+from models.transformer import KVCache
+
+
+class CacheView(NamedTuple):
+    """What one layer's queries read: float and quantised versions of every cached position (B, nh, L, hs), and
+    per query which one it reads (``key_quantised``/``value_quantised``: (B or 1, 1, T, L), True = quantised)."""
+
+    k: Tensor
+    k_hat: Tensor
+    v: Tensor
+    v_hat: Tensor
+    key_quantised: Tensor
+    value_quantised: Tensor
+
+
+class QuantizedKVCache(KVCache):
+    """:class:`KVCache` whose stored keys/values are quantised by the scheme the attention layers carry."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self._k_done = [0] * config.n_layer  # leading positions stored quantised, per layer
+        self._v_done = [0] * config.n_layer
+
+    def append_read(self, layer: int, k: Tensor, v: Tensor, scheme: Any) -> Any:
+        """Store (k, v) (B, nh, T, hs) at positions pos … pos + T − 1, quantise what became final, and return the
+        ``CacheView`` the T queries read (float and stored versions with per-query selection masks)."""
+        past, end = self.pos, self.pos + k.size(2)
+        if not scheme.scheme.causal:  # window: one range over every position so far, recomputed (non-causal)
+            k_all, v_all = self.append(layer, k, v)
+            return scheme.read(k_all, v_all, past=past)
+        k_all, v_all = self.append(layer, k, v)
+        keep = scheme.keep_mask(k.size(0), end, k.device)
+        k_float, v_float = k_all.clone(), v_all.clone()  # this chunk's queries before a flush read these
+        nk, nv = scheme.keys_final(end), scheme.values_final(end)
+        if nk > self._k_done[layer]:
+            k_all[:, :, self._k_done[layer] : nk] = scheme.quantize_keys(k_all, self._k_done[layer], nk, keep)
+            self._k_done[layer] = nk
+        if nv > self._v_done[layer]:
+            v_all[:, :, self._v_done[layer] : nv] = scheme.quantize_values(
+                v_all, self._v_done[layer], nv, keep
+            )
+            self._v_done[layer] = nv
+        mk, mv = scheme.masks(past, end, keep, k.device)
+        return CacheView(k_float, k_all, v_float, v_all, mk, mv)
+
+    def stored(self, layer: int) -> tuple[Tensor, Tensor]:
+        """What layer ``layer`` holds now, (B, nh, pos, hs) each: quantised where final, float elsewhere."""
+        return self._k[layer][:, :, : self.pos], self._v[layer][:, :, : self.pos]

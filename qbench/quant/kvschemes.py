@@ -1,0 +1,534 @@
+"""KV-cache schemes: how a deployed cache quantises what it stores, and *when* (``--kv-scheme NAME[:key=value,…]``).
+
+    KVConfig(2)                                   # kivi, G = 32, R = 128
+    KVConfig(2, "kivi:group=32,residual=32")      # the overrides syntax of weight schemes
+    KVConfig(4, "per-token:sym=false")            # llama.cpp q4_1
+    KVConfig(8, "fp8-e4m3")                       # vLLM's FP8 cache, k_scale = v_scale = 1
+
+Schemes (``KV_SCHEMES``; every one but ``window`` is causal: what a query at t reads depends on tokens ≤ t only):
+
+- ``kivi`` (default) — KIVI (Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache"),
+  §3.1 eq. 1 quantiser and §3.3 / Algorithm 1 streaming. Keys per channel: the float residual X_Kr collects new
+  keys; when it reaches R tokens it is quantised per channel in groups of G consecutive tokens (R a multiple of
+  G) and appended to the quantised part. Values per token (in groups of G channels when G divides the head size,
+  else the whole head): the R newest values stay float, older ones are quantised as they leave that window.
+  Quantiser: asymmetric min/max round-to-nearest (eq. 1). Defaults G = 32, R = 128: the group size and residual
+  length of the paper's experiments (§4 setup; R = 128 is also the released code's default), ``group=``,
+  ``residual=`` override them. The cache a query at t reads is the one after token t was appended and a full
+  residual flushed (Algorithm 1: append, flush, then attend): key j quantised iff j < R·⌊(t+1)/R⌋, value j iff
+  j ≤ t − R. (The released code attends before flushing, i.e. j < R·⌊t/R⌋ — one query per R later.) KIVI's
+  prefill attends over float keys; here every query, prompt or not, reads the cache as decoding would (so one
+  pass over a window equals generating it token by token).
+- ``per-token`` — llama.cpp's quantised KV cache (``--cache-type-k/v q8_0 | q4_0 | q4_1 | q5_0 | q5_1``):
+  each cached vector is quantised once, when written, in blocks of ``block`` = 32 consecutive values of the
+  token's row (all KV heads of one token, as llama.cpp stores the K/V tensors; a partial last block is its own
+  block). Layouts (ggml-common.h / ggml-quants.c reference quantisers): block_q8_0 = one fp16 scale d + 32 int8,
+  d = amax/127, q = round(x/d) (half away from zero), x̂ = q·d; block_q4_0 = fp16 d + 32 nibbles,
+  d = m/−8 with m the block's value of largest magnitude, q = min(15, ⌊x/d + 8.5⌋), x̂ = (q − 8)·d;
+  block_q4_1 = fp16 d, fp16 min + 32 nibbles, d = (max − min)/15, q = min(15, ⌊(x − min)/d + 0.5⌋),
+  x̂ = q·d + min. ``sym=true`` (default) is q8_0 at 8 bits and the q{b}_0 formula (d = m/−2^(b−1)) otherwise
+  (q5_0, q4_0; 6, 3 and 2 bits extend it); ``sym=false`` is q{b}_1. d and min are stored as fp16 (dequantised
+  with the fp16 values), the division uses 1/d as llama.cpp does.
+- ``fp8-e4m3``, ``fp8-e5m2`` — vLLM's FP8 KV cache (``kv_cache_dtype="fp8_e4m3" | "fp8_e5m2"``): one scale per
+  layer for keys (k_scale) and one for values (v_scale), x̂ = s·fp8(clamp(x/s, ±max)), rounding as
+  ``qbench.quant.formats`` (torch's float8 casts). ``scale=`` sets both scales; the default 1.0 is vLLM's when
+  the checkpoint carries no calibrated k_scale/v_scale. Written once, per position: causal.
+- ``window`` — the earlier qbench definition, kept as a documented *upper bound*, not a deployment: keys per
+  channel (``key_axis=token``: per token) with one range over all positions of the scored window, values per token
+  over the head. Not causal: a query at t reads keys whose range depends on keys after t.
+
+Shared: ``keep_first=K`` keeps absolute positions 0 … K−1 in float and out of every statistic; ``keep_sinks=K``
+keeps, per sequence and layer, the K positions that received the most attention in the float model's first pass
+(Sun et al. 2024, "Massive Activations in Large Language Models", §2.2: the attention sink is not always
+token 0) — see :func:`attach_sink_finder`. Kept positions are float in every version a query reads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from models.errors import UserError, did_you_mean
+from models.kvcache import CacheView
+from models.registry import Registry
+from qbench.quant.formats import E4M3, E5M2, round_to_element
+from qbench.quant.primitives import TINY, check_finite
+
+if TYPE_CHECKING:
+    from qbench.quant.kv import KVConfig
+
+
+@dataclass(frozen=True)
+class KVScheme:
+    """A registered KV-cache scheme: its override keys with their defaults, and whether it is causal."""
+
+    name: str
+    causal: bool
+    defaults: dict[str, Any]
+    suffix: str  # the label's scheme part: kv2, kv4-tok, kv8-e4m3, kv2-win
+    keys_text: str
+    values_text: str
+
+
+KV_SCHEMES: Registry[KVScheme] = Registry("KV-cache scheme")
+KV_SCHEMES.register(
+    "kivi",
+    KVScheme(
+        "kivi", True, {"group": 32, "residual": 128}, "", "per channel, groups of G tokens", "per token"
+    ),
+    "KIVI streaming: keys per channel in groups of G once R are complete, values per token, R newest float",
+    aliases=("kivi-stream",),
+)
+KV_SCHEMES.register(
+    "per-token",
+    KVScheme("per-token", True, {"block": 32, "sym": True}, "-tok", "per token, blocks", "per token, blocks"),
+    "llama.cpp q8_0/q4_0/q4_1: every vector quantised when written, blocks of 32 along the token's row",
+    aliases=("llama.cpp", "ggml"),
+)
+for _name, _dtype in (("fp8-e4m3", "e4m3"), ("fp8-e5m2", "e5m2")):
+    KV_SCHEMES.register(
+        _name,
+        KVScheme(_name, True, {"scale": 1.0}, f"-{_dtype}", "per layer scale", "per layer scale"),
+        f"vLLM FP8 {_dtype.upper()} cache: one scale per layer for keys and values (default 1.0)",
+        aliases=("fp8",) if _dtype == "e4m3" else (),
+    )
+KV_SCHEMES.register(
+    "window",
+    KVScheme("window", False, {"key_axis": "channel"}, "-win", "per channel over the window", "per token"),
+    "whole-window statistics (non-causal upper bound; qbench's earlier definition)",
+    aliases=("whole-window",),
+)
+# Legacy ``granularity`` values (records written before the registry) meant whole-window statistics.
+LEGACY_GRANULARITY = {"kivi": {"scheme": "window"}, "per-token": {"scheme": "window", "key_axis": "token"}}
+FP8_ELEMENTS = {"fp8-e4m3": E4M3, "fp8-e5m2": E5M2}
+OPTION_FIELDS = ("group", "residual", "block", "sym", "scale", "key_axis")
+SYNTAX = (
+    "NAME[:key=value,…], e.g. kivi:group=32,residual=128 | per-token:sym=false | fp8-e4m3:scale=0.5 | "
+    "window:key_axis=token; every scheme also takes bits, keep_first, keep_sinks"
+)
+
+
+# --------------------------------------------------------------------------------------------- the config
+
+
+def _positive(text: str) -> int:
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise ValueError("a positive integer")
+
+
+def _count(text: str) -> int:
+    if text.isdigit():
+        return int(text)
+    raise ValueError("an integer ≥ 0")
+
+
+def _bool(text: str) -> bool:
+    if text in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        return text in ("true", "1", "yes", "on")
+    raise ValueError("true or false")
+
+
+def _scale(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("a positive number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError("a positive number")
+    return value
+
+
+def _key_axis(text: str) -> str:
+    if text in ("channel", "token"):
+        return text
+    raise ValueError("channel or token")
+
+
+_PARSERS = {
+    "bits": _positive,
+    "keep_first": _count,
+    "keep_sinks": _count,
+    "group": _positive,
+    "residual": _positive,
+    "block": _positive,
+    "sym": _bool,
+    "scale": _scale,
+    "key_axis": _key_axis,
+}
+
+
+def parse_kv_scheme(text: str) -> dict[str, Any]:
+    """``"kivi:group=64,bits=2"`` -> {"scheme": "kivi", "group": 64, "bits": 2}; one-line UserErrors."""
+    name, sep, spec = text.partition(":")
+    scheme = KV_SCHEMES.get(name.strip().lower())
+    out: dict[str, Any] = {"scheme": scheme.name}
+    if not sep:
+        return out
+    valid = ["bits", "keep_first", "keep_sinks", *scheme.defaults]
+    if not spec.strip():
+        raise UserError(f"KV-cache scheme {text!r}: nothing after ':'; give overrides as {SYNTAX}")
+    for item in spec.split(","):
+        key, eq, value = (part.strip().lower() for part in item.partition("="))
+        if not eq or not key or not value:
+            raise UserError(
+                f"KV-cache scheme {text!r}: {item.strip()!r} is not key=value; keys: {', '.join(valid)}"
+            )
+        if key not in valid:
+            raise UserError(
+                f"KV-cache scheme {text!r}: unknown key {key!r}{did_you_mean(key, valid)} for {scheme.name}; "
+                f"keys: {', '.join(valid)}"
+            )
+        if key in out:
+            raise UserError(f"KV-cache scheme {text!r}: key {key!r} is given twice")
+        try:
+            out[key] = _PARSERS[key](value)
+        except ValueError as e:
+            raise UserError(
+                f"KV-cache scheme {text!r}: {key}={value!r} is not valid; {key} takes {e}"
+            ) from None
+    return out
+
+
+def normalize_config(config: KVConfig) -> None:
+    """Validate ``config`` in place (frozen: object.__setattr__): resolve the scheme name (aliases, ``NAME:…``
+    overrides), fill the scheme's defaults, refuse options of other schemes and impossible values."""
+    from qbench.quant.kv import KV_BITS
+
+    if not isinstance(config.scheme, str):
+        raise UserError(f"KV-cache scheme must be a name, got {config.scheme!r}; {SYNTAX}")
+    parsed = parse_kv_scheme(config.scheme)
+    for key, value in parsed.items():
+        given = getattr(config, key)
+        default = {"keep_first": 0, "keep_sinks": 0}.get(key)
+        if key != "scheme" and given is not None and given != default and given != value:
+            raise UserError(
+                f"KV-cache scheme {config.scheme!r} sets {key}={value} but {key}={given} was also given"
+            )
+        object.__setattr__(config, key, value)
+    scheme = KV_SCHEMES.get(config.scheme)
+    for key in OPTION_FIELDS:
+        value = getattr(config, key)
+        if key not in scheme.defaults:
+            if value is not None:
+                raise UserError(
+                    f"KV-cache scheme {scheme.name!r} takes no {key!r}; its keys: "
+                    f"{', '.join(['bits', 'keep_first', 'keep_sinks', *scheme.defaults])}"
+                )
+            continue
+        object.__setattr__(config, key, scheme.defaults[key] if value is None else value)
+    bits = config.bits
+    if scheme.name in FP8_ELEMENTS:
+        if bits != 8:
+            raise UserError(
+                f"KV-cache scheme {scheme.name!r} stores 8 bits, not {bits!r}; give bits 8 or leave it out"
+            )
+    elif isinstance(bits, bool) or bits not in KV_BITS:
+        raise UserError(
+            f"KV-cache bits {bits!r} are not supported; choose from: {', '.join(map(str, KV_BITS))}"
+        )
+    for key in ("keep_first", "keep_sinks"):
+        value = getattr(config, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise UserError(
+                f"KV-cache {key} {value!r} is not supported; choose an integer ≥ 0 (positions kept in float)"
+            )
+    for key in ("group", "residual", "block"):
+        value = getattr(config, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UserError(f"KV-cache {key} {value!r} is not supported; choose a positive integer")
+    if scheme.name == "kivi" and config.residual % config.group:
+        raise UserError(
+            f"KV-cache kivi residual={config.residual} is not a multiple of group={config.group} "
+            "(KIVI quantises a full residual in groups of G tokens)"
+        )
+    if scheme.name in FP8_ELEMENTS and not (isinstance(config.scale, float | int) and config.scale > 0):
+        raise UserError(f"KV-cache fp8 scale {config.scale!r} is not supported; choose a positive number")
+
+
+def label(config: KVConfig) -> str:
+    """kv2, kv2-keep1, kv2-g32r32, kv4-tok, kv4-tok-asym, kv8-e4m3, kv2-win, kv2-win-tok, …-sinks1."""
+    scheme = KV_SCHEMES.get(config.scheme)
+    parts = [f"kv{config.bits}{scheme.suffix}"]
+    if scheme.name == "kivi" and (config.group, config.residual) != (32, 128):
+        parts.append(f"g{config.group}r{config.residual}")
+    if scheme.name == "per-token":
+        parts += [] if config.sym else ["asym"]
+        parts += [] if config.block == 32 else [f"b{config.block}"]
+    if scheme.name in FP8_ELEMENTS and config.scale != 1.0:
+        parts.append(f"s{config.scale:g}")
+    if scheme.name == "window" and config.key_axis == "token":
+        parts.append("tok")
+    if config.keep_first:
+        parts.append(f"keep{config.keep_first}")
+    if config.keep_sinks:
+        parts.append(f"sinks{config.keep_sinks}")
+    return "-".join(parts)
+
+
+def describe(config: KVConfig) -> dict[str, Any]:
+    """The full scheme (every field, the defaults filled in) plus what is quantised how — record identity."""
+    scheme = KV_SCHEMES.get(config.scheme)
+    fields = {key: getattr(config, key) for key in ("bits", "scheme", "keep_first", "keep_sinks")}
+    fields.update({key: getattr(config, key) for key in scheme.defaults})
+    keys_text = "per token over the head" if config.key_axis == "token" else scheme.keys_text
+    return {
+        **fields,
+        "causal": "yes" if scheme.causal else "no",
+        "label": label(config),
+        "keys": f"{keys_text}, after the rotary embedding",
+        "values": f"{scheme.values_text}, after the projection",
+        "description": KV_SCHEMES.describe(scheme.name),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- quantisers
+
+
+def minmax_quantize(
+    x: Tensor, bits: int, dim: int | tuple[int, ...], exclude: Tensor | None = None
+) -> Tensor:
+    """KIVI eq. 1 over ``dim`` (asymmetric min/max round-to-nearest, ``kv.fake_quantize_minmax``) with the
+    positions where ``exclude`` is True (broadcast to x) left out of the statistics; a slice with nothing left
+    gets the range [0, 0]. float32 arithmetic, the result in x's dtype."""
+    xf = x.float()
+    if exclude is None:
+        lo, hi = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
+    else:
+        lo = xf.masked_fill(exclude, math.inf).amin(dim, keepdim=True)
+        hi = xf.masked_fill(exclude, -math.inf).amax(dim, keepdim=True)
+        empty = lo > hi
+        lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+    check_finite((lo, hi), "KV-cache quantisation")
+    qmax = 2**bits - 1
+    scale = ((hi - lo) / qmax).clamp_min(TINY)
+    q = (xf - lo).div_(scale).round_().clamp_(0, qmax)
+    return q.mul_(scale).add_(lo).to(x.dtype)
+
+
+def _fp16(x: Tensor) -> Tensor:
+    """A scale as llama.cpp stores it (GGML_FP32_TO_FP16) and reads it back."""
+    return x.to(torch.float16).float()
+
+
+def ggml_quantize_blocks(xb: Tensor, bits: int, symmetric: bool) -> Tensor:
+    """llama.cpp's reference block quantisers over the last dim of ``xb`` (one block per row), dequantised in
+    float32: q8_0 (bits 8, symmetric), q{b}_0 (symmetric), q{b}_1 (with a minimum). Module docstring."""
+    xf = xb.float()
+    if symmetric and bits == 8:  # quantize_row_q8_0_ref
+        amax = xf.abs().amax(-1, keepdim=True)
+        check_finite((-amax, amax), "KV-cache quantisation")
+        d = amax / 127
+        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        q = torch.trunc(xf * inv + torch.sign(xf) * 0.5)  # roundf: half away from zero
+        return q * _fp16(d)
+    levels = 2**bits - 1
+    if symmetric:  # quantize_row_q4_0_ref / q5_0: d = m / −2^(b−1), m the signed value of largest magnitude
+        half = 2 ** (bits - 1)
+        m = xf.gather(-1, xf.abs().argmax(-1, keepdim=True))
+        check_finite((-m.abs(), m.abs()), "KV-cache quantisation")
+        d = m / -half
+        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        q = torch.floor(xf * inv + (half + 0.5)).clamp_max(levels)
+        return (q - half) * _fp16(d)
+    lo, hi = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)  # quantize_row_q4_1_ref / q5_1
+    check_finite((lo, hi), "KV-cache quantisation")
+    d = (hi - lo) / levels
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.floor((xf - lo) * inv + 0.5).clamp(0, levels)
+    return q * _fp16(d) + _fp16(lo)
+
+
+def _per_token_rows(x: Tensor, bits: int, block: int, symmetric: bool) -> Tensor:
+    """(B, H, n, D) -> each token's row (all H heads, llama.cpp's layout) quantised in blocks of ``block``."""
+    B, H, n, D = x.shape
+    rows = x.transpose(1, 2).reshape(B, n, H * D)
+    full = (H * D) // block * block
+    parts = []
+    if full:
+        blocks = rows[..., :full].reshape(B, n, full // block, block)
+        parts.append(ggml_quantize_blocks(blocks, bits, symmetric).reshape(B, n, full))
+    if full < H * D:
+        parts.append(ggml_quantize_blocks(rows[..., full:], bits, symmetric))
+    out = torch.cat(parts, -1) if len(parts) > 1 else parts[0]
+    return out.reshape(B, n, H, D).transpose(1, 2).to(x.dtype)
+
+
+class KVSchemeQuantizer:
+    """The quantiser attached to each attention layer for one :class:`~qbench.quant.kv.KVConfig`.
+
+    ``keys_final(n)``/``values_final(n)``: how many leading positions the cache holds quantised once n tokens
+    are written (kept positions aside); ``quantize_keys``/``quantize_values``: the quantised form of positions
+    [start, stop) — depending only on those positions (and kept ones), so a cache filled chunk by chunk holds
+    exactly what one pass computes; ``read``: the one-pass view of a window. ``sinks``: (B, K) absolute
+    positions kept in float for the sequences now being run (set by :func:`attach_sink_finder`).
+    """
+
+    streaming = (
+        True  # marks the (k, v, past) -> CacheView protocol for CausalSelfAttention and the kv wrapper
+    )
+
+    def __init__(self, config: KVConfig) -> None:
+        self.config = config
+        self.scheme = KV_SCHEMES.get(config.scheme)
+        self.sinks: Tensor | None = None
+        self.observing = False  # the sink finder's float pre-pass: read float, record attention received
+        self.received: Tensor | None = None  # (B, L) attention received, summed over heads and queries
+
+    def __repr__(self) -> str:
+        return f"KVSchemeQuantizer({self.config.label})"
+
+    # positions ---------------------------------------------------------------------------------------------
+    def _final(self, n: Tensor, values: bool) -> Tensor:
+        name = self.scheme.name
+        if name == "kivi":
+            R = self.config.residual
+            return (n - R).clamp_min(0) if values else torch.div(n, R, rounding_mode="floor") * R
+        return n  # per-token and fp8 quantise when written; window: every position, one range
+
+    def keys_final(self, n: int) -> int:
+        return int(self._final(torch.tensor(n), values=False))
+
+    def values_final(self, n: int) -> int:
+        return int(self._final(torch.tensor(n), values=True))
+
+    def keep_mask(self, batch: int, length: int, device: torch.device) -> Tensor | None:
+        """(B, L) True at kept positions (keep_first, the sinks), None when nothing is kept."""
+        keep = None
+        if self.config.keep_first:
+            keep = (
+                (torch.arange(length, device=device) < self.config.keep_first).expand(batch, length).clone()
+            )
+        if self.config.keep_sinks and self.sinks is not None and not self.observing:
+            positions = torch.arange(length, device=device)[None, :, None]
+            mask = (positions == self.sinks.to(device)[:, None, :]).any(-1)  # (B, L)
+            keep = mask if keep is None else keep | mask
+        return keep
+
+    def masks(
+        self, past: int, length: int, keep: Tensor | None, device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        """(B or 1, 1, T, L) bools: query past + i reads key/value j quantised (the cache after it was written)."""
+        t1 = torch.arange(past + 1, length + 1, device=device)[:, None]
+        j = torch.arange(length, device=device)[None, :]
+        mk = (j < self._final(t1, values=False))[None, None]
+        mv = (j < self._final(t1, values=True))[None, None]
+        if keep is not None:
+            mk, mv = mk & ~keep[:, None, None, :], mv & ~keep[:, None, None, :]
+        return mk, mv
+
+    # quantisers --------------------------------------------------------------------------------------------
+    def _quantize(self, x: Tensor, start: int, stop: int, keep: Tensor | None, values: bool) -> Tensor:
+        """The quantised form of positions [start, stop) of x (B, H, L, D); kept positions come back float."""
+        c, name = self.config, self.scheme.name
+        part = x[:, :, start:stop]
+        kept = None if keep is None else keep[:, None, start:stop, None]  # (B, 1, n, 1)
+        if stop <= start:
+            return part
+        if name == "kivi" and not values:
+            B, H, n, D = part.shape
+            G = c.group  # start, stop are multiples of R, hence of G
+            groups = part.reshape(B, H, n // G, G, D)
+            ex = None if kept is None else kept.reshape(B, 1, n // G, G, 1)
+            out = minmax_quantize(groups, c.bits, -2, ex).reshape(B, H, n, D)
+        elif name == "kivi":
+            B, H, n, D = part.shape
+            G = c.group if D % c.group == 0 else D
+            out = minmax_quantize(part.reshape(B, H, n, D // G, G), c.bits, -1).reshape(B, H, n, D)
+        elif name == "per-token":
+            out = _per_token_rows(part, c.bits, c.block, c.sym)
+        elif name in FP8_ELEMENTS:
+            s = float(c.scale)
+            out = (round_to_element(part.float() / s, FP8_ELEMENTS[name]) * s).to(x.dtype)
+        else:  # window
+            per_channel = not values and c.key_axis == "channel"
+            out = minmax_quantize(part, c.bits, -2 if per_channel else -1, kept if per_channel else None)
+        return out if kept is None else torch.where(kept, part, out)
+
+    def quantize_keys(self, k: Tensor, start: int, stop: int, keep: Tensor | None = None) -> Tensor:
+        return self._quantize(k, start, stop, keep, values=False)
+
+    def quantize_values(self, v: Tensor, start: int, stop: int, keep: Tensor | None = None) -> Tensor:
+        return self._quantize(v, start, stop, keep, values=True)
+
+    def stored(self, k: Tensor, v: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """What the cache holds once all of k, v (B, H, L, D) are written: the final positions quantised."""
+        L = k.size(2)
+        nk, nv = self.keys_final(L), self.values_final(L)
+        k_hat = torch.cat([self.quantize_keys(k, 0, nk, keep), k[:, :, nk:]], dim=2)
+        v_hat = torch.cat([self.quantize_values(v, 0, nv, keep), v[:, :, nv:]], dim=2)
+        return k_hat, v_hat
+
+    def read(self, k: Tensor, v: Tensor, past: int = 0) -> CacheView:
+        """The view of queries at positions past … L − 1 over a window's float keys/values (B, H, L, D)."""
+        B, L = k.size(0), k.size(2)
+        if self.observing:
+            none = torch.zeros(1, 1, L - past, L, dtype=torch.bool, device=k.device)
+            return CacheView(k, k, v, v, none, none)
+        keep = self.keep_mask(B, L, k.device)
+        k_hat, v_hat = self.stored(k, v, keep)
+        return CacheView(k, k_hat, v, v_hat, *self.masks(past, L, keep, k.device))
+
+    def observe(self, probs: Tensor) -> None:
+        """During the sink finder's float pass: add up the attention each position receives (B, L)."""
+        if self.observing:
+            got = probs.detach().float().sum(dim=(1, 2))
+            if got.dim() == 1:
+                got = got[None]
+            self.received = got if self.received is None else self.received + got
+
+
+# ------------------------------------------------------------------------------------------ transformers
+
+
+def hf_attention(
+    quantizer: KVSchemeQuantizer,
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    softmax_one: bool = False,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """A transformers attention function's job, done explicitly over the two-version cache: ``key``/``value``
+    (B, kv heads, L, D) are every cached position (past ones included), ``query`` the last T; GQA repeats the
+    quantised heads; ``attention_mask`` boolean (True = attend) or additive float, sliding windows included,
+    None = causal; ``scaling`` as given (1/√D when None); softmax-1 when the wrapped implementation is it."""
+    from models.attention import attention_two_version
+
+    for unsupported in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(unsupported) is not None:
+            raise UserError(
+                f"KV-cache scheme {quantizer.config.scheme!r} cannot run attention with {unsupported} "
+                f"({type(module).__name__}); use --kv-scheme window"
+            )
+    T, L = query.size(2), key.size(2)
+    view = quantizer.read(key, value, past=L - T)
+    k, k_hat, v, v_hat = view.k, view.k_hat, view.v, view.v_hat
+    if key.size(1) != query.size(1):
+        n_rep = query.size(1) // key.size(1)
+        k, k_hat, v, v_hat = (t.repeat_interleave(n_rep, dim=1) for t in (k, k_hat, v, v_hat))
+    mask = None if attention_mask is None else attention_mask[..., :L]
+    if mask is None and T == 1:
+        mask = torch.ones(1, 1, 1, L, dtype=torch.bool, device=query.device)
+    out, probs = attention_two_version(
+        query,
+        k,
+        k_hat,
+        v,
+        v_hat,
+        view.key_quantised,
+        view.value_quantised,
+        "softmax1" if softmax_one else "softmax",
+        past=L - T,
+        mask=mask,
+        scale=scaling,
+    )
+    quantizer.observe(probs)
+    return out.transpose(1, 2).contiguous(), probs.to(query.dtype)

@@ -396,25 +396,25 @@ class KVSchemeQuantizer:
     def values_final(self, n: int) -> int:
         return int(self._final(torch.tensor(n), values=True))
 
-    def keep_mask(self, batch: int, length: int, device: torch.device) -> Tensor | None:
-        """(B, L) True at kept positions (keep_first, the sinks), None when nothing is kept."""
+    def keep_mask(self, batch: int, length: int, device: torch.device, offset: int = 0) -> Tensor | None:
+        """(B, L) True at kept positions (keep_first, the sinks; absolute positions offset … offset + L − 1),
+        None when nothing is kept."""
         keep = None
+        positions = torch.arange(offset, offset + length, device=device)
         if self.config.keep_first:
-            keep = (
-                (torch.arange(length, device=device) < self.config.keep_first).expand(batch, length).clone()
-            )
+            keep = (positions < self.config.keep_first).expand(batch, length).clone()
         if self.config.keep_sinks and self.sinks is not None and not self.observing:
-            positions = torch.arange(length, device=device)[None, :, None]
-            mask = (positions == self.sinks.to(device)[:, None, :]).any(-1)  # (B, L)
+            mask = (positions[None, :, None] == self.sinks.to(device)[:, None, :]).any(-1)  # (B, L)
             keep = mask if keep is None else keep | mask
         return keep
 
     def masks(
-        self, past: int, length: int, keep: Tensor | None, device: torch.device
+        self, past: int, length: int, keep: Tensor | None, device: torch.device, offset: int = 0
     ) -> tuple[Tensor, Tensor]:
-        """(B or 1, 1, T, L) bools: query past + i reads key/value j quantised (the cache after it was written)."""
-        t1 = torch.arange(past + 1, length + 1, device=device)[:, None]
-        j = torch.arange(length, device=device)[None, :]
+        """(B or 1, 1, T, L) bools: query past + i reads key/value j quantised (the cache after it was written);
+        ``offset``: the absolute position of index 0 (a cache that dropped earlier positions)."""
+        t1 = torch.arange(offset + past + 1, offset + length + 1, device=device)[:, None]
+        j = torch.arange(offset, offset + length, device=device)[None, :]
         mk = (j < self._final(t1, values=False))[None, None]
         mv = (j < self._final(t1, values=True))[None, None]
         if keep is not None:
@@ -422,8 +422,11 @@ class KVSchemeQuantizer:
         return mk, mv
 
     # quantisers --------------------------------------------------------------------------------------------
-    def _quantize(self, x: Tensor, start: int, stop: int, keep: Tensor | None, values: bool) -> Tensor:
-        """The quantised form of positions [start, stop) of x (B, H, L, D); kept positions come back float."""
+    def _quantize(
+        self, x: Tensor, start: int, stop: int, keep: Tensor | None, values: bool, offset: int = 0
+    ) -> Tensor:
+        """The quantised form of indices [start, stop) of x (B, H, L, D) (absolute positions offset + index);
+        kept positions come back float."""
         c, name = self.config, self.scheme.name
         part = x[:, :, start:stop]
         kept = None if keep is None else keep[:, None, start:stop, None]  # (B, 1, n, 1)
@@ -431,10 +434,17 @@ class KVSchemeQuantizer:
             return part
         if name == "kivi" and not values:
             B, H, n, D = part.shape
-            G = c.group  # start, stop are multiples of R, hence of G
-            groups = part.reshape(B, H, n // G, G, D)
-            ex = None if kept is None else kept.reshape(B, 1, n // G, G, 1)
-            out = minmax_quantize(groups, c.bits, -2, ex).reshape(B, H, n, D)
+            G = c.group
+            # Groups are G absolute positions; stop is a multiple of R (hence of G) and so is start unless the
+            # cache dropped the start of a group (a sliding window): pad that group with excluded rows.
+            lead = (offset + start) % G
+            ex = torch.zeros(B, 1, n, 1, dtype=torch.bool, device=x.device) if kept is None else kept
+            if lead:
+                part = torch.cat([part.new_zeros(B, H, lead, D), part], dim=2)
+                ex = torch.cat([ex.new_ones(B, 1, lead, 1), ex], dim=2)
+            m = (lead + n) // G
+            out = minmax_quantize(part.reshape(B, H, m, G, D), c.bits, -2, ex.reshape(B, 1, m, G, 1))
+            out, part = out.reshape(B, H, m * G, D)[:, :, lead:], part[:, :, lead:]
         elif name == "kivi":
             B, H, n, D = part.shape
             G = c.group if D % c.group == 0 else D
@@ -449,29 +459,37 @@ class KVSchemeQuantizer:
             out = minmax_quantize(part, c.bits, -2 if per_channel else -1, kept if per_channel else None)
         return out if kept is None else torch.where(kept, part, out)
 
-    def quantize_keys(self, k: Tensor, start: int, stop: int, keep: Tensor | None = None) -> Tensor:
-        return self._quantize(k, start, stop, keep, values=False)
+    def quantize_keys(
+        self, k: Tensor, start: int, stop: int, keep: Tensor | None = None, offset: int = 0
+    ) -> Tensor:
+        return self._quantize(k, start, stop, keep, False, offset)
 
-    def quantize_values(self, v: Tensor, start: int, stop: int, keep: Tensor | None = None) -> Tensor:
-        return self._quantize(v, start, stop, keep, values=True)
+    def quantize_values(
+        self, v: Tensor, start: int, stop: int, keep: Tensor | None = None, offset: int = 0
+    ) -> Tensor:
+        return self._quantize(v, start, stop, keep, True, offset)
 
-    def stored(self, k: Tensor, v: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def stored(
+        self, k: Tensor, v: Tensor, keep: Tensor | None = None, offset: int = 0
+    ) -> tuple[Tensor, Tensor]:
         """What the cache holds once all of k, v (B, H, L, D) are written: the final positions quantised."""
         L = k.size(2)
-        nk, nv = self.keys_final(L), self.values_final(L)
-        k_hat = torch.cat([self.quantize_keys(k, 0, nk, keep), k[:, :, nk:]], dim=2)
-        v_hat = torch.cat([self.quantize_values(v, 0, nv, keep), v[:, :, nv:]], dim=2)
+        nk = max(self.keys_final(offset + L) - offset, 0)
+        nv = max(self.values_final(offset + L) - offset, 0)
+        k_hat = torch.cat([self.quantize_keys(k, 0, nk, keep, offset), k[:, :, nk:]], dim=2)
+        v_hat = torch.cat([self.quantize_values(v, 0, nv, keep, offset), v[:, :, nv:]], dim=2)
         return k_hat, v_hat
 
-    def read(self, k: Tensor, v: Tensor, past: int = 0) -> CacheView:
-        """The view of queries at positions past … L − 1 over a window's float keys/values (B, H, L, D)."""
+    def read(self, k: Tensor, v: Tensor, past: int = 0, offset: int = 0) -> CacheView:
+        """The view of queries at indices past … L − 1 over float keys/values (B, H, L, D) whose index 0 is
+        absolute position ``offset`` (0 unless the cache dropped positions, as sliding-window caches do)."""
         B, L = k.size(0), k.size(2)
         if self.observing:
             none = torch.zeros(1, 1, L - past, L, dtype=torch.bool, device=k.device)
             return CacheView(k, k, v, v, none, none)
-        keep = self.keep_mask(B, L, k.device)
-        k_hat, v_hat = self.stored(k, v, keep)
-        return CacheView(k, k_hat, v, v_hat, *self.masks(past, L, keep, k.device))
+        keep = self.keep_mask(B, L, k.device, offset)
+        k_hat, v_hat = self.stored(k, v, keep, offset)
+        return CacheView(k, k_hat, v, v_hat, *self.masks(past, L, keep, k.device, offset))
 
     def observe(self, probs: Tensor) -> None:
         """During the sink finder's float pass: add up the attention each position receives (B, L)."""
@@ -499,7 +517,12 @@ def hf_attention(
     """A transformers attention function's job, done explicitly over the two-version cache: ``key``/``value``
     (B, kv heads, L, D) are every cached position (past ones included), ``query`` the last T; GQA repeats the
     quantised heads; ``attention_mask`` boolean (True = attend) or additive float, sliding windows included,
-    None = causal; ``scaling`` as given (1/√D when None); softmax-1 when the wrapped implementation is it."""
+    None = causal; ``scaling`` as given (1/√D when None); softmax-1 when the wrapped implementation is it.
+
+    transformers' caches hold float keys/values, so each call re-quantises them (the same values: a quantised
+    position depends only on its own group). Limitation: a sliding-window cache (Mistral) drops old positions;
+    decoding through it, a KIVI key group whose start was dropped is re-quantised from its remaining members,
+    which differs slightly from the one-pass scoring (exact for the per-token and fp8 schemes)."""
     from models.attention import attention_two_version
 
     for unsupported in ("softcap", "s_aux", "sinks"):
@@ -509,7 +532,12 @@ def hf_attention(
                 f"({type(module).__name__}); use --kv-scheme window"
             )
     T, L = query.size(2), key.size(2)
-    view = quantizer.read(key, value, past=L - T)
+    # Sliding-window caches keep only the newest positions: the queries' absolute positions place the keys.
+    position_ids = kwargs.get("position_ids")
+    offset = (
+        0 if position_ids is None else int(position_ids.reshape(-1, position_ids.size(-1))[0, -1]) + 1 - L
+    )
+    view = quantizer.read(key, value, past=L - T, offset=max(offset, 0))
     k, k_hat, v, v_hat = view.k, view.k_hat, view.v, view.v_hat
     if key.size(1) != query.size(1):
         n_rep = query.size(1) // key.size(1)

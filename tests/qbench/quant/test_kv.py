@@ -86,7 +86,8 @@ def test_keep_first_is_bit_exact_and_left_out_of_the_ranges():
     k[:, :, 0] += 40.0  # a sink-like first key: an outlier in every channel
     kq, vq = quantize_kv(k, v, KVConfig(2, "window", keep_first=1))
     assert torch.equal(kq[:, :, :1], k[:, :, :1]) and torch.equal(vq[:, :, :1], v[:, :, :1])
-    rest_k, rest_v = quantize_kv(k[:, :, 1:], v[:, :, 1:], KVConfig(2, "window"))  # ranges of positions ≥ 1 only
+    # the ranges of positions ≥ 1 only
+    rest_k, rest_v = quantize_kv(k[:, :, 1:], v[:, :, 1:], KVConfig(2, "window"))
     assert torch.equal(kq[:, :, 1:], rest_k) and torch.equal(vq[:, :, 1:], rest_v)
     with_sink, _ = quantize_kv(k, v, KVConfig(2, "window"))
     assert (with_sink - k)[:, :, 1:].abs().mean() > 5 * (kq - k)[:, :, 1:].abs().mean()

@@ -454,7 +454,9 @@ def test_command_line_options():
     )
     assert parse("--kv-scheme", "fp8-e5m2") == KVConfig(8, "fp8-e5m2")
     assert parse("--kv-scheme", "per-token:bits=4") == KVConfig(4, "per-token")
-    assert parse("--kv-bits", "3", "--kv-granularity", "window", "--kv-keep-first", "2").label == "kv3-win-keep2"
+    assert (
+        parse("--kv-bits", "3", "--kv-granularity", "window", "--kv-keep-first", "2").label == "kv3-win-keep2"
+    )
     for args, message in [
         (("--kv-scheme", "kivi"), "needs --kv-bits"),
         (("--kv-keep-sinks", "1"), "need --kv-bits or --kv-scheme"),

@@ -81,7 +81,7 @@ class KVConfig:
     def causal(self) -> bool:
         from qbench.quant.kvschemes import KV_SCHEMES
 
-        return KV_SCHEMES.get(self.scheme).causal
+        return KV_SCHEMES.get(self.scheme).causal and not self.keep_sinks  # sinks: chosen over the window
 
     @property
     def label(self) -> str:
@@ -167,6 +167,10 @@ def attach_kv(model: nn.Module, config: KVConfig) -> nn.Module:
             block.attn.kv_transform = KVQuantizer(config)
     else:
         _attach_transformers(model, config)
+    if config.keep_sinks:  # a float pass before each first pass chooses the positions kept in float
+        from qbench.quant.kvschemes import attach_sink_finder
+
+        attach_sink_finder(model)
     model.qbench_kv = config.to_dict()
     return model
 

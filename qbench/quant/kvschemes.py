@@ -278,7 +278,8 @@ def describe(config: KVConfig) -> dict[str, Any]:
     keys_text = "per token over the head" if config.key_axis == "token" else scheme.keys_text
     return {
         **fields,
-        "causal": "yes" if scheme.causal else "no",
+        # Sinks chosen from the scored window's float pass see the whole window (attach_sink_finder).
+        "causal": "yes" if scheme.causal and not config.keep_sinks else "no",
         "label": label(config),
         "keys": f"{keys_text}, after the rotary embedding",
         "values": f"{scheme.values_text}, after the projection",
@@ -560,3 +561,64 @@ def hf_attention(
     )
     quantizer.observe(probs)
     return out.transpose(1, 2).contiguous(), probs.to(query.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- sinks
+
+
+def kv_quantizers(model: torch.nn.Module) -> list[KVSchemeQuantizer]:
+    """Every attached quantiser of ``model``, in module order (ours: ``kv_transform``; transformers: ``qbench_kv``)."""
+    found = []
+    for module in model.modules():
+        for attr in ("kv_transform", "qbench_kv"):
+            quantizer = getattr(module, attr, None)
+            if isinstance(quantizer, KVSchemeQuantizer):
+                found.append(quantizer)
+    return found
+
+
+def _first_pass(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """No cache yet (or an empty one): the pass whose float attention chooses the sinks."""
+    cache = args[1] if len(args) > 1 else kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is None:
+        return True
+    if hasattr(cache, "get_seq_length"):
+        return int(cache.get_seq_length()) == 0
+    return getattr(cache, "pos", 0) == 0
+
+
+def attach_sink_finder(model: torch.nn.Module) -> None:
+    """Keep the sinks in float (``keep_sinks=K``): before a first pass (no cache, or an empty one), run the
+    model once with float reads, add up per layer and sequence the attention each position receives (over
+    heads and queries), and keep each layer's K most-attended positions in float from then on (Sun et al. 2024,
+    "Massive Activations in Large Language Models", §2.2: the sink is not always token 0). In one-pass
+    scoring that first pass is the window itself, so the choice sees the whole window (``causal: no``); in
+    generation it is the prompt's prefill, as a deployment would choose. Costs one extra float forward."""
+    quantizers = kv_quantizers(model)
+    running = [False]
+
+    def choose_sinks(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if running[0] or not _first_pass(args, kwargs):
+            return
+        running[0] = True
+        try:
+            for q in quantizers:
+                q.observing, q.received, q.sinks = True, None, None
+            float_kwargs = {
+                k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values", "use_cache")
+            }
+            if "input_ids" in kwargs or "inputs_embeds" in kwargs or not hasattr(module, "new_cache"):
+                float_kwargs["use_cache"] = False  # transformers: leave the caller's cache alone
+            with torch.no_grad():
+                module(*args[:1], **float_kwargs)
+            for q in quantizers:
+                if q.received is None:
+                    raise RuntimeError(f"{q!r} saw no attention in the float pass; cannot choose sinks")
+                k = min(q.config.keep_sinks, q.received.size(-1))
+                q.sinks = q.received.topk(k, dim=-1).indices  # (B, K) absolute positions
+        finally:
+            for q in quantizers:
+                q.observing, q.received = False, None
+            running[0] = False
+
+    model.register_forward_pre_hook(choose_sinks, with_kwargs=True)

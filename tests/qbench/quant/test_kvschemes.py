@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from models import build
 from models.attention import attention_reference, attention_two_version
 from models.errors import UserError
 from models.hf import SOFTMAX1_EAGER, to_hf_model
@@ -285,6 +286,7 @@ def test_the_window_scheme_is_not_causal_and_says_so(ours, theirs):
         for name, model in {**ours, **theirs}.items():
             kv = apply_kv(model, config)
             assert (_logits(kv, ids)[:, :18] - _logits(kv, other)[:, :18]).abs().max() > 0, name
+    assert KVConfig(2, keep_sinks=1).to_dict()["causal"] == "no"  # sinks chosen over the whole window
 
 
 def test_a_cache_that_quantises_nothing_is_the_float_model(ours, theirs):
@@ -424,7 +426,7 @@ def test_records_describe_the_scheme_fully_and_round_trip():
         "residual": 64,
         "keep_first": 1,
         "keep_sinks": 2,
-        "causal": "yes",
+        "causal": "no",  # the sinks are chosen over the whole window
     }
     assert config.label == "kv2-g32r64-keep1-sinks2"
     for c in (
@@ -464,3 +466,86 @@ def test_command_line_options():
     ]:
         with pytest.raises(UserError, match=message):
             parse(*args)
+
+
+# ----------------------------------------------------------------------------------------------- sinks
+
+
+def test_sinks_are_the_most_attended_positions_of_the_float_pass_and_stay_float(ours, theirs):
+    from models.observe import observe
+    from qbench.quant.kvschemes import kv_quantizers
+
+    model = ours["llama-softmax1"]
+    ids = torch.randint(0, 64, (2, 32), generator=gen(13))
+    config = KVConfig(2, "per-token", keep_sinks=2)
+    kv = apply_kv(model, config)
+    with torch.no_grad(), observe(model, hidden=False, attention=True) as obs:
+        model(ids)
+        got = kv(ids)
+    quantizers = kv_quantizers(kv)
+    assert len(quantizers) == model.config.n_layer
+    for layer, quantizer in enumerate(quantizers):
+        received = obs.attention[layer].sum(dim=(1, 2))  # (B, L): over heads and queries
+        expected = received.topk(2, dim=-1).indices
+        assert torch.equal(quantizer.sinks.sort(-1).values, expected.sort(-1).values)
+        assert not quantizer.observing and quantizer.received is None
+    # kept in float: the view reads them unquantised, every other position quantised
+    k = torch.randn(2, 4, 32, 8, generator=gen(14))
+    view = quantizers[0].read(k, k)
+    for b in range(2):
+        sinks = quantizers[0].sinks[b]
+        assert torch.equal(view.k_hat[b][:, sinks], k[b][:, sinks])
+        others = torch.ones(32, dtype=torch.bool)
+        others[sinks] = False
+        assert (view.k_hat[b][:, others] != k[b][:, others]).any(-1).all()
+    # the transformers export chooses the same positions and gives the same logits
+    hf = apply_kv(theirs["hf-llama-softmax1"], config)
+    with torch.no_grad():
+        hf_got = _logits(hf, ids)
+    for ours_q, hf_q in zip(quantizers, kv_quantizers(hf)):
+        assert torch.equal(ours_q.sinks.sort(-1).values, hf_q.sinks.sort(-1).values)
+    torch.testing.assert_close(got, hf_got, rtol=1e-4, atol=1e-4)
+
+
+def test_generation_chooses_the_sinks_in_the_prompt_and_keeps_them_float(ours):
+    from qbench.quant.kvschemes import kv_quantizers
+
+    model = ours["gpt2"]
+    kv = apply_kv(model, KVConfig(2, SMALL, keep_sinks=1))
+    ids = torch.randint(0, 64, (1, 24), generator=gen(15))
+    with torch.no_grad():
+        cache, float_cache = kv.new_cache(), model.new_cache()
+        for start, stop in [(0, 10), *((i, i + 1) for i in range(10, 24))]:
+            kv(ids[:, start:stop], cache)
+            model(ids[:, start:stop], float_cache)
+        prompt_only = apply_kv(model, KVConfig(2, SMALL, keep_sinks=1))
+        prompt_only(ids[:, :10])
+    for layer, quantizer in enumerate(kv_quantizers(kv)):
+        assert torch.equal(
+            quantizer.sinks, kv_quantizers(prompt_only)[layer].sinks
+        )  # chosen once, on the prompt
+        sink = int(quantizer.sinks[0, 0])
+        k, v = cache.stored(layer)
+        assert torch.equal(k[:, :, sink], float_cache._k[layer][:, :, sink])
+        assert torch.equal(v[:, :, sink], float_cache._v[layer][:, :, sink])
+
+
+def test_a_sink_in_the_middle_is_found():
+    """Block 0 of a GPT-2 rigged so that every query attends to the key at position 9 (query bias along u,
+    keys' projection u·êᵀ with ê the normalised input at position 9): keep_sinks=1 keeps position 9, not 0."""
+    model = build(micro_config("gpt2"), seed=0).eval()  # no planted channel: inputs point every way
+    ids = torch.randint(0, 64, (2, 24), generator=gen(16))
+    d = model.config.d_model
+    attn = model.transformer.h[0].attn
+    with torch.no_grad():
+        x = model.transformer.wte(ids[:1]) + model.transformer.wpe(torch.arange(24))
+        e = model.transformer.h[0].ln_1(x)[0, 9]
+        u = torch.ones(d)
+        attn.c_attn.weight[:d] = 0.0
+        attn.c_attn.bias[:d] = 4.0 * u
+        attn.c_attn.weight[d : 2 * d] = torch.outer(u, e / e.norm())
+        kv = apply_kv(model, KVConfig(2, SMALL, keep_sinks=1))
+        kv(ids[:1])
+    from qbench.quant.kvschemes import kv_quantizers
+
+    assert kv_quantizers(kv)[0].sinks.tolist() == [[9]]

@@ -9,26 +9,24 @@ Definition (design/metrics.md, "KV-cache quantisation"; KIVI, Liu et al. 2024, �
   after their projection — exactly the tensors a KV cache would hold. Every query position attends over the
   dequantised keys and values. The extra always-visible key of softmax-1 (zeros) and the learned sink's key/value
   are parameters, not cache entries, and stay float.
-- Quantiser (KIVI eq. 1): asymmetric round-to-nearest over a group X of the cache,
-  z = min X, s = (max X − min X) / (2^b − 1), q = clamp(round((x − z) / s), 0, 2^b − 1), x̂ = q · s + z.
-  (Unlike qbench's weight "zeropoint", the range is [min X, max X], not widened to include 0: KIVI's formula.)
-  ``round`` is round-half-to-even (``torch.round``); s is floored at float32's TINY so a constant group
-  dequantises to itself; arithmetic in float32, the result cast back to the input dtype.
-- Groups: ``granularity="kivi"`` (default) quantises keys per channel — one (z, s) per (sequence, head, channel)
-  over the token positions — and values per token — one (z, s) per (sequence, head, position) over the head's
-  channels. ``granularity="per-token"`` quantises both per token.
-- Window (ours, documented simplification): KIVI computes key statistics over groups of G consecutive tokens and
-  keeps the R most recent tokens in float while generating. Here perplexity scores whole windows at once, so a
-  key channel's statistics are taken over **all positions of the window being scored** (excluding kept ones, see
-  below). This is not causal — a query at position t reads keys whose range also depends on later keys — and it
-  is the same for every query; it is what a cache filled by one prefill of the window and then quantised holds.
-  Per-token groups (values, and keys under ``per-token``) are causal.
-- ``keep_first=K`` leaves positions 0..K−1 in float (bit-exact) and computes every other position's statistics
-  without them — sink protection as in IntactKV, KVQuant's attention-sink handling and PrefixQuant.
+- Schemes (``KVConfig.scheme``, ``--kv-scheme NAME[:key=value,…]``; ``qbench.quant.kvschemes`` has the
+  registry, each scheme's source and its exact definition): ``kivi`` (default; KIVI §3 streaming: keys per
+  channel in groups of G tokens once a residual of R is complete, values per token with the R newest float),
+  ``per-token`` (llama.cpp q8_0/q4_0/q4_1 blocks of 32), ``fp8-e4m3``/``fp8-e5m2`` (vLLM's per-layer scales)
+  and ``window`` (the earlier whole-window statistics, a non-causal upper bound). The quantiser of the integer
+  schemes other than per-token is KIVI eq. 1 (``fake_quantize_minmax``).
+- When: every query at t reads the cache as it stood after token t was written (``read`` gives, per query,
+  which positions it reads quantised; ``models.attention.attention_two_version`` computes both score matrices
+  and selects by position), so one pass over a window equals generating it token by token through
+  ``models.kvcache.QuantizedKVCache`` and no scheme but ``window`` reads a later token.
+- ``keep_first=K`` leaves absolute positions 0..K−1 in float (bit-exact) and out of every statistic — sink
+  protection as in IntactKV, KVQuant's attention-sink handling and PrefixQuant; ``keep_sinks=K`` keeps each
+  layer's K most-attended positions of a float first pass (``kvschemes.attach_sink_finder``).
 - Never across sequences of a batch: results do not depend on how windows are batched.
 
-Our models expose a neutral hook (``CausalSelfAttention.kv_transform``, called on (k, v) after RoPE);
-transformers models get their registered attention function wrapped (``qbench_kv+<implementation>``), so
+Our models expose a neutral hook (``CausalSelfAttention.kv_transform``, called on (k, v) after RoPE; a KV
+scheme's quantiser, marked ``streaming``, is instead asked for each query's view of the whole cache); transformers
+models get their registered attention function wrapped (``qbench_kv+<implementation>``), so
 eager, sdpa, ``softmax1`` and ``softmax1_eager`` all read quantised keys/values (GPT-2 and Llama layouts, and
 any model whose attention goes through transformers' ``AttentionInterface``).
 """

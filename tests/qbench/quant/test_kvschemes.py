@@ -380,11 +380,11 @@ def test_transformers_decoding_with_its_cache_equals_one_pass(theirs, name, conf
     with torch.no_grad():
         full = _logits(model, ids)
         out = model(input_ids=ids[:, :6], use_cache=True)
-        parts, past = [out.logits], out.past_key_values
+        parts, past = [out.logits], out.cache
         for i in range(6, 20):
-            out = model(input_ids=ids[:, i : i + 1], past_key_values=past, use_cache=True)
+            out = model(input_ids=ids[:, i : i + 1], cache=past, use_cache=True)
             parts.append(out.logits)
-            past = out.past_key_values
+            past = out.cache
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
 
 

@@ -27,6 +27,9 @@ from models.flash_softmax1 import softmax1_flash
 
 # softmax-1 on a fused kernel through the row logsumexp (models.flash_softmax1); False forces the extra-key path.
 SOFTMAX1_FLASH = True
+# attention_two_version works on blocks of queries whose (B, nh, rows, L) score matrix has at most this many
+# elements (2^24 float32 = 64 MiB per temporary), so long windows do not hold several full T × L matrices.
+QUERY_BLOCK_ELEMENTS = 2**24
 
 
 def softmax1(scores: Tensor, dim: int = -1) -> Tensor:
@@ -149,6 +152,11 @@ def attention_reference(
     return probs @ v + all_probs[..., :1] * extra_v, probs
 
 
+def _rows(mask: Tensor | None, rows: slice) -> Tensor | None:
+    """The query rows ``rows`` of a mask broadcastable to (B, nh, T, L) (a one-row mask serves every query)."""
+    return mask if mask is None or mask.size(-2) == 1 else mask[..., rows, :]
+
+
 def attention_two_version(
     q: Tensor,
     k: Tensor,
@@ -181,6 +189,19 @@ def attention_two_version(
     Scores and probabilities in float32. Returns (output (B, nh, T, hs) in q's dtype, probs on the real keys).
     """
     T, L = q.size(2), k.size(2)
+    rows = max(1, QUERY_BLOCK_ELEMENTS // max(1, q.size(0) * q.size(1) * L))
+    if T > rows:  # bound the (B, nh, T, L) float32 temporaries: blocks of queries, each a full matrix product
+        outs, probs = [], []
+        for start in range(0, T, rows):
+            stop = min(T, start + rows)
+            rows_of = slice(start, stop)
+            o, p = attention_two_version(
+                q[:, :, rows_of], k, k_hat, v, v_hat, _rows(key_quantised, rows_of), _rows(value_quantised, rows_of),
+                kind, sink_k, sink_v, past=past + start, mask=_rows(mask, rows_of), scale=scale,
+            )  # fmt: skip
+            outs.append(o)
+            probs.append(p)
+        return torch.cat(outs, dim=2), torch.cat(probs, dim=2)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     qf = q.float()
     s_float = (qf @ k.float().transpose(-2, -1)) * scale

@@ -163,6 +163,14 @@ class CausalSelfAttention(nn.Module):
             if not hasattr(cache, "append_read"):
                 raise ValueError("a model with a quantised KV cache generates with model.new_cache()")
             past, view = cache.pos, cache.append_read(layer, k, v, self.kv_transform)
+        if self.kv_transform.reads_one_version and self.probs_hook is None:
+            # Every position a query may see is stored (or kept float) the moment it is written: the stored
+            # version alone, on the fused kernels.
+            if past:
+                return attention_with_past(
+                    q, view.k_hat, view.v_hat, past, self.kind, self.sink_k, self.sink_v
+                )
+            return attention_fast(q, view.k_hat, view.v_hat, self.kind, self.sink_k, self.sink_v)
         y, probs = attention_two_version(
             q, view.k, view.k_hat, view.v, view.v_hat, view.key_quantised, view.value_quantised,
             self.kind, self.sink_k, self.sink_v, past=past,

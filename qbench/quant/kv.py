@@ -231,6 +231,7 @@ def _kv_attention(base: str) -> Callable:
                 value,
                 *args,
                 softmax_one=base in (SOFTMAX1, SOFTMAX1_EAGER),
+                base=_base_attention(base, module),
                 **kwargs,
             )
         key, value = quantizer(key, value)  # (B, kv heads, T, D): as stored, before GQA's repeat

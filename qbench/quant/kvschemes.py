@@ -383,6 +383,12 @@ class KVSchemeQuantizer:
     def __repr__(self) -> str:
         return f"KVSchemeQuantizer({self.config.label})"
 
+    @property
+    def reads_one_version(self) -> bool:
+        """True when no query ever reads a written position in float unless it is kept (every scheme but
+        KIVI): attention can run over the stored version alone. False while observing (float, probabilities)."""
+        return self.scheme.name != "kivi" and not self.observing
+
     # positions ---------------------------------------------------------------------------------------------
     def _final(self, n: Tensor, values: bool) -> Tensor:
         name = self.scheme.name
@@ -513,12 +519,15 @@ def hf_attention(
     attention_mask: Tensor | None,
     scaling: float | None = None,
     softmax_one: bool = False,
+    base: Any = None,
     **kwargs: Any,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor | None]:
     """A transformers attention function's job, done explicitly over the two-version cache: ``key``/``value``
     (B, kv heads, L, D) are every cached position (past ones included), ``query`` the last T; GQA repeats the
     quantised heads; ``attention_mask`` boolean (True = attend) or additive float, sliding windows included,
     None = causal; ``scaling`` as given (1/√D when None); softmax-1 when the wrapped implementation is it.
+    Schemes that never read a written position in float (all but KIVI) hand the stored keys/values to ``base``,
+    the wrapped implementation, instead.
 
     transformers' caches hold float keys/values, so each call re-quantises them (the same values: a quantised
     position depends only on its own group). Limitation: a sliding-window cache (Mistral) drops old positions;
@@ -539,6 +548,8 @@ def hf_attention(
         0 if position_ids is None else int(position_ids.reshape(-1, position_ids.size(-1))[0, -1]) + 1 - L
     )
     view = quantizer.read(key, value, past=L - T, offset=max(offset, 0))
+    if quantizer.reads_one_version and base is not None:  # the stored version alone, on the wrapped kernel
+        return base(module, query, view.k_hat, view.v_hat, attention_mask, scaling=scaling, **kwargs)
     k, k_hat, v, v_hat = view.k, view.k_hat, view.v, view.v_hat
     if key.size(1) != query.size(1):
         n_rep = query.size(1) // key.size(1)

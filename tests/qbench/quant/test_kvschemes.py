@@ -105,6 +105,18 @@ def test_one_pass_equals_kivi_algorithm_1_token_by_token(kind, bits, G, R):
     assert (got - float_out).abs().max() > 1e-3  # the cache was quantised
 
 
+def test_query_blocks_give_the_whole_matrix_result(monkeypatch):
+    import models.attention
+
+    q, k, v = (torch.randn(2, 2, 13, 6, generator=gen(i)) for i in range(3))
+    view = KVSchemeQuantizer(KVConfig(2, "kivi:group=3,residual=3")).read(k, v)
+    whole, whole_probs = attention_two_version(q, *view, "softmax1")
+    monkeypatch.setattr(models.attention, "QUERY_BLOCK_ELEMENTS", 2 * 2 * 13 * 4)  # blocks of 4 queries
+    blocked, blocked_probs = attention_two_version(q, *view, "softmax1")
+    torch.testing.assert_close(blocked, whole, rtol=0, atol=1e-6)
+    torch.testing.assert_close(blocked_probs, whole_probs, rtol=0, atol=1e-7)
+
+
 def test_kivi_masks_follow_the_residual_and_the_value_window():
     quantizer = KVSchemeQuantizer(KVConfig(2, "kivi:group=2,residual=4", keep_first=1))
     mk, mv = quantizer.masks(0, 10, quantizer.keep_mask(1, 10, torch.device("cpu")), torch.device("cpu"))

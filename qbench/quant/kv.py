@@ -67,7 +67,7 @@ class KVConfig:
     residual: int | None = None
     block: int | None = None
     sym: bool | None = None
-    scale: float | None = None
+    scale: float | str | None = None
     key_axis: str | None = None
 
     def __post_init__(self) -> None:

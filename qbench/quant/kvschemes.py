@@ -105,6 +105,7 @@ KV_SCHEMES.register(
 # Legacy ``granularity`` values (records written before the registry) meant whole-window statistics.
 LEGACY_GRANULARITY = {"kivi": {"scheme": "window"}, "per-token": {"scheme": "window", "key_axis": "token"}}
 FP8_ELEMENTS = {"fp8-e4m3": E4M3, "fp8-e5m2": E5M2}
+CALIBRATED = "calib"  # fp8 scale=calib: per-layer k_scale/v_scale from calibrate_kv_scales
 OPTION_FIELDS = ("group", "residual", "block", "sym", "scale", "key_axis")
 SYNTAX = (
     "NAME[:key=value,…], e.g. kivi:group=32,residual=128 | per-token:sym=false | fp8-e4m3:scale=0.5 | "
@@ -133,13 +134,15 @@ def _bool(text: str) -> bool:
     raise ValueError("true or false")
 
 
-def _scale(text: str) -> float:
+def _scale(text: str) -> float | str:
+    if text == CALIBRATED:
+        return CALIBRATED
     try:
         value = float(text)
     except ValueError:
-        raise ValueError("a positive number") from None
+        raise ValueError(f"a positive number or {CALIBRATED}") from None
     if not (math.isfinite(value) and value > 0):
-        raise ValueError("a positive number")
+        raise ValueError(f"a positive number or {CALIBRATED}")
     return value
 
 
@@ -246,7 +249,13 @@ def normalize_config(config: KVConfig) -> None:
             f"KV-cache kivi residual={config.residual} is not a multiple of group={config.group} "
             "(KIVI quantises a full residual in groups of G tokens)"
         )
-    if scheme.name in FP8_ELEMENTS and not (isinstance(config.scale, float | int) and config.scale > 0):
+    if (
+        scheme.name in FP8_ELEMENTS
+        and config.scale != CALIBRATED
+        and not (
+            isinstance(config.scale, float | int) and not isinstance(config.scale, bool) and config.scale > 0
+        )
+    ):
         raise UserError(f"KV-cache fp8 scale {config.scale!r} is not supported; choose a positive number")
 
 
@@ -259,7 +268,9 @@ def label(config: KVConfig) -> str:
     if scheme.name == "per-token":
         parts += [] if config.sym else ["asym"]
         parts += [] if config.block == 32 else [f"b{config.block}"]
-    if scheme.name in FP8_ELEMENTS and config.scale != 1.0:
+    if scheme.name in FP8_ELEMENTS and config.scale == CALIBRATED:
+        parts.append("calib")
+    elif scheme.name in FP8_ELEMENTS and config.scale != 1.0:
         parts.append(f"s{config.scale:g}")
     if scheme.name == "window" and config.key_axis == "token":
         parts.append("tok")
@@ -378,6 +389,9 @@ class KVSchemeQuantizer:
         self.scheme = KV_SCHEMES.get(config.scheme)
         self.sinks: Tensor | None = None
         self.observing = False  # the sink finder's float pre-pass: read float, record attention received
+        self.calibrating = False  # calibrate_kv_scales' float passes: read float, record |k|, |v| maxima
+        self.amax: list[float] = [0.0, 0.0]  # keys, values, over the calibration passes
+        self.kv_scales: tuple[float, float] | None = None  # fp8 scale=calib: (k_scale, v_scale)
         self.received: Tensor | None = None  # (B, L) attention received, summed over heads and queries
 
     def __repr__(self) -> str:
@@ -387,7 +401,7 @@ class KVSchemeQuantizer:
     def reads_one_version(self) -> bool:
         """True when no query ever reads a written position in float unless it is kept (every scheme but
         KIVI): attention can run over the stored version alone. False while observing (float, probabilities)."""
-        return self.scheme.name != "kivi" and not self.observing
+        return self.scheme.name != "kivi" and not self.observing and not self.calibrating
 
     # positions ---------------------------------------------------------------------------------------------
     def _final(self, n: Tensor, values: bool) -> Tensor:
@@ -459,12 +473,23 @@ class KVSchemeQuantizer:
         elif name == "per-token":
             out = _per_token_rows(part, c.bits, c.block, c.sym)
         elif name in FP8_ELEMENTS:
-            s = float(c.scale)
+            s = self._fp8_scale(values)
             out = (round_to_element(part.float() / s, FP8_ELEMENTS[name]) * s).to(x.dtype)
         else:  # window
             per_channel = not values and c.key_axis == "channel"
             out = minmax_quantize(part, c.bits, -2 if per_channel else -1, kept if per_channel else None)
         return out if kept is None else torch.where(kept, part, out)
+
+    def _fp8_scale(self, values: bool) -> float:
+        """The layer's k_scale or v_scale: the configured number, or the calibrated pair (``scale=calib``)."""
+        if self.config.scale != CALIBRATED:
+            return float(self.config.scale)
+        if self.kv_scales is None:
+            raise UserError(
+                f"KV-cache scheme {self.config.scheme}:scale=calib needs calibrate_kv_scales(model, batches) "
+                "before it runs (or give scale=<number>)"
+            )
+        return self.kv_scales[values]
 
     def quantize_keys(
         self, k: Tensor, start: int, stop: int, keep: Tensor | None = None, offset: int = 0
@@ -491,7 +516,9 @@ class KVSchemeQuantizer:
         """The view of queries at indices past … L − 1 over float keys/values (B, H, L, D) whose index 0 is
         absolute position ``offset`` (0 unless the cache dropped positions, as sliding-window caches do)."""
         B, L = k.size(0), k.size(2)
-        if self.observing:
+        if self.calibrating:
+            self.amax = [max(self.amax[0], float(k.abs().max())), max(self.amax[1], float(v.abs().max()))]
+        if self.observing or self.calibrating:
             none = torch.zeros(1, 1, L - past, L, dtype=torch.bool, device=k.device)
             return CacheView(k, k, v, v, none, none)
         keep = self.keep_mask(B, L, k.device, offset)
@@ -633,3 +660,36 @@ def attach_sink_finder(model: torch.nn.Module) -> None:
             running[0] = False
 
     model.register_forward_pre_hook(choose_sinks, with_kwargs=True)
+
+
+# ----------------------------------------------------------------------------------------- fp8 calibration
+
+
+def calibrate_kv_scales(model: torch.nn.Module, batches: Any) -> dict[int, tuple[float, float]]:
+    """Calibrated FP8 cache scales (``fp8-e4m3:scale=calib``), as vLLM reads k_scale/v_scale from a checkpoint
+    calibrated by llm-compressor: per layer, k_scale = max|k| / max_normal and v_scale = max|v| / max_normal over
+    float passes of ``batches`` (token-id tensors; the model reads a float cache meanwhile), floored at TINY.
+    Fixed before scoring, so the scheme stays causal. Returns {layer index: (k_scale, v_scale)}."""
+    quantizers = [q for q in kv_quantizers(model) if q.scheme.name in FP8_ELEMENTS]
+    if not quantizers or any(q.config.scale != CALIBRATED for q in quantizers):
+        raise UserError(
+            "calibrate_kv_scales needs a model whose KV cache runs fp8-e4m3/fp8-e5m2 with scale=calib"
+        )
+    for q in quantizers:
+        q.calibrating, q.amax = True, [0.0, 0.0]
+    try:
+        with torch.no_grad():
+            for ids in batches:
+                if hasattr(model, "new_cache"):
+                    model(ids)
+                else:
+                    model(input_ids=ids, use_cache=False)
+    finally:
+        for q in quantizers:
+            q.calibrating = False
+    scales = {}
+    for layer, q in enumerate(quantizers):
+        top = FP8_ELEMENTS[q.scheme.name].max_normal
+        q.kv_scales = (max(q.amax[0] / top, TINY), max(q.amax[1] / top, TINY))
+        scales[layer] = q.kv_scales
+    return scales

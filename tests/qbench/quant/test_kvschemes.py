@@ -202,6 +202,53 @@ def test_fp8_values_lie_on_the_scaled_grid():
     )  # scale 1: saturates at E4M3's max
 
 
+def test_calibrated_fp8_scales_are_per_layer_maxima_over_the_calibration_batches(ours):
+    from qbench.quant.kvschemes import calibrate_kv_scales, kv_quantizers
+
+    model = ours["llama"]
+    config = KVConfig(8, "fp8-e4m3:scale=calib")
+    assert config.label == "kv8-e4m3-calib" and KVConfig.from_dict(config.to_dict()) == config
+    kv = apply_kv(model, config)
+    batches = [torch.randint(0, 64, (2, 16), generator=gen(20 + i)) for i in range(2)]
+    with pytest.raises(UserError, match="needs calibrate_kv_scales"):
+        kv(batches[0])
+    scales = calibrate_kv_scales(kv, batches)
+    recorders = [Recorder() for _ in model.transformer.h]
+    for block, recorder in zip(model.transformer.h, recorders):
+        block.attn.kv_transform = recorder
+    try:
+        with torch.no_grad():
+            for ids in batches:
+                model(ids)
+    finally:
+        for block in model.transformer.h:
+            block.attn.kv_transform = None
+    for layer, recorder in enumerate(recorders):
+        k_max = max(float(k.abs().max()) for k, _ in recorder.calls)
+        v_max = max(float(v.abs().max()) for _, v in recorder.calls)
+        assert scales[layer] == pytest.approx((k_max / 448, v_max / 448), rel=1e-6)
+    k = torch.randn(1, 4, 5, 8, generator=gen(21))
+    k_scale, v_scale = scales[0]
+    quantizer = kv_quantizers(kv)[0]
+    expected_k = (k / k_scale).to(torch.float8_e4m3fn).float() * k_scale
+    torch.testing.assert_close(quantizer.quantize_keys(k, 0, 5), expected_k, rtol=1e-6, atol=0)
+    expected_v = (k / v_scale).to(torch.float8_e4m3fn).float() * v_scale
+    torch.testing.assert_close(quantizer.quantize_values(k, 0, 5), expected_v, rtol=1e-6, atol=0)
+    with torch.no_grad():
+        assert torch.isfinite(kv(batches[0])).all()
+
+
+class Recorder:
+    """A kv transform that records what it is given and changes nothing."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, k, v):
+        self.calls.append((k.detach().clone(), v.detach().clone()))
+        return k, v
+
+
 # ---------------------------------------------------------------------------- two-version attention
 
 

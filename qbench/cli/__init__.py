@@ -2,7 +2,8 @@
 this package (``setup``, ``evaluate``, ``studies``, and one per study with many options); registries supply
 every list of names.
 
-Errors a user can cause (:class:`models.errors.UserError`) print one line and exit 2 — never a traceback.
+Errors a user can cause (:class:`models.errors.UserError`) print one line and exit 2 — never a traceback; Ctrl-C
+prints one line and exits 130, also while the imports of start-up are still running.
 """
 
 from __future__ import annotations
@@ -12,9 +13,23 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from models.errors import UserError
-from qbench.cli import evaluate, setup, studies  # noqa: F401  (importing them registers their commands)
-from qbench.cli.base import COMMANDS, _Parser, err_console, os_error_line
+from qbench import _exit_if_cli_interrupted, _forget_interrupt
+
+try:
+    from models.errors import UserError
+    from qbench.cli import evaluate, setup, studies  # noqa: F401  (importing them registers their commands)
+    from qbench.cli.base import (
+        COMMANDS,
+        INTERRUPTED,
+        _Parser,
+        _Version,
+        add_output_argument,
+        err_console,
+        os_error_line,
+    )
+except KeyboardInterrupt:  # the console script imports this module before main can catch anything
+    _exit_if_cli_interrupted()
+    raise
 
 # ------------------------------------------------------------------------------------------------- parser
 
@@ -23,39 +38,52 @@ def build_parser() -> argparse.ArgumentParser:
     from models.config import CHOICES
     from qbench.cli import inspect, intervene, lm_eval, score, sensitivity
     from qbench.cli.args import add_kv_arguments, add_model_arguments
-    from qbench.eval.metrics import Protocol
+    from qbench.cli.budgets import DEMO_TOKENS, EVAL_TOKENS, PAPER_TOKENS, TIMING_TOKENS
 
     parser = _Parser(
         prog="qbench",
         description="Quantisation robustness of causal LMs: outliers, attention sinks, "
         "softmax-1 and OrthoAdam (Kaul et al., ICLR 2025).",
     )
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    seed_help = "torch seed set before each evaluation"
 
     p = sub.add_parser("init", help="write a randomly initialised checkpoint of a preset")
     p.add_argument("--preset", default="tiny", help="model preset (qbench ls presets)")
-    p.add_argument("--out", required=True, help="checkpoint folder to write")
-    p.add_argument("--seed", type=int, default=0)
+    add_output_argument(p, "checkpoint folder to write", "--out", required=True, metavar="DIR")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
     p.add_argument("--tokenizer", help="tokenizer name or folder (default: the preset's)")
     for switch in ("attn", "norm", "norm_position", "pos"):
-        p.add_argument(f"--{switch.replace('_', '-')}", dest=switch, help=" | ".join(CHOICES[switch]))
+        p.add_argument(
+            f"--{switch.replace('_', '-')}",
+            dest=switch,
+            help=" | ".join(CHOICES[switch]) + " (default: the preset's)",
+        )
     p.add_argument(
-        "--bias", action=argparse.BooleanOptionalAction, default=None, help="biases in linears/norms"
+        "--bias",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="biases in linears/norms (default: the preset's)",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --out")
+    p.add_argument("--overwrite", action="store_true", help="write into a folder that is not empty")
 
     p = sub.add_parser("export", help="write a qbench checkpoint as a transformers model folder")
     p.add_argument("ckpt", help="qbench checkpoint folder")
-    p.add_argument("out", help="output folder")
+    p.add_argument("out", nargs="?", help="output folder (or give it as --output-path)")
+    add_output_argument(p, "output folder", metavar="DIR")
+    p.add_argument("--overwrite", action="store_true", help="write into a folder that is not empty")
 
     p = sub.add_parser("ls", help="list presets, corpora, schemes, optimizers, recipes or results")
     p.add_argument("what", help="presets | corpora | schemes | optimizers | recipes | results")
-    p.add_argument("--output-path", default="qbench_results", help="for `ls results`")
+    p.add_argument(
+        "--output-path", default="qbench_results", metavar="DIR", help="the results folder `ls results` reads"
+    )
 
     sub.add_parser("env", help="versions, devices and available real kernels")
 
     def eval_options(p: argparse.ArgumentParser, many: bool = False) -> None:
-        add_model_arguments(p, tokens=Protocol.tokens, many=many)
+        add_model_arguments(p, tokens=EVAL_TOKENS, many=many)
         p.add_argument(
             "--scheme",
             action="append",
@@ -64,9 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
             "overrides as NAME:key=value,… (e.g. absmax-coarse:w=4,a=4,o=4, zeropoint-int4:group=128)",
         )
         p.add_argument("--mode", action="append", help="fake (default) | real; repeatable")
-        p.add_argument("--output-path", default="qbench_results", help="where result JSON goes")
-        p.add_argument("--exclude", action="append", help="fnmatch pattern of layer names to keep in float")
-        p.add_argument("--seed", type=int, default=0)
+        add_output_argument(p, "where result JSON goes", default="qbench_results", metavar="DIR")
+        p.add_argument(
+            "--exclude", action="append", help="fnmatch pattern of layer names to keep in float (repeatable)"
+        )
+        p.add_argument("--seed", type=int, default=0, help=seed_help)
         p.add_argument("--no-attention", action="store_true", help="skip attention statistics (faster)")
         p.add_argument(
             "--quantize-lm-head",
@@ -119,7 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint ckpts/NAME (evaluated with the paper's schemes if it has no results yet)",
     )
     p.add_argument("--format", default="table", help="table | md | csv | latex | json")
-    p.add_argument("--output-path", default="qbench_results")
+    add_output_argument(
+        p,
+        "the results folder names are looked up in (and a bare checkpoint's new records are written to)",
+        default="qbench_results",
+        metavar="DIR",
+    )
     p.add_argument(
         "--breaking-points",
         action="store_true",
@@ -130,31 +165,51 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "speed", help="time/memory of each scheme × mode vs fp32 and peers (ratios, interleaved)"
     )
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--in-features", type=int, default=1024)
-    p.add_argument("--out-features", type=int, default=4096)
-    p.add_argument("--tokens", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, default=1, help="torch threads while timing")
+    p.add_argument(
+        "--in-features", type=int, default=1024, help="per-layer figures: the linear's input width"
+    )
+    p.add_argument(
+        "--out-features", type=int, default=4096, help="per-layer figures: the linear's output width"
+    )
+    p.add_argument(
+        "--tokens", type=int, default=TIMING_TOKENS, help="per-layer figures: tokens per timed forward"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=15, help="timed repeats per figure (medians and minima are compared)"
+    )
     p.add_argument("--scheme", action="append", help="repeatable; default: every registered scheme")
     p.add_argument("--mode", action="append", help="fake | real (default both)")
     p.add_argument("--model", default="small", help="preset for the whole-model figure")
     p.add_argument("--no-model", action="store_true", help="skip the whole-model figures")
-    p.add_argument("--ckpt", help="whole-model figures for this checkpoint (qbench or transformers) instead")
-    p.add_argument("--model-tokens", type=int, default=512, help="whole-model prefill tokens")
+    p.add_argument(
+        "--ckpt",
+        help="whole-model figures for this checkpoint (qbench or transformers) instead of --model's preset",
+    )
+    p.add_argument("--model-tokens", type=int, default=TIMING_TOKENS, help="whole-model prefill tokens")
     p.add_argument("--new-tokens", type=int, default=128, help="whole-model generation: greedy tokens")
     p.add_argument("--no-generate", action="store_true", help="skip the whole-model generation figure")
     p.add_argument(
         "--generate-via",
         default="own",
-        help="our models decode with their own KV cache (own, default) or exported to transformers (transformers)",
+        help="our models decode with their own KV cache (own) or exported to transformers (transformers)",
     )
     p.add_argument("--no-layer", action="store_true", help="skip the per-layer and bandwidth figures")
     p.add_argument(
         "--device", default="cpu", help="cpu | cuda | cuda:N (peers without a kernel there: noted)"
     )
     p.add_argument("--no-peers", action="store_true", help="skip torch.ao / bitsandbytes / torchao peers")
-    p.add_argument("--json", help="also write the records to this file ('-' for stdout only)")
-    p.add_argument("--from-json", help="measure nothing: print the tables of a file written by --json")
+    add_output_argument(
+        p,
+        "also write the records to this JSON file ('-': to stdout only)",
+        "--json",
+        metavar="FILE",
+    )
+    p.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="measure nothing: print the tables of a file written by --output-path",
+    )
     p.add_argument("--format", default="simple", help="table format: simple | md (GitHub markdown)")
 
     p = sub.add_parser(
@@ -166,18 +221,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="the budget at which quantisation damage appears in the vanilla model (Llama style, ~50 min)",
     )
     p.add_argument(
-        "--steps", type=int, help="training steps per model, 16 x 128 tokens each (default 500; --long 2000)"
+        "--steps", type=int, help="training steps per model, 16 x 128 tokens each (default: 500; --long 2000)"
     )
-    p.add_argument("--tokens", type=int, default=16384, help="evaluation token budget per model")
-    p.add_argument("--ckpt-root", help="default ckpts/demo (--long: ckpts/demo-long)")
-    p.add_argument("--output-path", help="default results/demo (--long: results/demo-long)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=DEMO_TOKENS,
+        help="evaluation token budget per model (the demo's recipe)",
+    )
+    p.add_argument("--ckpt-root", help="checkpoint folder (default: ckpts/demo; --long: ckpts/demo-long)")
+    add_output_argument(p, "results folder (default: results/demo; --long: results/demo-long)", metavar="DIR")
+    p.add_argument("--seed", type=int, default=0, help="training and evaluation seed")
     p.add_argument("--no-sweep", action="store_true", help="skip the bit-width sweep (8→2 bits, KV cache)")
 
     p = sub.add_parser(
         "sweep", help="perplexity change over bit widths per tensor axis and the KV cache; breaking points"
     )
-    add_model_arguments(p, tokens=Protocol.tokens, many=True)
+    add_model_arguments(p, tokens=EVAL_TOKENS, many=True)
     p.add_argument(
         "--family", action="append", help="scheme family to sweep (repeatable; default absmax-coarse)"
     )
@@ -185,9 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--axes",
         default="w,a,o,all,kv",
         help="comma list of w (weights), a (input activations), o (outputs), all (every tensor of the family), "
-        "kv (the float model's KV cache); default all five",
+        "kv (the float model's KV cache)",
     )
-    p.add_argument("--bits", default="8-2", help="bit widths: a range 8-2 (default) or a list 8,6,4")
+    p.add_argument(
+        "--bits",
+        default="8-2",
+        help="bit widths of every axis: a range 8-2 or a list 8,6,4 (the kv axis takes those of them that are "
+        "KV-cache widths: 8, 6, 4, 3, 2)",
+    )
     p.add_argument(
         "--tolerance", type=float, default=1.0, help="breaking-point tolerance, %% perplexity change"
     )
@@ -198,15 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="also sweep the KV cache with the first K positions in float (repeatable)",
     )
     p.add_argument("--kv-granularity", help="KV cache scales: kivi (default) | per-token")
-    p.add_argument("--output-path", default="qbench_results/sweep", help="records, sweep.json/.md/.png")
-    p.add_argument("--seed", type=int, default=0)
+    add_output_argument(p, "records, sweep.json/.md/.png", default="qbench_results/sweep", metavar="DIR")
+    p.add_argument("--seed", type=int, default=0, help=seed_help)
     p.add_argument("--no-attention", action="store_true", help="skip attention statistics (faster)")
 
     p = sub.add_parser(
         "emergence", help="training-probe curves of runs (kurtosis, max |act|, sink) → JSON/PNG/md"
     )
     p.add_argument("runs", nargs="+", help="training run folders (with metrics.jsonl)")
-    p.add_argument("--out", required=True, help="output folder")
+    add_output_argument(p, "output folder", "--out", required=True, metavar="DIR")
     p.add_argument(
         "--snapshots",
         metavar="ROOT",
@@ -215,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheme", action="append", help="with --snapshots: schemes (default: the paper's four)")
     p.add_argument("--mode", action="append", help="with --snapshots: fake (default) | real; repeatable")
     p.add_argument(
-        "--tokens", type=int, default=32768, help="with --snapshots: evaluation tokens per snapshot"
+        "--tokens", type=int, default=EVAL_TOKENS, help="with --snapshots: evaluation tokens per snapshot"
     )
     p.add_argument("--no-attention", action="store_true", help="with --snapshots: skip attention statistics")
 
@@ -223,15 +288,24 @@ def build_parser() -> argparse.ArgumentParser:
         "reproduce", help="the paper's Tables 2-3 (and 4): train the variants, evaluate, tabulate"
     )
     p.add_argument("--preset", required=True, help="model preset (qbench ls presets)")
-    p.add_argument("--recipes", nargs="+", help="default: vanilla softmax1 orthoadam softmax1-orthoadam")
+    p.add_argument(
+        "--recipes",
+        nargs="+",
+        help="training recipes (default: vanilla softmax1 orthoadam softmax1-orthoadam)",
+    )
     p.add_argument("--ablations", action="store_true", help="also the Table-4 ablation recipes")
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--steps", type=int, help="training steps per model")
-    budget.add_argument("--tokens", type=int, help="training tokens per model")
+    budget.add_argument("--steps", type=int, help="training steps per model (default: the preset's)")
+    budget.add_argument("--tokens", type=int, help="training tokens per model (default: the preset's)")
     p.add_argument("--data", default="embedded", help="corpus: embedded | mix | c4 | a local path")
     p.add_argument("--lr", type=float, help="peak learning rate (default: the trainer's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-tokens", type=int, default=262144, help="evaluation token budget per model")
+    p.add_argument("--seed", type=int, default=0, help="training and evaluation seed")
+    p.add_argument(
+        "--eval-tokens",
+        type=int,
+        default=PAPER_TOKENS,
+        help="evaluation token budget per model (paper scale)",
+    )
     p.add_argument("--mode", action="append", help="fake (default) | real")
     p.add_argument(
         "--nproc-per-node",
@@ -239,11 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="train each model with torchrun on K devices, and share the evaluation cells among K ranks",
     )
-    p.add_argument("--batch-size", type=int, help="training windows per step, all devices (default 16)")
+    p.add_argument("--batch-size", type=int, help="training windows per step, all devices (default: 16)")
     p.add_argument("--compile", action="store_true", help="train through torch.compile (GPUs)")
     p.add_argument("--parallel", type=int, default=1, help="models trained at once (CPU: one thread each)")
-    p.add_argument("--ckpt-root", help="default ckpts/reproduce/<preset>")
-    p.add_argument("--output-path", help="default results/reproduce/<preset>")
+    p.add_argument("--ckpt-root", help="checkpoint folder (default: ckpts/reproduce/<preset>)")
+    add_output_argument(p, "results folder (default: results/reproduce/<preset>)", metavar="DIR")
 
     sub.add_parser(
         "train",
@@ -259,20 +333,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("source", nargs="?", help="prepare: the corpus (c4)")
     p.add_argument("--tokens", type=int, help="prepare: training tokens wanted (shards are taken in order)")
-    p.add_argument("--out", help="prepare: output folder (default <cache>/tokenfiles/c4-<tokenizer>)")
-    p.add_argument(
-        "--tokenizer", default="gpt2", help="prepare: tokenizer (default gpt2, the paper presets')"
+    add_output_argument(
+        p, "prepare: output folder (default: <cache>/tokenfiles/c4-<tokenizer>)", "--out", metavar="DIR"
     )
+    p.add_argument("--tokenizer", default="gpt2", help="prepare: tokenizer (the paper presets')")
     p.add_argument("--workers", type=int, default=1, help="prepare: shards tokenised at once (processes)")
     p.add_argument(
         "--from", metavar="DIR", help="prepare: a local folder with allenai/c4's en/*.json.gz files"
     )
-    p.add_argument("--cache-dir", help="default: $QBENCH_CACHE or ~/.cache/qbench")
+    p.add_argument("--cache-dir", help="cache folder (default: $QBENCH_CACHE or ~/.cache/qbench)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # anywhere: parsing, the lazy imports of a command, the work itself
+        err_console.print(
+            f"{INTERRUPTED}; everything written so far is kept", highlight=False, soft_wrap=True
+        )
+        _forget_interrupt()
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["train"]:  # the trainer owns its options; one implementation, two entry points
         from trainers.__main__ import main as train_main
 
@@ -290,9 +374,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # a path under a file, read-only or full disk: one line; atomic writes kept the rest
         err_console.print(f"[bold red]error:[/] {os_error_line(e)}", highlight=False, soft_wrap=True)
         return 2
-    except KeyboardInterrupt:
-        err_console.print("[yellow]interrupted[/]; everything written so far is kept")
-        return 130
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import argparse
 from rich.console import Console
 
 from models.errors import UserError
+from qbench.cli.budgets import EVAL_TOKENS
 from qbench.eval.load import LoadedModel, load_model
 from qbench.eval.metrics import Protocol
 from qbench.quant.kv import KV_BITS, KVConfig
@@ -28,7 +29,7 @@ def add_load_arguments(parser: argparse.ArgumentParser, many: bool = False) -> N
         + (" (repeatable)" if many else ""),
     )
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     parser.add_argument(
         "--trust-remote-code", action="store_true", help="allow a transformers model's own code"
     )
@@ -37,11 +38,14 @@ def add_load_arguments(parser: argparse.ArgumentParser, many: bool = False) -> N
         action="store_true",
         help="allow pickle-based .bin weights (trusted folders only)",
     )
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, tokens: int = 8192, many: bool = False) -> None:
-    """:func:`add_load_arguments` plus the perplexity protocol's options (``qbench.eval.metrics.Protocol``)."""
+def add_model_arguments(
+    parser: argparse.ArgumentParser, tokens: int = EVAL_TOKENS, many: bool = False
+) -> None:
+    """:func:`add_load_arguments` plus the perplexity protocol's options (``qbench.eval.metrics.Protocol``);
+    ``tokens`` is one of the budgets of :mod:`qbench.cli.budgets`."""
     add_load_arguments(parser, many)
     parser.add_argument("--data", default="embedded", help="corpus: embedded | mix | c4 | a local path")
     parser.add_argument(
@@ -49,13 +53,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, tokens: int = 8192, man
         choices=("validation", "train", "all"),
         help="which documents of --data (default: validation of a registered corpus, all of a file or folder)",
     )
-    parser.add_argument("--tokens", type=int, default=tokens, help=f"token budget (default {tokens})")
+    parser.add_argument("--tokens", type=int, default=tokens, help="token budget: stream tokens scored")
     parser.add_argument("--window", type=int, help="window length (default: the model's context)")
     parser.add_argument(
         "--bos",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="open every window with <|endoftext|> (default on)",
+        help="open every window with <|endoftext|>",
     )
 
 
@@ -95,7 +99,8 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-bits",
         type=int,
-        help=f"quantise the KV cache (keys after RoPE, values) to {bits} bits (8 for the fp8 schemes)",
+        help=f"quantise the KV cache (keys after RoPE, values) to {bits} bits (8 for the fp8 schemes; "
+        "default: a float cache)",
     )
     parser.add_argument(
         "--kv-scheme",
@@ -106,7 +111,7 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-keep-first",
         type=int,
-        help="keep cache positions 0..K-1 in float and out of the ranges (sink protection; default 0)",
+        help="keep cache positions 0..K-1 in float and out of the ranges (sink protection; default: 0)",
     )
     parser.add_argument(
         "--kv-keep-sinks",

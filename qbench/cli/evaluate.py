@@ -129,13 +129,13 @@ def _records_for(name: str, output_path: Path) -> list[dict]:
             f"no results named {name!r}: not a results folder, not {output_path / name}, "
             f"and not a checkpoint (ckpts/{name}); run `qbench grid --ckpt {name}` first"
         ) from None
-    from qbench.eval.harness import GridSpec, run_grid
+    from qbench.eval.harness import PAPER_SCHEMES, GridSpec, run_grid
 
     console.print(f"[dim]no results for {name!r} yet: evaluating it with the paper's schemes[/]")
     return run_grid(
         GridSpec(
             models=[name],
-            schemes=["absmax-fine", "absmax-moderate", "absmax-coarse", "zeropoint-int4"],
+            schemes=list(PAPER_SCHEMES),
             output_path=output_path,
         ),
         on_record=_print_record,

@@ -7,13 +7,16 @@ from pathlib import Path
 
 from models.errors import UserError
 from qbench.cli.args import add_model_arguments, console, load_from_args, protocol_from_args
+from qbench.cli.base import add_output_argument
 from qbench.studies.inspection import inspect_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser, tokens=4096)
+    add_model_arguments(parser)
     parser.add_argument("--windows", type=int, default=8, help="windows the statistics are computed on")
-    parser.add_argument("--out", help="output folder (default: qbench_inspect/<model name>)")
+    add_output_argument(
+        parser, "output folder (default: qbench_inspect/<model name>)", "--out", metavar="DIR"
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -21,7 +24,7 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(f"--windows must be at least 1, got {args.windows}")
     protocol = protocol_from_args(args, outlier_windows=args.windows)
     lm = load_from_args(args)
-    out = Path(args.out) if args.out else Path("qbench_inspect") / lm.name
+    out = Path(args.output_path) if args.output_path else Path("qbench_inspect") / lm.name
     result = inspect_model(lm, protocol, out, n_windows=args.windows, device=args.device)
     o, m = result["outliers"], result["massive_activations"]
     console.print(f"[bold]{lm.name}[/] ({o['windows']} windows of {result['protocol']['window']} tokens)")

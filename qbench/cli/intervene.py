@@ -8,6 +8,7 @@ from pathlib import Path
 from models.errors import UserError
 from models.io import atomic_write_json
 from qbench.cli.args import add_model_arguments, console, load_from_args, protocol_from_args
+from qbench.cli.base import add_output_argument
 from qbench.studies.intervene import check_mode, intervene
 
 
@@ -17,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--set", dest="set_to", default="zero", help="zero | mean: what the massive activations become"
     )
     parser.add_argument("--windows", type=int, default=8, help="windows searched for massive activations")
-    parser.add_argument("--json", help="also write the result to this JSON file")
+    add_output_argument(parser, "also write the result to this JSON file", "--json", metavar="FILE")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -40,6 +41,6 @@ def run(args: argparse.Namespace) -> None:
         highlight=False,
     )
     console.print(f"[dim]{result['note']}[/]")
-    if args.json:
-        atomic_write_json(Path(args.json), result)
-        console.print(f"wrote {args.json}")
+    if args.output_path:
+        atomic_write_json(Path(args.output_path), result)
+        console.print(f"wrote {args.output_path}")

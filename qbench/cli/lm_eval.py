@@ -7,19 +7,22 @@ from pathlib import Path
 
 from models.io import atomic_write_json
 from qbench.cli.args import add_load_arguments, console, load_from_args
+from qbench.cli.base import add_output_argument
 from qbench.studies.lm_eval_adapter import check_request, run_lm_eval
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_load_arguments(parser)
-    parser.add_argument("--scheme", default="fp", help="scheme name (qbench ls schemes) or fp (default)")
-    parser.add_argument("--mode", default="fake", help="fake (default) | real")
+    parser.add_argument("--scheme", default="fp", help="scheme name (qbench ls schemes) or fp (float)")
+    parser.add_argument("--mode", default="fake", help="fake | real")
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
-    parser.add_argument("--include-path", help="folder of local task YAMLs (offline use)")
-    parser.add_argument("--limit", type=float, help="documents per task (a fraction if < 1)")
+    parser.add_argument("--include-path", help="folder of local task YAMLs (offline use; default: none)")
+    parser.add_argument(
+        "--limit", type=float, help="documents per task (a fraction if < 1; default: every document)"
+    )
     parser.add_argument("--data", default="embedded", help="corpus whose train split calibrates smoothquant")
     parser.add_argument("--bootstrap-iters", type=int, default=0, help="stderr bootstrap (0: none, fast)")
-    parser.add_argument("--json", help="also write the result to this JSON file")
+    add_output_argument(parser, "also write the result to this JSON file", "--json", metavar="FILE")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -46,6 +49,6 @@ def run(args: argparse.Namespace) -> None:
             if isinstance(value, int | float) and "stderr" not in name
         )
         console.print(f"  {task}: {shown}", highlight=False)
-    if args.json:
-        atomic_write_json(Path(args.json), result)
-        console.print(f"wrote {args.json}")
+    if args.output_path:
+        atomic_write_json(Path(args.output_path), result)
+        console.print(f"wrote {args.output_path}")

@@ -16,6 +16,7 @@ from qbench.cli.args import (
     load_from_args,
     protocol_from_args,
 )
+from qbench.cli.base import add_output_argument
 from qbench.eval.harness import expand_schemes
 from qbench.eval.metrics import Protocol
 from qbench.studies.score import DEFINITION, score
@@ -36,22 +37,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         help="scheme name (repeatable), 'paper' (the paper's four, default) or 'all' — see qbench ls schemes",
     )
-    parser.add_argument("--output-path", default="qbench_results", help="where the harness records go")
+    # --output-path is the records folder, as in run and grid, so score and run reuse each other's cells; the
+    # score itself is a second, optional output: --json
+    add_output_argument(
+        parser, "where the harness records go (as in qbench run)", default="qbench_results", metavar="DIR"
+    )
     parser.add_argument("--exclude", action="append", help="fnmatch pattern of layer names to keep in float")
     parser.add_argument("--no-attention", action="store_true", help="skip attention statistics (faster)")
-    parser.add_argument("--json", help="also write the score to this JSON file")
+    parser.add_argument(
+        "--json", metavar="FILE", help="also write the score to this JSON file (default: not written)"
+    )
     add_kv_arguments(parser)
     parser.add_argument(
         "--breaking-points",
         action="store_true",
         help="also sweep absmax-coarse over 8→2 bits (axes --sweep-axes) and report the breaking points",
     )
-    parser.add_argument("--sweep-axes", default="all,kv", help="with --breaking-points (default all,kv)")
+    parser.add_argument("--sweep-axes", default="all,kv", help="the axes swept for --breaking-points")
     parser.add_argument(
         "--tolerance", type=float, default=1.0, help="breaking-point tolerance, %% perplexity change"
     )
     parser.add_argument(
-        "--sweep", help="report the breaking points of this model from an existing sweep.json"
+        "--sweep",
+        metavar="PATH",
+        help="report the breaking points of this model from an existing sweep.json (or its folder)",
     )
 
 

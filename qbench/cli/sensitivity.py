@@ -26,8 +26,10 @@ from qbench.cli.args import (
     load_from_args,
     protocol_from_args,
 )
+from qbench.cli.base import add_output_argument
+from qbench.cli.budgets import UNIT_TOKENS
 
-DEFAULT_TOKENS = 512  # see the module docstring
+DEFAULT_TOKENS = UNIT_TOKENS  # the per-unit studies' budget; sized in the module docstring
 DEFAULT_WINDOW = 512  # at most: a model with a shorter context uses its own
 DEFAULT_OUTPUT = Path("qbench_sensitivity")
 
@@ -41,19 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scheme", required=True, help="one scheme (qbench ls schemes), overrides NAME:k=v too"
     )
-    parser.add_argument("--mode", default="fake", help="fake (default) | real")
+    parser.add_argument("--mode", default="fake", help="fake | real")
+    parser.add_argument("--by", default="layer", help=f"unit quantised alone: {' | '.join(BY)}")
     parser.add_argument(
-        "--by", default="layer", help=f"unit quantised alone: {' | '.join(BY)} (default layer)"
-    )
-    parser.add_argument(
-        "--tolerance",
-        type=float,
-        default=1.0,
-        help="repair target: perplexity change ≤ this many %% (default 1)",
+        "--tolerance", type=float, default=1.0, help="repair target: perplexity change ≤ this many %%"
     )
     parser.add_argument("--top", type=int, default=10, help="units in the printed and markdown table")
-    parser.add_argument("--out", help="output folder (default qbench_sensitivity/<model>/<scheme>)")
-    parser.add_argument("--seed", type=int, default=0)
+    add_output_argument(
+        parser, "output folder (default: qbench_sensitivity/<model>/<scheme>)", "--out", metavar="DIR"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="torch seed set before each evaluation")
     parser.add_argument(
         "--quantize-lm-head", action="store_true", help="the LM head is a unit too (default: float)"
     )
@@ -96,7 +95,11 @@ def run(args: argparse.Namespace) -> None:
     if args.top < 1:
         raise UserError(f"--top must be at least 1, got {args.top}")
     lm = load_from_args(args)
-    out = Path(args.out) if args.out else DEFAULT_OUTPUT / lm.name / re.sub(r"[^\w.+-]+", "_", scheme.name)
+    out = (
+        Path(args.output_path)
+        if args.output_path
+        else DEFAULT_OUTPUT / lm.name / re.sub(r"[^\w.+-]+", "_", scheme.name)
+    )
     spec = _spec(args, lm, out)
     result = _with_progress(spec, args, lm)
     paths = write_sensitivity(result, out, args.command_line, top=args.top)
@@ -116,12 +119,16 @@ def _with_progress(spec, args: argparse.Namespace, lm) -> dict:
         TimeElapsedColumn(),
         console=console,
     ) as progress:
-        units = progress.add_task("units", total=None)
-        repair = progress.add_task("repair", total=None, visible=False)
+        # one bar per phase, so "units n/n" counts the units alone; the repair's length is known only as it runs
+        tasks = {
+            "unit": progress.add_task("units", total=None),
+            "kv": progress.add_task("KV cache alone", total=1, visible=False),
+            "repair": progress.add_task("repair", total=None, visible=False),
+        }
+        units = tasks["unit"]
 
         def on_cell(phase: str, record: dict, reused: bool) -> None:
-            task = units if phase == "unit" else repair
-            progress.update(task, advance=1, visible=True)
+            progress.update(tasks[phase], advance=1, visible=True)
 
         return sensitivity(
             spec,

@@ -17,12 +17,11 @@ from qbench.cli.base import command, console, err_console, print_wide
 @command("init")
 def cmd_init(args: argparse.Namespace) -> None:
     from models import build, get_preset, preset_config
-    from models.checkpoint import is_checkpoint, save_checkpoint
+    from models.checkpoint import save_checkpoint
     from models.tokenizer import load_tokenizer
 
-    out = Path(args.out)
-    if is_checkpoint(out) and not args.overwrite:
-        raise UserError(f"{out} already holds a checkpoint; pass --overwrite to replace it")
+    out = Path(args.output_path)
+    refuse_non_empty("init", out, args.overwrite)
     preset = get_preset(args.preset)
     config = preset_config(
         args.preset,
@@ -54,15 +53,30 @@ def cmd_init(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------------- export
 
 
+def refuse_non_empty(command: str, out: Path, overwrite: bool) -> None:
+    """A command that writes a model folder never mixes its files into someone else's without ``--overwrite``: a
+    checkpoint written over another, or a model exported over its own source, would be silently mixed or lost."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"qbench {command}: {out} is an existing file; give a folder to write the model into")
+    if out.is_dir() and not overwrite and any(out.iterdir()):
+        raise UserError(f"qbench {command}: {out} is not empty; pass --overwrite to write into it anyway")
+
+
 @command("export")
 def cmd_export(args: argparse.Namespace) -> None:
     from models.hf import export_to_hf
 
-    if Path(args.out).exists() and not Path(args.out).is_dir():
+    if args.out and args.output_path and Path(args.out) != Path(args.output_path):
         raise UserError(
-            f"qbench export: {args.out} is an existing file; give a folder to write the model into"
+            f"qbench export: two output folders ({args.out} and --output-path {args.output_path}); give one"
         )
-    out = export_to_hf(args.ckpt, args.out)
+    target = args.output_path or args.out
+    if not target:
+        raise UserError(
+            "qbench export: give the output folder (qbench export CKPT OUT, or --output-path OUT)"
+        )
+    refuse_non_empty("export", Path(target), args.overwrite)
+    out = export_to_hf(args.ckpt, target)
     console.print(
         f"wrote a transformers model folder to {out} "
         "(load it with AutoModelForCausalLM.from_pretrained after `import qbench`)"
@@ -179,12 +193,14 @@ def cmd_env(args: argparse.Namespace) -> None:
     table.add_row("torch threads", str(torch.get_num_threads()))
     table.add_row("cuda", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "[dim]none[/]")
     try:
-        from qbench.quant.kernels import available_backends
+        from qbench.quant.kernels import available_backends, kernel_paths
     except ImportError:
         available_backends = None
     if available_backends is not None:
         for backend, ok in available_backends().items():
             table.add_row(f"kernel {backend}", "[green]yes[/]" if ok else "[dim]no[/]")
+        for what, path in kernel_paths().items():  # from the dispatch code itself (paths.choose)
+            table.add_row(what, path)
     console.print(table)
 
 
@@ -209,11 +225,13 @@ def _data_prepare(args: argparse.Namespace) -> None:
     from trainers.tokenfiles import prepare
 
     if args.source is None or args.tokens is None:
-        raise UserError("usage: qbench data prepare c4 --tokens N [--out DIR] [--workers K] [--from DIR]")
+        raise UserError(
+            "usage: qbench data prepare c4 --tokens N [--output-path DIR] [--workers K] [--from DIR]"
+        )
     result = prepare(
         args.source,
         args.tokens,
-        args.out,
+        args.output_path,
         tokenizer=args.tokenizer,
         workers=args.workers,
         local=getattr(args, "from"),

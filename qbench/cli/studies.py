@@ -29,12 +29,12 @@ def cmd_speed(args: argparse.Namespace) -> None:
     if args.from_json:
         path = Path(args.from_json)
         if not path.is_file():
-            raise UserError(f"no speed records at {path} (write them with qbench speed --json {path})")
+            raise UserError(f"no speed records at {path} (write them with qbench speed --output-path {path})")
         try:
             payload = json.loads(path.read_text())
             records = payload["records"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise UserError(f"{path} is not a qbench speed --json file ({err})") from None
+            raise UserError(f"{path} is not a qbench speed --output-path file ({err})") from None
         sys.stdout.write(format_speed_table(records, tablefmt) + "\n")
         return
     shape = (args.in_features, args.out_features)
@@ -61,13 +61,13 @@ def cmd_speed(args: argparse.Namespace) -> None:
         layer=not args.no_layer,
         device=args.device,
     )
-    if args.json:
+    if args.output_path:
         payload = {"records": records, "software": software_versions(), "git_commit": git_commit()}
-        if args.json == "-":
+        if args.output_path == "-":
             sys.stdout.write(json.dumps(payload, indent=2) + "\n")
             return
-        atomic_write_json(args.json, payload)
-        console.print(f"wrote {args.json}")
+        atomic_write_json(args.output_path, payload)
+        console.print(f"wrote {args.output_path}")
     sys.stdout.write(format_speed_table(records, tablefmt) + "\n")  # plain text: never re-wrapped
 
 
@@ -256,7 +256,7 @@ def cmd_reproduce(args: argparse.Namespace) -> None:
 def cmd_emergence(args: argparse.Namespace) -> None:
     from qbench.studies.emergence import quantisation_curve, read_curves, write_emergence
 
-    runs, out = [Path(r) for r in args.runs], Path(args.out)
+    runs, out = [Path(r) for r in args.runs], Path(args.output_path)
     read_curves(runs)  # missing or same-named run folders fail here, before any snapshot is evaluated
     quantisation = None
     if args.snapshots:

@@ -43,8 +43,10 @@ from qbench.eval.metrics import (
     perplexity,
     protocol_record,
 )
+from qbench.quant.apply import MODES
 from qbench.quant.kv import KVConfig
 from qbench.quant.primitives import NonFiniteError
+from qbench.quant.schemes import PAPER_SCHEMES
 
 RECORD_VERSION = 1
 # The evaluation code's version: bump it whenever a definition changes the numbers a record holds (a metric, a
@@ -52,8 +54,6 @@ RECORD_VERSION = 1
 # 2: first-token top-1 share no longer counts rows attending nowhere (argmax ties) as key 0.
 # 3: per-token NLL summed in float64 (a float32 batch sum could hide a small effect); record identity.
 EVAL_VERSION = 3
-MODES = ("fake", "real")
-PAPER_SCHEMES = ("absmax-fine", "absmax-moderate", "absmax-coarse", "zeropoint-int4")
 DEFAULT_OUTPUT = Path("qbench_results")
 FLOAT_SCHEME = "fp"  # as a grid scheme: weights and activations left float (with ``GridSpec.kv``: ``fp+kv2``)
 
@@ -514,8 +514,9 @@ def calibration_windows(tokenizer: Any, protocol: Protocol, window: int, scheme:
     from qbench.quant.calibrate import POOL_FACTOR, select_windows
 
     n = scheme.calib_windows * (1 if scheme.calib_seed is None else POOL_FACTOR)
-    per_window = window - 1 if protocol.bos else window
-    train = replace(protocol, split="train", tokens=n * per_window, window=window)
+    train = replace(
+        protocol, split="train", tokens=n * window, window=window
+    )  # each window predicts `window`
     ids = make_windows(tokenizer, train, window).ids
     return select_windows(ids, scheme.calib_windows, scheme.calib_seed)
 

@@ -18,6 +18,7 @@ passes ``allow_unsafe_weights`` (pickle-based ``.bin`` files can run code when u
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,12 @@ def resolve(spec: str) -> Path | str:
     )
 
 
+def _folder_name(path: Path) -> str:
+    """The name results are filed under: ``--ckpt .`` or ``..`` means the folder itself (``Path('.').name`` is
+    empty); made absolute without resolving links, so a symlinked ``ckpts/NAME`` keeps its own name."""
+    return Path(os.path.abspath(path)).name
+
+
 def load_model(
     spec: str,
     *,
@@ -138,7 +145,7 @@ def load_model(
             "dtype": dtype,
             "provenance": ckpt.provenance,
         }
-        return LoadedModel(ckpt.model, ckpt.tokenizer, target.name, str(target), description)
+        return LoadedModel(ckpt.model, ckpt.tokenizer, _folder_name(target), str(target), description)
     if isinstance(target, Path) and target.is_file():
         from qbench.eval.gguf import load_gguf
 
@@ -195,7 +202,7 @@ def _load_transformers(
         where = str(target) if local else f"hub model {target!r} (is a hub reachable? HF_HUB_OFFLINE set?)"
         raise UserError(f"cannot load {where}: {str(e).splitlines()[0]}") from None
     model = model.to(device).eval()
-    name = target.name if local else str(target).replace("/", "--")
+    name = _folder_name(target) if local else str(target).replace("/", "--")
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     description = {
         "kind": "transformers",

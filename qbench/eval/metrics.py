@@ -7,10 +7,13 @@ Perplexity protocol (token level, never word or byte level):
   ``<|endoftext|>``, concatenated (``trainers.data.token_stream``);
 - budget: the first ``tokens`` tokens of that stream are scored, each exactly once (rounded down to whole
   windows, but at least one window: ``tokens_scored`` in the record is the exact count);
-- windows: non-overlapping (stride = window), each of ``window`` positions (default: the model's context),
-  scored in full. With ``bos`` (default) every window is [BOS] + the next window−1 stream tokens, so all of a
-  window's stream tokens are predicted and each sequence starts the way the models were trained; without it a
-  window is ``window`` stream tokens and its first token is not predicted;
+- windows: non-overlapping, each of ``window`` input positions (default: the model's context), every position
+  scored — the trainer's own cutter (``trainers.batches.validation_windows``), so a checkpoint's validation
+  perplexity during training and ``qbench run``'s float perplexity are the same number. With ``bos`` (default)
+  the inputs are [BOS] + the next window−1 stream tokens and the targets the next ``window`` stream tokens
+  (every stream token predicted exactly once, and each sequence starts the way the models were trained);
+  without it the inputs are ``window`` stream tokens and the targets the same shifted by one (a window's first
+  token is context only);
 - perplexity = exp(mean negative log-likelihood over the predicted tokens), accumulated in float64.
 Batches never mix information: dynamic activation scales of the quantisation schemes are per sequence (see
 ``qbench.quant.schemes``), so the result does not depend on ``batch_size``.
@@ -23,7 +26,6 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -32,6 +34,7 @@ from models.errors import UserError
 from models.stats import OutlierAccumulator
 from models.tokenizer import separator_id
 from qbench.eval.adapters import forward_observed, logits, observe_any
+from trainers.batches import validation_windows, window_span
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,8 @@ class Protocol:
 
 @dataclass
 class Windows:
-    ids: Tensor  # (N, W) long
+    ids: Tensor  # (N, W) long: the model's inputs
+    targets: Tensor  # (N, W) long: the token each input position predicts
     scored_tokens: int  # stream tokens predicted across all windows
     available_tokens: int
     clamped: bool
@@ -73,20 +77,15 @@ def make_windows(tokenizer: Any, protocol: Protocol, context: int) -> Windows:
     if window < 2:
         raise UserError(f"--window must be at least 2 (a token and the one it predicts), got {window}")
     stream = token_stream(protocol.corpus, protocol.split, tokenizer)
-    per_window = window - 1 if protocol.bos else window
-    if len(stream) < per_window:
+    bos_id = separator_id(tokenizer) if protocol.bos else None
+    try:
+        ids, targets = validation_windows(stream, window, bos_id, protocol.tokens)
+    except UserError:
         raise UserError(
-            f"the {protocol.split} split of {protocol.corpus!r} has {len(stream)} tokens, fewer than "
-            f"one window of {per_window}; use a larger corpus or a smaller --window"
-        )
-    wanted = min(protocol.tokens, len(stream))
-    n = max(wanted // per_window, 1)
-    chunk = np.asarray(stream[: n * per_window], dtype=np.int64).reshape(n, per_window)
-    ids = torch.from_numpy(chunk)
-    if protocol.bos:
-        ids = torch.cat([torch.full((n, 1), separator_id(tokenizer), dtype=torch.long), ids], dim=1)
-    scored = n * per_window if protocol.bos else n * (window - 1)
-    return Windows(ids, scored, len(stream), protocol.tokens > len(stream), window)
+            f"the {protocol.split} split of {protocol.corpus!r} has {len(stream)} tokens, fewer than one window "
+            f"of {window_span(window, protocol.bos)}; use a larger corpus or a smaller --window"
+        ) from None
+    return Windows(ids, targets, targets.numel(), len(stream), protocol.tokens > len(stream), window)
 
 
 def protocol_record(
@@ -98,7 +97,9 @@ def protocol_record(
     return {
         **protocol.to_dict(),
         "window": windows.window,
-        "stride": windows.window,
+        "stride": window_span(
+            windows.window, protocol.bos
+        ),  # stream tokens from one window's start to the next
         "windows": len(windows.ids),
         "tokens_scored": windows.scored_tokens,
         "tokens_available": windows.available_tokens,
@@ -123,10 +124,11 @@ def perplexity(
     total_nll, total_tokens = 0.0, 0
     for start in range(0, len(windows.ids), batch_size):
         batch = windows.ids[start : start + batch_size].to(device)
-        out = logits(model, batch)[:, :-1].float()
-        nll = F.cross_entropy(out.reshape(-1, out.size(-1)), batch[:, 1:].reshape(-1), reduction="none")
+        targets = windows.targets[start : start + batch_size].to(device)
+        out = logits(model, batch).float()
+        nll = F.cross_entropy(out.reshape(-1, out.size(-1)), targets.reshape(-1), reduction="none")
         total_nll += nll.double().sum().item()
-        total_tokens += batch[:, 1:].numel()
+        total_tokens += targets.numel()
     mean_nll = total_nll / total_tokens
     ppl = math.exp(mean_nll) if math.isfinite(mean_nll) and mean_nll < 700 else float("inf")
     if math.isnan(mean_nll):

@@ -106,7 +106,7 @@ def cells_by_model(records: Iterable[dict[str, Any]]) -> dict[str, dict[str, dic
     no record silently hides another."""
     rows: dict[tuple[str, str, str], dict[str, dict]] = {}
     for r in records:
-        protocol = json.dumps({k: r["protocol"].get(k) for k in _ROW_PROTOCOL}, sort_keys=True)
+        protocol = json.dumps({k: (r.get("protocol") or {}).get(k) for k in _ROW_PROTOCOL}, sort_keys=True)
         rows.setdefault((*_model_key(r["model"]), protocol), {})[cell_key(r)] = r
     by_model = [(name, identity) for name, identity, _ in rows]
     labels = {}

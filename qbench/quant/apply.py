@@ -303,5 +303,12 @@ def model_bytes(model: nn.Module, _seen: set[int] | None = None) -> int:
 
 
 def real_kernels(model: nn.Module) -> list[str]:
-    """Names of the real-kernel module types in ``model`` (those reporting their storage with ``nbytes()``)."""
-    return sorted({type(m).__name__ for m in model.modules() if callable(getattr(m, "nbytes", None))})
+    """Names of the real-kernel module types in ``model`` (those reporting their storage with ``nbytes()``); a
+    layer whose numbers depend on more than its type names that too (``kernel_name``: bitsandbytes' compute dtype)."""
+    return sorted(
+        {
+            getattr(m, "kernel_name", type(m).__name__)
+            for m in model.modules()
+            if callable(getattr(m, "nbytes", None))
+        }
+    )

@@ -1,10 +1,13 @@
-"""Buffers that must stay float32 when a quantised model is cast (issue 13.11).
+"""Buffers that must stay float32 when a quantised model is cast.
 
 ``qmodel.to(torch.bfloat16)`` (or ``.half()``) casts every floating buffer. For a quantised layer that silently
 changes what it computes: a rotation matrix in bf16 is no longer orthogonal to float precision, and an int8
 scale rounded to bf16 (8 significant bits) moves every dequantised value off the grid the weights were
 quantised on. Modules that hold such tensors list them in ``_float32_buffers``; a cast then moves them to the
 new device but keeps them float32 (the layers already compute with them in float32 and return the input's dtype).
+
+The real-kernel layers do not list names: ``kernels.base.RealLinear`` keeps *every* float32 tensor of the layer
+(and of its rotation) float32, because their C kernels read them through float32 pointers.
 """
 
 from __future__ import annotations

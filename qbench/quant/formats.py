@@ -36,11 +36,19 @@ output — the int path raises ``NonFiniteError`` instead, and the harness recor
   E8M0 NaN encoding), as torchao's FLOOR mode does. Elements P_i = round(V_i / X) in the element format,
   saturated; x̂ = X · P_i. Because X rounds the scale *down*, max|V|/X lies in [2^emax, 2^(emax+1)) and the
   largest elements of a block can saturate (e.g. an MXFP4 block whose amax/X = 7.5 stores 6) — that is the spec.
-- ``nvfp4`` — NVIDIA's two-level scaling (as torchao's ``nvfp4_quantize``): blocks of 16 along the last dimension,
-  E2M1 elements; a float32 per-tensor scale s_t = amax_tensor / (448 · 6) (for activations per sequence, like
-  every activation scale here; floored at TINY); an E4M3 block scale s_b = e4m3(clamp(amax_block / 6 / s_t,
-  2^−6, 448)) (the lower clamp is torchao's: E4M3's smallest normal); x̂ = s_t · s_b · e2m1(clamp(x / (s_t · s_b),
-  ±6)).
+- ``nvfp4`` — NVIDIA's two-level NVFP4 recipe (NVIDIA, "Pretraining Large Language Models with NVFP4", 2025;
+  Transformer Engine's quantiser, ``compute_decoding_scaling_factor`` in ``core_nvfp4.cuh``, casts
+  amax_block / 6 · S_enc to E4M3 with no lower clamp): blocks of 16 along the last dimension, E2M1 elements; a
+  float32 per-tensor scale s_t = amax_tensor / (448 · 6) (for activations per sequence, like every activation
+  scale here; floored at TINY); an E4M3 block scale s_b = e4m3(min(amax_block / 6 / s_t, 448)), rounded to
+  nearest even by the E4M3 cast *with its subnormals* (2^−9 … 7·2^−9), so a block far below the tensor's amax
+  keeps a fine scale; a block whose scale rounds to zero in E4M3 (a zero block, or amax_block / 6 / s_t ≤ 2^−10)
+  gets s_b = 0 and is stored as zeros (signs kept) instead of dividing by zero; x̂ = s_t · s_b ·
+  e2m1(clamp(x / (s_t · s_b), ±6)).
+- ``nvfp4-torchao`` — the same with torchao's ``nvfp4_quantize`` block scale: amax_block / 6 / s_t clamped below
+  at 2^−6 (E4M3's smallest normal, torchao's ``E4M3_EPS``) before the cast. Every block whose scale would be
+  smaller gets 2^−6, a coarser grid than it needs: with one massive channel (s_t large) the ordinary blocks of
+  the tensor all sit on that floor and lose precision (``tests/qbench/quant/test_formats.py`` measures it).
 
 **Tails**: when the last dimension is not a multiple of the block size, the last block is partial — it holds the
 remaining n mod k elements and its scale is computed from them alone (implemented by zero padding, which changes
@@ -62,6 +70,8 @@ from qbench.quant.primitives import TINY, block_dims, block_sizes, blocked, chec
 
 E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127  # MX v1.0 §5.4.1
 NVFP4_BLOCK_SCALE_MIN = torch.finfo(torch.float8_e4m3fn).tiny  # 2^−6, torchao's E4M3_EPS
+# NVFP4 recipe -> the lower clamp of the block scale before its E4M3 cast (module docstring)
+NVFP4_RECIPES: dict[str, float] = {"nvidia": 0.0, "torchao": NVFP4_BLOCK_SCALE_MIN}
 _PER_TENSOR = PerTensor()
 
 
@@ -111,7 +121,7 @@ class NumberFormat:
 
     ``scaling``: ``"fp8"`` (one float32 scale per block of the scheme's granularity), ``"mx"`` (an E8M0 scale
     per ``block_size`` elements of the last dimension), ``"nv"`` (an E4M3 scale per block and a float32 scale
-    per tensor).
+    per tensor). ``recipe``: for ``"nv"``, which block-scale rule (:data:`NVFP4_RECIPES`); None otherwise.
     """
 
     name: str
@@ -120,6 +130,7 @@ class NumberFormat:
     block_size: int | None
     label: str
     description: str
+    recipe: str | None = None
 
     @property
     def bits(self) -> int:
@@ -137,7 +148,22 @@ FORMATS: dict[str, NumberFormat] = {
         NumberFormat("mxfp6-e3m2", E3M2, "mx", 32, "MXFP6-e3m2", "OCP MX: E3M2 elements, E8M0 scale per 32"),
         NumberFormat("mxfp4", E2M1, "mx", 32, "MXFP4", "OCP MX: E2M1 elements, E8M0 scale per 32"),
         NumberFormat(
-            "nvfp4", E2M1, "nv", 16, "NVFP4", "NVIDIA: E2M1 elements, E4M3 scale per 16, fp32 per tensor"
+            "nvfp4",
+            E2M1,
+            "nv",
+            16,
+            "NVFP4",
+            "NVIDIA: E2M1 elements, E4M3 scale (subnormals allowed) per 16, fp32 per tensor",
+            "nvidia",
+        ),
+        NumberFormat(
+            "nvfp4-torchao",
+            E2M1,
+            "nv",
+            16,
+            "NVFP4-torchao",
+            "NVFP4 with torchao's block scale, floored at E4M3's smallest normal 2^-6",
+            "torchao",
         ),
     )
 }
@@ -244,28 +270,47 @@ def _tensor_amax(x: Tensor, granularity: Granularity) -> Tensor:
     return amax.reshape([n // b for n, b in zip(x.shape, sizes)])  # broadcasts against x
 
 
+def _nvfp4_floor(recipe: str) -> float:
+    if recipe not in NVFP4_RECIPES:
+        raise unknown_choice("NVFP4 recipe", recipe, NVFP4_RECIPES)
+    return NVFP4_RECIPES[recipe]
+
+
 def quantize_nvfp4(
-    x: Tensor, block_size: int = 16, tensor_granularity: Granularity = _PER_TENSOR
+    x: Tensor,
+    block_size: int = 16,
+    tensor_granularity: Granularity = _PER_TENSOR,
+    recipe: str = "nvidia",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(s_t, s_b, P): the float32 tensor scale (keepdim-shaped per ``tensor_granularity``), the E4M3 block scales
-    (..., ceil(n / k), 1) and the E2M1 elements (..., ceil(n / k), k); x̂ = s_t · s_b · P (module docstring)."""
+    (..., ceil(n / k), 1) and the E2M1 elements (..., ceil(n / k), k); x̂ = s_t · s_b · P. ``recipe``: "nvidia"
+    (E4M3 subnormal block scales, a zero scale and zero elements for a block whose scale rounds to zero) or
+    "torchao" (block scales floored at 2^−6) — module docstring."""
     check_input(x, "quantize_nvfp4")
+    floor = _nvfp4_floor(recipe)
     v = x.to(_compute_dtype(x))
     s_t = (_tensor_amax(v, tensor_granularity) / (E4M3.max_normal * E2M1.max_normal)).clamp_min(TINY)
     xb = _last_dim_blocks(v, block_size)
     s_t = s_t.unsqueeze(-1)  # broadcasts against the (..., blocks, k) view
     block_scale = xb.abs().amax(-1, keepdim=True) / E2M1.max_normal / s_t
-    s_b = round_to_element(block_scale.clamp(NVFP4_BLOCK_SCALE_MIN, E4M3.max_normal), E4M3)
-    return s_t, s_b, round_to_element(xb / (s_t * s_b), E2M1)
+    s_b = round_to_element(block_scale.clamp(floor, E4M3.max_normal), E4M3)
+    # A zero scale cannot divide: its block is stored as zeros. xb · 0 keeps each zero's sign, and stays NaN
+    # for a NaN element (whose tensor scale is NaN anyway, so s_b is never 0 there).
+    zero = s_b == 0
+    elements = round_to_element(xb / (s_t * torch.where(zero, 1.0, s_b)), E2M1)
+    return s_t, s_b, torch.where(zero, xb * 0, elements)
 
 
 def fake_quantize_nvfp4(
-    x: Tensor, block_size: int = 16, tensor_granularity: Granularity = _PER_TENSOR
+    x: Tensor,
+    block_size: int = 16,
+    tensor_granularity: Granularity = _PER_TENSOR,
+    recipe: str = "nvidia",
 ) -> Tensor:
     """dequantize(quantize_nvfp4(x)) in x's shape and dtype."""
     if x.numel() == 0:
         return x.clone()
-    s_t, s_b, elements = quantize_nvfp4(x, block_size, tensor_granularity)
+    s_t, s_b, elements = quantize_nvfp4(x, block_size, tensor_granularity, recipe)
     return _from_blocks(elements * (s_t * s_b), x)
 
 
@@ -289,7 +334,7 @@ def fake_quantize_format(x: Tensor, fmt: str, granularity: Granularity, *, activ
             y = fake_quantize_mx(x.detach(), spec.element, k)
         else:
             tensor_g = per_sequence(PerTensor(), x.ndim) if activation else PerTensor()
-            y = fake_quantize_nvfp4(x.detach(), k, tensor_g)
+            y = fake_quantize_nvfp4(x.detach(), k, tensor_g, spec.recipe or "nvidia")
     return _StraightThrough.apply(x, y) if x.requires_grad else y
 
 
@@ -313,6 +358,7 @@ __all__ = [
     "E5M2",
     "ELEMENTS",
     "FORMATS",
+    "NVFP4_RECIPES",
     "ElementFormat",
     "NumberFormat",
     "fake_quantize_format",

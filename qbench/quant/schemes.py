@@ -28,7 +28,8 @@ Conventions every scheme shares (and every result records, since ``to_dict()`` i
 - ``static=True``: activation and output scales calibrated once on ``calib_windows`` train windows
   (``static.py``, ``calibrate.py``) instead of per sequence.
 - ``format`` (default ``"int"``): the number format of quantised weights and activations. ``fp8-e4m3[-rowwise]``,
-  ``fp8-e5m2[-rowwise]``, ``mxfp8``, ``mxfp6``, ``mxfp4`` and ``nvfp4`` use float formats (``formats.py``: the
+  ``fp8-e5m2[-rowwise]``, ``mxfp8``, ``mxfp6``, ``mxfp4``, ``nvfp4`` (NVIDIA's recipe) and
+  ``nvfp4-torchao`` (torchao's block scales, floored at 2^−6) use float formats (``formats.py``: the
   exact definitions and spec sections), fake mode only; MX/NVFP4 blocks are the scheme's ``PerGroup`` (32 / 16)
   along the input dimension of both the weight and the activation, as in torchao's MX and NVFP4 recipes.
 """
@@ -156,12 +157,16 @@ class QuantScheme:
             d[key] = d[key].to_dict()
         d["params"] = dict(self.params)
         d["label"] = self.label  # informative only; from_dict ignores it
+        if self.format != INT and FORMATS[self.format].recipe:
+            # The block-scale rule, in every record: nvfp4's changed (the E4M3 floor dropped, NVIDIA's recipe), so a
+            # record made under the old rule has none and is recomputed, not reused. Derived; from_dict ignores it.
+            d["format_recipe"] = FORMATS[self.format].recipe
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantScheme:
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names - {"label"}
+        unknown = set(d) - names - {"label", "format_recipe"}
         if unknown:
             raise UserError(f"unknown quantisation scheme field(s) {sorted(unknown)}; known: {sorted(names)}")
         kwargs = {k: v for k, v in d.items() if k in names}
@@ -366,7 +371,7 @@ for _fmt in ("fp8-e4m3", "fp8-e5m2"):
             **dict(_INT8_FINE),
         )
     )
-for _fmt in ("mxfp8", "mxfp6", "mxfp4", "nvfp4"):
+for _fmt in ("mxfp8", "mxfp6", "mxfp4", "nvfp4", "nvfp4-torchao"):
     _block = PerGroup(FORMATS[_fmt].block_size)
     _register(
         QuantScheme(

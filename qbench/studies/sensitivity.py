@@ -39,6 +39,7 @@ from models.errors import UserError, unknown_choice
 from models.io import atomic_write_json, atomic_write_text
 from qbench.eval.harness import GridSpec, environment, run_grid
 from qbench.eval.load import LoadedModel, load_model
+from qbench.studies.sweep import format_change, within_tolerance
 
 BY = ("layer", "block", "type")
 # unit statistic -> key of qbench.eval.metrics.linear_ranges' per-layer entry
@@ -48,7 +49,11 @@ STATISTICS = {
     "max_abs": "input_absmax",
     "weight_crest": "weight_crest",
 }
-OnCell = Callable[[str, dict[str, Any], bool], None]  # (phase "unit" | "repair", record, reused)
+# (phase, record, reused). Phases: "unit" -- exactly one call per unit, the number ``on_units`` announced; "kv" --
+# the KV-only cell (with a quantised KV cache only); "repair" -- each distinct set the repair measures. Progress
+# bars count them apart, so "units 4/4" means the units and nothing else.
+PHASES = ("unit", "kv", "repair")
+OnCell = Callable[[str, dict[str, Any], bool], None]
 
 
 @dataclass(frozen=True)
@@ -215,27 +220,37 @@ def _entry(unit: Unit, record: dict[str, Any], stats: dict[str, float | None]) -
 
 
 def _within(record: dict[str, Any], tolerance: float) -> bool:
-    change = record["metrics"]["ppl_change_pct"]
-    return record["status"] == "ok" and change is not None and change <= tolerance
+    return record["status"] == "ok" and within_tolerance(record["metrics"]["ppl_change_pct"], tolerance)
 
 
 def repair(study: _Study, ranked: Sequence[dict[str, Any]], tolerance: float) -> dict[str, Any]:
-    """Greedy forward by measured sensitivity, then a backward pass; every set is evaluated (module docstring)."""
+    """Greedy forward by measured sensitivity, then a backward pass; every set is evaluated (module docstring).
+
+    Each distinct set is measured once: the backward pass's first trial (dropping the unit added last) is the
+    forward pass's previous set, already measured and known to fail, so it is looked up, not evaluated or
+    counted again. ``steps`` lists the distinct sets measured, in order.
+    """
+    measured: dict[frozenset[str], dict[str, Any]] = {}
+    steps: list[dict[str, Any]] = []
+
+    def measure(kept: list[str]) -> dict[str, Any]:
+        key = frozenset(kept)
+        if key not in measured:
+            measured[key] = study.kept_cell(kept)
+            steps.append(_step(kept, measured[key]))
+        return measured[key]
+
     kept: list[str] = []
-    current = study.kept_cell(kept)
-    steps = [_step(kept, current)]
-    full = current
+    current = full = measure(kept)
     for unit in ranked:
         if _within(current, tolerance):
             break
-        kept.append(unit["name"])
-        current = study.kept_cell(kept)
-        steps.append(_step(kept, current))
+        kept = [*kept, unit["name"]]
+        current = measure(kept)
     if _within(current, tolerance) and len(kept) > 1:
         for name in reversed(list(kept)):  # least sensitive first
             trial = [k for k in kept if k != name]
-            record = study.kept_cell(trial)
-            steps.append(_step(trial, record))
+            record = measure(trial)
             if _within(record, tolerance):
                 kept, current = trial, record
     m = current["metrics"]
@@ -294,7 +309,9 @@ def sensitivity(
     """The sensitivity map and the verified repair of ``spec``'s one model under its one scheme and mode.
 
     ``spec.output_path`` is the cells folder. ``on_units(n)`` is told the number of units before the first cell
-    is evaluated (for a progress bar); ``on_cell(phase, record, reused)`` after each cell.
+    is evaluated (for a progress bar); ``on_cell(phase, record, reused)`` after each cell, with the phases of
+    :data:`PHASES`: exactly n "unit" calls, then one "kv" call with a quantised KV cache, then one "repair" call
+    per distinct set the repair measures (``timing.cells`` states all three counts).
     """
     from qbench.quant.apply import select_layers
 
@@ -320,7 +337,7 @@ def sensitivity(
     if on_units:
         on_units(len(units))
     records = [study.unit_cell(unit) for unit in units]  # the first one also writes the float record
-    kv_only = study.cell("kv-only", study.targets, "unit") if spec.kv is not None else None
+    kv_only = study.cell("kv-only", study.targets, "kv") if spec.kv is not None else None
     fp = _read_fp(spec, lm)
     per_layer = _per_layer_statistics(study, fp)
     entries = [_entry(u, r, unit_statistics(u, per_layer)) for u, r in zip(units, records, strict=True)]
@@ -344,9 +361,11 @@ def sensitivity(
         "correlation": correlations(ranked),
         "correlation_definition": "Spearman's rho (average ranks for ties) of each float-model statistic with "
         "the unit's perplexity change; None with < 3 units or a constant side",
-        "repair": repair(study, ranked, tolerance),
+        "repair": (fixed := repair(study, ranked, tolerance)),
         "timing": {
             "units": len(units),
+            # every cell this study measures, by phase: the units, the KV-only cell, the repair's distinct sets
+            "cells": {"units": len(units), "kv": int(kv_only is not None), "repair": len(fixed["steps"])},
             "seconds_per_unit": sum(cell_seconds) / len(cell_seconds) if cell_seconds else None,
             "units_wall_seconds": round(units_wall, 3),
             "wall_seconds": round(time.perf_counter() - start, 3),
@@ -373,9 +392,12 @@ def _fmt(x: float | None, spec: str = ".3g") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def change_text(x: float | None) -> str:
-    """A perplexity change for people: '+1.23 %', or 'NaN' for a model that produced NaN/inf."""
-    return "NaN" if x is None else f"{x:+.3f} %"
+def change_text(x: float | None, tolerance: float | None = None) -> str:
+    """A perplexity change for people: '+1.230 %', or 'NaN' for a model that produced NaN/inf; given the
+    tolerance, with the decimals that show which side of it the change is on (``sweep.format_change``)."""
+    if x is None:
+        return "NaN"
+    return f"{x:+.3f} %" if tolerance is None else format_change(x, tolerance)
 
 
 def top_table(result: dict[str, Any], k: int = 10) -> str:
@@ -446,9 +468,20 @@ def report(result: dict[str, Any], top: int = 10) -> str:
         f"{len(result['units'])} units\n\n{top_table(result, top)}\n\n![heatmap](heatmap.png)\n\n"
         f"## Does a statistic predict the damage? (Spearman's rho over all units)\n\n| statistic | rho |\n|---|---|\n"
         f"{corr}\n\n## Repair (tolerance {r['tolerance_pct']:g} %)\n\nAll units quantised: "
-        f"{change_text(r['quantised_ppl_change_pct'])}. Kept in float ({r['count']} units, "
+        f"{change_text(r['quantised_ppl_change_pct'], r['tolerance_pct'])}. Kept in float ({r['count']} units, "
         f"{r['weight_share_float']:.1%} of the quantised weights): {excl} → measured "
-        f"{change_text(r['ppl_change_pct'])} ({verdict} tolerance; {len(r['steps'])} cells evaluated).\n\n"
+        f"{change_text(r['ppl_change_pct'], r['tolerance_pct'])} ({verdict} tolerance; {len(r['steps'])} "
+        "distinct sets evaluated).\n\n"
         f"Time: {t['units']} units, {_fmt(t['seconds_per_unit'], '.2f')} s per unit cell "
-        f"(quantise + evaluate; {result['env'].get('processor')}, {result['env'].get('threads')} threads).\n"
+        f"(quantise + evaluate; {result['env'].get('processor')}, {result['env'].get('threads')} threads)."
+        f"{_cells_text(t)}\n"
     )
+
+
+def _cells_text(timing: dict[str, Any]) -> str:
+    """' Cells measured: 14 units + 1 KV-only + 3 repair = 18.' (empty for a result from before the count)."""
+    cells = timing.get("cells")
+    if not cells:
+        return ""
+    kv = f" + {cells['kv']} KV-only" if cells["kv"] else ""
+    return f" Cells measured: {cells['units']} units{kv} + {cells['repair']} repair = {sum(cells.values())}."

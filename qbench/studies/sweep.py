@@ -18,8 +18,10 @@ what is missing. A cell whose overrides equal the family's own bits *is* the fam
 
 **Breaking point** (design/metrics.md): the lowest bit width b whose perplexity change stays within the
 tolerance at b *and at every wider width swept*, so one lucky noisy cell below a failing one cannot lower it;
-``None`` ("none") when even the widest width fails. "Within" means change ≤ tolerance: quantisation that lowers
-perplexity is noise, not damage. A cell that produced NaN/inf, or could not run, fails.
+``None`` ("none") when even the widest width fails. "Within" means change ≤ tolerance (:func:`within_tolerance`,
+up to 1e-9 relative, so a cell at exactly +tolerance passes): quantisation that lowers perplexity is noise, not
+damage. A cell that produced NaN/inf, or could not run, fails. The tables show each change with the decimals that
+decide it (:func:`format_change`: ``+1.000 %`` passes a 1 % tolerance, ``+1.004 %`` does not).
 
 Outputs beside the records: ``sweep.json`` (every cell with its perplexity, change and record path, the breaking
 points with the tolerance, each model's float perplexity, protocol, versions and commit), ``sweep.md`` (generated
@@ -113,11 +115,19 @@ def parse_bits(text: str | Iterable[int]) -> list[int]:
 
 
 def _with_overrides(family: str, overrides: Mapping[str, int]) -> str:
-    """``absmax-coarse`` + {w: 4} -> ``absmax-coarse:w=4`` (a family that already has overrides gets more)."""
+    """``absmax-coarse`` + {w: 4} -> ``absmax-coarse:w=4``. A family that already has overrides keeps them, except
+    that a key being swept *replaces* the family's own value (``absmax-coarse:w=4,group=32`` + {w: 8} ->
+    ``absmax-coarse:w=8,group=32``): the swept axis is the one setting the curve varies, and a scheme name
+    may not give a key twice."""
     if not overrides:
         return family
-    text = ",".join(f"{k}={v}" for k, v in overrides.items())
-    return f"{family},{text}" if ":" in family else f"{family}:{text}"
+    base, sep, spec = family.partition(":")
+    items: dict[str, str] = {}
+    for item in spec.split(",") if sep else ():
+        key, _, value = (part.strip() for part in item.partition("="))
+        items[key.lower()] = value  # overrides.py reads keys case-insensitively, so W=4 and w=8 clash too
+    items.update({k: str(v) for k, v in overrides.items()})
+    return f"{base.strip()}:{','.join(f'{k}={v}' for k, v in items.items())}"
 
 
 def family_bits(family: str) -> dict[str, int | None]:
@@ -170,9 +180,26 @@ def plan(
 # -------------------------------------------------------------------------------------------- breaking point
 
 
+# A change equal to the tolerance passes, but (ppl / fp − 1) · 100 carries float rounding: an exact +1 % comes out
+# as 1.0000000000000009. The slack, relative to the tolerance (absolute below a tolerance of 1 %, so that a
+# tolerance of 0 still accepts an unchanged perplexity), is far above that rounding (~1e-14 %) and far below any
+# difference a table or a person could mean.
+TOLERANCE_REL_EPS = 1e-9
+
+
+def within_tolerance(change_pct: float | None, tolerance: float) -> bool:
+    """Whether a perplexity change (percent; None = NaN/inf or not run) is within ``tolerance`` percent: change ≤
+    tolerance, up to :data:`TOLERANCE_REL_EPS` relative, so a cell at exactly +tolerance passes. A lower perplexity
+    is noise, not damage, so any negative change passes. The one definition the sweep and ``qbench sensitivity``
+    share."""
+    if change_pct is None or not math.isfinite(change_pct):
+        return False
+    return change_pct <= tolerance + TOLERANCE_REL_EPS * max(abs(tolerance), 1.0)
+
+
 def passes(change: float | None, tolerance: float) -> bool:
     """Whether one cell's perplexity change (percent; None = NaN/inf or not run) is within the tolerance."""
-    return change is not None and math.isfinite(change) and change <= tolerance
+    return within_tolerance(change, tolerance)
 
 
 def breaking_point(changes: Mapping[int, float | None], tolerance: float = DEFAULT_TOLERANCE) -> int | None:
@@ -291,6 +318,17 @@ def _groups(cfg: SweepConfig, cells: list[Cell]) -> list[tuple[Any, list[Cell]]]
     return list(groups.values())
 
 
+def _unique_schemes(group: Sequence[Cell]) -> list[str]:
+    """The group's schemes, each once by its canonical name: ``absmax-coarse:w=8`` (a family with ``w=4`` swept
+    back to 8 bits) and ``absmax-coarse`` are one scheme, one record, one evaluation."""
+    from qbench.quant.schemes import get_scheme
+
+    seen: dict[str, str] = {}
+    for c in group:
+        seen.setdefault(c.scheme if c.scheme == FLOAT_FAMILY else get_scheme(c.scheme).name, c.scheme)
+    return list(seen.values())
+
+
 def validate(cfg: SweepConfig) -> list[Cell]:
     """The plan, with every scheme built once so a bad family or override fails before a model loads."""
     from qbench.quant.schemes import get_scheme
@@ -334,7 +372,7 @@ def run_sweep(
                 f"would share {Path(cfg.output_path) / lm.name}/; rename one folder"
             )
         for kv, group in _groups(cfg, cells):
-            spec = _grid_spec(cfg, [model], list(dict.fromkeys(c.scheme for c in group)), kv)
+            spec = _grid_spec(cfg, [model], _unique_schemes(group), kv)
             records = run_grid(spec, on_record=on_record, loaded={model: lm})
             fps.setdefault(lm.name, records[0])  # run_grid's float baseline comes first
             index = {_scheme_key(r["scheme"]): r for r in records[1:]}
@@ -396,8 +434,8 @@ def _summary(
         "command": command,
         "tolerance_pct": cfg.tolerance,
         "breaking_point_definition": (
-            "lowest bit width whose perplexity change is ≤ tolerance at that width and at every wider width "
-            "swept; none if the widest fails"
+            "lowest bit width whose perplexity change is ≤ tolerance (up to 1e-9 relative) at that width and at "
+            "every wider width swept; none if the widest fails"
         ),
         "families": list(cfg.families),
         "axes": list(cfg.axes),
@@ -427,14 +465,36 @@ def _summary(
 # ------------------------------------------------------------------------------------------------- outputs
 
 
-def _change(cell: Mapping[str, Any] | None) -> str:
+_NEAR_TOLERANCE = 0.01  # percentage points: closer than this, 2 decimals could not tell +1.00 % from +1.004 %
+_MAX_DECIMALS = 9
+
+
+def format_change(change_pct: float, tolerance: float | None = None) -> str:
+    """A perplexity change for a table: ``+0.42 %``, with as many more decimals as needed to see which side of
+    ``tolerance`` it is on. Within 0.01 points of the tolerance at least 3 decimals (``+0.996 %``, ``+1.000 %``,
+    ``+1.004 %``), and more while the rounded text would pass or fail differently from the value itself
+    (``+1.0004 %`` fails a 1 % tolerance, so it is never shown as ``+1.000 %``)."""
+    if not math.isfinite(change_pct):
+        return "NaN"
+    if tolerance is None:
+        return f"{change_pct:+.2f} %"
+    decimals = 3 if abs(change_pct - tolerance) < _NEAR_TOLERANCE else 2
+    verdict = within_tolerance(change_pct, tolerance)
+    text = f"{change_pct:+.{decimals}f}"
+    while within_tolerance(float(text), tolerance) != verdict and decimals < _MAX_DECIMALS:
+        decimals += 1
+        text = f"{change_pct:+.{decimals}f}"
+    return f"{text} %"
+
+
+def _change(cell: Mapping[str, Any] | None, tolerance: float | None = None) -> str:
     if cell is None:
         return "-"
     if cell["status"] == "nonfinite":
         return "NaN"
     if cell["status"] != "ok" or cell["ppl_change_pct"] is None:
         return "n/a"
-    return f"{cell['ppl_change_pct']:+.2f} %"
+    return format_change(cell["ppl_change_pct"], tolerance)
 
 
 def curves_of(sweep: Mapping[str, Any]) -> dict[tuple[str, str, str], dict[int, dict[str, Any]]]:
@@ -453,7 +513,7 @@ def sweep_table(sweep: Mapping[str, Any]) -> str:
     bits = sweep["bits"]
     points = {(p["model"], p["family"], p["axis"]): p for p in sweep["breaking_points"]}
     rows = [
-        [model, family, axis, *(_change(cells.get(b)) for b in bits), format_breaking_point(points[key])]
+        [model, family, axis, *(_change(cells.get(b), tol) for b in bits), format_breaking_point(points[key])]
         for key, cells in curves_of(sweep).items()
         for model, family, axis in [key]
     ]
@@ -529,8 +589,7 @@ def breaking_point_columns(sweep: Mapping[str, Any]) -> dict[str, dict[str, str]
 def expected_records(cfg: SweepConfig) -> int:
     """How many records the sweep's grid runs pass to ``on_record`` (float baselines included): a progress total."""
     return sum(
-        len(cfg.models) * (1 + len(dict.fromkeys(c.scheme for c in group)))
-        for _, group in _groups(cfg, validate(cfg))
+        len(cfg.models) * (1 + len(_unique_schemes(group))) for _, group in _groups(cfg, validate(cfg))
     )
 
 

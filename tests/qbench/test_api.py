@@ -11,7 +11,7 @@ import torch
 import qbench
 from models import UserError
 
-SMALL = {"tokens": 62, "window": 32, "batch_size": 2, "attention": False}
+SMALL = {"tokens": 64, "window": 32, "batch_size": 2, "attention": False}
 
 
 def test_import_qbench_stays_light():
@@ -53,7 +53,7 @@ def test_evaluate_returns_the_harness_record(ckpt_dir, tmp_path, monkeypatch):
         GridSpec(
             models=[str(ckpt_dir)],
             schemes=["absmax-coarse"],
-            protocol=Protocol(tokens=62, window=32, batch_size=2),
+            protocol=Protocol(tokens=64, window=32, batch_size=2),
             output_path=tmp_path / "grid",
             attention=False,
         )

@@ -82,7 +82,7 @@ def test_nonfinite_weights_give_nonfinite_records(tokenizer, tmp_path, capsys, k
         to_hf_model(model, tokenizer).save_pretrained(target)
         tokenizer.save_pretrained(target)
     out = tmp_path / "results"
-    argv = ["run", "--ckpt", str(target), "--scheme", "absmax-fine", "--tokens", "62", "--batch-size", "2"]
+    argv = ["run", "--ckpt", str(target), "--scheme", "absmax-fine", "--tokens", "64", "--batch-size", "2"]
     code = main([*argv, "--no-attention", "--output-path", str(out)])
     err = capsys.readouterr().err
     assert code == 0 and "Traceback" not in err

@@ -43,7 +43,7 @@ def test_a_torn_record_is_recomputed_not_trusted(ckpt_dir, tmp_path):
     spec = GridSpec(
         models=[str(ckpt_dir)],
         schemes=["absmax-coarse"],
-        protocol=Protocol(tokens=62, batch_size=2, outlier_windows=1),
+        protocol=Protocol(tokens=64, batch_size=2, outlier_windows=1),
         output_path=tmp_path,
     )
     first = run_grid(spec)

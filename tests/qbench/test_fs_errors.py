@@ -10,7 +10,7 @@ import pytest
 
 from qbench.cli import main
 
-FAST = ["--tokens", "62", "--window", "32", "--batch-size", "2", "--scheme", "absmax-fine"]
+FAST = ["--tokens", "64", "--window", "32", "--batch-size", "2", "--scheme", "absmax-fine"]
 
 
 def run(argv, capsys):

@@ -52,6 +52,7 @@ __all__ = [
     "LowBitLinear",
     "available_backends",
     "int_mm",
+    "kernel_paths",
     "make_real_linear",
     "pack_bits",
     "pack_int4",
@@ -227,6 +228,35 @@ def _bnb_linear(
     if scheme.method == "llm-int8":
         return bnb_int8_linear(weight, bias, threshold=float(scheme.param("threshold")))
     return bnb_nf4_linear(weight, bias, blocksize=int(scheme.param("blocksize")))
+
+
+# (what ``qbench env`` calls a layer, its kind in ``paths.choose``)
+PATH_LAYERS = (
+    ("W8A8 (Int8Linear)", "w8a8"),
+    ("W4A8 (Int4A8Linear)", "w4a8"),
+    ("W4 zeropoint weight-only (Int4Linear)", "w4"),
+    ("W8 weight-only (Int8WeightOnlyLinear)", "w8"),
+    ("W2/W3/W4-absmax weight-only (LowBitLinear)", "lowbit"),
+)
+
+
+def kernel_paths(rows: tuple[int, ...] = (1, 512)) -> dict[str, str]:
+    """What each real layer runs on this CPU for float32 input at each row count, from the dispatch itself
+    (``paths.choose``), the instruction set that decided it, and bitsandbytes' compute dtype."""
+    from qbench.quant.kernels import paths
+    from qbench.quant.kernels.bnb import bnb_available, dtype_name, nf4_cpu_compute_dtype
+
+    out = {"cpu instruction set": paths.instruction_set()}
+    for name, kind in PATH_LAYERS:
+        out[f"path {name}"] = "; ".join(f"{r} row{'s' * (r != 1)}: {paths.describe(kind, r)}" for r in rows)
+    if int4pack_available("cpu"):
+        out["path W4 zeropoint weight-only (Int4Linear)"] += "; bf16 input: torch int4pack (bf16 scales)"
+    if bnb_available():
+        nf4 = dtype_name(nf4_cpu_compute_dtype())
+        repack = " (fp32 where out % 32 or in % blocksize ≠ 0)" if nf4 == "bf16" else ""
+        out["path bnb-nf4 (BnbLinear)"] = f"bitsandbytes, {nf4} compute{repack}"
+        out["path llm-int8 (BnbLinear)"] = "bitsandbytes int8 with fp16 outlier columns (fp16 compute)"
+    return out
 
 
 def available_backends() -> dict[str, bool]:

@@ -7,10 +7,14 @@ bitsandbytes is optional (``pip install 'qbench[bnb]'``) and imported only insid
   float16 (the outlier decomposition of Dettmers et al. 2022). bitsandbytes casts activations to float16 first, so
   values beyond ±65504 overflow — a limit of the method as implemented, relevant for massive activations.
   The outlier columns are chosen over all rows of one call, so a batch of sequences would share them and a cell
-  would change with ``--batch-size``; the layer is therefore called once per sequence (issue 13.10), like the
+  would change with ``--batch-size``; the layer is therefore called once per sequence, like the
   per-sequence activation scales of the other schemes.
 - ``bnb-nf4``: ``Linear4bit(quant_type="nf4")``, blocks of 64 weights with an absmax each, NormalFloat-4 codebook,
-  weight-only (activations stay in ``compute_dtype``).
+  weight-only (activations stay in ``compute_dtype``) — except on CPUs with AVX512-BF16: there bitsandbytes
+  (0.45+, ``backends/cpu/ops.py``) repacks the weight on the first inference forward and its CPU ``gemv_4bit``
+  casts the activations *and the block absmax* to bf16 and computes in bf16 (relative error ~3e-3 against the
+  float32 product), whatever ``compute_dtype`` says. :func:`nf4_compute_dtype` tells which, and the layer's
+  name in records says it (``bnb-nf4 (bf16 compute)``).
 
 bitsandbytes quantises a weight only when the parameter is moved with ``.to(device)`` (or on a forward in eval
 mode): we build on the CPU, move to the weight's device — which quantises — and return the layer in eval mode,
@@ -26,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import UserError
+from qbench.quant.kernels.base import RealLinear
 
 _CAST_WARNING = "inputs will be cast from"
 
@@ -63,18 +68,111 @@ def _silence_cast_warning() -> None:
         logger.addFilter(_DropCastWarning())
 
 
-class BnbLinear(nn.Module):
+def nf4_compute_dtype(layer: nn.Module) -> torch.dtype:
+    """The dtype a bitsandbytes ``Linear4bit`` computes in for inference input on its device.
+
+    bitsandbytes' CPU path (``Linear4bit.forward``): when ``support_avx512bf16_for_cpu`` (the CPU has AVX512-BF16
+    and the library was built with it) the weight is repacked for ``gemv_4bit``, whose CPU kernel converts the
+    input and the absmax to bf16; otherwise the weight is dequantised to ``compute_dtype`` and multiplied."""
+    on_cpu = layer.weight.device.type == "cpu"
+    if on_cpu and getattr(layer, "support_avx512bf16_for_cpu", False):
+        return torch.bfloat16
+    return layer.compute_dtype or torch.float32
+
+
+def nf4_cpu_compute_dtype() -> torch.dtype:
+    """What an NF4 layer of a shape bitsandbytes repacks (out % 32 = 0, in % blocksize = 0) computes in on this
+    CPU: bf16 where bitsandbytes has its AVX512-BF16 kernel, else float32 (``compute_dtype``)."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    import_bnb()
+    return torch.bfloat16 if has_avx512bf16() else torch.float32
+
+
+def _restore_nf4_absmax(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """After ``Linear4bit`` saved its state: bitsandbytes 0.50 un-repacks a CPU-repacked NF4 weight for saving but
+    leaves its absmax in the repacked layout — bf16, (in / blocksize, out) — unless the statistics are nested. The
+    saved state and the layer's own next forward then read scrambled block scales (relative error 0.29
+    measured). Put it back as it was before repacking: flat, block order, float32 (of the bf16 values the kernel
+    computed with, so the next repacking reproduces them exactly)."""
+    state = getattr(module.weight, "quant_state", None)
+    if state is None or getattr(state, "packing_format_for_cpu", False) or state.absmax.dim() != 2:
+        return
+    state.absmax = state.absmax.T.reshape(-1).float().contiguous()
+    if prefix + "weight.absmax" in state_dict:
+        state_dict[prefix + "weight.absmax"] = state.absmax.detach()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+
+
+class BnbLinear(RealLinear):
     """A bitsandbytes layer with qbench's reporting (``extra_repr``, ``nbytes``); forward is the layer's own."""
 
     def __init__(self, layer: nn.Module, method: str, per_sequence: bool = False) -> None:
         super().__init__()
         self.layer, self.method, self.per_sequence = layer.eval(), method, per_sequence
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        if isinstance(layer, import_bnb().nn.Linear4bit):
+            layer.register_state_dict_post_hook(_restore_nf4_absmax)
 
-    def forward(self, x: Tensor) -> Tensor:
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What bitsandbytes computes in: bf16 or ``compute_dtype`` for NF4 (:func:`nf4_compute_dtype`); fp16 for
+        LLM.int8 (its outlier columns and its casts)."""
+        if isinstance(self.layer, import_bnb().nn.Linear4bit):
+            return nf4_compute_dtype(self.layer)
+        return torch.float16
+
+    @property
+    def kernel_name(self) -> str:
+        """The name records carry (``apply.real_kernels``): the method and the compute dtype."""
+        kind = "bnb-nf4" if self.method.startswith("nf4") else "llm-int8"
+        return f"BnbLinear {kind} ({dtype_name(self.compute_dtype)} compute)"
+
+    def _forward(self, x: Tensor) -> Tensor:
+        # bitsandbytes casts the layer's bias *in place* to the input's (or compute) dtype on every call: one bf16
+        # call would leave a bf16-rounded bias behind for every later float32 call. Keep the stored one.
+        bias = self.layer.bias
+        kept = None if bias is None else bias.data
+        try:
+            return self._call_layer(x)
+        finally:
+            if kept is not None:
+                bias.data = kept
+
+    def _call_layer(self, x: Tensor) -> Tensor:
         if not self.per_sequence or x.dim() < 3 or x.shape[0] == 1:
             return self.layer(x)
         # (B, T, in): one call per sequence
         return torch.cat([self.layer(x[i : i + 1]) for i in range(x.shape[0])])
+
+    def _load_from_state_dict(
+        self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool, missing: list, unexpected: list,
+        errors: list,
+    ) -> None:  # fmt: skip
+        """Load a state dict saved from a built layer: bitsandbytes' own loading expects a layer that was never
+        quantised (NF4: ``Params4bit.from_prequantized``; LLM.int8: its row scales ``SCB`` move off the weight on
+        the first forward, after which its loader refuses them). The inner layer's load then copies the rest."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+        bnb, p = import_bnb(), prefix + "layer."
+        if isinstance(self.layer, bnb.nn.Linear4bit) and p + "weight" in state_dict:
+            stats = {
+                k[len(p) + 7 :]: state_dict.pop(k) for k in list(state_dict) if k.startswith(p + "weight.")
+            }
+            weight = bnb.nn.Params4bit.from_prequantized(
+                state_dict[p + "weight"], stats, device=self.layer.weight.device, module=self.layer
+            )
+            self.layer.weight = weight
+            state_dict[p + "weight"] = weight  # the inner load copies it onto itself
+        elif isinstance(self.layer, bnb.nn.Linear8bitLt) and p + "SCB" in state_dict:
+            scb = state_dict.pop(p + "SCB")
+            state_dict.pop(p + "weight_format", None)
+            target = getattr(self.layer.weight, "SCB", None)
+            target = self.layer.state.SCB if target is None else target
+            with torch.no_grad():
+                target.copy_(scb)
 
     def nbytes(self) -> int:
         """Quantised weight + its statistics (row scales for int8, block absmax for NF4) + bias."""
@@ -98,7 +196,8 @@ class BnbLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.layer.in_features}, out_features={self.layer.out_features}, "
-            f"bias={self.layer.bias is not None}, bitsandbytes {self.method}, {self.nbytes() / 2**20:.2f} MiB"
+            f"bias={self.layer.bias is not None}, bitsandbytes {self.method}, "
+            f"{dtype_name(self.compute_dtype)} compute, {self.nbytes() / 2**20:.2f} MiB"
         )
 
     def train(self, mode: bool = True) -> BnbLinear:
@@ -148,8 +247,9 @@ def bnb_nf4_linear(
     )
     if bias is not None:
         layer.bias = nn.Parameter(bias.detach().float().cpu().clone(), requires_grad=False)
-    if out_features % 32 and getattr(layer, "support_avx512bf16_for_cpu", False):
-        # bitsandbytes 0.50 repacks NF4 weights for its CPU kernel on the first eval forward and asserts
-        # out_features % 32 == 0 there; other shapes must take its generic dequantise-and-matmul path
+    if (out_features % 32 or in_features % blocksize) and getattr(layer, "support_avx512bf16_for_cpu", False):
+        # bitsandbytes 0.50 repacks NF4 weights for its CPU kernel on the first eval forward, asserting
+        # out_features % 32 == 0 and reshaping the absmax to (out, in / blocksize) (a RuntimeError for a
+        # ragged last block); other shapes must take its generic dequantise-and-matmul path
         layer.support_avx512bf16_for_cpu = False
     return BnbLinear(layer.to(weight.device), f"nf4 (blocks of {blocksize})")

@@ -34,10 +34,9 @@ from torch import Tensor, nn
 
 from models.errors import UserError
 from qbench.quant.fake import transform_input, transform_weight
-from qbench.quant.float32 import Float32Buffers
 from qbench.quant.granularity import PerAxis, PerGroup
 from qbench.quant.kernels import paths
-from qbench.quant.kernels.int8 import as_rotation, check_input_scale, module_bytes
+from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.primitives import choose_qparams, quantize
 
 BITS = 4
@@ -70,15 +69,13 @@ def _check_group(in_features: int, group_size: int | None) -> int:
     return group
 
 
-class Int4Linear(Float32Buffers):
+class Int4Linear(RealLinear):
     """y = x' · Ŵᵀ + b with Ŵ = s · (q − z) from packed 4-bit zeropoint codes (see the module docstring).
 
     x' = ``fake.transform_input(x, input_scale, rotation)`` and the quantised weight is
     ``fake.transform_weight(W, input_scale, rotation)``, as in ``FakeQuantLinear`` (both optional; the
     hadamard-zeropoint-int4 scheme uses the rotation).
     """
-
-    _float32_buffers = ("scales", "input_scale")
 
     def __init__(
         self,
@@ -95,12 +92,13 @@ class Int4Linear(Float32Buffers):
         super().__init__()
         self.in_features, self.out_features = in_features, qweight.shape[0]
         self.group_size = group_size  # None: one group per output channel (the zeropoint-int4 scheme)
-        self.register_buffer("qweight", qweight)  # (out, ⌈in/2⌉) uint8
-        self.register_buffer("scales", scales)  # (out, in/g) float32
-        self.register_buffer("zeros", zeros)  # (out, in/g) uint8
-        self.register_buffer("bias", bias)
-        self.register_buffer("input_scale", check_input_scale(input_scale, in_features))
-        self.rotation = as_rotation(rotation, in_features)
+        # qweight (out, ⌈in/2⌉) uint8 nibbles, zeros (out, in/g) uint8, scales (out, in/g)
+        self.store(
+            {"qweight": qweight, "zeros": zeros},
+            {"scales": scales, "bias": bias},
+            input_scale=input_scale,
+            rotation=rotation,
+        )
         self._kernel_cache: tuple[Tensor, Tensor, int] | None = None
 
     @classmethod
@@ -146,9 +144,10 @@ class Int4Linear(Float32Buffers):
         zeros, scales = self.zeros.float().unsqueeze(-1), self.scales.unsqueeze(-1)
         return ((codes - zeros) * scales).view(self.out_features, self.in_features)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         x = transform_input(x, self.input_scale, self.rotation)
         if self._fast_path_ok(x):
+            self.__dict__["last_path"] = "int4pack"
             return self._forward_int4pack(x)
         y = paths.weight_only_forward(self, x, self.qweight, True, self.scales, self.zeros, self.bias)
         if y is not None:  # float32 on CPU: the compiled kernels (paths.py)
@@ -198,21 +197,15 @@ class Int4Linear(Float32Buffers):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _apply(self, fn, recurse=True):
-        self._kernel_cache = None  # a device or dtype move invalidates the kernel-format copy
-        return super()._apply(fn, recurse)
+    def invalidate(self) -> None:
+        super().invalidate()
+        self._kernel_cache = None  # a device move or a loaded state dict invalidates the kernel-format copy
 
     # ------------------------------------------------------------------------------------------- reporting
 
-    def nbytes(self) -> int:
-        """True storage: packed codes, scales, zeros, bias, input scale, rotation (see ``Int8Linear.nbytes``) and
-        the kernel-format copy once built."""
-        tensors = [self.qweight, self.scales, self.zeros, self.bias, self.input_scale]
-        if self._kernel_cache is not None:
-            tensors += self._kernel_cache[:2]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + module_bytes(
-            self.rotation
-        )
+    def derived_tensors(self) -> tuple[Tensor | None, ...]:
+        """The kernel-format copy of the bf16 fast path, once built."""
+        return () if self._kernel_cache is None else self._kernel_cache[:2]
 
     def weight_nbytes(self) -> int:
         """Bytes of the quantised weight alone: packed codes + scales + zeros (what replaces the float weight)."""

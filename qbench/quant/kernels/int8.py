@@ -49,9 +49,9 @@ from torch import Tensor, nn
 
 from models.errors import UserError, unknown_choice
 from qbench.quant.fake import transform_input, transform_weight
-from qbench.quant.float32 import Float32Buffers
 from qbench.quant.granularity import PerAxis, PerTensor
 from qbench.quant.kernels import paths
+from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.primitives import TINY, choose_qparams, quantize
 
 QMAX = 127
@@ -187,56 +187,10 @@ def _run_forward(
 # ----------------------------------------------------------------------------------------------- module
 
 
-class MatrixRotation(Float32Buffers):
-    """x ↦ x · Rᵀ for an explicit (dim, dim) orthogonal matrix R (computed in float32, returned in x's dtype)."""
+class Int8Linear(RealLinear):
+    """W8A8 absmax linear with an integer GEMM; see the module docstring for the exact definition.
 
-    _float32_buffers = ("matrix",)
-
-    def __init__(self, matrix: Tensor) -> None:
-        super().__init__()
-        if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
-            raise UserError(f"a rotation matrix must be square, got shape {tuple(matrix.shape)}")
-        self.register_buffer("matrix", matrix.detach().float().clone())
-
-    def forward(self, x: Tensor) -> Tensor:
-        return (x.float() @ self.matrix.T).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"dim={self.matrix.shape[0]}, dense"
-
-
-def as_rotation(rotation: nn.Module | Tensor | None, in_features: int) -> nn.Module | None:
-    """A rotation module (``HadamardRotation``, …) as is; a matrix wrapped in :class:`MatrixRotation`."""
-    if isinstance(rotation, Tensor):
-        rotation = MatrixRotation(rotation)
-    dim = getattr(rotation, "dim", None)
-    if isinstance(rotation, MatrixRotation):
-        dim = rotation.matrix.shape[0]
-    if rotation is not None and dim is not None and dim != in_features:
-        raise UserError(f"rotation of size {dim} does not fit a linear with in_features={in_features}")
-    return rotation
-
-
-def module_bytes(module: nn.Module | None) -> int:
-    """Bytes of a helper module's parameters and buffers (a rotation's signs or matrix); 0 for None."""
-    if module is None:
-        return 0
-    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-
-
-def check_input_scale(input_scale: Tensor | None, in_features: int) -> Tensor | None:
-    if input_scale is None:
-        return None
-    if input_scale.shape != (in_features,):
-        raise UserError(f"input_scale must have shape ({in_features},), got {tuple(input_scale.shape)}")
-    return input_scale.detach().float().clone()
-
-
-class Int8Linear(Float32Buffers):
-    """W8A8 absmax linear with an integer GEMM; see the module docstring for the exact definition."""
-
-    # bias too: the compiled CPU kernels read it as float32 (a bf16 bias gave outputs ~1e32)
-    _float32_buffers = ("w_scale", "bias", "input_scale", "static_act_scale", "static_out_scale")
+    Scales and bias stay float32 through casts (``base.RealLinear``): the C kernels read them as float32."""
 
     def __init__(
         self,
@@ -265,11 +219,13 @@ class Int8Linear(Float32Buffers):
                 f"Int8Linear needs int8 weight codes in [−{QMAX}, {QMAX}] (absmax), got {qweight_t.dtype} "
                 f"with minimum {int(qweight_t.min()) if qweight_t.numel() else 'n/a'}"
             )
-        self.register_buffer("qweight_t", qweight_t)
-        self.register_buffer("w_scale", w_scale)  # (out,) per channel or () per tensor, float32
-        self.register_buffer("bias", bias)
-        self.register_buffer("input_scale", check_input_scale(input_scale, self.in_features))  # SmoothQuant s
-        self.rotation = as_rotation(rotation, self.in_features)
+        # w_scale: (out,) per channel or () per tensor
+        self.store(
+            {"qweight_t": qweight_t},
+            {"w_scale": w_scale, "bias": bias},
+            input_scale=input_scale,
+            rotation=rotation,
+        )
         # static (calibrated) scales: see the end of the class
         self._init_static(static_act_scale, static_out_scale)
 
@@ -311,9 +267,7 @@ class Int8Linear(Float32Buffers):
             static_out_scale=static_out_scale,
         )
 
-    def forward(self, x: Tensor) -> Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"Int8Linear expects (..., {self.in_features}) input, got {tuple(x.shape)}")
+    def _forward(self, x: Tensor) -> Tensor:
         if self.static_act_scale is not None:
             return self._static_forward(x)
         lead = x.shape[:-1]
@@ -377,17 +331,6 @@ class Int8Linear(Float32Buffers):
         """s_w · q_w as (out, in) float32: the (transformed) weight the integer GEMM effectively uses."""
         scale = self.w_scale.reshape(-1, 1) if self.w_scale.dim() else self.w_scale
         return self.qweight_t.t().float() * scale
-
-    def nbytes(self) -> int:
-        """True storage of this layer and its submodules: int8 weight, scales, bias, SmoothQuant scale, rotation.
-
-        A rotation shared by several layers (one per input size) is counted by each; a model-level count that
-        walks modules should not descend into a module that has ``nbytes()``.
-        """
-        tensors = (self.qweight_t, self.w_scale, self.bias, self.input_scale)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + module_bytes(
-            self.rotation
-        )
 
     def extra_repr(self) -> str:
         w = "per channel" if self.w_scale.dim() else "per tensor"

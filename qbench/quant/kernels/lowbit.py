@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from models.errors import UserError
 from qbench.quant.fake import pad_to_groups, transform_input, transform_weight
 from qbench.quant.granularity import Granularity, PerAxis, PerGroup
-from qbench.quant.kernels.int8 import as_rotation, check_input_scale, module_bytes
+from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.primitives import choose_qparams, qrange, quantize
 
 PACKED_BITS = (2, 3, 4)
@@ -71,7 +71,7 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
     return codes.flatten(-2)[..., :n].to(torch.uint8)
 
 
-class LowBitLinear(nn.Module):
+class LowBitLinear(RealLinear):
     """y = x' · Ŵᵀ + b, Ŵ = s · (u − z) from packed 2/3/4-bit codes (module docstring); x' as in FakeQuantLinear."""
 
     def __init__(
@@ -91,12 +91,13 @@ class LowBitLinear(nn.Module):
         _unit(bits)
         self.in_features, self.out_features, self.bits = in_features, scales.shape[0], bits
         self.group = in_features if group is None else group  # the last group of a ragged row is shorter
-        self.register_buffer("qweight", qweight)  # (out, packed) uint8
-        self.register_buffer("scales", scales)  # (out, in/g) float32
-        self.register_buffer("zeros", zeros)  # (out, in/g) uint8, None when symmetric (zero point qmax)
-        self.register_buffer("bias", bias)
-        self.register_buffer("input_scale", check_input_scale(input_scale, in_features))
-        self.rotation = as_rotation(rotation, in_features)
+        # qweight (out, packed) uint8, zeros (out, in/g) uint8 or None when symmetric (zero point qmax)
+        self.store(
+            {"qweight": qweight, "zeros": zeros},
+            {"scales": scales, "bias": bias},
+            input_scale=input_scale,
+            rotation=rotation,
+        )
 
     @property
     def symmetric(self) -> bool:
@@ -148,17 +149,10 @@ class LowBitLinear(nn.Module):
         w = ((codes - zeros) * self.scales.unsqueeze(-1)).view(self.out_features, padded)
         return w[:, : self.in_features].contiguous()
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         x = transform_input(x, self.input_scale, self.rotation)
         w = self.dequantized_weight().to(x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
-
-    def nbytes(self) -> int:
-        """True storage: packed codes, scales, zeros, bias, input scale and rotation."""
-        tensors = (self.qweight, self.scales, self.zeros, self.bias, self.input_scale)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + module_bytes(
-            self.rotation
-        )
 
     def extra_repr(self) -> str:
         gran = "per output channel" if self.group == self.in_features else f"per group of {self.group}"

@@ -395,14 +395,34 @@ void qk_w8a8_linear(const int8_t *q, const float *sx, int64_t m_rows, const int8
 
 /* x float32 (M, K) -> y float32 (M, N): quantise the activations (qk_quantize_rows) and run qk_w8a8_linear in
    one call — the layer's whole CPU forward, so decode pays one foreign call and no tensor allocations. */
-void qk_w8a8_forward(const float *x, int64_t m_rows, int64_t k, int64_t rows_per_scale, const int8_t *w,
-                     const float *sw, int per_channel, const float *bias, float *y, int64_t n_out, int nthreads) {
+/* As qk_w8a8_forward, the loop chosen by the caller (paths.choose): gemv != 0 the streaming GEMV, else the int16
+   panel GEMM (AVX2 builds; the portable build has one loop). Both loops take any row count, so a test can run
+   each at every shape. */
+void qk_w8a8_forward_path(const float *x, int64_t m_rows, int64_t k, int64_t rows_per_scale, const int8_t *w,
+                          const float *sw, int per_channel, const float *bias, float *y, int64_t n_out,
+                          int nthreads, int gemv) {
     int8_t *q = malloc((size_t)(m_rows * k));
     float *sx = malloc((size_t)m_rows * sizeof(float));
     qk_quantize_rows(x, m_rows, k, rows_per_scale, q, sx);
+#ifdef QK_AVX2
+    if (gemv)
+        w8a8_gemv(q, sx, m_rows, w, sw, per_channel, bias, y, n_out, k, nthreads);
+    else
+        w8a8_gemm(q, sx, m_rows, w, sw, per_channel, bias, y, n_out, k, nthreads);
+#else
+    (void)gemv;
     qk_w8a8_linear(q, sx, m_rows, w, sw, per_channel, bias, y, n_out, k, nthreads);
+#endif
     free(q);
     free(sx);
+}
+
+/* x float32 (M, K) -> y float32 (M, N): quantise the activations (qk_quantize_rows) and run qk_w8a8_linear in
+   one call — the layer's whole CPU forward, so decode pays one foreign call and no tensor allocations. */
+void qk_w8a8_forward(const float *x, int64_t m_rows, int64_t k, int64_t rows_per_scale, const int8_t *w,
+                     const float *sw, int per_channel, const float *bias, float *y, int64_t n_out, int nthreads) {
+    qk_w8a8_forward_path(x, m_rows, k, rows_per_scale, w, sw, per_channel, bias, y, n_out, nthreads,
+                         m_rows <= GEMV_ROWS);
 }
 
 /* ------------------------------------------------------------- W4A8: int4 weights x int8 activations */
@@ -707,24 +727,33 @@ static void w4a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const ui
 }
 #endif
 
-/* x float32 (M, K) -> y float32 (M, N) for the W4A8 layer: quantise the activations, then the GEMV (≤ 16 rows)
-   or the GEMM. Returns 0 (nothing written) when the group size has no loop here: g must be K, 32 or a
-   multiple of 64. */
-int qk_w4a8_forward(const float *x, int64_t m_rows, int64_t k, int64_t rows_per_scale, const uint8_t *w,
-                    const float *scale, int64_t groups, const float *bias, float *y, int64_t n_out, int nthreads) {
+/* x float32 (M, K) -> y float32 (M, N) for the W4A8 layer: quantise the activations, then the GEMV (gemv != 0,
+   or the portable build) or the GEMM, as the caller chose (paths.choose). Returns 0 (nothing written) when the
+   group size has no loop here: g must be K, 32 or a multiple of 64. */
+int qk_w4a8_forward_path(const float *x, int64_t m_rows, int64_t k, int64_t rows_per_scale, const uint8_t *w,
+                         const float *scale, int64_t groups, const float *bias, float *y, int64_t n_out,
+                         int nthreads, int gemv) {
     if (!w4a8_groups_ok(k, groups)) return 0;
     int8_t *q = malloc((size_t)(m_rows * k));
     float *sx = malloc((size_t)m_rows * sizeof(float));
     qk_quantize_rows(x, m_rows, k, rows_per_scale, q, sx);
 #ifdef QK_AVX2
-    if (m_rows > GEMV_ROWS)
+    if (!gemv)
         w4a8_gemm(q, sx, m_rows, w, scale, groups, bias, y, n_out, k, nthreads);
     else
 #endif
         w4a8_gemv(q, sx, m_rows, w, scale, groups, bias, y, n_out, k, nthreads);
+    (void)gemv;
     free(q);
     free(sx);
     return 1;
+}
+
+/* The W4A8 forward with the default split: the GEMV up to 16 rows, the GEMM above. */
+int qk_w4a8_forward(const float *x, int64_t m_rows, int64_t k, int64_t rows_per_scale, const uint8_t *w,
+                    const float *scale, int64_t groups, const float *bias, float *y, int64_t n_out, int nthreads) {
+    return qk_w4a8_forward_path(x, m_rows, k, rows_per_scale, w, scale, groups, bias, y, n_out, nthreads,
+                                m_rows <= GEMV_ROWS);
 }
 
 /* ------------------------------------------------------------------------ weight-only, float32 input */

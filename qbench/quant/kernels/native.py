@@ -58,6 +58,9 @@ _SIGNATURES = {
     "qk_w8a8_linear": ([_PTR, _PTR, _I64, _PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _INT], None),
     "qk_w8a8_forward": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT, _PTR, _PTR, _I64, _INT], None),
     "qk_w4a8_forward": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _INT], _INT),
+    # the same two forwards with the loop chosen by the caller (a trailing int: 1 the GEMV, 0 the GEMM)
+    "qk_w8a8_forward_path": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT, _PTR, _PTR, _I64, _INT, _INT], None),
+    "qk_w4a8_forward_path": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _INT, _INT], _INT),
     "qk_dequantize": ([_PTR, _INT, _INT, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT], None),
     "qk_w4_permute_x": ([_PTR, _I64, _I64, _PTR], None),
     "qk_weight_only_linear": (
@@ -127,7 +130,12 @@ def enabled(flag: bool) -> Iterator[None]:
 def isa() -> str | None:
     """The instruction set the loops were compiled for ("AVX2" or "C"), None when not built."""
     lib = _library()
-    return None if lib is None else ISA_NAMES[lib.qk_isa()]
+    return None if lib is None else _isa_of(lib)
+
+
+@functools.cache
+def _isa_of(lib: ctypes.CDLL) -> str:
+    return ISA_NAMES[lib.qk_isa()]  # a foreign call: layers ask on every forward (paths.choose)
 
 
 def _ptr(t: Tensor | None) -> int | None:

@@ -1,49 +1,189 @@
-"""Which kernel a real layer runs, by device and row count — the dispatch of the compiled CPU kernels (``native``).
+"""Which kernel a real layer runs, by layer kind and row count — the dispatch of the compiled CPU kernels (``native``).
 
-Rows = the tokens of one forward call (batch × sequence). On CPU, with the compiled kernels available:
+Rows = the tokens of one forward call (batch × sequence). :func:`choose` is the one place that decides; the
+layers call it, and ``qbench env`` lists what it answers (:func:`describe`), so the listing cannot drift from
+what runs. Paths (:data:`PATHS`):
 
-- W8A8 (``Int8Linear``): activations quantised per token / per sequence in C (same codes as the torch path);
-  one C call quantises and multiplies: ≤ ``DECODE_ROWS`` rows the streaming GEMV, more rows the int16 panel
-  GEMM (``native.c``); on CPUs with AVX-512 VNNI or AMX, rows above ``DECODE_ROWS`` go to ``torch._int_mm``
-  (oneDNN's int8 GEMM, faster there) between the C quantiser and the C epilogue. AVX2-only CPUs have no fast
-  ``_int_mm`` (0.01–0.07× float32 measured on AMD EPYC Zen 3).
-- weight-only int4 / int8 (``Int4Linear``, ``Int8WeightOnlyLinear``), float32 activations:
-  ≤ ``DECODE_ROWS`` rows: the C kernel that reads packed codes and never builds Ŵ (equal to fake mode to
-  float rounding); more rows: Ŵ dequantised in one C pass, then torch's float32 GEMM (equal to fake mode
-  bit for bit — the same Ŵ and the same ``F.linear``).
+- ``c-gemv``: C streaming GEMV (W8A8, W4A8: int8 dot products; weight-only: reads the packed codes, never
+  builds Ŵ — equal to fake mode to float rounding);
+- ``c-gemm``: C int16 panel GEMM (W8A8, W4A8; AVX2 builds);
+- ``int-mm``: the C quantiser, ``torch._int_mm`` (oneDNN's int8 GEMM), the C epilogue (W8A8);
+- ``c-dequant``: Ŵ dequantised in one C pass, then torch's float32 GEMM (weight-only int4 / int8; equal to fake
+  mode bit for bit — the same Ŵ and the same ``F.linear``);
+- ``torch``: the layer's torch path (any device and dtype).
 
-Everything else (CUDA, bf16 input, autograd, inside ``torch.compile``, the kernels switched off with
-``QBENCH_NATIVE_KERNELS=0``) returns None here and the layer runs its torch path.
+Default choice on CPU with float32 input and the kernels built: ≤ ``DECODE_ROWS`` rows the GEMV; more rows the
+GEMM (weight-only: ``c-dequant``), except W8A8 on CPUs with AVX-512 VNNI or AMX, where ``torch._int_mm`` is
+faster (AVX2-only CPUs have no fast ``_int_mm``: 0.01–0.07× float32 measured on AMD EPYC Zen 3).
+
+Everything else returns None from the ``*_forward`` functions and the layer runs its torch path: CUDA, input
+other than float32, autograd, inside ``torch.compile``, a stored tensor in a dtype the C kernel does not read
+(a float32 pointer must point at float32: a bf16 bias read as float32 gave NaN), the kernels switched off with
+``QBENCH_NATIVE_KERNELS=0``.
+
+Forcing a path (tests, measurements): ``with paths.force("c-gemm"): …`` or ``QBENCH_FORCE_PATH=c-gemm`` in the
+environment. A layer kind that has no such path (weight-only has no ``int-mm``, low-bit layers only ``torch``)
+keeps its default choice, so one setting can run a whole model. Each forward records the path it took in the
+layer's ``last_path`` attribute (a plain attribute, never saved), which the tests read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from models.errors import UserError, unknown_choice
 from qbench.quant.kernels import native
 
 DECODE_ROWS = 16
+FORCE_ENV = "QBENCH_FORCE_PATH"
+PATHS = ("c-gemv", "c-gemm", "int-mm", "c-dequant", "torch")
+KINDS = ("w8a8", "w4a8", "w4", "w8", "lowbit")
+# the dtypes the C kernels read through their pointers: float32 scales / bias / input, int8 or uint8 codes
+KERNEL_DTYPES = (torch.float32, torch.int8, torch.uint8)
+_FORCED: dict[str, str | None] = {"path": None}
 
 
 @functools.cache
 def int_mm_preferred() -> bool:
     """Whether ``torch._int_mm`` beats the C kernel for many rows: CPUs with AVX-512 VNNI or AMX (oneDNN)."""
+    return bool({"avx512_vnni", "amx_int8"} & cpu_flags())
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return False
-    return "avx512_vnni" in flags or "amx_int8" in flags
+        return frozenset()
+
+
+def _check_path(path: str) -> str:
+    if path not in PATHS:
+        raise unknown_choice("kernel path", path, PATHS)
+    return path
+
+
+@contextlib.contextmanager
+def force(path: str | None) -> Iterator[None]:
+    """Run every real layer on ``path`` (one of :data:`PATHS`) inside the block where its kind has it; None: default."""
+    previous = _FORCED["path"]
+    _FORCED["path"] = None if path is None else _check_path(path)
+    try:
+        yield
+    finally:
+        _FORCED["path"] = previous
+
+
+def forced() -> str | None:
+    """The forced path: :func:`force`, else ``QBENCH_FORCE_PATH``, else None."""
+    return _FORCED["path"] or env_forced()
+
+
+@functools.cache
+def env_forced() -> str | None:
+    """``QBENCH_FORCE_PATH``, read once (every forward asks; ``env_forced.cache_clear()`` reads it again)."""
+    env = os.environ.get(FORCE_ENV)
+    if not env:
+        return None
+    if env not in PATHS:
+        raise UserError(f"{FORCE_ENV}={env!r} is not a kernel path; choose one of: {', '.join(PATHS)}")
+    return env
+
+
+def offered(kind: str) -> tuple[str, ...]:
+    """The paths a layer kind can take here (CPU, float32 input), default ones first."""
+    available = native.available()
+    return _offered(kind, native.isa() if available else None)
+
+
+@functools.cache
+def _offered(kind: str, isa: str | None) -> tuple[str, ...]:
+    if kind not in KINDS:
+        raise unknown_choice("real layer kind", kind, KINDS)
+    if isa is None or kind == "lowbit":
+        return ("torch",)
+    avx2 = isa == "AVX2"
+    if kind == "w8a8":
+        return ("c-gemv", *(("c-gemm",) if avx2 else ()), "int-mm", "torch")
+    if kind == "w4a8":
+        return ("c-gemv", *(("c-gemm",) if avx2 else ()), "torch")
+    # weight-only: the GEMV that reads codes exists in AVX2 builds only (the portable build dequantises)
+    return (*(("c-gemv",) if avx2 else ()), "c-dequant", "torch")
+
+
+def choose(kind: str, rows: int) -> str:
+    """The path a layer of ``kind`` (:data:`KINDS`) takes for ``rows`` rows of float32 CPU input — what it runs.
+
+    A kernel may still decline at run time (a group size without a loop: the layer records the path it took)."""
+    paths = offered(kind)
+    want = forced()
+    if want in paths:
+        return want
+    if rows <= DECODE_ROWS:
+        return paths[0]
+    if kind == "w8a8" and int_mm_preferred():
+        return "int-mm"
+    big = "c-gemm" if kind in ("w8a8", "w4a8") else "c-dequant"
+    return big if big in paths else paths[0]  # the portable build: its one loop takes every row count
+
+
+def describe(kind: str, rows: int) -> str:
+    """Words for ``choose(kind, rows)``, for ``qbench env`` and benchmark tables."""
+    path = choose(kind, rows)
+    c = "portable C" if native.isa() == "C" else f"C {native.isa()}"
+    return {
+        "c-gemv": f"{c} GEMV" if kind in ("w8a8", "w4a8") else f"{c} kernel reading the codes (no Ŵ)",
+        "c-gemm": f"{c} int16 GEMM",
+        "int-mm": "C quantiser + torch._int_mm + C epilogue",
+        "c-dequant": "C dequantise + torch sgemm",
+        "torch": "torch (dequantise + F.linear)" if kind != "w8a8" else "torch._int_mm (torch quantiser)",
+    }[path]
+
+
+ISA_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_int8",
+    "amx_bf16",
+)
+
+
+def instruction_set() -> str:
+    """The CPU's vector extensions that decide a path here, and what the C kernels were built for."""
+    have = [f for f in ISA_FLAGS if f in cpu_flags()]
+    built = f"C kernels built for {native.isa()}" if native.available() else "C kernels off"
+    return f"{' '.join(have) or 'no AVX2'}; {built}"
+
+
+def _record(owner: object, path: str) -> None:
+    owner.__dict__["last_path"] = path
+
+
+def stored_ok(*stored: Tensor | None) -> bool:
+    """The C kernels can read these stored tensors: contiguous, on the CPU, in a dtype a kernel reads."""
+    return all(
+        t is None or (t.device.type == "cpu" and t.is_contiguous() and t.dtype in KERNEL_DTYPES)
+        for t in stored
+    )
 
 
 def native_ok(x: Tensor, *stored: Tensor | None) -> bool:
-    """The compiled kernels apply: float32 CPU input outside autograd and compile, contiguous stored tensors."""
-    return input_ok(x) and all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in stored)
+    """The compiled kernels apply: float32 CPU input outside autograd and compile, readable stored tensors."""
+    return input_ok(x) and stored_ok(*stored)
 
 
 def input_ok(x: Tensor) -> bool:
@@ -77,12 +217,11 @@ class _Bound:
 
 
 def _bound(owner: object, stored: tuple[Tensor | None, ...], make: Callable[[], Callable[..., Tensor]]):
-    """The cached call for ``owner`` (None when a stored tensor is not a contiguous CPU tensor)."""
-    key = tuple(None if t is None else t.data_ptr() for t in stored)
+    """The cached call for ``owner`` (None when a stored tensor is not one the C kernels can read)."""
+    key = tuple(None if t is None else (t.data_ptr(), t.dtype) for t in stored)
     cached = owner.__dict__.get("_native_call")
     if cached is None or cached.key != key:
-        usable = all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in stored)
-        cached = _Bound(key, make() if usable else None)
+        cached = _Bound(key, make() if stored_ok(*stored) else None)
         owner.__dict__["_native_call"] = cached
     return cached.call
 
@@ -91,15 +230,15 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _int8_call(w: Tensor, w_scale: Tensor, bias: Tensor | None) -> Callable[[Tensor, int], Tensor]:
-    fn = native.library().qk_w8a8_forward
+def _int8_call(w: Tensor, w_scale: Tensor, bias: Tensor | None) -> Callable[[Tensor, int, bool], Tensor]:
+    fn = native.library().qk_w8a8_forward_path
     sw = w_scale.reshape(-1).contiguous()
     n, k = w.shape
     args = (w.data_ptr(), sw.data_ptr(), int(sw.numel() > 1), _ptr(bias))
 
-    def call(x2: Tensor, rows_per_scale: int) -> Tensor:
+    def call(x2: Tensor, rows_per_scale: int, gemv: bool) -> Tensor:
         y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-        fn(x2.data_ptr(), x2.shape[0], k, rows_per_scale, *args, y.data_ptr(), n, native.threads())
+        fn(x2.data_ptr(), x2.shape[0], k, rows_per_scale, *args, y.data_ptr(), n, native.threads(), int(gemv))
         return y
 
     call.keep = (w, sw, bias)  # the bound pointers stay valid while the call lives
@@ -118,37 +257,46 @@ def int8_forward(
     """float32 (B, T, N) of the W8A8 linear before any output quantisation, or None (use the torch path).
 
     ``w_t`` is the (K, N) int8 weight, the transpose of a contiguous (N, K) tensor; ``owner`` is the layer,
-    which caches the bound kernel call.
+    which caches the bound kernel call and records the path taken.
     """
     if not input_ok(x3):
         return None
     B, T, K = x3.shape
+    path = choose("w8a8", B * T)
+    if path == "torch":
+        return None
     if input_scale is not None:
         x3 = x3 / input_scale
     x2 = x3.reshape(B * T, K).contiguous()
     rows_per_scale = 1 if per_token else T
-    if B * T > DECODE_ROWS and int_mm_preferred():
-        if not native_ok(x3, w_t.t(), w_scale, bias):
+    if path == "int-mm":
+        if not stored_ok(w_t.t(), w_scale, bias):
             return None
         q, sx = native.quantize_rows(x2, rows_per_scale)
-        b = None if bias is None else bias.contiguous()
         acc = torch._int_mm(q, w_t)
-        return native.scale_output(acc, sx, w_scale.reshape(-1).contiguous(), b).reshape(B, T, -1)
+        _record(owner, path)
+        return native.scale_output(acc, sx, w_scale.reshape(-1).contiguous(), bias).reshape(B, T, -1)
     w = w_t.t()  # (N, K): the C kernels' row-major layout — a contiguous (K, N) w_t is not (torch path then)
     call = _bound(owner, (w, w_scale, bias), lambda: _int8_call(w, w_scale, bias))
-    return None if call is None else call(x2, rows_per_scale).reshape(B, T, -1)
+    if call is None:
+        return None
+    _record(owner, path)
+    return call(x2, rows_per_scale, path == "c-gemv").reshape(B, T, -1)
 
 
-def _w4a8_call(w4: Tensor, scales: Tensor, bias: Tensor | None) -> Callable[[Tensor, int], Tensor | None]:
-    fn = native.library().qk_w4a8_forward
+def _w4a8_call(
+    w4: Tensor, scales: Tensor, bias: Tensor | None
+) -> Callable[[Tensor, int, bool], Tensor | None]:
+    fn = native.library().qk_w4a8_forward_path
     n, groups = scales.shape
     args = (w4.data_ptr(), scales.data_ptr(), groups, _ptr(bias))
 
-    def call(x2: Tensor, rows_per_scale: int) -> Tensor | None:
+    def call(x2: Tensor, rows_per_scale: int, gemv: bool) -> Tensor | None:
         y = torch.empty(x2.shape[0], n, dtype=torch.float32)
         ok = fn(
-            x2.data_ptr(), x2.shape[0], x2.shape[1], rows_per_scale, *args, y.data_ptr(), n, native.threads()
-        )
+            x2.data_ptr(), x2.shape[0], x2.shape[1], rows_per_scale, *args, y.data_ptr(), n, native.threads(),
+            int(gemv),
+        )  # fmt: skip
         return y if ok else None
 
     call.keep = (w4, scales, bias)
@@ -164,10 +312,16 @@ def w4a8_forward(
         return None
     k = x.shape[-1]
     rows = x.numel() // k
+    path = choose("w4a8", rows)
+    if path == "torch":
+        return None
     rows_per_scale = 1 if per_token else (rows if x.dim() <= 2 else rows // x.shape[0])
     call = _bound(owner, (w4, scales, bias), lambda: _w4a8_call(w4, scales, bias))
-    y = None if call is None else call(x.reshape(rows, k).contiguous(), rows_per_scale)
-    return None if y is None else y.reshape(*x.shape[:-1], -1)
+    y = None if call is None else call(x.reshape(rows, k).contiguous(), rows_per_scale, path == "c-gemv")
+    if y is None:
+        return None
+    _record(owner, path)
+    return y.reshape(*x.shape[:-1], -1)
 
 
 def _weight_only_call(
@@ -198,24 +352,28 @@ def weight_only_forward(
 ) -> Tensor | None:
     """x · Ŵᵀ + b for a float32 x (…, K) from int4 nibbles or int8 codes, or None (use the torch path).
 
-    ``owner`` is the layer, which caches the bound kernel call."""
+    ``owner`` is the layer, which caches the bound kernel call and records the path taken."""
     if not input_ok(x):
         return None
     k = x.shape[-1]
     x2 = x.reshape(-1, k).contiguous()
+    path = choose("w4" if bits4 else "w8", x2.shape[0])
+    if path == "torch":
+        return None
     y = None
-    if x2.shape[0] <= DECODE_ROWS:
+    if path == "c-gemv":
         call = _bound(
             owner, (codes, scales, zeros, bias), lambda: _weight_only_call(codes, bits4, scales, zeros, bias)
         )
         if call is None:
             return None
-        y = call(x2)
+        y = call(x2)  # None: this group size has no loop here (the kernel declined): dequantise instead
     if y is None:
-        if not native_ok(x, codes, scales, zeros, bias):
+        if not stored_ok(codes, scales, zeros, bias):
             return None
-        b = None if bias is None else bias.contiguous()
-        y = F.linear(x2, native.dequantize(codes, bits4, scales, zeros, k), b)
+        path = "c-dequant"
+        y = F.linear(x2, native.dequantize(codes, bits4, scales, zeros, k), bias)
+    _record(owner, path)
     return y.reshape(*x.shape[:-1], -1)
 
 
@@ -223,8 +381,6 @@ def backend_name(kind: str) -> str:
     """What runs for ``kind`` ("w8a8", "w4a8" or "weight-only") on CPU here, for benchmark tables."""
     if not native.available():
         return "torch"
-    isa = native.isa()
-    if kind in ("w8a8", "w4a8"):
-        big = "torch._int_mm" if kind == "w8a8" and int_mm_preferred() else "C int16 GEMM"
-        return f"C {isa} GEMV ≤{DECODE_ROWS} rows, {big} above"
-    return f"C {isa} ≤{DECODE_ROWS} rows, C dequantise + sgemm above"
+    kind = "w4" if kind == "weight-only" else kind
+    small, big = describe(kind, 1), describe(kind, DECODE_ROWS + 1)
+    return f"{small} ≤{DECODE_ROWS} rows, {big} above"

@@ -30,17 +30,11 @@ from torch import Tensor, nn
 
 from models.errors import UserError, unknown_choice
 from qbench.quant.fake import pad_to_groups, transform_input, transform_weight
-from qbench.quant.float32 import Float32Buffers
 from qbench.quant.granularity import PerAxis, PerGroup
 from qbench.quant.kernels import paths
+from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.kernels.int4 import pack_int4, unpack_int4
-from qbench.quant.kernels.int8 import (
-    ACT_GRANULARITIES,
-    as_rotation,
-    check_input_scale,
-    module_bytes,
-    quantize_activation,
-)
+from qbench.quant.kernels.int8 import ACT_GRANULARITIES, quantize_activation
 from qbench.quant.primitives import choose_qparams, quantize
 
 BITS = 4
@@ -59,10 +53,8 @@ def kernel_group_ok(group_size: int | None) -> bool:
     return group_size is None or group_size == 32 or group_size % 64 == 0
 
 
-class Int4A8Linear(Float32Buffers):
+class Int4A8Linear(RealLinear):
     """y = s_x · Σ_g s_g (c · q)_g + b: int4 weights × per-token int8 activations (see the module docstring)."""
-
-    _float32_buffers = ("scales", "bias", "input_scale")
 
     def __init__(
         self,
@@ -81,11 +73,10 @@ class Int4A8Linear(Float32Buffers):
             raise unknown_choice("W4A8 activation granularity", act, ACT_GRANULARITIES)
         self.in_features, self.out_features, self.act = in_features, qweight.shape[0], act
         self.group_size = group_size  # None: one group per output channel
-        self.register_buffer("qweight", qweight)  # (out, ⌈in/2⌉) uint8, c + 8
-        self.register_buffer("scales", scales)  # (out, groups) float32
-        self.register_buffer("bias", bias)
-        self.register_buffer("input_scale", check_input_scale(input_scale, in_features))
-        self.rotation = as_rotation(rotation, in_features)
+        # qweight (out, ⌈in/2⌉) uint8 nibbles c + 8, scales (out, groups)
+        self.store(
+            {"qweight": qweight}, {"scales": scales, "bias": bias}, input_scale=input_scale, rotation=rotation
+        )
 
     @classmethod
     def from_float(
@@ -138,9 +129,7 @@ class Int4A8Linear(Float32Buffers):
         )
         return w[:, : self.in_features]
 
-    def forward(self, x: Tensor) -> Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"Int4A8Linear expects (..., {self.in_features}) input, got {tuple(x.shape)}")
+    def _forward(self, x: Tensor) -> Tensor:
         x = transform_input(x, self.input_scale, self.rotation)
         per_token = self.act == "per_token"
         if kernel_group_ok(self.group_size):
@@ -159,15 +148,9 @@ class Int4A8Linear(Float32Buffers):
         lead = x.shape[:-1]
         x3 = x.float().reshape(1 if x.dim() <= 2 else x.shape[0], -1, self.in_features)
         q, scale = quantize_activation(x3, per_token)
-        y = F.linear(q.float() * scale, self.dequantized_weight().to(x3.device), self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        y = F.linear(q.float() * scale, self.dequantized_weight().to(x3.device), bias)
         return y.reshape(*lead, self.out_features).to(x.dtype)
-
-    def nbytes(self) -> int:
-        """True storage: packed codes, scales, bias, input scale and rotation."""
-        tensors = (self.qweight, self.scales, self.bias, self.input_scale)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + module_bytes(
-            self.rotation
-        )
 
     def extra_repr(self) -> str:
         gran = "per output channel" if self.scales.shape[1] == 1 else f"per group of {self.group}"

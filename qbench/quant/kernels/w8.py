@@ -22,13 +22,13 @@ from models.errors import UserError
 from qbench.quant.fake import transform_input, transform_weight
 from qbench.quant.granularity import PerAxis, PerGroup
 from qbench.quant.kernels import paths
-from qbench.quant.kernels.int8 import as_rotation, check_input_scale, module_bytes
+from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.primitives import choose_qparams, quantize
 
 BITS = 8
 
 
-class Int8WeightOnlyLinear(nn.Module):
+class Int8WeightOnlyLinear(RealLinear):
     """y = x' · Ŵᵀ + b with Ŵ = s · (q − z) from int8 codes (module docstring); x' as in ``FakeQuantLinear``."""
 
     def __init__(
@@ -43,12 +43,13 @@ class Int8WeightOnlyLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
-        self.register_buffer("qweight", qweight)  # (out, in) int8 (symmetric) or uint8
-        self.register_buffer("scales", scales)  # (out, in/g) float32
-        self.register_buffer("zeros", zeros)  # (out, in/g) uint8 or None
-        self.register_buffer("bias", bias)
-        self.register_buffer("input_scale", check_input_scale(input_scale, self.in_features))
-        self.rotation = as_rotation(rotation, self.in_features)
+        # qweight (out, in) int8 (symmetric) or uint8, zeros (out, in/g) uint8 or None, scales (out, in/g)
+        self.store(
+            {"qweight": qweight, "zeros": zeros},
+            {"scales": scales, "bias": bias},
+            input_scale=input_scale,
+            rotation=rotation,
+        )
 
     @classmethod
     def from_float(
@@ -86,20 +87,13 @@ class Int8WeightOnlyLinear(nn.Module):
             q = q - self.zeros.float().unsqueeze(-1)
         return (q * self.scales.unsqueeze(-1)).view(self.out_features, self.in_features)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         x = transform_input(x, self.input_scale, self.rotation)
         y = paths.weight_only_forward(self, x, self.qweight, False, self.scales, self.zeros, self.bias)
         if y is not None:
             return y
         return F.linear(
             x, self.dequantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
-        )
-
-    def nbytes(self) -> int:
-        """True storage: codes, scales, zeros, bias, input scale and rotation (see ``Int8Linear.nbytes``)."""
-        tensors = (self.qweight, self.scales, self.zeros, self.bias, self.input_scale)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + module_bytes(
-            self.rotation
         )
 
     def extra_repr(self) -> str:

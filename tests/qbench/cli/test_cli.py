@@ -8,7 +8,7 @@ import pytest
 
 from qbench.cli import main
 
-FAST = ["--tokens", "124", "--batch-size", "2"]
+FAST = ["--tokens", "128", "--batch-size", "2"]
 
 
 def run(argv, capsys):
@@ -83,12 +83,12 @@ def test_compare_evaluates_a_bare_checkpoint_name(ckpt_dir, tmp_path, monkeypatc
 
     # compare evaluates with the default protocol; a small budget keeps the test fast (and shows it was used).
     monkeypatch.setattr(
-        harness, "GridSpec", functools.partial(harness.GridSpec, protocol=Protocol(tokens=62))
+        harness, "GridSpec", functools.partial(harness.GridSpec, protocol=Protocol(tokens=64))
     )
     code, out, _ = run(["compare", "ortho", "--format", "md"], capsys)
     assert code == 0 and "ortho" in out and "zeropoint-int4/fake" in out
     records = [json.loads(p.read_text()) for p in (tmp_path / "qbench_results").rglob("*.json")]
-    assert records and {r["protocol"]["tokens"] for r in records} == {62}
+    assert records and {r["protocol"]["tokens"] for r in records} == {64}
 
 
 @pytest.mark.parametrize(
@@ -128,7 +128,7 @@ def test_console_script_exit_code_and_no_traceback(tmp_path):
 
 def test_inspect_score_and_intervene_through_the_cli(hf_llama_dir, ckpt_dir, tmp_path, capsys):
     code, out, _ = run(
-        ["inspect", "--ckpt", ckpt_dir, "--tokens", "62", "--windows", "2", "--out", tmp_path / "insp"],
+        ["inspect", "--ckpt", ckpt_dir, "--tokens", "64", "--windows", "2", "--out", tmp_path / "insp"],
         capsys,
     )
     assert code == 0
@@ -143,7 +143,7 @@ def test_inspect_score_and_intervene_through_the_cli(hf_llama_dir, ckpt_dir, tmp
             "--ckpt",
             hf_llama_dir,
             "--tokens",
-            "62",
+            "64",
             "--output-path",
             tmp_path / "r",
             "--json",
@@ -153,7 +153,7 @@ def test_inspect_score_and_intervene_through_the_cli(hf_llama_dir, ckpt_dir, tmp
     )
     assert code == 0 and "robustness" in out
     assert 0 < json.loads((tmp_path / "score.json").read_text())["robustness"] < 2
-    code, out, _ = run(["intervene", "--ckpt", ckpt_dir, "--set", "mean", "--tokens", "62"], capsys)
+    code, out, _ = run(["intervene", "--ckpt", ckpt_dir, "--set", "mean", "--tokens", "64"], capsys)
     assert code == 0
     code, _, err = run(["intervene", "--ckpt", ckpt_dir, "--set", "nan"], capsys)
     assert code == 2 and "zero" in err

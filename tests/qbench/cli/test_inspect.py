@@ -16,7 +16,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_command_on_a_transformers_folder(hf_llama_dir, tmp_path, capsys):
-    run(_args("--ckpt", str(hf_llama_dir), "--tokens", "62", "--windows", "2", "--out", str(tmp_path)))
+    run(_args("--ckpt", str(hf_llama_dir), "--tokens", "64", "--windows", "2", "--out", str(tmp_path)))
     assert json.loads((tmp_path / "metrics.json").read_text())["model"]["kind"] == "transformers"
     assert (tmp_path / "layers.png").exists()
     with pytest.raises(UserError, match="--windows"):

@@ -23,7 +23,7 @@ def test_bad_scheme_is_a_did_you_mean_error(ckpt_dir, tmp_path):
 def test_command_prints_and_writes_the_score(ckpt_dir, tmp_path, capsys):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    argv = ["--ckpt", str(ckpt_dir), "--tokens", "62", "--scheme", "int4", "--no-attention"]
+    argv = ["--ckpt", str(ckpt_dir), "--tokens", "64", "--scheme", "int4", "--no-attention"]
     run(parser.parse_args([*argv, "--output-path", str(tmp_path), "--json", str(tmp_path / "s.json")]))
     written = json.loads((tmp_path / "s.json").read_text())
     assert list(written["schemes"]) == ["zeropoint-int4"]

@@ -20,7 +20,7 @@ def planted_ckpt(tmp_path_factory, tokenizer):
 
 def test_repair_equals_a_separate_run_with_its_excludes(planted_ckpt, tmp_path, capsys):
     out = tmp_path / "sens"
-    argv = ["--ckpt", str(planted_ckpt), "--scheme", SCHEME, "--tokens", "124"]
+    argv = ["--ckpt", str(planted_ckpt), "--scheme", SCHEME, "--tokens", "128"]
     assert main(["sensitivity", *argv, "--tolerance", "0.1", "--top", "3", "--out", str(out)]) == 0
     result = json.loads((out / "sensitivity.json").read_text())
     repair = result["repair"]

@@ -37,7 +37,7 @@ def test_a_users_file_is_evaluated_whole_by_default(long_file, tokenizer):
     windows = make_windows(tokenizer, protocol, context=32)
     total = _whole_file_tokens(long_file, tokenizer)
     assert windows.available_tokens == total > 30_000
-    assert windows.scored_tokens == (total // 31) * 31  # every whole window of the file, clamped budget
+    assert windows.scored_tokens == (total // 32) * 32  # every whole window of the file, clamped budget
     record = protocol_record(protocol, windows, tokenizer, "float32")
     assert record["split"] == "all" and record["tokens_available"] == total and record["tokens_clamped"]
     assert windows.ids[0, 0] == separator_id(tokenizer)
@@ -48,8 +48,8 @@ def test_split_is_explicit_and_tokens_still_cap(long_file, tokenizer):
     val = make_windows(tokenizer, Protocol(corpus=str(long_file), split="validation", window=32), context=32)
     train = make_windows(tokenizer, Protocol(corpus=str(long_file), split="train", window=32), context=32)
     assert 0 < val.available_tokens < total and val.available_tokens + train.available_tokens == total
-    capped = make_windows(tokenizer, Protocol(corpus=str(long_file), tokens=31 * 5, window=32), context=32)
-    assert capped.scored_tokens == 31 * 5 and not capped.clamped
+    capped = make_windows(tokenizer, Protocol(corpus=str(long_file), tokens=32 * 5, window=32), context=32)
+    assert capped.scored_tokens == 32 * 5 and not capped.clamped
 
 
 def test_registered_corpora_keep_their_validation_split():

@@ -31,7 +31,7 @@ OUTLIER_KEYS = {
     "first_token_top1_share",
     "first_token_mass",
 }
-SMALL = Protocol(tokens=31 * 4, batch_size=2, outlier_windows=2)
+SMALL = Protocol(tokens=32 * 4, batch_size=2, outlier_windows=2)
 
 
 def spec(tmp_path, models, schemes=("absmax-coarse", "zeropoint-int4"), modes=("fake",)):
@@ -58,7 +58,7 @@ def test_records_are_self_describing_for_every_kind_of_model(fixture, request, t
         assert REQUIRED <= r.keys() and OUTLIER_KEYS <= r["outliers"].keys()
         assert r["status"] == "ok", r["error"]
         assert r["metrics"]["fp_perplexity"] == records[0]["metrics"]["perplexity"]
-        assert r["protocol"]["tokens_scored"] == 124 and r["protocol"]["window"] == 32
+        assert r["protocol"]["tokens_scored"] == 128 and r["protocol"]["window"] == 32
         assert r["env"]["software"]["torch"] and "git_commit" in r["env"]
     coarse = records[1]
     assert (
@@ -110,10 +110,10 @@ def test_interrupted_grid_resumes_without_recomputing(ckpt_dir, tmp_path, monkey
 def test_changed_protocol_recomputes_instead_of_reusing(ckpt_dir, tmp_path):
     run_grid(spec(tmp_path, [ckpt_dir], schemes=("absmax-coarse",)))
     s = spec(tmp_path, [ckpt_dir], schemes=("absmax-coarse",))
-    s.protocol = Protocol(tokens=31 * 2, batch_size=2, outlier_windows=2)
+    s.protocol = Protocol(tokens=32 * 2, batch_size=2, outlier_windows=2)
     reused = []
     records = run_grid(s, on_record=lambda r, was_reused: reused.append(was_reused))
-    assert reused == [False, False] and records[1]["protocol"]["tokens_scored"] == 62
+    assert reused == [False, False] and records[1]["protocol"]["tokens_scored"] == 64
 
 
 def test_a_model_that_breaks_under_a_scheme_is_recorded_and_the_grid_goes_on(ckpt_dir, tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ from qbench.eval.load import load_model
 from qbench.eval.metrics import Protocol, make_windows
 from qbench.quant.schemes import QuantScheme, get_scheme
 
-SMALL = Protocol(tokens=31 * 4, batch_size=2, outlier_windows=2)
+SMALL = Protocol(tokens=32 * 4, batch_size=2, outlier_windows=2)
 SCHEMES = ["absmax-coarse:w=4,a=4,o=4", "absmax-fine:static=true,calib=2,calib_seed=1"]
 
 
@@ -72,7 +72,7 @@ def test_reuse_needs_an_equal_config(tmp_path, ckpt_dir):
 def test_calibration_windows_come_from_the_train_split(ckpt_dir):
     lm = load_model(str(ckpt_dir))
     first = calibration_windows(lm.tokenizer, SMALL, 32, get_scheme("absmax-fine:static=true,calib=3"))
-    train = make_windows(lm.tokenizer, Protocol(split="train", tokens=3 * 31, window=32), 32).ids
+    train = make_windows(lm.tokenizer, Protocol(split="train", tokens=3 * 32, window=32), 32).ids
     assert torch.equal(first, train)
     sampled = calibration_windows(
         lm.tokenizer, SMALL, 32, get_scheme("absmax-fine:static=true,calib=3,calib_seed=0")
@@ -85,7 +85,7 @@ def test_calibration_windows_come_from_the_train_split(ckpt_dir):
 def test_cli_takes_overrides_and_explains_them(tmp_path, ckpt_dir, capsys):
     from qbench.cli import main
 
-    argv = ["run", "--ckpt", str(ckpt_dir), "--tokens", "124", "--batch-size", "2", "--no-attention"]
+    argv = ["run", "--ckpt", str(ckpt_dir), "--tokens", "128", "--batch-size", "2", "--no-attention"]
     assert main([*argv, "--scheme", "absmax-coarse:w=4,a=4,o=4", "--output-path", str(tmp_path)]) == 0
     assert next(tmp_path.rglob("absmax-coarse@a=4,o=4,w=4__fake.json"))
     assert main([*argv, "--scheme", "absmax-coarse:w=44", "--output-path", str(tmp_path)]) == 2

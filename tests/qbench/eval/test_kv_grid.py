@@ -13,7 +13,7 @@ from qbench.eval.metrics import Protocol
 from qbench.eval.report import comparison
 from qbench.quant.kv import KVConfig
 
-SMALL = Protocol(tokens=31 * 4, batch_size=2, outlier_windows=2)
+SMALL = Protocol(tokens=32 * 4, batch_size=2, outlier_windows=2)
 
 
 def grid(tmp_path, model, schemes, kv=None, modes=("fake",)):
@@ -85,7 +85,7 @@ def test_fp_scheme_needs_a_kv_cache(ckpt_dir, tmp_path):
         run_grid(grid(tmp_path, ckpt_dir, ["fp"]))
 
 
-FAST = ["--tokens", "124", "--batch-size", "2", "--no-attention"]
+FAST = ["--tokens", "128", "--batch-size", "2", "--no-attention"]
 
 
 def test_cli_run_and_score_with_a_quantised_cache(ckpt_dir, tmp_path, capsys):

@@ -24,28 +24,48 @@ def model():
 
 
 def test_windows_follow_the_protocol(tokenizer):
-    p = Protocol(tokens=310, window=32, bos=True)
+    p = Protocol(tokens=320, window=32, bos=True)
     w = make_windows(tokenizer, p, context=32)
-    assert w.ids.shape == (10, 32) and w.scored_tokens == 310
+    assert w.ids.shape == w.targets.shape == (10, 32) and w.scored_tokens == 320
+    assert torch.equal(w.ids[:, 1:], w.targets[:, :-1])  # each position predicts the next stream token
     assert (w.ids[:, 0] == tokenizer.convert_tokens_to_ids("<|endoftext|>")).all()
     no_bos = make_windows(tokenizer, replace(p, bos=False, window=31), context=32)
     assert torch.equal(w.ids[1, 1:], no_bos.ids[1])  # same stream tokens, BOS in front
-    assert no_bos.scored_tokens == 10 * 30  # without BOS a window's first token is not predicted
+    assert no_bos.scored_tokens == 10 * 31  # without BOS a window's first token is context only
     huge = make_windows(tokenizer, replace(p, tokens=10**9), context=32)
     assert huge.clamped and huge.scored_tokens <= huge.available_tokens
 
 
 def test_perplexity_is_exp_of_mean_token_nll_and_batch_invariant(model, tokenizer):
-    w = make_windows(tokenizer, Protocol(tokens=31 * 6, window=32), context=32)
-    logits = model(w.ids)[:, :-1]
-    expected = math.exp(F.cross_entropy(logits.reshape(-1, 8192), w.ids[:, 1:].reshape(-1)).item())
+    w = make_windows(tokenizer, Protocol(tokens=32 * 6, window=32), context=32)
+    logits = model(w.ids)
+    expected = math.exp(F.cross_entropy(logits.reshape(-1, 8192), w.targets.reshape(-1)).item())
     for batch_size in (1, 4, 6):
         assert perplexity(model, w, batch_size)["perplexity"] == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.parametrize("bos", [True, False])
+def test_the_trainers_validation_perplexity_is_qbenchs_float_perplexity(model, tokenizer, bos):
+    """One window cutter: the trainer's validation loss and ``qbench run``'s float perplexity on the same
+    checkpoint and token budget are the same number."""
+    import contextlib
+
+    from models.tokenizer import separator_id
+    from trainers.batches import validation_windows
+    from trainers.data import token_stream
+    from trainers.loop import evaluate
+
+    stream = token_stream("embedded", "validation", tokenizer)
+    x, y = validation_windows(stream, 32, separator_id(tokenizer) if bos else None, max_tokens=200)
+    trainer = math.exp(evaluate(model, x, y, batch=4, autocast=contextlib.nullcontext()))
+    w = make_windows(tokenizer, Protocol(tokens=200, window=32, bos=bos), context=32)
+    assert torch.equal(w.ids, x) and torch.equal(w.targets, y)
+    assert perplexity(model, w, 4)["perplexity"] == pytest.approx(trainer, rel=1e-6)
+
+
 def test_transformers_model_gives_the_same_statistics_as_ours(model, tokenizer):
     """Hooks on decoder layers + eager (softmax1_eager) attention reproduce the observation API exactly."""
-    w = make_windows(tokenizer, Protocol(tokens=31 * 4, window=32), context=32)
+    w = make_windows(tokenizer, Protocol(tokens=32 * 4, window=32), context=32)
     ours = outlier_metrics(model, w, n_windows=4)
     theirs = outlier_metrics(to_hf_model(model, tokenizer), w, n_windows=4)
     for key in ("kurtosis_first", "kurtosis_other", "max_abs", "first_token_top1_share", "first_token_mass"):
@@ -62,7 +82,7 @@ def test_massive_activations_are_found_where_planted(tokenizer):
     with torch.no_grad():
         model.transformer.wte.weight[:, 9] = 0.0
         model.transformer.wpe.weight[0, 9] = 5000.0  # first position, channel 9
-    w = make_windows(tokenizer, Protocol(tokens=31 * 2, window=32), context=32)
+    w = make_windows(tokenizer, Protocol(tokens=32 * 2, window=32), context=32)
     found = massive_activations(model, w, n_windows=2)
     layer0 = found["layers"][0]
     assert 9 in layer0["channels"] and layer0["positions"]["first"] == 2 and layer0["positions"]["other"] == 0
@@ -72,7 +92,7 @@ def test_massive_activations_are_found_where_planted(tokenizer):
 def test_checkpoint_round_trip_keeps_perplexity(ckpt_dir, tokenizer):
     saved = trained_like(micro_config(attn="softmax1"))  # the model conftest saved (seeded build)
     ckpt = load_checkpoint(ckpt_dir)
-    w = make_windows(tokenizer, Protocol(tokens=62, window=32), context=32)
+    w = make_windows(tokenizer, Protocol(tokens=64, window=32), context=32)
     before, after = perplexity(saved, w), perplexity(ckpt.model, w)
     assert math.isfinite(before["perplexity"]) and before == after
 
@@ -84,7 +104,7 @@ def test_linear_ranges_follow_their_definitions(tokenizer):
     model = trained_like(micro_config())
     with torch.no_grad():
         model.transformer.h[1].attn.c_proj.weight[3, 7] = 5.0  # a weight outlier in one layer
-    w = make_windows(tokenizer, Protocol(tokens=31 * 4, window=32), context=32)
+    w = make_windows(tokenizer, Protocol(tokens=32 * 4, window=32), context=32)
     seen = {}
     layer = model.transformer.h[0].mlp.c_proj
     handle = layer.register_forward_hook(lambda m, a, o: seen.update(x=a[0].detach()))

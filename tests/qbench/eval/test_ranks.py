@@ -69,7 +69,7 @@ def two_models(tmp_path, tokenizer):
 
 def _grid(models, corpus, out, nproc):
     args = [a for m in models for a in ("--ckpt", str(m))] + [a for s in SCHEMES for a in ("--scheme", s)]
-    args += ["--data", str(corpus), "--tokens", "124", "--batch-size", "2", "--output-path", str(out)]
+    args += ["--data", str(corpus), "--tokens", "128", "--batch-size", "2", "--output-path", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "qbench", "grid", *args, "--nproc-per-node", str(nproc)]
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -94,7 +94,7 @@ def test_two_ranks_write_every_cell_exactly_once_and_rerun_reuses(two_models, tm
     spec = GridSpec(
         models=[str(m) for m in models],
         schemes=list(SCHEMES),
-        protocol=Protocol(corpus=str(corpus), tokens=124, batch_size=2),
+        protocol=Protocol(corpus=str(corpus), tokens=128, batch_size=2),
         output_path=out,
     )
     mtimes = {p: p.stat().st_mtime_ns for p in out.rglob("*.json")}

@@ -15,7 +15,7 @@ from qbench.eval.metrics import Protocol
 from qbench.quant.kv import KVConfig
 from tests.qbench.conftest import micro_config, trained_like
 
-SMALL = Protocol(tokens=31 * 4, batch_size=2, outlier_windows=2)
+SMALL = Protocol(tokens=32 * 4, batch_size=2, outlier_windows=2)
 
 
 def spec(models, out, **kw):
@@ -37,8 +37,8 @@ def snapshot(out):
     "change",
     [
         {"exclude": ("transformer.h.0.*",)},
-        {"protocol": Protocol(tokens=31 * 2, batch_size=2, outlier_windows=2)},
-        {"protocol": Protocol(tokens=31 * 4, window=16, batch_size=2, outlier_windows=2)},
+        {"protocol": Protocol(tokens=32 * 2, batch_size=2, outlier_windows=2)},
+        {"protocol": Protocol(tokens=32 * 4, window=16, batch_size=2, outlier_windows=2)},
         {"seed": 1},
     ],
     ids=["exclude", "tokens", "window", "seed"],
@@ -107,7 +107,7 @@ def test_run_real_without_a_kernel_is_a_one_line_error(ckpt_dir, tmp_path, capsy
 def test_grid_records_unsupported_cells_lists_them_and_fails_unless_allowed(ckpt_dir, tmp_path, capsys):
     out = tmp_path / "results"
     argv = ["grid", "--ckpt", str(ckpt_dir), "--scheme", "absmax-fine", "--scheme", "fp8-e4m3"]
-    argv += ["--mode", "fake", "--mode", "real", "--tokens", "124", "--batch-size", "2", "--no-attention"]
+    argv += ["--mode", "fake", "--mode", "real", "--tokens", "128", "--batch-size", "2", "--no-attention"]
     argv += ["--output-path", str(out)]
     assert main(argv) == 1
     text = capsys.readouterr().out

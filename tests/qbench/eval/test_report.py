@@ -11,7 +11,7 @@ from qbench.cli import main
 from qbench.eval.harness import GridSpec, run_grid
 from qbench.eval.metrics import Protocol
 
-SMALL = Protocol(tokens=31 * 4, batch_size=2, outlier_windows=2)
+SMALL = Protocol(tokens=32 * 4, batch_size=2, outlier_windows=2)
 
 
 def _compare(argv, capsys):
@@ -80,7 +80,7 @@ def test_records_of_different_protocols_are_flagged(results, ckpt_dir, hf_gpt2_d
             models=[str(hf_gpt2_dir)],
             schemes=["zeropoint-int4"],
             modes=["fake"],
-            protocol=Protocol(tokens=31 * 2, batch_size=2, outlier_windows=2),
+            protocol=Protocol(tokens=32 * 2, batch_size=2, outlier_windows=2),
             output_path=results,
         )
     )
@@ -116,13 +116,13 @@ def test_one_model_under_two_protocols_gets_two_rows(ckpt_dir, results, capsys):
         GridSpec(
             models=[str(ckpt_dir)],
             schemes=["absmax-coarse"],
-            protocol=Protocol(tokens=31 * 2, batch_size=2, outlier_windows=2),
+            protocol=Protocol(tokens=32 * 2, batch_size=2, outlier_windows=2),
             output_path=results,
         )
     )
     table = json.loads(_compare([results, "--format", "json"], capsys))
     labels = [row[0] for row in table["rows"]]
-    assert sorted(labels) == [f"{ckpt_dir.name} [tokens=124]", f"{ckpt_dir.name} [tokens=62]"]
+    assert sorted(labels) == [f"{ckpt_dir.name} [tokens=128]", f"{ckpt_dir.name} [tokens=64]"]
     # the first run's record is untouched; the second cell has a file of its own
     assert json.loads(_files(results)["absmax-coarse__fake.json"].read_text()) == first
     assert len([p for p in results.rglob("absmax-coarse__fake*.json")]) == 2

@@ -27,7 +27,7 @@ def test_llm_int8_windows_score_the_same_alone_and_in_a_batch_of_3(tokenizer):
     """One rare token with a large embedding channel makes an outlier column in window 0 only."""
     from qbench.eval.adapters import logits
 
-    windows = make_windows(tokenizer, Protocol(tokens=31 * 6, window=32), context=32)
+    windows = make_windows(tokenizer, Protocol(tokens=32 * 6, window=32), context=32)
     ids = windows.ids
     rare = next(int(t) for t in ids[0, 1:] if (ids == t).sum() == 1)
     model = trained_like(micro_config())

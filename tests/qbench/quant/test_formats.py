@@ -1,8 +1,10 @@
 """Float formats (formats.py) against references written from the specs' value tables, not from the module.
 
-The references enumerate every bit pattern of an element format (OFP8 rev 1.0 for E4M3/E5M2, OCP MX v1.0 §5.3
-for E3M2/E2M3/E2M1), pick the nearest value by brute force (ties to the even code), and build MX (§6.3) and
-NVFP4 block scaling with Python's ``math`` block by block.
+The numbers the specs print (OFP8 rev 1.0 Table 1 for E4M3/E5M2; OCP MX v1.0 §5.3 Tables 2–3 for E3M2/E2M3/E2M1
+and §5.2/§6.3 for the block of 32 and its E8M0 scale) are typed in below and checked against qbench's own
+functions. Beyond them the references enumerate every bit pattern of an element format, pick the nearest value by
+brute force (ties to the even code), and build MX (§6.3) and NVFP4 block scaling with Python's ``math`` block by
+block.
 """
 
 import dataclasses
@@ -30,7 +32,18 @@ NEW_SCHEMES = (
     "mxfp6",
     "mxfp4",
     "nvfp4",
+    "nvfp4-torchao",
 )
+# Typed in from the specs' tables: max normal, min subnormal, min normal, number of non-negative finite values
+# (codes 0 … N−1 in order; E4M3's S.1111.111 and E5M2's exponent 11111 are not numbers), emax_elem.
+SPEC_NUMBERS = {
+    "e4m3": (448.0, 2.0**-9, 2.0**-6, 127, 8),
+    "e5m2": (57344.0, 2.0**-16, 2.0**-14, 124, 15),
+    "e3m2": (28.0, 0.0625, 0.25, 32, 4),
+    "e2m3": (7.5, 0.125, 1.0, 32, 2),
+    "e2m1": (6.0, 0.5, 1.0, 8, 2),
+}
+E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # MX v1.0 §5.3.3
 # (exp bits, man bits, codes that are not finite numbers: E4M3 S.1111.111 is NaN, E5M2 exponent 11111 is Inf/NaN)
 SPEC = {
     "e4m3": (4, 3, lambda e, m: e == 15 and m == 7),
@@ -82,16 +95,63 @@ def dense_grid(name: str) -> torch.Tensor:
 # ---- element formats ---------------------------------------------------------------------------------------
 
 
-def test_spec_tables_hold_the_known_values():
-    assert spec_table("e2m1")[0].tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
-    for name, top, smallest, count in (
-        ("e2m3", 7.5, 0.125, 32),
-        ("e3m2", 28.0, 0.0625, 32),
-        ("e4m3", 448.0, 2.0**-9, 127),
-        ("e5m2", 57344.0, 2.0**-16, 124),
-    ):
-        v = spec_table(name)[0]
-        assert (v.max(), v[v > 0].min(), len(v)) == (top, smallest, count)
+def _both_roundings(element):
+    """qbench's two routes to an element format: the bit-level rounding and the one the quantisers call."""
+    return (
+        lambda x: formats.round_to_minifloat(x, element.exp_bits, element.man_bits, element.max_normal),
+        lambda x: formats.round_to_element(x, element),
+    )
+
+
+def test_e2m1_is_the_specs_eight_values():
+    assert formats.E2M1.values().tolist() == E2M1_VALUES
+    for rnd in _both_roundings(E2M1):
+        table = torch.tensor(E2M1_VALUES)
+        assert rnd(table).tolist() == E2M1_VALUES and rnd(-table).tolist() == [-v for v in E2M1_VALUES]
+        # midpoints go to the even code: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4
+        mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+        assert rnd(mids).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+        assert rnd(torch.tensor([6.5, 7.0, 1e9, math.inf, -math.inf])).tolist() == [6, 6, 6, 6, -6]
+
+
+@pytest.mark.parametrize("name", sorted(SPEC_NUMBERS))
+def test_element_formats_hold_the_specs_numbers(name):
+    top, min_sub, min_normal, count, emax = SPEC_NUMBERS[name]
+    element = ELEMENTS[name]
+    v = element.values()
+    assert (element.max_normal, v.max().item(), v[1].item(), len(v), element.emax) == (
+        top,
+        top,
+        min_sub,
+        count,
+        emax,
+    )
+    assert v[v >= min_normal].min() == min_normal and v[v < min_normal].max() == min_normal - min_sub
+
+    def even(i: int) -> torch.Tensor:  # of codes i and i + 1, the even one (value index i is code i)
+        return v[i] if i % 2 == 0 else v[i + 1]
+
+    for rnd in _both_roundings(element):
+        assert torch.equal(rnd(v), v) and torch.equal(rnd(-v), -v)  # every value round-trips, both signs
+        # ties: half the smallest subnormal -> +0 (code 0), 1.5 of it -> code 2, the top midpoint -> its even code
+        ties = torch.tensor([min_sub / 2, 1.5 * min_sub, (v[-2] + v[-1]).item() / 2], dtype=torch.float64)
+        assert rnd(ties).tolist() == [0.0, even(1).item(), even(len(v) - 2).item()]
+        halves = rnd(torch.tensor([min_sub / 2, -min_sub / 2]))
+        assert halves.tolist() == [0.0, 0.0] and halves.signbit().tolist() == [False, True]
+        # overflow saturates to ±max normal (MX §6.3; our documented choice for FP8); NaN stays NaN
+        big = torch.tensor([top * 1.01, top * 4, 1e38, math.inf, -top * 1.01, -math.inf])
+        assert rnd(big).tolist() == [top, top, top, top, -top, -top]
+        assert rnd(torch.tensor([math.nan])).isnan().all()
+
+
+@pytest.mark.parametrize("element", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_fp8_values_are_the_specs_codes_and_nan_is_the_specs_nan(element):
+    codes = element.values().float().to(element.torch_dtype).view(torch.uint8)
+    assert torch.equal(codes, torch.arange(len(codes), dtype=torch.uint8))  # codes 0x00 … 0x7E / 0x7B
+    nan = formats.round_to_element(torch.tensor([math.nan]), element).to(element.torch_dtype)
+    code = nan.view(torch.uint8).item() & 0x7F
+    # E4M3: only S.1111.111 is NaN; E5M2: exponent 11111 with a non-zero mantissa
+    assert code == 0x7F if element is E4M3 else (code >> 2 == 0x1F and code & 0x3)
 
 
 @pytest.mark.parametrize("name", sorted(ELEMENTS))
@@ -218,6 +278,26 @@ def test_mx_equals_the_spec_reference_with_a_partial_last_block(element, k):
     assert torch.equal(formats.fake_quantize_mx(x[:, tail:], element, k), ref[:, tail:])
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp8-e5m2", "mxfp6", "mxfp6-e3m2", "mxfp4"])
+def test_mx_formats_are_blocks_of_32_with_the_specs_e8m0_scale(fmt):
+    spec = formats.FORMATS[fmt]
+    emax = SPEC_NUMBERS[spec.element.name][4]
+    assert (spec.scaling, spec.block_size) == ("mx", 32)  # MX v1.0 §5.2: k = 32
+    # §6.3: X = 2^(floor(log2 amax) − emax_elem); E8M0 (§5.4.1) holds exponents −127 … 127, 0xFF is NaN
+    amax = torch.tensor([1.0, 3.0, 0.7, 5e4, 2.0**-140, 2.0**200, 0.0], dtype=torch.float64)
+    expected = [0 - emax, 1 - emax, -1 - emax, 15 - emax, -127, math.nan, -127]
+    got = formats.mx_shared_exponent(amax, spec.element).tolist()
+    assert got[:5] == expected[:5] and math.isnan(got[5]) and got[6] == -127
+    # through the scheme-level entry point: two blocks of 32, each scaled by its own amax
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(7)) * 0.3
+    x[:, 32:] *= 200
+    blocks = x.unflatten(-1, (2, 32)).double()
+    scales = torch.exp2(torch.floor(torch.log2(blocks.abs().amax(-1, keepdim=True))) - emax)
+    ref = (ref_round(blocks / scales, spec.element.name) * scales).flatten(-2).float()
+    assert torch.equal(formats.quantize_mx(x, spec.element)[0], scales.float())
+    assert torch.equal(formats.fake_quantize_format(x, fmt, PerGroup(32), activation=False), ref)
+
+
 def test_mx_blocks_are_independent_and_32_long():
     x = torch.randn(2, 96, generator=torch.Generator().manual_seed(4))
     y = formats.fake_quantize_mx(x, E2M1)
@@ -259,24 +339,29 @@ def test_mx_nan_or_inf_makes_its_block_nan_and_zeros_stay_zero():
 # ---- NVFP4 -------------------------------------------------------------------------------------------------
 
 
-def ref_nvfp4(x: torch.Tensor) -> torch.Tensor:
-    """s_t = amax/(448·6); s_b = e4m3(clamp(amax_b/6/s_t, 2^−6, 448)); x̂ = s_t·s_b·e2m1(x/(s_t·s_b))."""
+def ref_nvfp4(x: torch.Tensor, recipe: str = "nvidia") -> torch.Tensor:
+    """s_t = amax/(448·6); s_b = e4m3(min(amax_b/6/s_t, 448)) with E4M3's subnormals, 0 -> a zero block (NVIDIA),
+    or e4m3(clamp(amax_b/6/s_t, 2^−6, 448)) (torchao); x̂ = s_t·s_b·e2m1(x/(s_t·s_b))."""
     s_t = float(x.abs().max()) / (448 * 6)
+    floor = 2.0**-6 if recipe == "torchao" else 0.0
     out = torch.empty_like(x)
     for r in range(x.shape[0]):
         for start in range(0, x.shape[1], 16):
             block = x[r, start : start + 16]
-            s_b = torch.tensor(float(block.abs().max()) / 6 / s_t).clamp(2.0**-6, 448)
+            s_b = torch.tensor(float(block.abs().max()) / 6 / s_t).clamp(floor, 448)
             total = s_t * float(s_b.to(torch.float8_e4m3fn).float())
-            out[r, start : start + 16] = ref_round(block / total, "e2m1") * total
+            out[r, start : start + 16] = ref_round(block / total, "e2m1") * total if total else 0 * block
     return out
 
 
-def test_nvfp4_equals_the_reference_with_16_blocks_and_a_partial_tail():
-    x = torch.randn(4, 56, generator=torch.Generator().manual_seed(5)) * torch.logspace(-2, 1, 4).unsqueeze(1)
-    y = formats.fake_quantize_nvfp4(x)
-    torch.testing.assert_close(y, ref_nvfp4(x), rtol=2e-7, atol=0)  # float rounding of s_t · s_b only
-    s_t, s_b, p = formats.quantize_nvfp4(x)
+@pytest.mark.parametrize("recipe", ["nvidia", "torchao"])
+def test_nvfp4_equals_the_reference_with_16_blocks_and_a_partial_tail(recipe):
+    # rows 1e-6 … 10: the small rows' block scales fall below 2^−6 and, for the smallest, round to zero
+    x = torch.randn(4, 56, generator=torch.Generator().manual_seed(5)) * torch.logspace(-6, 1, 4).unsqueeze(1)
+    y = formats.fake_quantize_nvfp4(x, recipe=recipe)
+    torch.testing.assert_close(y, ref_nvfp4(x, recipe), rtol=2e-7, atol=0)  # float rounding of s_t · s_b only
+    s_t, s_b, p = formats.quantize_nvfp4(x, recipe=recipe)
+    assert (s_b[:2] < 2.0**-6).all() if recipe == "nvidia" else (s_b >= 2.0**-6).all()
     assert s_b.shape == (4, 4, 1) and p.shape == (4, 4, 16)
     assert torch.equal(s_b, s_b.to(torch.float8_e4m3fn).float())  # block scales are E4M3 values
     assert s_t.item() == pytest.approx(x.abs().max().item() / 2688, rel=1e-7)
@@ -284,6 +369,84 @@ def test_nvfp4_equals_the_reference_with_16_blocks_and_a_partial_tail():
     assert y.flatten()[i].item() == pytest.approx(
         x.flatten()[i].item(), rel=1e-6
     )  # the amax block: s_b = 448
+
+
+def test_nvfp4_block_scale_below_the_floor_is_an_e4m3_subnormal():
+    # s_t = 2688 / (448 · 6) = 1; the second block's scale 0.06 / 6 = 0.01 is below E4M3's smallest normal 2^−6
+    x = torch.zeros(1, 32)
+    x[0, 0] = 2688.0
+    x[0, 16:19] = torch.tensor([0.06, -0.03, 0.0149])
+    _, s_b, _ = formats.quantize_nvfp4(x)
+    assert s_b.flatten().tolist() == [448.0, 5 * 2.0**-9]  # 0.01 = 5.12 · 2^−9: the subnormal 5 · 2^−9
+    assert formats.quantize_nvfp4(x, recipe="torchao")[1].flatten().tolist() == [448.0, 2.0**-6]
+    # elements e2m1(x / s_b): NVIDIA 6.144 -> 6, −3.072 -> −3, 1.526 -> 1.5; torchao 3.84 -> 4, −1.92 -> −2, 0.954 -> 1
+    nvidia = formats.fake_quantize_nvfp4(x)[0, 16:19]
+    torchao = formats.fake_quantize_nvfp4(x, recipe="torchao")[0, 16:19]
+    assert nvidia.tolist() == [6 * 5 * 2.0**-9, -3 * 5 * 2.0**-9, 1.5 * 5 * 2.0**-9]
+    assert torchao.tolist() == [4 * 2.0**-6, -2 * 2.0**-6, 2.0**-6]
+    assert (nvidia - x[0, 16:19]).pow(2).sum() < (torchao - x[0, 16:19]).pow(2).sum() / 3
+
+
+def test_nvfp4_zero_block_gets_a_zero_scale():
+    x = torch.zeros(1, 48)
+    x[0, 0] = 2688.0  # s_t = 1
+    x[0, 17] = -0.0  # block 1 is all zeros, one of them negative
+    x[0, 32:48] = (
+        0.005  # block 2: 0.005 / 6 < 2^−10, half E4M3's smallest subnormal: the scale rounds to zero
+    )
+    _, s_b, p = formats.quantize_nvfp4(x)
+    assert s_b.flatten().tolist() == [448.0, 0.0, 0.0]
+    y = formats.fake_quantize_nvfp4(x)
+    assert y.isfinite().all() and (y[0, 16:] == 0).all() and y[0, 17].signbit() and not y[0, 16].signbit()
+    assert p.isfinite().all()  # no 0 / 0: a zero scale stores zero elements
+    _, s_b, _ = formats.quantize_nvfp4(x, recipe="torchao")
+    assert s_b.flatten().tolist() == [448.0, 2.0**-6, 2.0**-6]  # the floor: 0.005 / 2^−6 = 0.32 -> 0.5
+    assert formats.fake_quantize_nvfp4(x, recipe="torchao")[0, 32:].tolist() == [2.0**-7] * 16
+    with pytest.raises(UserError, match="did you mean 'torchao'"):
+        formats.quantize_nvfp4(x, recipe="torcha")
+
+
+def _massive_channel_sequence(massive: float = 2000.0) -> torch.Tensor:
+    """One sequence (1, 64 tokens, 256 channels) of ordinary activations (std 0.02) and, at token 0, channel 7,
+    one massive activation 10^5 times their RMS (as LLMs' massive activations on the first token)."""
+    x = torch.randn(1, 64, 256, generator=torch.Generator().manual_seed(0)) * 0.02
+    x[0, 0, 7] = massive
+    return x
+
+
+def _ordinary_block_error(x: torch.Tensor, fmt: str) -> float:
+    """Relative squared error of every block of 16 but the massive channel's, as the activation path sees it."""
+    y = formats.fake_quantize_format(x, fmt, PerGroup(16), activation=True)
+    ordinary = torch.ones(64, 256, dtype=torch.bool)
+    ordinary[0, :16] = False
+    return ((y - x)[0][ordinary].pow(2).sum() / x[0][ordinary].pow(2).sum()).item()
+
+
+def test_nvfp4_a_massive_channel_does_not_coarsen_the_ordinary_blocks():
+    x = _massive_channel_sequence()
+    nvidia, torchao = _ordinary_block_error(x, "nvfp4"), _ordinary_block_error(x, "nvfp4-torchao")
+    # measured: NVIDIA 0.0098, torchao's floor 0.0131 (+34 %): almost every ordinary block sits on the floor
+    assert torchao > 1.25 * nvidia, (nvidia, torchao)
+    # without the massive channel no block reaches the floor and the two recipes agree exactly
+    calm = _massive_channel_sequence(massive=0.0)
+    assert _ordinary_block_error(calm, "nvfp4") == _ordinary_block_error(calm, "nvfp4-torchao")
+    # the NVIDIA recipe's error stays near the calm sequence's (the subnormal scales have fewer mantissa bits)
+    assert nvidia < 1.15 * _ordinary_block_error(calm, "nvfp4")
+
+
+def test_nvfp4_recipe_is_in_the_scheme_and_its_records():
+    default, floored = get_scheme("nvfp4"), get_scheme("nvfp4-torchao")
+    assert (
+        formats.FORMATS["nvfp4"].recipe == "nvidia" and formats.FORMATS["nvfp4-torchao"].recipe == "torchao"
+    )
+    assert (default.to_dict()["format_recipe"], floored.to_dict()["format_recipe"]) == ("nvidia", "torchao")
+    assert floored.format == "nvfp4-torchao" and floored.label == "NVFP4-torchao"
+    assert "format_recipe" not in get_scheme("mxfp4").to_dict()  # other formats' records are unchanged
+    w = torch.zeros(4, 32)
+    w[0, 0], w[1, 16] = 2688.0, 0.06  # a block on torchao's floor
+    layer = FakeQuantLinear(w, None, dataclasses.replace(floored, act_bits=None))
+    assert torch.equal(layer.weight, formats.fake_quantize_nvfp4(w, recipe="torchao"))
+    assert not torch.equal(layer.weight, formats.fake_quantize_nvfp4(w))
 
 
 def test_nvfp4_zeros_and_nan():

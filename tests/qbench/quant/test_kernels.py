@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models.errors import UserError
+from qbench.quant.apply import real_kernels
 from qbench.quant.fake import FakeQuantLinear, HadamardRotation
 from qbench.quant.granularity import PerAxis, PerGroup, PerTensor, PerToken
 from qbench.quant.kernels import available_backends, make_real_linear
@@ -391,4 +392,24 @@ def test_nf4_equals_f_linear_on_the_nf4_dequantised_weight():
     nearest = (blocks / absmax).unsqueeze(-1).sub(NF4_VALUES).abs().argmin(-1)
     dequantised = (NF4_VALUES[nearest] * absmax).reshape_as(weight)
     with torch.inference_mode():
-        assert rel_err(ours(x), F.linear(x, dequantised, bias)) < 1e-5
+        got = ours(x)
+    # bitsandbytes' CPU kernel on AVX512-BF16 CPUs computes in bf16 (input and absmax rounded to 8 significant
+    # bits: errors of a few units of 2⁻⁹); elsewhere it dequantises to float32 and calls F.linear
+    bound = 8e-3 if ours.compute_dtype == torch.bfloat16 else 1e-5
+    assert rel_err(got, F.linear(x, dequantised, bias)) < bound
+
+
+def test_nf4_record_names_the_compute_dtype_bitsandbytes_uses():
+    bnb = pytest.importorskip("bitsandbytes")
+    from bitsandbytes.functional import has_avx512bf16
+
+    torch.manual_seed(0)
+    for out_features in (64, 48):  # 48: not a multiple of 32, so bitsandbytes' bf16 repacking is switched off
+        layer = make_real_linear(torch.randn(out_features, 128), None, SCHEMES.get("bnb-nf4"))
+        bf16 = bool(has_avx512bf16()) and out_features % 32 == 0
+        assert layer.compute_dtype == (torch.bfloat16 if bf16 else torch.float32)
+        name = "bnb-nf4 (bf16 compute)" if bf16 else "bnb-nf4 (fp32 compute)"
+        assert name in layer.kernel_name
+        assert ("bf16 compute" if bf16 else "fp32 compute") in repr(layer)
+        assert real_kernels(torch.nn.Sequential(layer)) == [layer.kernel_name]  # what records carry
+        assert isinstance(layer.layer, bnb.nn.Linear4bit)

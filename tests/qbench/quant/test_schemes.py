@@ -31,6 +31,7 @@ EXPECTED = {
     "absmax-w4a8-g32",
     # floating-point formats, fake mode (issue 10.4)
     *("fp8-e4m3", "fp8-e4m3-rowwise", "fp8-e5m2", "fp8-e5m2-rowwise", "mxfp8", "mxfp6", "mxfp4", "nvfp4"),
+    "nvfp4-torchao",
 }
 
 

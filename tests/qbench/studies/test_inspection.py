@@ -28,7 +28,7 @@ def planted_model():
 def inspected(tokenizer, tmp_path_factory):
     out = tmp_path_factory.mktemp("inspect")
     lm = LoadedModel(planted_model(), tokenizer, "planted", "memory", {"kind": "qbench"})
-    return out, inspect_model(lm, Protocol(tokens=31 * 3, window=32), out, n_windows=3)
+    return out, inspect_model(lm, Protocol(tokens=32 * 3, window=32), out, n_windows=3)
 
 
 def test_inspect_writes_metrics_and_figures(inspected):

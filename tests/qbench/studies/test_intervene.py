@@ -8,7 +8,7 @@ from qbench.eval.metrics import Protocol
 from qbench.studies.intervene import intervene
 from tests.qbench.conftest import micro_config, trained_like
 
-PROTOCOL = Protocol(tokens=31 * 6, window=32, batch_size=3)
+PROTOCOL = Protocol(tokens=32 * 6, window=32, batch_size=3)
 
 
 def dependent_model():

@@ -22,7 +22,7 @@ def test_robustness_is_the_inverse_geometric_mean_ratio():
 def scored(ckpt_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("score")
     lm = load_model(str(ckpt_dir))
-    return out, lm, score(lm, Protocol(tokens=62, window=32, outlier_windows=2), output_path=out)
+    return out, lm, score(lm, Protocol(tokens=64, window=32, outlier_windows=2), output_path=out)
 
 
 def test_score_summarises_the_harness_records(scored):

@@ -8,9 +8,11 @@ import pytest
 from models.checkpoint import save_checkpoint
 from qbench.eval.harness import GridSpec
 from qbench.eval.metrics import Protocol
+from qbench.studies import sensitivity as sens
 from qbench.studies.sensitivity import (
     heatmap_grid,
     ranks,
+    repair,
     sensitivity,
     spearman,
     units_of,
@@ -46,6 +48,40 @@ def test_ranks_average_ties_and_spearman_by_hand():
     assert spearman([1, 2, 3], [4, 4, 4]) is None  # a constant side has no ranks to correlate
     assert spearman([1, 2], [1, 2]) is None
     assert spearman([1, 2, math.inf], [0.1, 0.2, 0.3]) == pytest.approx(1.0)  # a NaN cell ranks worst
+
+
+class _TableStudy(sens._Study):
+    """A study whose cells are looked up in a table {frozenset(kept units): ppl change}, not evaluated."""
+
+    def __init__(self, changes, on_cell):
+        super().__init__(spec=None, lm=None, targets=[], on_cell=on_cell)
+        self.changes = changes
+
+    def cell(self, key, exclude, phase):
+        change = self.changes[frozenset(exclude)]
+        record = {"status": "ok", "metrics": {"perplexity": 100 + change, "ppl_change_pct": change}}
+        self.on_cell(phase, record, False)
+        return record
+
+
+def test_the_repair_measures_each_set_once_and_counts_only_those(monkeypatch):
+    monkeypatch.setattr(sens, "_weight_share", lambda study, kept: 0.0)
+    exact = (101.0 / 100.0 - 1) * 100  # +1 % as the harness computes it: 1.0000000000000009
+    a, b, c = "h.0.*", "h.1.*", "h.2.*"
+    changes = {
+        frozenset(): 9.0,
+        frozenset({a}): 3.0,
+        frozenset({a, b}): 0.5,  # forward pass stops here: within 1 %
+        frozenset({b}): exact,  # backward: dropping a keeps it within (exactly at the tolerance)
+    }
+    calls = []
+    study = _TableStudy(changes, lambda phase, record, reused: calls.append(phase))
+    ranked = [{"name": n, "ppl_change_pct": d} for n, d in ((a, 5.0), (b, 2.0), (c, 0.1))]
+    result = repair(study, ranked, 1.0)
+    assert result["exclude"] == [b] and result["reached"] and result["ppl_change_pct"] == exact
+    # {a} (the backward pass dropping b) was measured by the forward pass: not evaluated or counted again
+    assert [step["exclude"] for step in result["steps"]] == [[], [a], [a, b], [b]]
+    assert calls == ["repair"] * 4
 
 
 def test_units_by_layer_block_and_type():
@@ -108,7 +144,18 @@ def test_a_quantised_kv_cache_is_in_every_cell_and_measured_alone(planted_ckpt, 
     from qbench.quant.kv import KVConfig
 
     spec = replace(_spec(planted_ckpt, tmp_path / "cells"), kv=KVConfig(4))
-    result = sensitivity(spec, by="block", tolerance=100.0)
+    announced, phases = [], []
+    result = sensitivity(
+        spec,
+        by="block",
+        tolerance=100.0,
+        on_units=announced.append,
+        on_cell=lambda phase, record, reused: phases.append(phase),
+    )
+    # the progress is exact: 2 units announced and 2 unit cells; the KV-only cell and the repair counted apart
+    assert announced == [2] and phases.count("unit") == 2 and phases.count("kv") == 1
+    assert phases.count("repair") == len(result["repair"]["steps"]) == 1  # all quantised: within 100 %
+    assert result["timing"]["cells"] == {"units": 2, "kv": 1, "repair": 1}
     assert result["kv"]["bits"] == 4 and result["scheme"]["name"].endswith("+kv4")
     assert result["kv_only_ppl_change_pct"] is not None
     record = json.loads(next((tmp_path / "cells" / "kv-only").rglob("*.json")).read_text())

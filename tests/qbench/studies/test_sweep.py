@@ -6,15 +6,21 @@ import pytest
 from models.errors import UserError
 from qbench.eval.harness import record_path
 from qbench.eval.metrics import Protocol
+from qbench.quant.schemes import get_scheme
 from qbench.studies.sweep import (
     SweepConfig,
     breaking_point,
     breaking_points,
+    expected_records,
     format_breaking_point,
+    format_change,
     parse_axes,
     parse_bits,
     plan,
     run_sweep,
+    sweep_table,
+    validate,
+    within_tolerance,
     write_outputs,
 )
 
@@ -37,6 +43,40 @@ def test_breaking_point_is_none_when_even_the_widest_width_fails():
     assert breaking_point({8: 1.5, 7: 0.2, 6: 0.1}, 1.0) is None
     assert breaking_point({8: None, 7: 0.0}, 1.0) is None
     assert breaking_point({8: float("nan")}, 1.0) is None
+
+
+def test_a_cell_at_exactly_the_tolerance_passes():
+    exact = (101.0 / 100.0 - 1) * 100  # how the harness computes +1 %: 1.0000000000000009 in floats
+    assert exact > 1.0 and within_tolerance(exact, 1.0)
+    assert breaking_point({8: 0.1, 6: exact, 4: 5.0}, 1.0) == 6
+    assert within_tolerance((100.5 / 100.0 - 1) * 100, 0.5) and within_tolerance(0.0, 0.0)
+    # the slack is 1e-9 relative, not a rounding of the tolerance: a millionth of a point over still fails
+    assert not within_tolerance(1.000001, 1.0) and not within_tolerance(1.0 + 1e-8, 1.0)
+    assert not within_tolerance(2.000001, 2.0) and not within_tolerance(1e-6, 0.0)
+    assert not within_tolerance(None, 1.0) and not within_tolerance(float("nan"), 1.0)
+    assert not within_tolerance(float("inf"), 1.0) and within_tolerance(-3.0, 1.0)
+
+
+def test_changes_near_the_tolerance_show_the_digits_that_decide_them():
+    exact = (101.0 / 100.0 - 1) * 100
+    assert format_change(exact, 1.0) == "+1.000 %"  # passes, and shows as exactly the tolerance
+    assert format_change(1.004, 1.0) == "+1.004 %"  # fails: two decimals (+1.00) would hide why
+    assert format_change(1.0004, 1.0) == "+1.0004 %"  # +1.000 would read as a pass
+    assert format_change(1.0000004, 1.0) == "+1.0000004 %"
+    assert format_change(0.996, 1.0) == "+0.996 %"
+    assert format_change(1.01, 1.0) == "+1.01 %" and format_change(21.6, 1.0) == "+21.60 %"
+    assert format_change(-0.4, 1.0) == "-0.40 %" and format_change(2.0049, 2.0) == "+2.005 %"
+    sweep = _synthetic_sweep()
+    for c in sweep["cells"]:
+        if (c["model"], c["axis"], c["bits"]) == ("vanilla", "all", 6):
+            c["ppl_change_pct"] = exact
+        if (c["model"], c["axis"], c["bits"]) == ("vanilla", "all", 4):
+            c["ppl_change_pct"] = 1.0004
+    sweep["breaking_points"] = breaking_points(sweep["cells"], 1.0)
+    table = sweep_table(sweep)
+    (row,) = [line for line in table.splitlines() if line.startswith("| vanilla ") and " all " in line]
+    assert "+1.000 %" in row and "+1.0004 %" in row and row.rstrip(" |").endswith("6")
+    _assert_table_matches(table, sweep)
 
 
 def _cell(model, family, axis, bits, change, status="ok"):
@@ -91,7 +131,8 @@ def test_table_and_plot_are_generated_from_the_json(tmp_path):
 
 
 def _assert_table_matches(text: str, sweep: dict) -> None:
-    """Every change in the markdown table equals its JSON cell (2 decimals), and so does every breaking point."""
+    """Every change in the markdown table equals its JSON cell (to the decimals shown), and so does every breaking
+    point."""
     lines = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
     header = [h.strip() for h in lines[0].strip("|").split("|")]
     cells = {(c["model"], c["family"], c["axis"], c["bits"]): c for c in sweep["cells"]}
@@ -106,9 +147,12 @@ def _assert_table_matches(text: str, sweep: dict) -> None:
                 assert row[f"{b} bit"] == "-"
             elif cell["status"] == "nonfinite":
                 assert row[f"{b} bit"] == "NaN"
-            else:
-                value = float(re.fullmatch(r"([+-]\d+\.\d\d) %", row[f"{b} bit"]).group(1))
-                assert value == round(cell["ppl_change_pct"], 2)
+            else:  # at least 2 decimals, and enough to pass or fail as the cell itself does
+                text = re.fullmatch(r"([+-]\d+\.(\d\d+)) %", row[f"{b} bit"])
+                value, decimals = float(text.group(1)), len(text.group(2))
+                assert value == round(cell["ppl_change_pct"], decimals)
+                tol = sweep["tolerance_pct"]
+                assert within_tolerance(value, tol) == within_tolerance(cell["ppl_change_pct"], tol)
         (bp_header,) = [h for h in header if h.startswith("breaking point")]
         assert row[bp_header] == format_breaking_point(points[key])
 
@@ -137,7 +181,24 @@ def test_plan_keeps_the_family_bits_on_other_axes_and_skips_float_tensors():
     assert skipped == ["zeropoint-int4 a: zeropoint-int4 keeps that tensor in float"]
 
 
-MICRO = Protocol(tokens=62, window=32, outlier_windows=2)
+def test_a_family_with_its_own_bits_has_them_replaced_on_the_swept_axis():
+    cells, _ = plan(["absmax-coarse:w=4", "absmax-coarse:W=4,a=6"], ["w", "all"], [8, 4, 2])
+    names = {(c.curve.family, c.curve.axis, c.bits): get_scheme(c.scheme).name for c in cells}
+    assert names["absmax-coarse:w=4", "w", 8] == "absmax-coarse"  # w=4 replaced by 8: the plain family
+    assert names["absmax-coarse:w=4", "w", 4] == "absmax-coarse:w=4"
+    assert names["absmax-coarse:w=4", "w", 2] == "absmax-coarse:w=2"
+    assert names["absmax-coarse:w=4", "all", 2] == "absmax-coarse:a=2,o=2,w=2"
+    # the family's other overrides stay: a=6 on the w axis, and the swept key spelled W= is replaced too
+    assert names["absmax-coarse:W=4,a=6", "w", 8] == "absmax-coarse:a=6"
+    assert names["absmax-coarse:W=4,a=6", "w", 2] == "absmax-coarse:a=6,w=2"
+    assert names["absmax-coarse:W=4,a=6", "all", 8] == "absmax-coarse"
+    cfg = SweepConfig(models=["m"], families=["absmax-coarse:w=4"], axes=["w", "all"], bits=[8, 4])
+    assert len(validate(cfg)) == 4  # every scheme builds: no "override key 'w' is given twice"
+    # w=8 on both axes is absmax-coarse itself, all=4 is a=4,o=4,w=4: the float baseline and 3 schemes
+    assert expected_records(cfg) == 1 + 3
+
+
+MICRO = Protocol(tokens=64, window=32, outlier_windows=2)
 
 
 def test_a_sweep_writes_one_record_per_cell_and_a_rerun_reuses_them_all(ckpt_dir, tmp_path):
@@ -173,7 +234,7 @@ def test_a_sweep_writes_one_record_per_cell_and_a_rerun_reuses_them_all(ckpt_dir
     assert not any(reused for name, reused in seen if name != "fp")
     written = json.loads((out / "sweep.json").read_text())
     assert written["tolerance_pct"] == 1.0 and written["env"]["git_commit"] == sweep["env"]["git_commit"]
-    assert written["models"][ckpt_dir.name]["protocol"]["tokens_scored"] == 62
+    assert written["models"][ckpt_dir.name]["protocol"]["tokens_scored"] == 64
     assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
     _assert_table_matches((out / "sweep.md").read_text(), written)
 
@@ -194,7 +255,7 @@ def test_bad_family_fails_before_any_model_loads(tmp_path):
 def test_sweep_command_then_compare_and_score_show_the_breaking_points(ckpt_dir, tmp_path, capsys):
     from qbench.cli import main
 
-    res, fast = tmp_path / "res", ["--tokens", "62", "--window", "32", "--no-attention"]
+    res, fast = tmp_path / "res", ["--tokens", "64", "--window", "32", "--no-attention"]
     assert (
         main(["run", "--ckpt", str(ckpt_dir), "--scheme", "absmax-coarse", "--output-path", str(res), *fast])
         == 0
@@ -226,3 +287,13 @@ def test_sweep_command_then_compare_and_score_show_the_breaking_points(ckpt_dir,
     assert main([*score, "--sweep", str(res / "sweep"), "--json", str(tmp_path / "s.json")]) == 0
     assert f"absmax-coarse w: {shown} bits" in capsys.readouterr().out
     assert json.loads((tmp_path / "s.json").read_text())["breaking_points"] == [point]
+
+
+def test_sweep_command_with_a_family_that_sets_the_swept_axis(ckpt_dir, tmp_path):
+    from qbench.cli import main
+
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--ckpt", str(ckpt_dir), "--family", "absmax-coarse:w=4", "--axes", "w", "--bits", "8,4"]
+    assert main([*argv, "--output-path", str(out), "--tokens", "64", "--window", "32", "--no-attention"]) == 0
+    cells = json.loads((out / "sweep.json").read_text())["cells"]
+    assert [(c["bits"], c["scheme"]) for c in cells] == [(8, "absmax-coarse"), (4, "absmax-coarse:w=4")]

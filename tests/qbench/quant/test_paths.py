@@ -1,0 +1,150 @@
+"""Every dispatch branch of the real layers that this CPU can take, forced, equals fake mode (``paths.force``).
+
+The default branch depends on the CPU (``torch._int_mm`` for W8A8 above 16 rows only with AVX-512 VNNI / AMX,
+the C GEMV / GEMM only in AVX2 builds), so a test of the defaults alone leaves branches untested on any one
+machine. Here each path ``paths.offered`` lists for this build is forced at 1, 16, 17 and 512 rows and compared
+with ``FakeQuantLinear``; the integer paths (W8A8 all four, W4A8 per channel) must agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from models.errors import UserError
+from qbench.quant.granularity import PerGroup
+from qbench.quant.kernels import PATH_LAYERS, kernel_paths, native, paths
+from qbench.quant.kernels.bnb import bnb_available
+from tests.qbench.quant.real_cases import CASES, build, inputs, rel_err
+
+ROWS = (1, 16, 17, 512)  # decode, the last GEMV row count, the first above it, a prefill
+# float32 dot products of fake mode against the kernels' exact integer sums or reassociated float sums
+FLOAT_ROUNDING = 5e-6
+
+
+def _forward(layer: torch.nn.Module, x: torch.Tensor, path: str | None) -> tuple[torch.Tensor, str]:
+    with paths.force(path), torch.inference_mode():
+        y = layer(x)
+    return y, layer.last_path
+
+
+def _bound(case, path: str) -> float:
+    if case.float_exact and path in ("c-dequant", "torch"):
+        return 0.0  # the same Ŵ (bit for bit) and the same F.linear as fake mode
+    if case.scheme.out_bits is not None:
+        # output quantised per sequence: a float-rounding difference may move one output code by one step
+        return 1.01 / 127
+    return FLOAT_ROUNDING
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_every_offered_path_equals_fake_mode(case, rows):
+    real, fake = build(case)
+    x = inputs(rows, case.in_features)
+    with torch.inference_mode():
+        expected = fake(x)
+    outputs = {}
+    for path in paths.offered(case.kind):
+        with paths.force(path):
+            assert paths.choose(case.kind, rows) == path
+        y, taken = _forward(real, x, path)
+        assert taken == path, f"{case.id}: forced {path}, ran {taken}"
+        assert y.dtype == torch.float32 and not y.isnan().any()
+        err = rel_err(y, expected)
+        assert err <= _bound(case, path), f"{case.id} {path} at {rows} rows: {err:.3g}"
+        outputs[path] = y
+    integer: tuple[str, ...] = ()
+    if case.kind == "w8a8":
+        integer = tuple(outputs)  # every W8A8 path: exact int32 sums, then the same epilogue order
+    elif case.kind == "w4a8" and not isinstance(case.scheme.weight_granularity, PerGroup):
+        # per channel the C loops' int32 sums are exact; per group of 32 the decode loop adds the scaled group
+        # sums in another float order (equal to rounding, checked above)
+        integer = ("c-gemv", "c-gemm")
+    same = [p for p in integer if p in outputs]
+    for path in same[1:]:
+        assert torch.equal(outputs[path], outputs[same[0]]), f"{case.id}: {path} != {same[0]} at {rows} rows"
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_layers_take_the_path_choose_names(case, rows):
+    """What ``qbench env`` lists (``paths.choose``) is what the layer runs, unforced."""
+    real, _ = build(case)
+    _, taken = _forward(real, inputs(rows, case.in_features), None)
+    assert taken == paths.choose(case.kind, rows)
+
+
+def test_default_choice_follows_the_cpu(monkeypatch):
+    if not native.available():
+        assert {paths.choose(k, r) for k in paths.KINDS for r in ROWS} == {"torch"}
+        return
+    avx2 = native.isa() == "AVX2"
+    for preferred, big in ((True, "int-mm"), (False, "c-gemm" if avx2 else "c-gemv")):
+        monkeypatch.setattr(paths, "int_mm_preferred", lambda p=preferred: p)
+        assert paths.choose("w8a8", 16) == "c-gemv" and paths.choose("w8a8", 17) == big
+    assert paths.choose("w4a8", 17) == ("c-gemm" if avx2 else "c-gemv")
+    assert (
+        paths.choose("w4", 16) == ("c-gemv" if avx2 else "c-dequant")
+        and paths.choose("w8", 17) == "c-dequant"
+    )
+    assert paths.choose("lowbit", 1) == "torch"
+
+
+def test_the_portable_build_runs_its_one_loop_at_every_row_count(monkeypatch):
+    """Without AVX2 (``native.isa() == "C"``) there is no C GEMM and no weight-only GEMV to choose."""
+    monkeypatch.setattr(native, "available", lambda: True)
+    monkeypatch.setattr(native, "isa", lambda: "C")
+    monkeypatch.setattr(paths, "int_mm_preferred", lambda: False)
+    assert paths.offered("w8a8") == ("c-gemv", "int-mm", "torch")
+    assert [paths.choose(k, r) for k in ("w8a8", "w4a8") for r in (1, 512)] == ["c-gemv"] * 4
+    assert {paths.choose(k, r) for k in ("w4", "w8") for r in (1, 512)} == {"c-dequant"}
+    assert paths.describe("w8a8", 512) == "portable C GEMV"
+
+
+def test_force_by_environment_and_bad_names(monkeypatch):
+    monkeypatch.setattr(paths, "env_forced", functools.cache(paths.env_forced.__wrapped__))
+    monkeypatch.setenv(paths.FORCE_ENV, "torch")
+    assert {paths.choose(k, r) for k in paths.KINDS for r in ROWS} == {"torch"}
+    with paths.force("c-dequant"):  # the context manager wins over the environment
+        assert paths.choose("w8", 1) == ("c-dequant" if native.available() else "torch")
+        assert paths.choose("w8a8", 1) != "c-dequant"  # a kind without that path keeps its default
+    monkeypatch.setenv(paths.FORCE_ENV, "c-gemmm")
+    paths.env_forced.cache_clear()  # the variable is read once per process
+    with pytest.raises(UserError, match=r"QBENCH_FORCE_PATH='c-gemmm'.*c-gemm"):
+        paths.choose("w8a8", 1)
+    with pytest.raises(UserError, match="kernel path 'gemv'"), paths.force("gemv"):
+        pass
+    with pytest.raises(UserError, match="real layer kind"):
+        paths.choose("int5", 1)
+
+
+def test_the_env_listing_is_the_dispatch():
+    """``qbench env``'s paths come from ``paths.choose``: forcing a path changes the listing with it."""
+    listing = kernel_paths()
+    assert {"cpu instruction set", "path W8A8 (Int8Linear)", "path W4A8 (Int4A8Linear)"} <= set(listing)
+    for name, kind in PATH_LAYERS:
+        text = listing[f"path {name}"]
+        assert (
+            f"1 row: {paths.describe(kind, 1)};" in text and f"512 rows: {paths.describe(kind, 512)}" in text
+        )
+    big = "torch._int_mm" if paths.int_mm_preferred() and native.available() else "GEMM"
+    assert big in listing["path W8A8 (Int8Linear)"].split("512 rows:")[1]
+    with paths.force("torch"):
+        assert "C " not in kernel_paths()["path W8A8 (Int8Linear)"]
+    if bnb_available():
+        from bitsandbytes.functional import has_avx512bf16
+
+        nf4 = "bf16 compute" if has_avx512bf16() else "fp32 compute"
+        assert nf4 in listing["path bnb-nf4 (BnbLinear)"]
+
+
+def test_qbench_env_prints_the_paths(capsys):
+    from qbench.cli import main
+
+    assert main(["env"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the table wraps long cells
+    assert "instruction set" in out and "Int8Linear" in out and "LowBitLinear" in out
+    assert "1 row:" in out and "rows:" in out

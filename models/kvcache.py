@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 from models.config import ModelConfig
@@ -65,3 +66,58 @@ class QuantizedKVCache(KVCache):
     def stored(self, layer: int) -> tuple[Tensor, Tensor]:
         """What layer ``layer`` holds now, (B, nh, pos, hs) each: quantised where final, float elsewhere."""
         return self._k[layer][:, :, : self.pos], self._v[layer][:, :, : self.pos]
+
+
+class PackedKVCache(KVCache):
+    """A KV cache that holds what a deployment holds: positions the scheme has made final as packed codes with
+    their scales (``qbench.quant.kvpack``), dequantised on every read; the rest (KIVI's residual keys and newest
+    values) float. Reads equal :class:`QuantizedKVCache`'s bit for bit; ``nbytes()`` is the cache's size."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        n = config.n_layer
+        self._packed: list[list[Any]] = [[None] * n for _ in range(2)]  # keys, values: one growing range each
+        self._float: list[list[Tensor | None]] = [[None] * n for _ in range(2)]  # positions done … pos − 1
+        self._done = [[0] * n for _ in range(2)]
+
+    def _grow(self, which: int, layer: int, x: Tensor, scheme: Any, end: int) -> tuple[Tensor, Tensor]:
+        """Append x; pack what became final; (content before packing, content after), both dequantised."""
+        held = self._float[which][layer]
+        held = x if held is None else torch.cat([held, x], dim=2)
+        packed = self._packed[which][layer]
+        read = [] if packed is None else [packed.dequantize()]  # dequantised on read, every call
+        before = torch.cat([*read, held], dim=2)
+        done = self._done[which][layer]
+        final = scheme.values_final(end) if which else scheme.keys_final(end)
+        if final > done:
+            chunk = scheme.pack(held[:, :, : final - done], values=bool(which), offset=done)
+            read.append(chunk.dequantize())
+            self._packed[which][layer] = chunk if packed is None else packed.extend(chunk)
+            held, self._done[which][layer] = held[:, :, final - done :], final
+        self._float[which][layer] = held
+        return before, torch.cat([*read, held], dim=2)
+
+    def append_read(self, layer: int, k: Tensor, v: Tensor, scheme: Any) -> CacheView:
+        """As :meth:`QuantizedKVCache.append_read`, from packed storage."""
+        past, end = self.pos, self.pos + k.size(2)
+        if end > self.context:
+            raise ValueError(f"sequence length {end} exceeds the model's context {self.context}")
+        k_float, k_stored = self._grow(0, layer, k, scheme, end)
+        v_float, v_stored = self._grow(1, layer, v, scheme, end)
+        mk, mv = scheme.masks(past, end, None, k.device)
+        return CacheView(k_float, k_stored, v_float, v_stored, mk, mv)
+
+    def stored(self, layer: int) -> tuple[Tensor, Tensor]:
+        """What layer ``layer`` holds now, dequantised, (B, nh, pos, hs) each."""
+        out = []
+        for which in (0, 1):
+            packed, held = self._packed[which][layer], self._float[which][layer]
+            out.append(torch.cat([*([] if packed is None else [packed.dequantize()]), held], dim=2))
+        return out[0], out[1]
+
+    def nbytes(self) -> int:
+        """Bytes held: packed codes, scales and minima, plus the float positions."""
+        total = sum(p.nbytes for which in (0, 1) for p in self._packed[which] if p is not None)
+        return total + sum(
+            t.numel() * t.element_size() for w in (0, 1) for t in self._float[w] if t is not None
+        )

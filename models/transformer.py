@@ -304,13 +304,15 @@ class Transformer(nn.Module):
             x = self.transformer.ln_f(x)
         return self.lm_head(x)  # (B, T, V)
 
-    def new_cache(self) -> KVCache:
-        """An empty cache for generation: a :class:`models.kvcache.QuantizedKVCache` when the blocks quantise
-        their KV cache (qbench.quant.kvschemes), else a float :class:`KVCache`."""
+    def new_cache(self, packed: bool = False) -> KVCache:
+        """An empty cache for generation: when the blocks quantise their KV cache (qbench.quant.kvschemes) a
+        :class:`models.kvcache.QuantizedKVCache` (dequantised values), or with ``packed`` a
+        :class:`models.kvcache.PackedKVCache` (codes and scales, dequantised on read); else a float
+        :class:`KVCache`."""
         if any(getattr(block.attn.kv_transform, "streaming", False) for block in self.transformer.h):
-            from models.kvcache import QuantizedKVCache
+            from models.kvcache import PackedKVCache, QuantizedKVCache
 
-            return QuantizedKVCache(self.config)
+            return PackedKVCache(self.config) if packed else QuantizedKVCache(self.config)
         return KVCache(self.config)
 
     @torch.inference_mode()

@@ -327,17 +327,17 @@ def _fp16(x: Tensor) -> Tensor:
     return x.to(torch.float16).float()
 
 
-def ggml_quantize_blocks(xb: Tensor, bits: int, symmetric: bool) -> Tensor:
-    """llama.cpp's reference block quantisers over the last dim of ``xb`` (one block per row), dequantised in
-    float32: q8_0 (bits 8, symmetric), q{b}_0 (symmetric), q{b}_1 (with a minimum). Module docstring."""
+def ggml_codes(xb: Tensor, bits: int, symmetric: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """llama.cpp's reference block quantisers over the last dim of ``xb`` (one block per row): the codes q (as
+    float32 integers: q8_0 signed, q{b}_0 and q{b}_1 in 0 … 2^b − 1), the block scale d and (q{b}_1) the block
+    minimum, both as stored: fp16. Module docstring."""
     xf = xb.float()
     if symmetric and bits == 8:  # quantize_row_q8_0_ref
         amax = xf.abs().amax(-1, keepdim=True)
         check_finite((-amax, amax), "KV-cache quantisation")
         d = amax / 127
         inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-        q = torch.trunc(xf * inv + torch.sign(xf) * 0.5)  # roundf: half away from zero
-        return q * _fp16(d)
+        return torch.trunc(xf * inv + torch.sign(xf) * 0.5), d.half(), None  # roundf: half away from zero
     levels = 2**bits - 1
     if symmetric:  # quantize_row_q4_0_ref / q5_0: d = m / −2^(b−1), m the signed value of largest magnitude
         half = 2 ** (bits - 1)
@@ -345,14 +345,27 @@ def ggml_quantize_blocks(xb: Tensor, bits: int, symmetric: bool) -> Tensor:
         check_finite((-m.abs(), m.abs()), "KV-cache quantisation")
         d = m / -half
         inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-        q = torch.floor(xf * inv + (half + 0.5)).clamp_max(levels)
-        return (q - half) * _fp16(d)
+        return torch.floor(xf * inv + (half + 0.5)).clamp_max(levels), d.half(), None
     lo, hi = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)  # quantize_row_q4_1_ref / q5_1
     check_finite((lo, hi), "KV-cache quantisation")
     d = (hi - lo) / levels
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.floor((xf - lo) * inv + 0.5).clamp(0, levels)
-    return q * _fp16(d) + _fp16(lo)
+    return torch.floor((xf - lo) * inv + 0.5).clamp(0, levels), d.half(), lo.half()
+
+
+def ggml_dequantize(q: Tensor, d: Tensor, m: Tensor | None, bits: int, symmetric: bool) -> Tensor:
+    """dequantize_row_q8_0 / q{b}_0 / q{b}_1 in float32: q·d, (q − 2^(b−1))·d, q·d + m."""
+    q = q.float()
+    if symmetric and bits == 8:
+        return q * d.float()
+    if symmetric:
+        return (q - 2 ** (bits - 1)) * d.float()
+    return q * d.float() + m.float()
+
+
+def ggml_quantize_blocks(xb: Tensor, bits: int, symmetric: bool) -> Tensor:
+    """:func:`ggml_codes` then :func:`ggml_dequantize`: a block row as llama.cpp's cache gives it back."""
+    return ggml_dequantize(*ggml_codes(xb, bits, symmetric), bits, symmetric)
 
 
 def _per_token_rows(x: Tensor, bits: int, block: int, symmetric: bool) -> Tensor:
@@ -500,6 +513,12 @@ class KVSchemeQuantizer:
         self, v: Tensor, start: int, stop: int, keep: Tensor | None = None, offset: int = 0
     ) -> Tensor:
         return self._quantize(v, start, stop, keep, True, offset)
+
+    def pack(self, x: Tensor, values: bool, offset: int = 0) -> Any:
+        """The packed storage (``qbench.quant.kvpack.Packed``) of final positions x (B, H, n, D) from ``offset``."""
+        from qbench.quant.kvpack import pack
+
+        return pack(self, x, values, offset)
 
     def stored(
         self, k: Tensor, v: Tensor, keep: Tensor | None = None, offset: int = 0

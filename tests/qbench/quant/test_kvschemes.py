@@ -608,3 +608,75 @@ def test_a_sink_in_the_middle_is_found():
     from qbench.quant.kvschemes import kv_quantizers
 
     assert kv_quantizers(kv)[0].sinks.tolist() == [[9]]
+
+
+# ------------------------------------------------------------------------------------------ packed cache
+
+PACKABLE = [
+    KVConfig(2, SMALL),
+    KVConfig(3, "kivi:group=3,residual=6"),
+    KVConfig(4, "kivi:group=4,residual=4"),
+    KVConfig(4, "per-token"),
+    KVConfig(4, "per-token:sym=false"),
+    KVConfig(2, "per-token"),
+    KVConfig(8, "per-token"),
+    KVConfig(8, "fp8-e4m3:scale=0.01"),
+    KVConfig(8, "fp8-e5m2"),
+]
+
+
+@pytest.mark.parametrize("config", PACKABLE, ids=str)
+def test_the_packed_cache_reads_what_the_fake_cache_reads(ours, config):
+    chunks = (5, 1, 1, 1, 3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1)
+    ids = torch.randint(0, 64, (2, sum(chunks)), generator=gen(17))
+    for name in ("llama-softmax1", "gpt2"):
+        kv = apply_kv(ours[name], config)
+        with torch.no_grad():
+            fake, packed = kv.new_cache(), kv.new_cache(packed=True)
+            start = 0
+            for size in chunks:
+                a = kv(ids[:, start : start + size], fake)
+                b = kv(ids[:, start : start + size], packed)
+                start += size
+                assert torch.equal(a, b), name
+        for layer in range(2):
+            assert all(torch.equal(x, y) for x, y in zip(fake.stored(layer), packed.stored(layer)))
+
+
+def test_packed_bytes_are_the_formats_bytes(ours):
+    ids = torch.randint(0, 64, (2, 20), generator=gen(18))
+    kv_of = lambda config: apply_kv(ours["llama"], config)  # noqa: E731
+    sizes = {}
+    for config in (KVConfig(8, "per-token"), KVConfig(4, "per-token"), KVConfig(4, "per-token:sym=false")):
+        kv = kv_of(config)
+        with torch.no_grad():
+            cache = kv.new_cache(packed=True)
+            kv(ids, cache)
+        sizes[config.label] = cache.nbytes()
+    values = 2 * 2 * 2 * 20 * 32  # layers × (k, v) × sequences × positions × (4 heads × 8 channels)
+    blocks = values // 32
+    assert sizes == {
+        "kv8-tok": blocks * 34,
+        "kv4-tok": blocks * 18,
+        "kv4-tok-asym": blocks * 20,
+    }  # ggml-common.h
+    kv = kv_of(KVConfig(8, "fp8-e4m3"))
+    with torch.no_grad():
+        cache = kv.new_cache(packed=True)
+        kv(ids, cache)
+    assert cache.nbytes() == values
+    kv = kv_of(KVConfig(2, SMALL))  # 16 of 20 keys packed (2 groups of 8), 12 values packed, the rest float32
+    with torch.no_grad():
+        cache = kv.new_cache(packed=True)
+        kv(ids, cache)
+    per_layer_k = (
+        2 * 4 * (16 * 8 // 4 + (16 // 4) * 8 * 4 * 2 + 4 * 8 * 4)
+    )  # codes, scale+min per G×ch, 4 float
+    per_layer_v = (
+        2 * 4 * (12 * 8 // 4 + 12 * 2 * 4 * 2 + 8 * 8 * 4)
+    )  # codes, scale+min per token × 4 ch, 8 float
+    assert cache.nbytes() == 2 * (per_layer_k + per_layer_v)
+    with pytest.raises(UserError, match="no packed form"):
+        kv = kv_of(KVConfig(2, SMALL, keep_first=1))
+        with torch.no_grad():
+            kv(ids, kv.new_cache(packed=True))

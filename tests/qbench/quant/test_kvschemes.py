@@ -680,3 +680,22 @@ def test_packed_bytes_are_the_formats_bytes(ours):
         kv = kv_of(KVConfig(2, SMALL, keep_first=1))
         with torch.no_grad():
             kv(ids, kv.new_cache(packed=True))
+
+
+def test_kv_cache_speed_reports_bytes_and_tokens_per_second(ours):
+    from qbench.studies.kvspeed import kv_cache_speed
+
+    records = kv_cache_speed(
+        ours["llama"],
+        [KVConfig(4, "per-token"), KVConfig(8, "fp8-e4m3")],
+        new_tokens=8,
+        prompt_tokens=8,
+        repeats=1,
+    )
+    assert [r["cache"] for r in records] == ["float", "kv4-tok", "kv8-e4m3"]
+    assert records[0]["bytes_vs_float"] == 1.0 and records[0]["kv"] is None
+    assert records[1]["bytes_vs_float"] == pytest.approx(18 / 128)  # q4_0: 18 bytes per 32 float32 values
+    assert records[2]["bytes_vs_float"] == pytest.approx(1 / 4)
+    assert all(r["tokens_per_s"] > 0 for r in records) and records[1]["kv"]["scheme"] == "per-token"
+    with pytest.raises(UserError, match="exceeds the context"):
+        kv_cache_speed(ours["llama"], [], new_tokens=30, prompt_tokens=8)

@@ -207,11 +207,14 @@ def attention_two_version(
     s_float = (qf @ k.float().transpose(-2, -1)) * scale
     s_quant = (qf @ k_hat.float().transpose(-2, -1)) * scale
     scores = torch.where(key_quantised, s_quant, s_float)
+    # The most negative float, not −inf: exp gives exactly 0 all the same, and a query that may see nothing (a
+    # padding row of a transformers batch) gets finite weights instead of NaN, which P·V would spread.
+    lowest = torch.finfo(torch.float32).min
     if mask is None:
         causal = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=past)
-        scores = scores.masked_fill(~causal, float("-inf"))
+        scores = scores.masked_fill(~causal, lowest)
     elif mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~mask, lowest)
     else:
         scores = scores + mask.float()
     extra = None

@@ -357,6 +357,21 @@ def test_a_cache_that_quantises_nothing_is_the_float_model(ours, theirs):
             torch.testing.assert_close(_logits(kv, ids), _logits(model, ids), rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_a_left_padded_transformers_batch_stays_finite_and_exact(theirs):
+    ids = torch.randint(0, 64, (2, 16), generator=gen(19))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # the first sequence is left-padded by 5
+    for name in ("hf-llama-eager", "hf-mistral", "hf-gpt2"):
+        model = theirs[name]
+        kv = apply_kv(model, KVConfig(2, "kivi:group=64,residual=64"))  # quantises nothing
+        with torch.no_grad():
+            got = kv(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            expected = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got[0, 5:], expected[0, 5:], rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("config", [KVConfig(2, SMALL), KVConfig(4, "per-token")], ids=str)
 def test_ours_and_the_export_agree(ours, theirs, config):
     ids = torch.randint(0, 64, (2, 32), generator=gen(4))

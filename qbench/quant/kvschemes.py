@@ -590,9 +590,8 @@ def hf_attention(
     T, L = query.size(2), key.size(2)
     # Sliding-window caches keep only the newest positions: the queries' absolute positions place the keys.
     position_ids = kwargs.get("position_ids")
-    offset = (
-        0 if position_ids is None else int(position_ids.reshape(-1, position_ids.size(-1))[0, -1]) + 1 - L
-    )
+    last = None if position_ids is None else int(position_ids.reshape(-1, position_ids.size(-1))[:, -1].max())
+    offset = 0 if last is None else last + 1 - L
     view = quantizer.read(key, value, past=L - T, offset=max(offset, 0))
     if quantizer.reads_one_version and base is not None:  # the stored version alone, on the wrapped kernel
         return base(module, query, view.k_hat, view.v_hat, attention_mask, scaling=scaling, **kwargs)

@@ -143,4 +143,10 @@ def kv_from_args(args: argparse.Namespace) -> KVConfig | None:
         if keep_first is not None or keep_sinks is not None:
             raise UserError("--kv-keep-first and --kv-keep-sinks need --kv-bits or --kv-scheme")
         return None
-    return KVConfig(bits, scheme or "kivi", keep_first or 0, keep_sinks or 0)
+    config = KVConfig(bits, scheme or "kivi", keep_first or 0, keep_sinks or 0)
+    if config.scale == "calib":  # calibration batches are not plumbed through the commands yet
+        raise UserError(
+            "--kv-scheme …:scale=calib needs calibration batches: use the Python API "
+            "(qbench.quant.kvschemes.calibrate_kv_scales) or give scale=<number>"
+        )
+    return config

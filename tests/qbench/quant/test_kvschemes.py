@@ -537,6 +537,7 @@ def test_command_line_options():
         (("--kv-scheme", "kivi"), "needs --kv-bits"),
         (("--kv-keep-sinks", "1"), "need --kv-bits or --kv-scheme"),
         (("--kv-bits", "4", "--kv-scheme", "per-token:bits=2"), "bits=2 but bits=4"),
+        (("--kv-scheme", "fp8-e4m3:scale=calib"), "needs calibration batches"),
     ]:
         with pytest.raises(UserError, match=message):
             parse(*args)

@@ -251,7 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--bits",
         default="8-2",
         help="bit widths of every axis: a range 8-2 or a list 8,6,4 (the kv axis takes those of them that are "
-        "KV-cache widths: 8, 6, 4, 3, 2)",
+        "KV-cache widths: 8, 6, 4, 3, 2, unless --kv-bits is given)",
+    )
+    p.add_argument(
+        "--kv-bits",
+        help="bit widths of the kv axis, a range or a list as --bits (default: those of --bits that are "
+        "KV-cache widths)",
     )
     p.add_argument(
         "--tolerance", type=float, default=1.0, help="breaking-point tolerance, %% perplexity change"

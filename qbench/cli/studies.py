@@ -137,6 +137,7 @@ def sweep_config(args: argparse.Namespace):
         bits=sweep.parse_bits(args.bits),
         tolerance=args.tolerance,
         kv_keep_first=args.kv_keep_first or [],
+        kv_bits=None if args.kv_bits is None else sweep.parse_bits(args.kv_bits),
         kv_granularity=args.kv_granularity,
         protocol=protocol_from_args(args),
         output_path=Path(args.output_path),

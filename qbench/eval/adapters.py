@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from models.errors import UserError
 from models.hf import SOFTMAX1, SOFTMAX1_EAGER
-from models.observe import Observation, observe
+from models.observe import EveryLayer, Observation, observe
 from models.transformer import Transformer
 
 
@@ -33,16 +33,24 @@ def logits(model: nn.Module, input_ids: Tensor) -> Tensor:
     return model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False).logits
 
 
-def context_length(model: nn.Module) -> int:
+# Config fields that hold the longest sequence a model was built for (MPT: max_seq_len sizes its ALiBi table).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length", "max_seq_len")
+
+
+def context_length(model: nn.Module, window: int | None = None) -> int:
+    """The longest window ``model`` can score: its config's context length; for a config without one (Bloom:
+    ALiBi, no position table) the caller's ``window`` (``--window``), or a one-line error asking for it."""
     if is_ours(model):
         return model.config.context
     config = model.config
-    for key in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
+    for key in CONTEXT_KEYS:
         if getattr(config, key, None):
             return int(getattr(config, key))
+    if window is not None:  # no limit in the config (ALiBi): the user's window is the context
+        return window
     raise UserError(
-        f"cannot tell the context length of {type(model).__name__}: qbench needs a causal LM config "
-        "with max_position_embeddings or n_positions"
+        f"cannot tell the context length of {type(model).__name__}: its config has none of "
+        f"{', '.join(CONTEXT_KEYS)}; give the evaluation window with --window"
     )
 
 
@@ -86,10 +94,10 @@ def observe_any(model: nn.Module, attention: bool = False) -> Iterator[Observati
             yield obs
         return
     obs = Observation()
-    handles = [
-        layer.register_forward_hook(lambda _m, _i, out: obs.hidden.append(_block_output(out).detach()))
-        for layer in decoder_layers(model)
-    ]
+    layers = decoder_layers(model)
+    ran = EveryLayer(model, list(range(len(layers))), "recording decoder-layer outputs", SUPPORTED_LAYOUTS)
+    handles = [layer.register_forward_hook(_record_hidden(obs, ran, i)) for i, layer in enumerate(layers)]
+    handles.extend(ran.attach(model))
     try:
         if attention:
             with _eager_attention(model):
@@ -103,6 +111,19 @@ def observe_any(model: nn.Module, attention: bool = False) -> Iterator[Observati
             handle.remove()
 
 
+SUPPORTED_LAYOUTS = (
+    "qbench models and transformers causal LMs whose num_hidden_layers decoder layers form one ModuleList"
+)
+
+
+def _record_hidden(obs: Observation, ran: EveryLayer, index: int):
+    def record(_module: nn.Module, _args: tuple, output: Tensor | tuple) -> None:
+        ran.hit(index)
+        obs.hidden.append(_block_output(output).detach())
+
+    return record
+
+
 def forward_observed(model: nn.Module, input_ids: Tensor, obs: Observation) -> Tensor:
     """Forward pass inside :func:`observe_any`; for transformers models, collects the attentions it returns."""
     if is_ours(model) or not getattr(model, "_qbench_want_attentions", False):
@@ -113,7 +134,16 @@ def forward_observed(model: nn.Module, input_ids: Tensor, obs: Observation) -> T
         use_cache=False,
         output_attentions=True,
     )
-    obs.attention.extend(a.detach() for a in out.attentions)
+    attentions = list(out.attentions or ())
+    n = len(decoder_layers(model))
+    if len(attentions) != n or any(a is None for a in attentions):
+        got = sum(a is not None for a in attentions)
+        raise UserError(
+            f"{type(model).__name__} returned attention probabilities for {got} of its {n} layers: "
+            f"attention metrics need an eager attention implementation that returns them in every layer "
+            f"({SUPPORTED_LAYOUTS})"
+        )
+    obs.attention.extend(a.detach() for a in attentions)
     return out.logits
 
 

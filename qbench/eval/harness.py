@@ -248,7 +248,11 @@ class ModelEvaluation:
     @property
     def windows(self) -> Windows:
         if self._windows is None:
-            self._windows = make_windows(self.lm.tokenizer, self.spec.protocol, context_length(self.lm.model))
+            self._windows = make_windows(
+                self.lm.tokenizer,
+                self.spec.protocol,
+                context_length(self.lm.model, self.spec.protocol.window),
+            )
         return self._windows
 
     def matches(self, record: dict[str, Any]) -> bool:

@@ -24,24 +24,48 @@ Definition (design/metrics.md, "KV-cache quantisation"; KIVI, Liu et al. 2024, �
   layer's K most-attended positions of a float first pass (``kvschemes.attach_sink_finder``).
 - Never across sequences of a batch: results do not depend on how windows are batched.
 
-Our models expose a neutral hook (``CausalSelfAttention.kv_transform``, called on (k, v) after RoPE; a KV
-scheme's quantiser, marked ``streaming``, is instead asked for each query's view of the whole cache); transformers
-models get their registered attention function wrapped (``qbench_kv+<implementation>``), so
-eager, sdpa, ``softmax1`` and ``softmax1_eager`` all read quantised keys/values (GPT-2 and Llama layouts, and
-any model whose attention goes through transformers' ``AttentionInterface``).
+Where the cache is intercepted:
+
+- Our models expose a neutral hook (``CausalSelfAttention.kv_transform``, called on (k, v) after RoPE); a KV
+  scheme's quantiser (``kvschemes.KVSchemeQuantizer``, marked ``streaming``) is instead asked for each query's
+  view of the whole cache (``read``).
+- Transformers models whose attention goes through transformers' ``AttentionInterface`` (GPT-2, Llama,
+  Mistral, Qwen2/3, Gemma 3, Phi-3, OPT, GPT-NeoX, GPT-J, ...) get their registered attention function wrapped
+  (``qbench_kv+<implementation>``), so eager, sdpa, ``softmax1`` and ``softmax1_eager`` all read quantised
+  keys/values: the (key, value) the function receives is what the model's cache stores (after RoPE, before
+  GQA's repeat). The wrapper computes each query's view explicitly (``kvschemes.hf_attention``; schemes that
+  never read a written position in float hand the stored keys/values to the wrapped implementation).
+- Transformers models whose attention module computes attention itself (Falcon, Bloom, MPT, GPT-Neo, XGLM)
+  keep their implementation name — renaming it would change their code path: Falcon tests
+  ``_attn_implementation == "sdpa"`` and, failing it, adds an sdpa-style boolean mask to eager scores and sees
+  future tokens. Instead each attention module is handed a stand-in cache (``_QuantisingCache``) as its cache
+  argument; the module calls ``cache.update(key, value, layer)`` with exactly what a cache stores and attends
+  over what it returns. Falcon: keys after RoPE (rotary variants) or as projected (ALiBi variants); Falcon-40B's
+  layout broadcasts each k/v group to its query heads before the update, so every copy is quantised alike,
+  as its own cache would hold them; Bloom and MPT (ALiBi, bias added to the scores): keys and values as
+  projected; GPT-Neo (learned absolute positions) and XGLM (sinusoidal positions added to the embeddings):
+  as projected. A real cache passed in (generation) is updated first and read back quantised. The module reads
+  one version of the cache for all its queries, which is exact for per-token, fp8 and window; KIVI (whose
+  queries read different versions) is refused there in one line.
+
+No silent no-op: after attaching, a probe forward of a few tokens checks that the quantiser ran in every
+decoder layer; otherwise ``attach_kv`` refuses the model in one line.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from models.errors import UserError
+from qbench.quant.kvschemes import KVSchemeQuantizer as KVQuantizer  # the quantiser attached per layer
 from qbench.quant.primitives import TINY, check_finite
 
 KV_BITS = (8, 6, 4, 3, 2)
@@ -131,14 +155,6 @@ def quantize_kv(key: Tensor, value: Tensor, config: KVConfig) -> tuple[Tensor, T
     return quantizer.stored(key, value, quantizer.keep_mask(key.size(0), key.size(2), key.device))
 
 
-def KVQuantizer(config: KVConfig) -> Any:
-    """The quantiser attached to attention modules (``kvschemes.KVSchemeQuantizer``): ``read(k, v, past)`` gives
-    each query's view of the cache (``models.attention.attention_two_version``)."""
-    from qbench.quant.kvschemes import KVSchemeQuantizer
-
-    return KVSchemeQuantizer(config)
-
-
 # ------------------------------------------------------------------------------------------------ models
 
 
@@ -155,7 +171,10 @@ def apply_kv(model: nn.Module, config: KVConfig) -> nn.Module:
 
 
 def attach_kv(model: nn.Module, config: KVConfig) -> nn.Module:
-    """Quantise the KV cache of ``model`` *in place* — only for a copy you own (e.g. ``quantize``'s result)."""
+    """Quantise the KV cache of ``model`` *in place* — only for a copy you own (e.g. ``quantize``'s result).
+
+    A probe forward of a few tokens then checks that the quantiser ran in every decoder layer; a model where it
+    cannot be attached everywhere is refused with a :class:`UserError`."""
     from models.transformer import Transformer
 
     _check_config(config)
@@ -170,7 +189,63 @@ def attach_kv(model: nn.Module, config: KVConfig) -> nn.Module:
 
         attach_sink_finder(model)
     model.qbench_kv = config.to_dict()
+    _probe(model)
     return model
+
+
+def kv_quantizers(model: nn.Module) -> dict[str, KVQuantizer]:
+    """The KV quantisers attached to ``model``, by the name of the attention module holding each."""
+    from models.transformer import Transformer
+
+    if isinstance(model, Transformer):
+        return {
+            f"transformer.h.{i}.attn": block.attn.kv_transform
+            for i, block in enumerate(model.transformer.h)
+            if isinstance(block.attn.kv_transform, KVQuantizer)
+        }
+    return {
+        name: m.qbench_kv
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "qbench_kv", None), KVQuantizer)
+    }
+
+
+PROBE_TOKENS = 4  # a probe forward is this long: enough for every layer to run, cheap on any model
+
+
+def probe_ids(model: nn.Module) -> Tensor:
+    """(1, PROBE_TOKENS) token ids 0, 1, ... on the model's device, for probe forwards."""
+    device = next(iter(model.parameters())).device
+    return torch.arange(PROBE_TOKENS, device=device)[None]
+
+
+@torch.no_grad()
+def _probe(model: nn.Module) -> None:
+    """Run a short forward and refuse the model unless the quantiser of every attention module it was attached
+    to (one per decoder layer) ran."""
+    from models.transformer import Transformer
+
+    quantizers = kv_quantizers(model)
+    before = {name: q.calls for name, q in quantizers.items()}
+    ids = probe_ids(model)
+    for q in quantizers.values():
+        q.probing = True  # count the call, read float: a calibrated scheme has no scales yet
+    try:
+        if isinstance(model, Transformer):
+            model(ids)
+        else:
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    finally:
+        for q in quantizers.values():
+            q.probing = False
+    missed = [name for name, q in quantizers.items() if q.calls == before[name]]
+    if missed:
+        raise UserError(
+            f"KV-cache quantisation did not run in {len(missed)} of {len(quantizers)} attention modules of "
+            f"{type(model).__name__} ({', '.join(missed[:3])}{', …' if len(missed) > 3 else ''}): supported "
+            "are qbench models and transformers models whose attention goes through transformers' attention "
+            "functions or updates a Cache per layer"
+        )
 
 
 def _check_config(config: Any) -> None:
@@ -187,7 +262,7 @@ def _check_not_kv(model: nn.Module) -> None:
 
 
 def _attach_transformers(model: nn.Module, config: KVConfig) -> None:
-    """Point the copy's config at a wrapping attention function and give each attention module its quantiser."""
+    """Give each attention module its quantiser and route its keys/values through it (module docstring)."""
     hf_config = getattr(model, "config", None)
     base = getattr(hf_config, "_attn_implementation", None)
     if base is None:
@@ -195,14 +270,96 @@ def _attach_transformers(model: nn.Module, config: KVConfig) -> None:
             f"cannot quantise the KV cache of {type(model).__name__}: not a transformers model with an "
             "attention implementation (config._attn_implementation)"
         )
-    modules = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    named = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    ids = {id(m) for m in named}
+    # The innermost ones: GPT-Neo's GPTNeoAttention only dispatches to its GPTNeoSelfAttention.
+    modules = [m for m in named if not any(c is not m and id(c) in ids for c in m.modules())]
     if not modules:
         raise UserError(
             f"cannot find the attention modules of {type(model).__name__} to quantise its KV cache"
         )
+    registry = [m for m in modules if _uses_attention_registry(m)]
     for module in modules:
         module.qbench_kv = KVQuantizer(config)
-    hf_config._attn_implementation = register_kv_attention(base)  # the copy's own config (deep-copied)
+        if module not in registry:
+            if config.keep_sinks:  # the sink finder reads attention probabilities this route never sees
+                raise UserError(
+                    f"cannot keep the sinks of {type(model).__name__} in float: {type(module).__name__} computes "
+                    "attention itself; use --kv-keep-first"
+                )
+            if config.scheme == "kivi":  # one stand-in cache read serves all queries: one version only
+                raise UserError(
+                    f"cannot quantise the KV cache of {type(model).__name__} under {config.label}: "
+                    f"{type(module).__name__} computes attention itself and reads one version of the cache for "
+                    "every query, while KIVI's queries read different ones; use --kv-scheme per-token, "
+                    "fp8-e4m3, fp8-e5m2 or window"
+                )
+            _hook_cache_argument(module, model)
+    if registry:
+        hf_config._attn_implementation = register_kv_attention(base)  # the copy's own config (deep-copied)
+
+
+def _uses_attention_registry(module: nn.Module) -> bool:
+    """Whether ``module``'s model file dispatches attention through transformers' ``ALL_ATTENTION_FUNCTIONS``."""
+    return "ALL_ATTENTION_FUNCTIONS" in vars(sys.modules[type(module).__module__])
+
+
+CACHE_ARGUMENTS = ("layer_past", "cache", "past_key_values", "past_key_value")
+
+
+class _QuantisingCache:
+    """Stands in for the cache argument of an attention module that computes attention itself: its
+    ``update(key, value, layer)`` — called with exactly what a cache stores — returns the dequantised keys and
+    values the module then attends over. A real cache (generation), if any, is updated first and then read
+    back quantised, as the registry wrapper does; without one it behaves as no cache (no past positions)."""
+
+    def __init__(self, module: nn.Module, inner: Any) -> None:
+        self._module, self._inner = module, inner
+
+    def update(self, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        if self._inner is not None:
+            key, value = self._inner.update(key, value, *args, **kwargs)
+        return _quantizer_of(self._module, "cache.update")(key, value)
+
+    def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
+        return 0 if self._inner is None else self._inner.get_seq_length(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        inner = self.__dict__.get("_inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+
+def _quantizer_of(module: nn.Module, where: str) -> Callable:
+    quantizer = getattr(module, "qbench_kv", None)
+    if quantizer is None:  # never silently run a float cache where a quantised one was asked for
+        raise RuntimeError(f"{type(module).__name__} has no KV quantiser but runs {where}")
+    return quantizer
+
+
+def _hook_cache_argument(module: nn.Module, model: nn.Module) -> None:
+    """A forward pre-hook that hands ``module`` a :class:`_QuantisingCache` as its cache argument."""
+    params = [p for p in inspect.signature(type(module).forward).parameters if p != "self"]
+    name = next((p for p in CACHE_ARGUMENTS if p in params), None)
+    if name is None:
+        raise UserError(
+            f"cannot quantise the KV cache of {type(model).__name__}: {type(module).__name__} neither goes "
+            "through transformers' attention functions nor takes a cache argument"
+        )
+    index = params.index(name)
+
+    def hand_cache(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if len(args) > index:
+            args = (*args[:index], _QuantisingCache(mod, args[index]), *args[index + 1 :])
+        else:
+            inner = kwargs.pop(name, None)
+            if inner is None and name == "cache":  # deprecated spelling some callers may still use
+                inner = kwargs.pop("past_key_values", None)
+            kwargs[name] = _QuantisingCache(mod, inner)
+        return args, kwargs
+
+    module.register_forward_pre_hook(hand_cache, with_kwargs=True)
 
 
 def _base_attention(base: str, module: nn.Module) -> Callable:
@@ -216,9 +373,7 @@ def _base_attention(base: str, module: nn.Module) -> Callable:
 
 def _kv_attention(base: str) -> Callable:
     def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any):
-        quantizer = getattr(module, "qbench_kv", None)
-        if quantizer is None:  # never silently run a float cache under a KV-quantised name
-            raise RuntimeError(f"{type(module).__name__} has no KV quantiser but runs {KV_PREFIX}{base}")
+        quantizer = _quantizer_of(module, KV_PREFIX + base)
         if getattr(quantizer, "streaming", False):  # each query reads the cache as it was after its token
             from models.hf import SOFTMAX1, SOFTMAX1_EAGER
             from qbench.quant.kvschemes import hf_attention

@@ -292,7 +292,7 @@ def describe(config: KVConfig) -> dict[str, Any]:
         # Sinks chosen from the scored window's float pass see the whole window (attach_sink_finder).
         "causal": "yes" if scheme.causal and not config.keep_sinks else "no",
         "label": label(config),
-        "keys": f"{keys_text}, after the rotary embedding",
+        "keys": f"{keys_text}, after the rotary embedding where the model has one",
         "values": f"{scheme.values_text}, after the projection",
         "description": KV_SCHEMES.describe(scheme.name),
     }
@@ -405,6 +405,8 @@ class KVSchemeQuantizer:
         self.calibrating = False  # calibrate_kv_scales' float passes: read float, record |k|, |v| maxima
         self.amax: list[float] = [0.0, 0.0]  # keys, values, over the calibration passes
         self.kv_scales: tuple[float, float] | None = None  # fp8 scale=calib: (k_scale, v_scale)
+        self.calls = 0  # how often it ran: the probe after attaching checks every layer's quantiser ran
+        self.probing = False  # the attach probe's forward: counts the call, reads float (scales may be unset)
         self.received: Tensor | None = None  # (B, L) attention received, summed over heads and queries
 
     def __repr__(self) -> str:
@@ -414,7 +416,7 @@ class KVSchemeQuantizer:
     def reads_one_version(self) -> bool:
         """True when no query ever reads a written position in float unless it is kept (every scheme but
         KIVI): attention can run over the stored version alone. False while observing (float, probabilities)."""
-        return self.scheme.name != "kivi" and not self.observing and not self.calibrating
+        return self.scheme.name != "kivi" and not (self.observing or self.calibrating or self.probing)
 
     # positions ---------------------------------------------------------------------------------------------
     def _final(self, n: Tensor, values: bool) -> Tensor:
@@ -531,13 +533,29 @@ class KVSchemeQuantizer:
         v_hat = torch.cat([self.quantize_values(v, 0, nv, keep, offset), v[:, :, nv:]], dim=2)
         return k_hat, v_hat
 
+    def __call__(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """One version for every query (attention modules that take a stand-in cache, ``kv._QuantisingCache``):
+        what the cache holds after all of key, value (B, H, L, D) were written — exact when no query ever reads a
+        written position in float (every scheme but KIVI), so KIVI is refused here."""
+        self.calls += 1
+        if self.probing:
+            return key, value
+        if self.scheme.name == "kivi":
+            raise UserError(
+                f"KV-cache scheme {self.config.label} needs each query's own view of the cache, which an "
+                "attention module that computes attention itself cannot take; use per-token, fp8-e4m3, "
+                "fp8-e5m2 or window for this model"
+            )
+        return self.stored(key, value, self.keep_mask(key.size(0), key.size(2), key.device))
+
     def read(self, k: Tensor, v: Tensor, past: int = 0, offset: int = 0) -> CacheView:
         """The view of queries at indices past … L − 1 over float keys/values (B, H, L, D) whose index 0 is
         absolute position ``offset`` (0 unless the cache dropped positions, as sliding-window caches do)."""
+        self.calls += 1
         B, L = k.size(0), k.size(2)
         if self.calibrating:
             self.amax = [max(self.amax[0], float(k.abs().max())), max(self.amax[1], float(v.abs().max()))]
-        if self.observing or self.calibrating:
+        if self.observing or self.calibrating or self.probing:
             none = torch.zeros(1, 1, L - past, L, dtype=torch.bool, device=k.device)
             return CacheView(k, k, v, v, none, none)
         keep = self.keep_mask(B, L, k.device, offset)

@@ -116,7 +116,7 @@ def inspect_model(
     if n_windows < 1:
         raise UserError(f"--windows must be at least 1, got {n_windows}")
     out_dir, start = Path(out_dir), time.perf_counter()
-    windows = make_windows(lm.tokenizer, protocol, context_length(lm.model))
+    windows = make_windows(lm.tokenizer, protocol, context_length(lm.model, protocol.window))
     outliers = outlier_metrics(lm.model, windows, n_windows, attention=True, device=device)
     per_layer = outliers.pop("per_layer")
     massive = massive_activations(

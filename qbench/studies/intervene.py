@@ -7,7 +7,8 @@
    |x|). A site is one (layer, channel); its threshold is that layer's max(100, 1000 × median), and its mean is
    the signed mean of the massive values at that site over those windows (the positions where they occur —
    the first token, delimiters).
-2. Intervene: a forward hook on each decoder layer with sites rewrites, in every forward pass, the
+2. Intervene (every forward pass checked to have run the hook of each layer with sites, else a one-line
+   error): a forward hook on each decoder layer with sites rewrites, in every forward pass, the
    activations of its site channels whose |x| exceeds the site's threshold — the tokens where the activation
    is massive, found anew in each window — with 0 (``zero``) or with the site's mean (``mean``). All other
    activations are untouched. The residual stream carries a massive activation from the block that creates
@@ -33,7 +34,14 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import UserError, unknown_choice
-from qbench.eval.adapters import context_length, decoder_layers, forward_observed, observe_any
+from models.observe import EveryLayer
+from qbench.eval.adapters import (
+    SUPPORTED_LAYOUTS,
+    context_length,
+    decoder_layers,
+    forward_observed,
+    observe_any,
+)
 from qbench.eval.harness import environment
 from qbench.eval.load import LoadedModel
 from qbench.eval.metrics import (
@@ -111,8 +119,9 @@ class _Editor:
             hidden[..., site.channel] = torch.where(massive, torch.full_like(column, fill), column)
         return hidden
 
-    def hook(self, layer: int):
+    def hook(self, layer: int, ran: EveryLayer):
         def edit(_module: nn.Module, _args: tuple, output: Tensor | tuple) -> Tensor | tuple:
+            ran.hit(layer)
             if isinstance(output, tuple):  # transformers layers may return (hidden, extras...)
                 return (self._edit(output[0], self.by_layer[layer]), *output[1:])
             return self._edit(output, self.by_layer[layer])
@@ -125,7 +134,10 @@ def intervention(model: nn.Module, sites: list[Site], mode: str) -> Iterator[_Ed
     """Inside the block, every forward pass of ``model`` has the massive activations at ``sites`` overwritten."""
     editor = _Editor(sites, check_mode(mode))
     layers = decoder_layers(model)
-    handles = [layers[index].register_forward_hook(editor.hook(index)) for index in editor.by_layer]
+    # Every forward pass must run each edited layer's hook: otherwise the edit silently did nothing.
+    ran = EveryLayer(model, sorted(editor.by_layer), "the massive-activation intervention", SUPPORTED_LAYOUTS)
+    handles = [layers[index].register_forward_hook(editor.hook(index, ran)) for index in editor.by_layer]
+    handles.extend(ran.attach(model))
     try:
         yield editor
     finally:
@@ -162,7 +174,7 @@ def intervene(
     if n_windows < 1:
         raise UserError(f"--windows must be at least 1, got {n_windows}")
     start, model = time.perf_counter(), lm.model
-    windows = make_windows(lm.tokenizer, protocol, context_length(model))
+    windows = make_windows(lm.tokenizer, protocol, context_length(model, protocol.window))
     found, sites = find_sites(model, windows, n_windows, device, delimiter_ids(lm.tokenizer))
     before = perplexity(model, windows, protocol.batch_size, device)
     if sites:

@@ -292,7 +292,7 @@ def _per_layer_statistics(study: _Study, fp: dict[str, Any]) -> dict[str, dict[s
     from qbench.eval.metrics import linear_ranges, make_windows
 
     protocol = study.spec.protocol
-    windows = make_windows(study.lm.tokenizer, protocol, context_length(study.lm.model))
+    windows = make_windows(study.lm.tokenizer, protocol, context_length(study.lm.model, protocol.window))
     return linear_ranges(study.lm.model, windows, protocol.outlier_windows, device=study.spec.device)[
         "per_layer"
     ]

@@ -150,6 +150,7 @@ def plan(
     axes: Sequence[str],
     bits: Sequence[int],
     keep_first: Sequence[int] = (),
+    kv_bits: Sequence[int] | None = None,
 ) -> tuple[list[Cell], list[str]]:
     """Every cell of the sweep, and a note for each (family, axis) that does not apply (a tensor left float)."""
     cells: list[Cell] = []
@@ -166,7 +167,11 @@ def plan(
                 cells.append(Cell(Curve(family, axis), b, _with_overrides(family, changed)))
     if "kv" in axes:
         choices = kv_bit_choices()
-        kv_bits = [b for b in bits if b in choices]
+        if kv_bits is not None:
+            bad = [b for b in kv_bits if b not in choices]
+            if bad:
+                raise UserError(f"--kv-bits {bad[0]} is not a KV-cache width; choose from {list(choices)}")
+        kv_bits = [b for b in bits if b in choices] if kv_bits is None else list(kv_bits)
         if not kv_bits:
             skipped.append(f"kv: none of bits {list(bits)} is a KV-cache width ({list(choices)})")
         for k in dict.fromkeys([0, *keep_first]):
@@ -254,6 +259,7 @@ class SweepConfig:
     bits: list[int] = field(default_factory=lambda: list(DEFAULT_BITS))
     tolerance: float = DEFAULT_TOLERANCE
     kv_keep_first: list[int] = field(default_factory=list)
+    kv_bits: list[int] | None = None  # the kv axis' widths; None: those of ``bits`` that are KV-cache widths
     kv_granularity: str | None = None  # a KV-cache scheme, NAME[:key=value,…] (kvschemes); None: KIVI
     protocol: Protocol = field(default_factory=Protocol)
     output_path: Path = Path("qbench_results/sweep")
@@ -335,9 +341,11 @@ def validate(cfg: SweepConfig) -> list[Cell]:
 
     if not cfg.tolerance >= 0:
         raise UserError(f"--tolerance must be a percentage ≥ 0, got {cfg.tolerance}")
-    cells, _ = plan(cfg.families, cfg.axes, cfg.bits, cfg.kv_keep_first)
+    cells, _ = plan(cfg.families, cfg.axes, cfg.bits, cfg.kv_keep_first, cfg.kv_bits)
     if not cells:
-        raise UserError(f"nothing to sweep: {'; '.join(plan(cfg.families, cfg.axes, cfg.bits)[1])}")
+        raise UserError(
+            f"nothing to sweep: {'; '.join(plan(cfg.families, cfg.axes, cfg.bits, (), cfg.kv_bits)[1])}"
+        )
     for cell in cells:
         if cell.kv_bits is None:
             get_scheme(cell.scheme)
@@ -359,7 +367,7 @@ def run_sweep(
     from qbench.eval.harness import run_grid
 
     cells = validate(cfg)
-    _, skipped = plan(cfg.families, cfg.axes, cfg.bits, cfg.kv_keep_first)
+    _, skipped = plan(cfg.families, cfg.axes, cfg.bits, cfg.kv_keep_first, cfg.kv_bits)
     start = time.perf_counter()
     fps: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []

@@ -78,7 +78,7 @@ def test_the_kv_width_is_spelled_kv_bits(commands):
         bit_options = {s for s in options(parser) if "bits" in s}
         # sweep's --bits lists the widths of every axis it sweeps, the KV cache's included
         assert bit_options <= ({"--kv-bits", "--bits"} if name == "sweep" else {"--kv-bits"}), name
-    for name in ("run", "grid", "score", "sensitivity"):
+    for name in ("run", "grid", "score", "sensitivity", "sweep"):
         assert "--kv-bits" in options(commands[name]), name
 
 

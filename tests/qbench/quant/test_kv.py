@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from models import build
 from models.errors import UserError
@@ -306,3 +308,54 @@ def test_combines_with_a_weight_and_activation_scheme():
         either_order = quantize(apply_kv(model, KVConfig(2, SMALL)), "absmax-fine")(ids)
     assert (both - weights_only).abs().max() > 1e-4
     torch.testing.assert_close(both, either_order, rtol=0, atol=0)
+
+
+class ToyAttention(nn.Module):
+    """Attention computed in the module itself (no transformers registry), its cache passed positionally."""
+
+    def __init__(self, uses_cache: bool = True) -> None:
+        super().__init__()
+        self.qkv, self.uses_cache = nn.Linear(8, 24), uses_cache
+
+    def forward(self, x: torch.Tensor, layer_past=None) -> torch.Tensor:
+        q, k, v = (t[:, None] for t in self.qkv(x).chunk(3, -1))  # (B, 1 head, T, 8)
+        if self.uses_cache and layer_past is not None:
+            k, v = layer_past.update(k, v, 0)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, 0]
+
+
+class ToyLM(nn.Module):
+    def __init__(self, uses_cache: bool = True) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(_attn_implementation="eager")
+        self.embed, self.layers = (
+            nn.Embedding(16, 8),
+            nn.ModuleList([ToyAttention(uses_cache) for _ in range(2)]),
+        )
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = x + layer(x, None)  # the cache argument positionally, as older model files do
+        return SimpleNamespace(logits=x)
+
+
+def test_attention_outside_the_registry_reads_the_cache_it_updates_even_when_passed_positionally():
+    torch.manual_seed(0)
+    model = ToyLM()
+    ids = torch.randint(0, 16, (2, 10))
+    with torch.no_grad():
+        kv = apply_kv(model, KVConfig(2, "per-token"))  # one version for all queries: kivi is refused here
+        assert kv.config._attn_implementation == "eager"  # not renamed: its code path stays the model's own
+        assert all(layer.qbench_kv.calls == 1 for layer in kv.layers)  # the probe ran every layer
+        assert (kv(ids).logits - model(ids).logits).abs().max() > 1e-3
+
+
+def test_attention_that_never_reaches_the_quantiser_is_refused_in_one_line():
+    with pytest.raises(UserError, match=r"did not run in 2 of 2 attention modules of ToyLM") as e:
+        apply_kv(ToyLM(uses_cache=False), KVConfig(2, "per-token"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match=r"ToyLM under kv2: ToyAttention computes attention itself"):
+        apply_kv(ToyLM(), KVConfig(2))
+    with pytest.raises(UserError, match=r"sinks of ToyLM in float"):
+        apply_kv(ToyLM(), KVConfig(2, "per-token", keep_sinks=1))

@@ -297,3 +297,14 @@ def test_sweep_command_with_a_family_that_sets_the_swept_axis(ckpt_dir, tmp_path
     assert main([*argv, "--output-path", str(out), "--tokens", "64", "--window", "32", "--no-attention"]) == 0
     cells = json.loads((out / "sweep.json").read_text())["cells"]
     assert [(c["bits"], c["scheme"]) for c in cells] == [(8, "absmax-coarse"), (4, "absmax-coarse:w=4")]
+
+
+def test_the_kv_axis_takes_its_own_widths_from_kv_bits():
+    from qbench.studies.sweep import plan
+
+    cells, _ = plan(["absmax-coarse"], ["kv"], [8, 7, 6], kv_bits=[4, 2])
+    assert [c.bits for c in cells] == [4, 2]  # not 8 and 6, the KV widths among --bits
+    cells, _ = plan(["absmax-coarse"], ["kv"], [8, 7, 6])
+    assert [c.bits for c in cells] == [8, 6]
+    with pytest.raises(UserError, match="--kv-bits 5 is not a KV-cache width"):
+        plan(["absmax-coarse"], ["kv"], [8], kv_bits=[5])

@@ -7,14 +7,19 @@ One definition of ``--ckpt``, the loading switches and the perplexity protocol's
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from models.errors import UserError
 from qbench.cli.budgets import EVAL_TOKENS
-from qbench.eval.load import LoadedModel, load_model
-from qbench.eval.metrics import Protocol
-from qbench.quant.kv import KV_BITS, KVConfig
+from qbench.quant.kv_options import KV_BITS, KV_SCHEME_NAMES, KV_SCHEME_SYNTAX
+
+# the loader, the protocol and the KV cache import torch: only the commands that use them import them
+if TYPE_CHECKING:
+    from qbench.eval.load import LoadedModel
+    from qbench.eval.metrics import Protocol
+    from qbench.quant.kv import KVConfig
 
 console = Console(soft_wrap=True)  # long result lines stay whole in pipes and logs
 
@@ -64,6 +69,8 @@ def add_model_arguments(
 
 
 def protocol_from_args(args: argparse.Namespace, outlier_windows: int = 8) -> Protocol:
+    from qbench.eval.metrics import Protocol
+
     if args.tokens < 2:
         raise UserError(f"--tokens must be at least 2, got {args.tokens}")
     if args.batch_size < 1:
@@ -80,6 +87,8 @@ def protocol_from_args(args: argparse.Namespace, outlier_windows: int = 8) -> Pr
 
 
 def load_from_args(args: argparse.Namespace) -> LoadedModel:
+    from qbench.eval.load import load_model
+
     return load_model(
         args.ckpt,
         dtype=args.dtype,
@@ -93,8 +102,6 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     """--kv-bits, --kv-scheme, --kv-keep-first, --kv-keep-sinks: KV-cache quantisation on top of every scheme
     (``qbench.quant.kv``, ``qbench.quant.kvschemes``; results named ``<scheme>+kv4``, and ``--scheme fp`` gives
     the float model's ``fp+kv4``). --kv-granularity is the former name of --kv-scheme."""
-    from qbench.quant.kvschemes import KV_SCHEMES, SYNTAX
-
     bits = " | ".join(map(str, KV_BITS))
     parser.add_argument(
         "--kv-bits",
@@ -104,7 +111,7 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-scheme",
-        help=f"{' | '.join(KV_SCHEMES.names())} (default kivi), with overrides as {SYNTAX}; "
+        help=f"{' | '.join(KV_SCHEME_NAMES)} (default kivi), with overrides as {KV_SCHEME_SYNTAX}; "
         "see qbench.quant.kvschemes",
     )
     parser.add_argument("--kv-granularity", help=argparse.SUPPRESS)  # the former name of --kv-scheme
@@ -143,6 +150,8 @@ def kv_from_args(args: argparse.Namespace) -> KVConfig | None:
         if keep_first is not None or keep_sinks is not None:
             raise UserError("--kv-keep-first and --kv-keep-sinks need --kv-bits or --kv-scheme")
         return None
+    from qbench.quant.kv import KVConfig
+
     config = KVConfig(bits, scheme or "kivi", keep_first or 0, keep_sinks or 0)
     if config.scale == "calib":  # calibration batches are not plumbed through the commands yet
         raise UserError(

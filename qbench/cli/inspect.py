@@ -8,7 +8,6 @@ from pathlib import Path
 from models.errors import UserError
 from qbench.cli.args import add_model_arguments, console, load_from_args, protocol_from_args
 from qbench.cli.base import add_output_argument
-from qbench.studies.inspection import inspect_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from qbench.studies.inspection import inspect_model
+
     if args.windows < 1:
         raise UserError(f"--windows must be at least 1, got {args.windows}")
     protocol = protocol_from_args(args, outlier_windows=args.windows)

@@ -9,7 +9,6 @@ from models.errors import UserError
 from models.io import atomic_write_json
 from qbench.cli.args import add_model_arguments, console, load_from_args, protocol_from_args
 from qbench.cli.base import add_output_argument
-from qbench.studies.intervene import check_mode, intervene
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from qbench.studies.intervene import check_mode, intervene
+
     check_mode(args.set_to)  # before loading anything: a typo should cost nothing
     if args.windows < 1:
         raise UserError(f"--windows must be at least 1, got {args.windows}")

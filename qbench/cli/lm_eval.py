@@ -8,7 +8,6 @@ from pathlib import Path
 from models.io import atomic_write_json
 from qbench.cli.args import add_load_arguments, console, load_from_args
 from qbench.cli.base import add_output_argument
-from qbench.studies.lm_eval_adapter import check_request, run_lm_eval
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from qbench.studies.lm_eval_adapter import check_request, run_lm_eval
+
     check_request(args.scheme, args.mode)  # a typo fails before the model loads
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from models.errors import UserError
 from models.io import atomic_write_json
@@ -17,17 +18,10 @@ from qbench.cli.args import (
     protocol_from_args,
 )
 from qbench.cli.base import add_output_argument
-from qbench.eval.harness import expand_schemes
-from qbench.eval.metrics import Protocol
-from qbench.studies.score import DEFINITION, score
-from qbench.studies.sweep import (
-    SweepConfig,
-    describe_breaking_points,
-    parse_axes,
-    read_sweep,
-    run_sweep,
-    validate,
-)
+
+if TYPE_CHECKING:  # the study imports torch: only `qbench score` itself loads it
+    from qbench.eval.metrics import Protocol
+    from qbench.studies.sweep import SweepConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +63,10 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
 
 
 def run(args: argparse.Namespace) -> None:
+    from qbench.eval.harness import expand_schemes
+    from qbench.studies.score import DEFINITION, score
+    from qbench.studies.sweep import describe_breaking_points, read_sweep, run_sweep
+
     schemes = expand_schemes(args.scheme or ["paper"])  # a typo fails before the model loads
     protocol = protocol_from_args(args)
     kv = kv_from_args(args)
@@ -121,6 +119,8 @@ def run(args: argparse.Namespace) -> None:
 def _sweep_config(args: argparse.Namespace, protocol: Protocol) -> SweepConfig:
     """``--breaking-points``: absmax-coarse over 8→2 bits on ``--sweep-axes``, records under OUTPUT/sweep/
     (the float baseline shared with the score's own records)."""
+    from qbench.studies.sweep import SweepConfig, parse_axes, validate
+
     cfg = SweepConfig(
         models=[args.ckpt],
         axes=parse_axes(args.sweep_axes),

@@ -35,7 +35,7 @@ DEFAULT_OUTPUT = Path("qbench_sensitivity")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from qbench.studies.sensitivity import BY
+    from qbench.studies.sensitivity_options import BY
 
     add_model_arguments(parser, tokens=DEFAULT_TOKENS)
     window = next(a for a in parser._actions if a.dest == "window")

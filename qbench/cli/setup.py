@@ -100,10 +100,10 @@ def _registry_table(title: str, registry, extra: Callable[[str], str] | None = N
 def _registries() -> dict[str, Callable[[], Table]]:
     def presets() -> Table:
         from models import PRESETS
-        from models.transformer import count_parameters
+        from models.sizes import parameter_counts  # arithmetic: building the models would import torch
 
         def detail(name: str) -> str:
-            total, non_embedding = count_parameters(PRESETS.get(name).config)
+            total, non_embedding = parameter_counts(PRESETS.get(name).config)
             return (
                 f" [dim]— {total / 1e6:,.1f} M parameters ({non_embedding / 1e6:,.1f} M non-embedding), "
                 f"tokenizer {PRESETS.get(name).tokenizer}[/]"

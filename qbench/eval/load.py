@@ -179,7 +179,9 @@ def _load_transformers(
 ) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import qbench  # noqa: F401  (registers softmax1 so exported softmax-1 folders load)
+    from models.hf import register_softmax1
+
+    register_softmax1()  # exported softmax-1 folders name it; idempotent, and explicit beside qbench's import hook
 
     local = isinstance(target, Path)
     if local and not allow_unsafe_weights and not any(target.glob("*.safetensors")):

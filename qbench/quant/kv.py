@@ -65,11 +65,10 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import UserError
+from qbench.quant.kv_options import GRANULARITIES, KV_BITS  # noqa: F401 - GRANULARITIES: the former names
 from qbench.quant.kvschemes import KVSchemeQuantizer as KVQuantizer  # the quantiser attached per layer
 from qbench.quant.primitives import TINY, check_finite
 
-KV_BITS = (8, 6, 4, 3, 2)
-GRANULARITIES = ("kivi", "per-token")  # the former --kv-granularity values, now KV-scheme names
 # Informative to_dict keys; from_dict ignores them.
 _INFO_KEYS = ("label", "keys", "values", "range", "statistics", "causal", "description")
 KV_PREFIX = "qbench_kv+"  # transformers attention implementations registered by this module

@@ -56,6 +56,7 @@ from models.errors import UserError, did_you_mean
 from models.kvcache import CacheView
 from models.registry import Registry
 from qbench.quant.formats import E4M3, E5M2, round_to_element
+from qbench.quant.kv_options import KV_SCHEME_SYNTAX
 from qbench.quant.primitives import TINY, check_finite
 
 if TYPE_CHECKING:
@@ -107,10 +108,7 @@ LEGACY_GRANULARITY = {"kivi": {"scheme": "window"}, "per-token": {"scheme": "win
 FP8_ELEMENTS = {"fp8-e4m3": E4M3, "fp8-e5m2": E5M2}
 CALIBRATED = "calib"  # fp8 scale=calib: per-layer k_scale/v_scale from calibrate_kv_scales
 OPTION_FIELDS = ("group", "residual", "block", "sym", "scale", "key_axis")
-SYNTAX = (
-    "NAME[:key=value,…], e.g. kivi:group=32,residual=128 | per-token:sym=false | fp8-e4m3:scale=0.5 | "
-    "window:key_axis=token; every scheme also takes bits, keep_first, keep_sinks"
-)
+SYNTAX = KV_SCHEME_SYNTAX
 
 
 # --------------------------------------------------------------------------------------------- the config
@@ -200,7 +198,7 @@ def parse_kv_scheme(text: str) -> dict[str, Any]:
 def normalize_config(config: KVConfig) -> None:
     """Validate ``config`` in place (frozen: object.__setattr__): resolve the scheme name (aliases, ``NAME:…``
     overrides), fill the scheme's defaults, refuse options of other schemes and impossible values."""
-    from qbench.quant.kv import KV_BITS
+    from qbench.quant.kv_options import KV_BITS
 
     if not isinstance(config.scheme, str):
         raise UserError(f"KV-cache scheme must be a name, got {config.scheme!r}; {SYNTAX}")

@@ -39,9 +39,9 @@ from models.errors import UserError, unknown_choice
 from models.io import atomic_write_json, atomic_write_text
 from qbench.eval.harness import GridSpec, environment, run_grid
 from qbench.eval.load import LoadedModel, load_model
+from qbench.studies.sensitivity_options import BY
 from qbench.studies.sweep import format_change, within_tolerance
 
-BY = ("layer", "block", "type")
 # unit statistic -> key of qbench.eval.metrics.linear_ranges' per-layer entry
 STATISTICS = {
     "input_crest": "input_crest",

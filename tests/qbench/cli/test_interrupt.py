@@ -1,5 +1,5 @@
 """Ctrl-C anywhere in ``qbench``: one line, exit status 130, no traceback — during a command, while the parser is
-built, and while start-up is still importing torch."""
+built, while start-up is still importing, and while a command imports torch."""
 
 from __future__ import annotations
 
@@ -57,16 +57,27 @@ def test_an_interrupted_import_exits_only_the_cli(argv, orig_argv, exits, monkey
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process is a POSIX signal")
-def test_ctrl_c_during_start_up_prints_one_line(tmp_path):
-    """SIGINT half a second in, while ``import qbench`` is still loading torch (seconds on any machine); the
-    interrupt may also land in main, which says the same."""
+def test_ctrl_c_while_a_command_imports_torch_prints_one_line(tmp_path):
+    """A real SIGINT while ``qbench ls schemes`` imports torch (start-up imports none; commands import it on first
+    use, for seconds). A stand-in torch, first on the path, says when its import has begun and then blocks, so the
+    signal lands inside that import on any machine, however fast."""
+    started = tmp_path / "torch-import-started"
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(
+        f"import pathlib, time\npathlib.Path({str(started)!r}).touch()\ntime.sleep(120)\n"
+    )
     child = subprocess.Popen(
-        [sys.executable, "-m", "qbench", "ls", "presets"],
+        [sys.executable, "-m", "qbench", "ls", "schemes"],
+        cwd=tmp_path,  # first on the path: the stand-in torch
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
         stderr=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
-    time.sleep(0.5)
+    deadline = time.monotonic() + 60
+    while not started.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert started.exists(), child.communicate(timeout=60)[1]
     child.send_signal(signal.SIGINT)
     _, err = child.communicate(timeout=60)
     assert child.returncode == 130, err

@@ -515,6 +515,13 @@ def test_records_describe_the_scheme_fully_and_round_trip():
     assert (legacy.scheme, legacy.key_axis, legacy.label) == ("window", "token", "kv2-win-tok-keep1")
 
 
+def test_the_torch_free_names_are_the_registry():
+    from qbench.quant.kv_options import KV_SCHEME_NAMES
+    from qbench.quant.kvschemes import KV_SCHEMES
+
+    assert tuple(KV_SCHEMES.names()) == KV_SCHEME_NAMES
+
+
 def test_command_line_options():
     import argparse
 

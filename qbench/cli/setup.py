@@ -86,14 +86,24 @@ def cmd_export(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------------------------- ls
 
 
-def _registry_table(title: str, registry, extra: Callable[[str], str] | None = None) -> Table:
+def _registry_table(
+    title: str,
+    registry,
+    extra: Callable[[str], str] | None = None,
+    columns: dict[str, Callable[[str], str]] | None = None,
+) -> Table:
+    """A registry as a table: name, aliases, description (+ ``extra``), then one column per ``columns`` entry."""
+    columns = columns or {}
     table = Table(title=title, title_justify="left")
     table.add_column("name", style="bold")
     table.add_column("aliases")
     table.add_column("description")
+    for header in columns:
+        table.add_column(header)
     for name in registry:
         aliases = ", ".join(registry.aliases_of(name))
-        table.add_row(name, aliases, registry.describe(name) + (extra(name) if extra else ""))
+        cells = [cell(name) for cell in columns.values()]
+        table.add_row(name, aliases, registry.describe(name) + (extra(name) if extra else ""), *cells)
     return table
 
 
@@ -117,10 +127,15 @@ def _registries() -> dict[str, Callable[[], Table]]:
         return _registry_table("corpora (or any local text file / folder path)", CORPORA)
 
     def schemes() -> Table:
+        from qbench.quant.kernels import real_kernel_for
         from qbench.quant.overrides import SYNTAX
         from qbench.quant.schemes import SCHEMES
 
-        table = _registry_table("quantisation schemes", SCHEMES)
+        def real(name: str) -> str:  # from the dispatch registry itself
+            kernel = real_kernel_for(SCHEMES.get(name))
+            return kernel.layer if kernel else "[dim]fake only[/]"
+
+        table = _registry_table("quantisation schemes", SCHEMES, columns={"real kernel": real})
         table.caption, table.caption_justify = f"every scheme takes overrides: {SYNTAX}", "left"
         return table
 

@@ -22,7 +22,7 @@ import math
 import platform
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +151,28 @@ class GridSpec:
                 "selection": "first windows" if scheme.calib_seed is None else "seeded sample",
             }
         return record
+
+
+@dataclass
+class CellResult:
+    """What one evaluation produced, before it becomes a record (:meth:`ModelEvaluation.record`)."""
+
+    scheme: dict[str, Any]  # the scheme record (full config, excludes, calibration)
+    mode: str  # "float" | "fake" | "real"
+    backend: str  # what computed it ("torch", the real kernels' names, "-" when nothing ran)
+    ppl: dict[str, Any]  # perplexity(): perplexity, nll, tokens
+    fp_perplexity: float  # the float model's perplexity on the same windows
+    outliers: dict[str, Any]  # the float model's outlier statistics (with "per_layer")
+    wall_seconds: float = 0.0  # quantising + evaluating
+    eval_seconds: float = 0.0  # evaluating alone
+    model_bytes: int = 0
+    status: str = "ok"  # ok | nonfinite | unsupported
+    error: str | None = None
+    massive: dict[str, Any] | None = None  # float record only
+    linear: dict[str, Any] | None = None  # float record only
+
+
+NAN_PPL = {"perplexity": float("nan"), "nll": float("nan"), "tokens": 0}
 
 
 def record_path(output_path: Path, model_name: str, scheme: str | None, mode: str | None) -> Path:
@@ -349,40 +371,29 @@ class ModelEvaluation:
         ranges = linear_ranges(
             self.lm.model, self.windows, self.spec.protocol.outlier_windows, device=self.spec.device
         )
-        record = self._record(
-            self._fp_scheme(),
-            "float",
-            "torch",
-            ppl,
-            ppl,
-            outliers,
-            massive,
-            eval_seconds,
-            time.perf_counter() - start,
-            _model_bytes(self.lm.model),
-            linear=ranges,
+        record = self.record(
+            CellResult(
+                self._fp_scheme(),
+                "float",
+                "torch",
+                ppl,
+                fp_perplexity=ppl["perplexity"],
+                outliers=outliers,
+                wall_seconds=time.perf_counter() - start,
+                eval_seconds=eval_seconds,
+                model_bytes=_model_bytes(self.lm.model),
+                massive=massive,
+                linear=ranges,
+            )
         )
         atomic_write_json(path, record)
         self._fp = record
         return record
 
-    def _record(
-        self,
-        scheme: dict[str, Any],
-        mode: str,
-        backend: str,
-        ppl: dict,
-        fp_ppl: dict,
-        outliers: dict,
-        massive: dict | None,
-        eval_seconds: float,
-        wall: float,
-        nbytes: int,
-        status: str = "ok",
-        error: str | None = None,
-        linear: dict | None = None,
-    ) -> dict[str, Any]:
-        value, base = ppl["perplexity"], fp_ppl["perplexity"]
+    def record(self, r: CellResult) -> dict[str, Any]:
+        """The JSON record of one evaluation: self-describing (module docstring), with its identity."""
+        ppl, mode, status, error = r.ppl, r.mode, r.status, r.error
+        value, base = ppl["perplexity"], r.fp_perplexity
         ratio = value / base if math.isfinite(value) and math.isfinite(base) and base > 0 else float("nan")
         if status == "ok" and not math.isfinite(value):
             which = "float" if mode == "float" else "quantised"
@@ -393,10 +404,10 @@ class ModelEvaluation:
             "eval_version": EVAL_VERSION,
             "cell_id": None,  # filled below from the record's own fields
             "model": {"name": self.name, **self.lm.description},
-            "scheme": scheme,
+            "scheme": r.scheme,
             "kv": self.spec.kv_record() if mode != "float" else None,
             "mode": mode,
-            "backend": backend,
+            "backend": r.backend,
             "protocol": self.protocol_record(),
             "metrics": {
                 "perplexity": _finite(value),
@@ -406,18 +417,18 @@ class ModelEvaluation:
                 "nll": _finite(ppl["nll"]),
                 "tokens": ppl["tokens"],
             },
-            "outliers": {k: v for k, v in outliers.items() if k != "per_layer"},
-            "outliers_per_layer": outliers.get("per_layer"),
-            "massive_activations": massive,
-            "linear_ranges": linear,
+            "outliers": {k: v for k, v in r.outliers.items() if k != "per_layer"},
+            "outliers_per_layer": r.outliers.get("per_layer"),
+            "massive_activations": r.massive,
+            "linear_ranges": r.linear,
             "status": status,
             "error": error,
             "env": environment(self.spec.device),
             "seed": self.spec.seed,
-            "wall_seconds": round(wall, 3),
-            "eval_seconds": round(eval_seconds, 3),
-            "tokens_per_second": round(ppl["tokens"] / eval_seconds, 1) if eval_seconds > 0 else None,
-            "model_bytes": nbytes,
+            "wall_seconds": round(r.wall_seconds, 3),
+            "eval_seconds": round(r.eval_seconds, 3),
+            "tokens_per_second": round(ppl["tokens"] / r.eval_seconds, 1) if r.eval_seconds > 0 else None,
+            "model_bytes": r.model_bytes,
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         record["cell_id"] = cell_identity(record)
@@ -431,9 +442,14 @@ class ModelEvaluation:
         scheme = self.spec.scheme(scheme_name)
         torch.manual_seed(self.spec.seed)
         start = time.perf_counter()
-        nan = {"perplexity": float("nan"), "nll": float("nan"), "tokens": 0}
-        fp_ppl = {"perplexity": fp["metrics"]["fp_perplexity"] or float("nan")}
-        outliers = {**fp["outliers"], "per_layer": fp.get("outliers_per_layer")}
+        base = CellResult(
+            self.spec.scheme_record(scheme_name),
+            mode,
+            "-",
+            NAN_PPL,
+            fp_perplexity=fp["metrics"]["fp_perplexity"] or float("nan"),
+            outliers={**fp["outliers"], "per_layer": fp.get("outliers_per_layer")},
+        )
         try:
             qmodel = (
                 self.lm.model
@@ -449,50 +465,39 @@ class ModelEvaluation:
             qmodel = self._with_kv(qmodel)
         except (UserError, NonFiniteError) as e:  # no real kernel here / NaN or inf weights: recorded, go on
             nonfinite = isinstance(e, NonFiniteError)
-            return self._record(
-                self.spec.scheme_record(scheme_name),
-                mode,
-                "-",
-                nan,
-                fp_ppl,
-                outliers,
-                None,
-                0.0,
-                time.perf_counter() - start,
-                0,
-                status="nonfinite" if nonfinite else "unsupported",
-                error=f"{e}{self._nonfinite_weights()}" if nonfinite else str(e),
+            return self.record(
+                replace(
+                    base,
+                    wall_seconds=time.perf_counter() - start,
+                    status="nonfinite" if nonfinite else "unsupported",
+                    error=f"{e}{self._nonfinite_weights()}" if nonfinite else str(e),
+                )
             )
         eval_start = time.perf_counter()
         try:
             ppl = perplexity(qmodel, self.windows, self.spec.protocol.batch_size, self.spec.device)
         except NonFiniteError as e:  # NaN/inf reached a quantiser: the cell failed, the grid goes on
-            return self._record(
-                self.spec.scheme_record(scheme_name),
-                mode,
-                _backend(qmodel, mode),
-                nan,
-                fp_ppl,
-                outliers,
-                None,
-                time.perf_counter() - eval_start,
-                time.perf_counter() - start,
-                _model_bytes(qmodel),
-                status="nonfinite",
-                error=f"{e}{self._nonfinite_weights()}",
+            return self.record(
+                replace(
+                    base,
+                    backend=_backend(qmodel, mode),
+                    wall_seconds=time.perf_counter() - start,
+                    eval_seconds=time.perf_counter() - eval_start,
+                    model_bytes=_model_bytes(qmodel),
+                    status="nonfinite",
+                    error=f"{e}{self._nonfinite_weights()}",
+                )
             )
         eval_seconds = time.perf_counter() - eval_start
-        return self._record(
-            self.spec.scheme_record(scheme_name),
-            mode,
-            _backend(qmodel, mode),
-            ppl,
-            fp_ppl,
-            outliers,
-            None,
-            eval_seconds,
-            time.perf_counter() - start,
-            _model_bytes(qmodel),
+        return self.record(
+            replace(
+                base,
+                backend=_backend(qmodel, mode),
+                ppl=ppl,
+                wall_seconds=time.perf_counter() - start,
+                eval_seconds=eval_seconds,
+                model_bytes=_model_bytes(qmodel),
+            )
         )
 
     def _with_kv(self, model: torch.nn.Module) -> torch.nn.Module:

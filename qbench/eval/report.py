@@ -17,14 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import UserError, unknown_choice
+from qbench.eval.metric_registry import COMPARE_COLUMNS, format_value, metric
 
 FORMATS = ("table", "md", "csv", "latex", "json")
-OUTLIER_COLUMNS = (
-    ("kurtosis_first", "κ first"),
-    ("kurtosis_other", "κ other"),
-    ("max_abs", "max abs act"),  # no "|": it would split a markdown table cell
-    ("first_token_top1_share", "1st-token top-1"),
-)
+# (record key, header) of the float model's outlier columns, from the metric registry
+OUTLIER_COLUMNS = tuple((key, metric(key).label) for key in COMPARE_COLUMNS)
 
 
 def read_records(folder: Path) -> list[dict[str, Any]]:
@@ -170,11 +167,7 @@ def _column_order(column: str) -> tuple[int, int, str, str]:
 
 
 def _outlier(value: Any, key: str) -> str:
-    if value is None:
-        return "-"
-    if key == "first_token_top1_share":
-        return f"{value:.1%}"
-    return f"{value:.3g}" if value < 1000 else f"{value:,.0f}"
+    return format_value(key, value)
 
 
 def caption(records: list[dict[str, Any]]) -> str:

@@ -39,16 +39,12 @@ from models.errors import UserError, unknown_choice
 from models.io import atomic_write_json, atomic_write_text
 from qbench.eval.harness import GridSpec, environment, run_grid
 from qbench.eval.load import LoadedModel, load_model
+from qbench.eval.metric_registry import UNIT_STATISTICS
 from qbench.studies.sensitivity_options import BY
 from qbench.studies.sweep import format_change, within_tolerance
 
-# unit statistic -> key of qbench.eval.metrics.linear_ranges' per-layer entry
-STATISTICS = {
-    "input_crest": "input_crest",
-    "input_kurtosis": "input_kurtosis",
-    "max_abs": "input_absmax",
-    "weight_crest": "weight_crest",
-}
+# unit statistic -> key of qbench.eval.metrics.linear_ranges' per-layer entry (the metric registry's list)
+STATISTICS = UNIT_STATISTICS
 # (phase, record, reused). Phases: "unit" -- exactly one call per unit, the number ``on_units`` announced; "kv" --
 # the KV-only cell (with a quantised KV cache only); "repair" -- each distinct set the repair measures. Progress
 # bars count them apart, so "units 4/4" means the units and nothing else.

@@ -141,14 +141,11 @@ def _scheme_candidates(
     return out
 
 
-NATIVE_LAYERS = ("Int8Linear", "Int4Linear", "Int4A8Linear", "Int8WeightOnlyLinear")
-
-
 def _backend_of(model: nn.Module, mode: str) -> str:
     if mode != "real":
         return mode
     names = real_kernels(model)
-    from qbench.quant.kernels import native
+    from qbench.quant.kernels import NATIVE_LAYERS, native
 
     if native.available() and set(names) & set(NATIVE_LAYERS):
         return f"{'+'.join(names)}, C {native.isa()}"

@@ -1,30 +1,13 @@
 """Real quantised linear layers: what ``quantize(model, scheme, mode="real")`` puts in place of each linear.
 
 ``make_real_linear(weight, bias, scheme, input_scale=, rotation=)`` takes the same arguments as
-``FakeQuantLinear`` and computes the same function with real low-precision storage and kernels:
-
-=====================================  ==============================  =========================================
-scheme (method, bits)                  module                          kernel
-=====================================  ==============================  =========================================
-rtn / smoothquant / hadamard, W8A8     :class:`~.int8.Int8Linear`      CPU: C int8 GEMV/GEMM (``native.c``),
-absmax (W per channel or tensor,                                       ``torch._int_mm`` where faster; CUDA:
-A per token or per sequence,                                           ``torch._int_mm`` (int8×int8→int32)
-optional O8 per sequence)
-rtn / hadamard, W4 zeropoint,          :class:`~.int4.Int4Linear`      CPU fp32: C kernels (``paths.py``);
-weight-only (per channel or group)                                     CPU bf16: ``_weight_int4pack_mm_for_cpu``;
-                                                                       else dequantise on the fly
-W2/W3 (either symmetry), W4 absmax,    :class:`~.lowbit.LowBitLinear`  packed codes, dequantise on the fly
-weight-only (per channel or group)
-rtn / smoothquant / hadamard, W4A8     ``w4a8.Int4A8Linear``           CPU: C int4×int8 GEMV/GEMM
-absmax (W per channel or group of                                      (``native.c``); else F.linear on
-32 or 64·n, A per token or sequence)                                   s_x·q and Ŵ (fake's arithmetic)
-W8A8 static (calibrated per-tensor     :class:`~.int8.Int8Linear`      ``torch._int_mm``, eager
-activation/output scales)
-W8 weight-only (W8A16-style,           ``w8.Int8WeightOnlyLinear``     CPU fp32: C kernels (``paths.py``);
-per channel or group)                                                  else dequantise on the fly
-llm-int8                               :class:`~.bnb.BnbLinear`        bitsandbytes ``Linear8bitLt``
-bnb-nf4                                :class:`~.bnb.BnbLinear`        bitsandbytes ``Linear4bit`` (nf4)
-=====================================  ==============================  =========================================
+``FakeQuantLinear`` and computes the same function with real low-precision storage and kernels. Which layer a
+scheme gets is decided by one registry, :data:`REAL_KERNELS`: an ordered list of :class:`RealKernel` entries —
+what it covers, its layer class, its kernels, a predicate on the scheme and a builder — the first entry whose
+predicate holds builds the layer. ``qbench ls schemes`` (its real-kernel column), ``qbench env``, ``qbench speed``
+and the table in docs/schemes.md (:func:`kernels_table`; a test keeps the page equal to it) are generated from
+it. Adding an integer format with a real kernel: write the layer (on :class:`~.base.RealLinear`) and its kernel,
+add one entry here, and test it against fake mode.
 
 Anything else (another bit width, per-input-channel activation scales, an asymmetric or group-wise int8 weight
 with int8 activations)
@@ -33,6 +16,9 @@ has no integer kernel here and raises :class:`UserError` — run it with ``mode=
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -46,29 +32,23 @@ from qbench.quant.kernels.w4a8 import Int4A8Linear
 from qbench.quant.schemes import QuantScheme
 
 __all__ = [
+    "REAL_KERNELS",
     "Int4A8Linear",
     "Int4Linear",
     "Int8Linear",
     "LowBitLinear",
+    "RealKernel",
     "available_backends",
     "int_mm",
     "kernel_paths",
+    "kernels_table",
     "make_real_linear",
     "pack_bits",
     "pack_int4",
+    "real_kernel_for",
     "unpack_bits",
     "unpack_int4",
 ]
-
-REAL_KERNELS = (
-    "W8A8 absmax (W per channel/tensor, A per token/sequence, optional O8 per sequence)",
-    "W8A8 with static per-tensor activation/output scales",
-    "W4A8 absmax (W per channel or group of 32 / 64·n, A per token/sequence)",
-    "W2/W3/W4 weight-only, zeropoint or absmax (per channel/group)",
-    "W8 weight-only (W8A16-style), zeropoint or absmax (per channel/group)",
-    "llm-int8",
-    "bnb-nf4",
-)
 
 
 def make_real_linear(
@@ -85,8 +65,6 @@ def make_real_linear(
 
     ``act_static`` / ``out_static``: calibrated ``static.StaticQuantizer``s of a ``static=true`` scheme.
     """
-    if scheme.method in ("llm-int8", "bnb-nf4"):
-        return _bnb_linear(weight, bias, scheme, input_scale, rotation)
     if scheme.method == "smoothquant" and input_scale is None:
         raise UserError(f"scheme {scheme.name!r}: smoothquant needs calibrated input scales (input_scale)")
     if scheme.method == "hadamard" and rotation is None:
@@ -95,36 +73,39 @@ def make_real_linear(
         raise UserError(
             f"scheme {scheme.name!r}: static scales need calibration (quantize(..., calibration=…))"
         )
-    if _is_w8a8(scheme):
-        return Int8Linear.from_float(
-            weight,
-            bias,
-            weight_granularity="per_channel" if _per_out_channel(scheme) else "per_tensor",
-            act="per_token" if isinstance(scheme.act_granularity, PerToken) else "per_tensor",
-            out_quant=scheme.out_bits is not None,
-            input_scale=input_scale,
-            rotation=rotation,
-            static_act_scale=None if act_static is None else act_static.scale,
-            static_out_scale=None if out_static is None else out_static.scale,
+    kernel = real_kernel_for(scheme)
+    if kernel is None:
+        raise UserError(
+            f"scheme {scheme.name!r} ({scheme.label}) has no real kernel; real kernels exist for: "
+            f"{'; '.join(k.covers for k in REAL_KERNELS)}. Run it with mode='fake'"
         )
-    if _is_w4a8(scheme) and act_static is None:
-        g = scheme.weight_granularity_for(weight.shape[1])  # a group ≥ the row is per channel
-        group = g.group_size if isinstance(g, PerGroup) else None
-        return Int4A8Linear.from_float(
-            weight,
-            bias,
-            group,
-            act="per_token" if isinstance(scheme.act_granularity, PerToken) else "per_tensor",
-            input_scale=input_scale,
-            rotation=rotation,
-        )
-    if _is_w8_weight_only(scheme):
-        return _w8_weight_only_linear(weight, bias, scheme, input_scale, rotation)
-    if _is_weight_only_lowbit(scheme):
-        return _weight_only_linear(weight, bias, scheme, input_scale, rotation)
-    raise UserError(
-        f"scheme {scheme.name!r} ({scheme.label}) has no real kernel; real kernels exist for: "
-        f"{'; '.join(REAL_KERNELS)}. Run it with mode='fake'"
+    return kernel.build(weight, bias, scheme, input_scale, rotation, act_static, out_static)
+
+
+def _w8a8_linear(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
+    return Int8Linear.from_float(
+        weight,
+        bias,
+        weight_granularity="per_channel" if _per_out_channel(scheme) else "per_tensor",
+        act="per_token" if isinstance(scheme.act_granularity, PerToken) else "per_tensor",
+        out_quant=scheme.out_bits is not None,
+        input_scale=input_scale,
+        rotation=rotation,
+        static_act_scale=None if act_static is None else act_static.scale,
+        static_out_scale=None if out_static is None else out_static.scale,
+    )
+
+
+def _w4a8_linear(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
+    g = scheme.weight_granularity_for(weight.shape[1])  # a group ≥ the row is per channel
+    group = g.group_size if isinstance(g, PerGroup) else None
+    return Int4A8Linear.from_float(
+        weight,
+        bias,
+        group,
+        act="per_token" if isinstance(scheme.act_granularity, PerToken) else "per_tensor",
+        input_scale=input_scale,
+        rotation=rotation,
     )
 
 
@@ -150,9 +131,10 @@ def _is_w8a8(scheme: QuantScheme) -> bool:
 
 
 def _is_w4a8(scheme: QuantScheme) -> bool:
-    """int4 absmax weights (per output channel or group) × int8 absmax activations per token / sequence."""
+    """int4 absmax weights (per output channel or group) × int8 absmax activations per token / sequence, dynamic."""
     return (
-        scheme.weight_bits == 4
+        not scheme.static
+        and scheme.weight_bits == 4
         and scheme.weight_symmetric
         and (_per_out_channel(scheme) or isinstance(scheme.weight_granularity, PerGroup))
         and scheme.act_bits == 8
@@ -163,7 +145,7 @@ def _is_w4a8(scheme: QuantScheme) -> bool:
 
 
 def _is_w8_weight_only(scheme: QuantScheme) -> bool:
-    """Weight-only int8 (W8A16-style), per output channel or per group, either symmetry (KERN)."""
+    """Weight-only int8 (W8A16-style), per output channel or per group, either symmetry."""
     return (
         scheme.weight_bits == 8
         and scheme.act_bits is None
@@ -172,9 +154,7 @@ def _is_w8_weight_only(scheme: QuantScheme) -> bool:
     )
 
 
-def _w8_weight_only_linear(
-    weight: Tensor, bias: Tensor | None, scheme: QuantScheme, input_scale: Tensor | None, rotation: object
-) -> nn.Module:
+def _w8_weight_only_linear(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
     from qbench.quant.kernels.w8 import Int8WeightOnlyLinear
 
     g = scheme.weight_granularity_for(weight.shape[1])
@@ -185,7 +165,7 @@ def _w8_weight_only_linear(
 
 
 def _is_weight_only_lowbit(scheme: QuantScheme) -> bool:
-    """Weight-only 2/3/4-bit, per output channel or per group, either symmetry (SCHEME's grouped schemes)."""
+    """Weight-only 2/3/4-bit, per output channel or per group, either symmetry (the grouped schemes)."""
     return (
         scheme.weight_bits in PACKED_BITS
         and scheme.act_bits is None
@@ -194,9 +174,7 @@ def _is_weight_only_lowbit(scheme: QuantScheme) -> bool:
     )
 
 
-def _weight_only_linear(
-    weight: Tensor, bias: Tensor | None, scheme: QuantScheme, input_scale: Tensor | None, rotation: object
-) -> nn.Module:
+def _weight_only_linear(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
     """Asymmetric int4 -> Int4Linear (torch's int4 kernel with bf16); int2/int3, symmetric int4 and a group that
     does not divide the row (a shorter last group) -> LowBitLinear."""
     g = scheme.weight_granularity_for(weight.shape[1])  # a group ≥ the row is per channel
@@ -214,13 +192,7 @@ def _weight_only_linear(
     )
 
 
-def _bnb_linear(
-    weight: Tensor,
-    bias: Tensor | None,
-    scheme: QuantScheme,
-    input_scale: Tensor | None,
-    rotation: nn.Module | Tensor | None,
-) -> nn.Module:
+def _bnb_linear(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
     from qbench.quant.kernels.bnb import bnb_int8_linear, bnb_nf4_linear
 
     if input_scale is not None or rotation is not None:
@@ -230,14 +202,99 @@ def _bnb_linear(
     return bnb_nf4_linear(weight, bias, blocksize=int(scheme.param("blocksize")))
 
 
-# (what ``qbench env`` calls a layer, its kind in ``paths.choose``)
-PATH_LAYERS = (
-    ("W8A8 (Int8Linear)", "w8a8"),
-    ("W4A8 (Int4A8Linear)", "w4a8"),
-    ("W4 zeropoint weight-only (Int4Linear)", "w4"),
-    ("W8 weight-only (Int8WeightOnlyLinear)", "w8"),
-    ("W2/W3/W4-absmax weight-only (LowBitLinear)", "lowbit"),
+# --------------------------------------------------------------------------------------------- the registry
+
+
+Builder = Callable[..., nn.Module]  # (weight, bias, scheme, input_scale, rotation, act_static, out_static)
+
+
+@dataclass(frozen=True)
+class RealKernel:
+    """One real layer: which schemes it serves (``applies``), how it is built, and what to call it."""
+
+    covers: str  # the schemes it serves, in words (error messages, docs)
+    layer: str  # its class name, as records' ``backend`` names it
+    kernels: str  # what computes it, per device
+    applies: Callable[[QuantScheme], bool]
+    build: Builder
+    paths: tuple[tuple[str, str], ...] = ()  # (label, kind in ``paths.choose``) for ``qbench env``
+    native: tuple[str, ...] = ()  # its layer classes that compiled C kernels serve on the CPU
+
+
+def _is_bnb(scheme: QuantScheme) -> bool:
+    return scheme.method in ("llm-int8", "bnb-nf4")
+
+
+# First match wins: the order is the dispatch.
+REAL_KERNELS: tuple[RealKernel, ...] = (
+    RealKernel(
+        "llm-int8 and bnb-nf4 (bitsandbytes)",
+        "BnbLinear",
+        "bitsandbytes Linear8bitLt / Linear4bit (nf4), CPU and CUDA",
+        _is_bnb,
+        _bnb_linear,
+    ),
+    RealKernel(
+        "W8A8 absmax (W per channel/tensor, A per token/sequence or static per tensor, optional O8 per sequence)",
+        "Int8Linear",
+        "CPU: C int8 GEMV/GEMM, torch._int_mm where faster; CUDA: torch._int_mm",
+        lambda s: not _is_bnb(s) and _is_w8a8(s),
+        _w8a8_linear,
+        (("W8A8 (Int8Linear)", "w8a8"),),
+        native=("Int8Linear",),
+    ),
+    RealKernel(
+        "W4A8 absmax (W per channel or group, A per token/sequence)",
+        "Int4A8Linear",
+        "CPU: C int4×int8 GEMV/GEMM (groups of 32 or 64·n; others torch); else F.linear on s_x·q and Ŵ",
+        lambda s: not _is_bnb(s) and _is_w4a8(s),
+        _w4a8_linear,
+        (("W4A8 (Int4A8Linear)", "w4a8"),),
+        native=("Int4A8Linear",),
+    ),
+    RealKernel(
+        "W8 weight-only (W8A16-style), zeropoint or absmax, per channel/group",
+        "Int8WeightOnlyLinear",
+        "CPU fp32: C kernels reading the codes; else dequantise on the fly",
+        lambda s: not _is_bnb(s) and _is_w8_weight_only(s),
+        _w8_weight_only_linear,
+        (("W8 weight-only (Int8WeightOnlyLinear)", "w8"),),
+        native=("Int8WeightOnlyLinear",),
+    ),
+    RealKernel(
+        "W2/W3/W4 weight-only, zeropoint or absmax, per channel/group "
+        "(W4 zeropoint → Int4Linear where the group divides the row, else LowBitLinear)",
+        "Int4Linear / LowBitLinear",
+        "Int4Linear: CPU fp32 C kernels, CPU bf16 torch int4pack; LowBitLinear: packed codes, dequantise on the fly",
+        lambda s: not _is_bnb(s) and _is_weight_only_lowbit(s),
+        _weight_only_linear,
+        (
+            ("W4 zeropoint weight-only (Int4Linear)", "w4"),
+            ("W2/W3/W4-absmax weight-only (LowBitLinear)", "lowbit"),
+        ),
+        native=("Int4Linear",),
+    ),
 )
+
+# (what ``qbench env`` calls a layer, its kind in ``paths.choose``), from the registry
+PATH_LAYERS = tuple(path for kernel in REAL_KERNELS for path in kernel.paths)
+# Real layer classes with compiled C kernels on the CPU (``qbench speed`` names the instruction set for them)
+NATIVE_LAYERS = tuple(name for kernel in REAL_KERNELS for name in kernel.native)
+
+
+def real_kernel_for(scheme: QuantScheme) -> RealKernel | None:
+    """The registry entry that builds ``scheme``'s real layer (None: fake mode only). Floating-point formats
+    never have one (``quantize`` refuses them before asking)."""
+    if getattr(scheme, "format", "int") != "int":
+        return None
+    return next((k for k in REAL_KERNELS if k.applies(scheme)), None)
+
+
+def kernels_table() -> str:
+    """The registry as a markdown table (docs/schemes.md holds it; a test keeps them equal)."""
+    lines = ["| real layer | serves | kernels |", "|---|---|---|"]
+    lines += [f"| `{k.layer}` | {k.covers} | {k.kernels} |" for k in REAL_KERNELS]
+    return "\n".join(lines) + "\n"
 
 
 def kernel_paths(rows: tuple[int, ...] = (1, 512)) -> dict[str, str]:

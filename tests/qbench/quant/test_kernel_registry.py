@@ -1,0 +1,50 @@
+"""The real-kernel registry is the dispatch: make_real_linear, ls schemes, env, speed and the docs read it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qbench.quant.kernels import (
+    NATIVE_LAYERS,
+    PATH_LAYERS,
+    REAL_KERNELS,
+    kernels_table,
+    make_real_linear,
+    real_kernel_for,
+)
+from qbench.quant.schemes import SCHEMES, get_scheme
+
+
+def test_the_registry_entry_builds_the_layer_make_real_linear_returns():
+    weight = torch.randn(32, 256)
+    for name in SCHEMES.names():
+        scheme = get_scheme(name)
+        kernel = real_kernel_for(scheme)
+        if kernel is None or scheme.method in ("smoothquant", "hadamard") or scheme.static:
+            continue  # those need calibration / a rotation: test_real_contract covers them
+        layer = make_real_linear(weight, None, scheme)
+        assert type(layer).__name__ in kernel.layer.split(" / "), name
+
+
+def test_no_real_kernel_for_float_formats_and_a_one_line_error_names_the_registry():
+    import pytest
+
+    from models.errors import UserError
+
+    assert real_kernel_for(get_scheme("fp8-e4m3")) is None
+    with pytest.raises(UserError, match="has no real kernel; real kernels exist for: llm-int8 and bnb-nf4"):
+        make_real_linear(torch.randn(8, 64), None, get_scheme("absmax-fine-perchannel"))
+
+
+def test_env_and_speed_lists_come_from_the_registry():
+    assert [kind for _, kind in PATH_LAYERS] == ["w8a8", "w4a8", "w8", "w4", "lowbit"]
+    assert set(NATIVE_LAYERS) == {"Int8Linear", "Int4A8Linear", "Int8WeightOnlyLinear", "Int4Linear"}
+    assert len({k.layer for k in REAL_KERNELS}) == len(REAL_KERNELS)
+
+
+def test_docs_schemes_page_holds_the_registry_table():
+    page = (Path(__file__).parents[3] / "docs" / "schemes.md").read_text()
+    start, end = "<!-- real-kernels:start -->\n", "<!-- real-kernels:end -->"
+    assert page[page.index(start) + len(start) : page.index(end)] == kernels_table()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -17,6 +18,7 @@ err_console = Console(stderr=True)
 COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {}
 
 INTERRUPTED = "qbench: interrupted"
+SEED_HELP = "torch seed set before each evaluation"
 # the namespace slot of _StoreOnce's bookkeeping; _Parser.parse_known_args removes it again
 _GIVEN = "_qbench_given"
 
@@ -127,14 +129,6 @@ def add_output_argument(
     )
 
 
-def command(name: str) -> Callable:
-    def register(fn: Callable[[argparse.Namespace], int | None]) -> Callable:
-        COMMANDS[name] = fn
-        return fn
-
-    return register
-
-
 def os_error_line(e: OSError) -> str:
     """An OSError as one line naming the path: what the CLI prints instead of a traceback."""
     path = e.filename if e.filename is not None else "?"
@@ -150,3 +144,12 @@ def print_wide(renderable) -> None:
         console.print(renderable)
     else:
         Console(width=240).print(renderable)
+
+
+def refuse_non_empty(command: str, out: Path, overwrite: bool) -> None:
+    """A command that writes a model folder never mixes its files into someone else's without ``--overwrite``: a
+    checkpoint written over another, or a model exported over its own source, would be silently mixed or lost."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"qbench {command}: {out} is an existing file; give a folder to write the model into")
+    if out.is_dir() and not overwrite and any(out.iterdir()):
+        raise UserError(f"qbench {command}: {out} is not empty; pass --overwrite to write into it anyway")

@@ -1,19 +1,41 @@
-"""``qbench run | grid | compare``: evaluate the grid and show its records."""
+"""What ``qbench run``, ``grid`` and ``compare`` share: their options, the grid spec from them, progress lines."""
 
 from __future__ import annotations
 
 import argparse
-import shlex
-import sys
 from pathlib import Path
 
-from models.errors import UserError
-from qbench.cli.base import command, console, print_wide
+from qbench.cli.args import add_kv_arguments, add_model_arguments
+from qbench.cli.base import SEED_HELP, add_output_argument, console, print_wide
+from qbench.cli.budgets import EVAL_TOKENS
 
-# ---------------------------------------------------------------------------------------- run / grid / compare
+
+def add_eval_arguments(p: argparse.ArgumentParser, many: bool = False) -> None:
+    """The options of ``run`` and ``grid``: the model and protocol, schemes, modes, outputs, KV cache."""
+    add_model_arguments(p, tokens=EVAL_TOKENS, many=many)
+    p.add_argument(
+        "--scheme",
+        action="append",
+        help="scheme name (repeatable), 'paper' (the paper's four, "
+        "default) or 'all' — see qbench ls schemes; 'fp' = float weights (with --kv-bits); "
+        "overrides as NAME:key=value,… (e.g. absmax-coarse:w=4,a=4,o=4, zeropoint-int4:group=128)",
+    )
+    p.add_argument("--mode", action="append", help="fake (default) | real; repeatable")
+    add_output_argument(p, "where result JSON goes", default="qbench_results", metavar="DIR")
+    p.add_argument(
+        "--exclude", action="append", help="fnmatch pattern of layer names to keep in float (repeatable)"
+    )
+    p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
+    p.add_argument("--no-attention", action="store_true", help="skip attention statistics (faster)")
+    p.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="quantise the LM head too (default: float, as in the paper); results named <scheme>+head",
+    )
+    add_kv_arguments(p)
 
 
-def _grid_spec(args: argparse.Namespace, models: list[str]):
+def grid_spec(args: argparse.Namespace, models: list[str]):
     from qbench.cli.args import kv_from_args, protocol_from_args
     from qbench.eval.harness import GridSpec, check_modes, expand_schemes
 
@@ -37,7 +59,7 @@ def _grid_spec(args: argparse.Namespace, models: list[str]):
     )
 
 
-def _print_record(record: dict, reused: bool) -> None:
+def print_record(record: dict, reused: bool) -> None:
     m = record["metrics"]
     scheme = record["scheme"]["name"]
     ppl = "NaN" if m["perplexity"] is None else f"{m['perplexity']:.3f}"
@@ -51,7 +73,7 @@ def _print_record(record: dict, reused: bool) -> None:
     )
 
 
-def _run_and_show(spec) -> list[dict]:
+def run_and_show(spec) -> list[dict]:
     from qbench.eval.harness import run_grid
     from qbench.eval.report import rich_table
 
@@ -59,24 +81,12 @@ def _run_and_show(spec) -> list[dict]:
         f"[bold]qbench[/] {len(spec.models)} model(s) × {len(spec.schemes)} scheme(s) × "
         f"{len(spec.modes)} mode(s) → {spec.output_path}/"
     )
-    records = run_grid(spec, on_record=_print_record)
+    records = run_grid(spec, on_record=print_record)
     print_wide(rich_table(records))
     return records
 
 
-@command("run")
-def cmd_run(args: argparse.Namespace) -> None:
-    from qbench.eval.harness import unsupported_cells
-
-    spec = _grid_spec(args, [args.ckpt])
-    unsupported = unsupported_cells(spec)
-    if unsupported:  # refused before the model is even loaded
-        _, mode, why = unsupported[0]
-        raise UserError(f"--mode {mode}: {why}")
-    _run_and_show(spec)
-
-
-def _check_unsupported(records: list[dict], allow: bool) -> int | None:
+def check_unsupported(records: list[dict], allow: bool) -> int | None:
     """List the grid's unsupported cells; exit status 1 unless ``--allow-unsupported``."""
     unsupported = [r for r in records if r.get("status") == "unsupported"]
     if not unsupported:
@@ -90,92 +100,3 @@ def _check_unsupported(records: list[dict], allow: bool) -> int | None:
         return None
     console.print("[yellow]exit status 1: pass --allow-unsupported to accept them[/]")
     return 1
-
-
-@command("grid")
-def cmd_grid(args: argparse.Namespace) -> int | None:
-    from qbench.eval import ranks
-
-    rank, world_size, _ = ranks.world()
-    if args.nproc_per_node < 1:
-        raise UserError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
-    if args.nproc_per_node > 1 and world_size == 1:  # relaunch this very command under torchrun
-        return ranks.launch(shlex.split(args.command_line)[1:], args.nproc_per_node)
-    spec = _grid_spec(args, args.ckpt)
-    allow = getattr(args, "allow_unsupported", False)
-    if world_size == 1:
-        return _check_unsupported(_run_and_show(spec), allow)
-    records = ranks.run_grid_ranks(spec, on_record=_print_record if rank == 0 else None)
-    if records is not None:
-        from qbench.eval.report import rich_table
-
-        print_wide(rich_table(records))
-        return _check_unsupported(records, allow)
-    return None
-
-
-def _records_for(name: str, output_path: Path) -> list[dict]:
-    """Resolve a ``compare`` argument (rule in the ``compare`` help) to its records."""
-    from qbench.eval.load import resolve
-    from qbench.eval.report import read_records
-
-    for folder in (Path(name), output_path / name):
-        if folder.is_dir() and (records := read_records(folder)):
-            return records
-    try:
-        resolve(name)
-    except UserError:
-        raise UserError(
-            f"no results named {name!r}: not a results folder, not {output_path / name}, "
-            f"and not a checkpoint (ckpts/{name}); run `qbench grid --ckpt {name}` first"
-        ) from None
-    from qbench.eval.harness import PAPER_SCHEMES, GridSpec, run_grid
-
-    console.print(f"[dim]no results for {name!r} yet: evaluating it with the paper's schemes[/]")
-    return run_grid(
-        GridSpec(
-            models=[name],
-            schemes=list(PAPER_SCHEMES),
-            output_path=output_path,
-        ),
-        on_record=_print_record,
-    )
-
-
-@command("compare")
-def cmd_compare(args: argparse.Namespace) -> None:
-    from qbench.eval.report import FORMATS, render, rich_table
-
-    if args.format not in FORMATS:
-        from models.errors import unknown_choice
-
-        raise unknown_choice("format", args.format, FORMATS)
-    records = [r for name in args.names for r in _records_for(name, Path(args.output_path))]
-    extra = _breaking_point_columns(args) if args.breaking_points or args.sweep else None
-    if args.format == "table":
-        print_wide(rich_table(records, extra=extra))
-    else:
-        sys.stdout.write(render(records, args.format, extra=extra))
-
-
-def _breaking_point_columns(args: argparse.Namespace) -> dict[str, dict[str, str]]:
-    """Breaking-point columns from ``--sweep`` files, else from the sweep.json files under the named folders."""
-    from qbench.studies.sweep import breaking_point_columns, read_sweep
-
-    paths = [Path(p) for p in args.sweep or ()]
-    if not paths:
-        for name in args.names:
-            for folder in (Path(name), Path(args.output_path) / name):
-                if folder.is_dir():
-                    paths += sorted(folder.rglob("sweep.json"))
-                    break
-    if not paths:
-        raise UserError(
-            f"--breaking-points: no sweep.json under {', '.join(args.names)}; run `qbench sweep` "
-            "or name a sweep with --sweep PATH"
-        )
-    columns: dict[str, dict[str, str]] = {}
-    for path in dict.fromkeys(paths):
-        for model, cols in breaking_point_columns(read_sweep(path)).items():
-            columns.setdefault(model, {}).update(cols)
-    return columns

@@ -9,6 +9,9 @@ from models.errors import UserError
 from qbench.cli.args import add_model_arguments, console, load_from_args, protocol_from_args
 from qbench.cli.base import add_output_argument
 
+NAME = "inspect"
+HELP = "outlier/attention metrics JSON + plots (attention map, activations, per layer)"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)

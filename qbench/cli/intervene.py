@@ -10,6 +10,9 @@ from models.io import atomic_write_json
 from qbench.cli.args import add_model_arguments, console, load_from_args, protocol_from_args
 from qbench.cli.base import add_output_argument
 
+NAME = "intervene"
+HELP = "set massive activations to zero or their mean; perplexity change"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)

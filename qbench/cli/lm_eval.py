@@ -9,6 +9,9 @@ from models.io import atomic_write_json
 from qbench.cli.args import add_load_arguments, console, load_from_args
 from qbench.cli.base import add_output_argument
 
+NAME = "lm-eval"
+HELP = "run lm-evaluation-harness tasks on the quantised in-memory model"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_load_arguments(parser)

@@ -24,6 +24,10 @@ if TYPE_CHECKING:  # the study imports torch: only `qbench score` itself loads i
     from qbench.studies.sweep import SweepConfig
 
 
+NAME = "score"
+HELP = "a model's robustness in one number: outliers + perplexity change per paper scheme"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument(

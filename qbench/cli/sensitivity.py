@@ -34,6 +34,10 @@ DEFAULT_WINDOW = 512  # at most: a model with a shorter context uses its own
 DEFAULT_OUTPUT = Path("qbench_sensitivity")
 
 
+NAME = "sensitivity"
+HELP = "where a model breaks: each layer quantised alone, and a verified float repair"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from qbench.studies.sensitivity_options import BY
 

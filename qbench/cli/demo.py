@@ -1,0 +1,86 @@
+"""``qbench demo``: train vanilla + paper tiny models, evaluate the paper's schemes (~15 min CPU)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from models.errors import UserError
+from qbench.cli.base import add_output_argument, console, print_wide
+from qbench.cli.budgets import DEMO_TOKENS
+from qbench.cli.evaluate import (
+    print_record,
+)
+
+NAME = "demo"
+HELP = "train vanilla + paper tiny models, evaluate the paper's schemes (~15 min CPU)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--long",
+        action="store_true",
+        help="the budget at which quantisation damage appears in the vanilla model (Llama style, ~50 min)",
+    )
+    p.add_argument(
+        "--steps", type=int, help="training steps per model, 16 x 128 tokens each (default: 500; --long 2000)"
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=DEMO_TOKENS,
+        help="evaluation token budget per model (the demo's recipe)",
+    )
+    p.add_argument("--ckpt-root", help="checkpoint folder (default: ckpts/demo; --long: ckpts/demo-long)")
+    add_output_argument(p, "results folder (default: results/demo; --long: results/demo-long)", metavar="DIR")
+    p.add_argument("--seed", type=int, default=0, help="training and evaluation seed")
+    p.add_argument("--no-sweep", action="store_true", help="skip the bit-width sweep (8→2 bits, KV cache)")
+
+
+def run(args: argparse.Namespace) -> None:
+    from dataclasses import replace
+
+    from qbench.eval.report import rich_table
+    from qbench.studies import demo
+
+    base = demo.LONG if args.long else demo.DemoConfig()
+    steps = base.steps if args.steps is None else args.steps
+    if steps < 1 or args.tokens < 2:
+        raise UserError(f"--steps must be ≥ 1 and --tokens ≥ 2, got {steps} and {args.tokens}")
+    if base.schedule_steps and steps > base.schedule_steps:
+        raise UserError(f"--steps {steps} exceeds the long demo's {base.schedule_steps}-step schedule")
+    cfg = replace(
+        base,
+        steps=steps,
+        eval_tokens=args.tokens,
+        ckpt_root=Path(args.ckpt_root or base.ckpt_root),
+        output_path=Path(args.output_path or base.output_path),
+        seed=args.seed,
+        sweep_axes=() if args.no_sweep else base.sweep_axes,
+    )
+    console.print(
+        f"[bold]qbench demo[/]: train {', '.join(demo.RECIPES)} ({cfg.description}) in {cfg.ckpt_root}/, "
+        f"evaluate the paper's schemes, write {cfg.output_path}/"
+    )
+    train_s = demo.train_both(cfg, console)
+    start = time.perf_counter()
+    records = demo.evaluate(cfg, on_record=print_record)
+    eval_s = time.perf_counter() - start
+    timings = {"train": train_s, "eval": eval_s}
+    result = None
+    if cfg.sweep_axes:
+        from qbench.studies.sweep import sweep_table
+
+        start = time.perf_counter()
+        from qbench.cli.sweep import run_sweep_with_progress
+
+        result = run_sweep_with_progress(demo.sweep_config(cfg), args.command_line)
+        timings["sweep"] = time.perf_counter() - start
+    table = demo.write_report(cfg, records, timings, args.command_line, result)
+    print_wide(rich_table(records, title="qbench demo"))
+    if result is not None:
+        console.print(sweep_table(result), highlight=False, soft_wrap=True)
+    words = {"train": "training", "eval": "evaluation", "sweep": "bit-width sweep"}
+    spent = ", ".join(f"{words[k]} {v:.0f} s" for k, v in timings.items())
+    console.print(f"wrote {table} and plots beside it ({spent})")

@@ -1,0 +1,119 @@
+"""``qbench speed``: time/memory of each scheme × mode vs fp32 and peers (ratios, interleaved)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from models.errors import UserError
+from qbench.cli.base import add_output_argument, console, err_console
+from qbench.cli.budgets import TIMING_TOKENS
+
+NAME = "speed"
+HELP = "time/memory of each scheme × mode vs fp32 and peers (ratios, interleaved)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=1, help="torch threads while timing")
+    p.add_argument(
+        "--in-features", type=int, default=1024, help="per-layer figures: the linear's input width"
+    )
+    p.add_argument(
+        "--out-features", type=int, default=4096, help="per-layer figures: the linear's output width"
+    )
+    p.add_argument(
+        "--tokens", type=int, default=TIMING_TOKENS, help="per-layer figures: tokens per timed forward"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=15, help="timed repeats per figure (medians and minima are compared)"
+    )
+    p.add_argument("--scheme", action="append", help="repeatable; default: every registered scheme")
+    p.add_argument("--mode", action="append", help="fake | real (default both)")
+    p.add_argument("--model", default="small", help="preset for the whole-model figure")
+    p.add_argument("--no-model", action="store_true", help="skip the whole-model figures")
+    p.add_argument(
+        "--ckpt",
+        help="whole-model figures for this checkpoint (qbench or transformers) instead of --model's preset",
+    )
+    p.add_argument("--model-tokens", type=int, default=TIMING_TOKENS, help="whole-model prefill tokens")
+    p.add_argument("--new-tokens", type=int, default=128, help="whole-model generation: greedy tokens")
+    p.add_argument("--no-generate", action="store_true", help="skip the whole-model generation figure")
+    p.add_argument(
+        "--generate-via",
+        default="own",
+        help="our models decode with their own KV cache (own) or exported to transformers (transformers)",
+    )
+    p.add_argument("--no-layer", action="store_true", help="skip the per-layer and bandwidth figures")
+    p.add_argument(
+        "--device", default="cpu", help="cpu | cuda | cuda:N (peers without a kernel there: noted)"
+    )
+    p.add_argument("--no-peers", action="store_true", help="skip torch.ao / bitsandbytes / torchao peers")
+    add_output_argument(
+        p,
+        "also write the records to this JSON file ('-': to stdout only)",
+        "--json",
+        metavar="FILE",
+    )
+    p.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="measure nothing: print the tables of a file written by --output-path",
+    )
+    p.add_argument("--format", default="simple", help="table format: simple | md (GitHub markdown)")
+
+
+def run(args: argparse.Namespace) -> None:
+    import json
+    import os
+
+    from models.io import atomic_write_json, git_commit, software_versions
+    from qbench.eval.harness import check_modes, expand_schemes
+    from qbench.studies.speed import MALLOC_ENV, format_speed_table, run_speed
+
+    tablefmt = {"simple": "simple", "md": "github"}.get(args.format)
+    if tablefmt is None:
+        raise UserError(f"unknown table format {args.format!r}; choose simple or md")
+    if args.from_json:
+        path = Path(args.from_json)
+        if not path.is_file():
+            raise UserError(f"no speed records at {path} (write them with qbench speed --output-path {path})")
+        try:
+            payload = json.loads(path.read_text())
+            records = payload["records"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise UserError(f"{path} is not a qbench speed --output-path file ({err})") from None
+        sys.stdout.write(format_speed_table(records, tablefmt) + "\n")
+        return
+    shape = (args.in_features, args.out_features)
+    schemes = expand_schemes(args.scheme) if args.scheme else None
+    if not all(v in os.environ for v in MALLOC_ENV):
+        err_console.print(
+            "[dim]tip: MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 qbench speed ... "
+            "removes page-fault noise from the timings (see qbench/speed.py)[/]"
+        )
+    records = run_speed(
+        shape=shape,
+        tokens=args.tokens,
+        threads=args.threads,
+        repeats=args.repeats,
+        schemes=schemes,
+        modes=check_modes(args.mode or ["fake", "real"]),
+        peers=not args.no_peers,
+        model=None if args.no_model else args.model,
+        ckpt=None if args.no_model else args.ckpt,
+        model_tokens=args.model_tokens,
+        new_tokens=args.new_tokens,
+        generate=not args.no_generate,
+        generate_via=args.generate_via,
+        layer=not args.no_layer,
+        device=args.device,
+    )
+    if args.output_path:
+        payload = {"records": records, "software": software_versions(), "git_commit": git_commit()}
+        if args.output_path == "-":
+            sys.stdout.write(json.dumps(payload, indent=2) + "\n")
+            return
+        atomic_write_json(args.output_path, payload)
+        console.print(f"wrote {args.output_path}")
+    sys.stdout.write(format_speed_table(records, tablefmt) + "\n")  # plain text: never re-wrapped

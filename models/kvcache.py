@@ -1,8 +1,9 @@
-"""A quantised KV cache for generation: it holds each position quantised once its scheme says so, float before.
+"""KV caches for generation: the float :class:`KVCache`, and quantised ones that hold each position quantised once
+its scheme says so, float before.
 
-``Transformer.new_cache()`` returns one when the model's blocks carry a KV-cache scheme (``qbench.quant.kvschemes``,
+``Transformer.new_cache()`` returns a quantised one when the model's blocks carry a KV-cache scheme (``qbench.quant.kvschemes``,
 attached by ``qbench.quant.kv.apply_kv``). Per layer the cache keeps one (B, nh, context, hs) buffer for keys and one
-for values, as :class:`models.transformer.KVCache` does; when n tokens have been written, positions below the
+for values, as :class:`KVCache` does; when n tokens have been written, positions below the
 scheme's ``keys_final(n)`` / ``values_final(n)`` hold their dequantised values (written over the float ones, so the
 float is gone, as in a deployed cache) and the rest float. A chunk of T > 1 new tokens is read as each of its
 queries would have read the cache after its own token: positions quantised during the chunk are still float for the
@@ -18,7 +19,32 @@ import torch
 from torch import Tensor
 
 from models.config import ModelConfig
-from models.transformer import KVCache
+
+
+class KVCache:
+    """Keys and values of the positions seen so far, for generation: ``model(ids, cache=cache)`` appends the new
+    positions and attends over all of them, so each new token costs one position's work instead of the prefix's.
+
+    One preallocated (B, n_head, context, head_dim) buffer per block and per key/value (no re-allocation as the
+    sequence grows), created on first use with the dtype and device of the keys. ``pos`` counts the positions
+    stored; the model advances it after each forward.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.pos, self.context = 0, config.context
+        self._k: list[Tensor | None] = [None] * config.n_layer
+        self._v: list[Tensor | None] = [None] * config.n_layer
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store (k, v) (B, nh, T, hs) at positions pos … pos + T − 1 of ``layer``; return its keys/values so far."""
+        if self._k[layer] is None:
+            B, nh, _, hs = k.shape
+            self._k[layer] = k.new_empty(B, nh, self.context, hs)
+            self._v[layer] = v.new_empty(B, nh, self.context, hs)
+        end = self.pos + k.size(2)
+        self._k[layer][:, :, self.pos : end] = k
+        self._v[layer][:, :, self.pos : end] = v
+        return self._k[layer][:, :, :end], self._v[layer][:, :, :end]
 
 
 class CacheView(NamedTuple):

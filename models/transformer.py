@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from models.attention import attention_fast, attention_reference, attention_two_version, attention_with_past
 from models.config import ModelConfig
+from models.kvcache import KVCache, PackedKVCache, QuantizedKVCache  # KVCache is defined there, used here
 
 # ---------------------------------------------------------------------------------------------------- norms
 
@@ -60,35 +61,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
-
-
-# ------------------------------------------------------------------------------------------------- KV cache
-
-
-class KVCache:
-    """Keys and values of the positions seen so far, for generation: ``model(ids, cache=cache)`` appends the new
-    positions and attends over all of them, so each new token costs one position's work instead of the prefix's.
-
-    One preallocated (B, n_head, context, head_dim) buffer per block and per key/value (no re-allocation as the
-    sequence grows), created on first use with the dtype and device of the keys. ``pos`` counts the positions
-    stored; the model advances it after each forward.
-    """
-
-    def __init__(self, config: ModelConfig) -> None:
-        self.pos, self.context = 0, config.context
-        self._k: list[Tensor | None] = [None] * config.n_layer
-        self._v: list[Tensor | None] = [None] * config.n_layer
-
-    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store (k, v) (B, nh, T, hs) at positions pos … pos + T − 1 of ``layer``; return its keys/values so far."""
-        if self._k[layer] is None:
-            B, nh, _, hs = k.shape
-            self._k[layer] = k.new_empty(B, nh, self.context, hs)
-            self._v[layer] = v.new_empty(B, nh, self.context, hs)
-        end = self.pos + k.size(2)
-        self._k[layer][:, :, self.pos : end] = k
-        self._v[layer][:, :, self.pos : end] = v
-        return self._k[layer][:, :, :end], self._v[layer][:, :, :end]
 
 
 # ------------------------------------------------------------------------------------------------- attention
@@ -310,8 +282,6 @@ class Transformer(nn.Module):
         :class:`models.kvcache.PackedKVCache` (codes and scales, dequantised on read); else a float
         :class:`KVCache`."""
         if any(getattr(block.attn.kv_transform, "streaming", False) for block in self.transformer.h):
-            from models.kvcache import PackedKVCache, QuantizedKVCache
-
             return PackedKVCache(self.config) if packed else QuantizedKVCache(self.config)
         return KVCache(self.config)
 

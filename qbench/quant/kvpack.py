@@ -20,13 +20,62 @@ packed form here: :func:`pack` refuses them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from models.errors import UserError
-from qbench.quant.kvschemes import FP8_ELEMENTS, KVSchemeQuantizer, ggml_codes, ggml_dequantize
+from qbench.quant.formats import E4M3, E5M2
 from qbench.quant.primitives import TINY, check_finite
+
+FP8_ELEMENTS = {"fp8-e4m3": E4M3, "fp8-e5m2": E5M2}
+
+
+def _fp16(x: Tensor) -> Tensor:
+    """A scale as llama.cpp stores it (GGML_FP32_TO_FP16) and reads it back."""
+    return x.to(torch.float16).float()
+
+
+def ggml_codes(xb: Tensor, bits: int, symmetric: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """llama.cpp's reference block quantisers over the last dim of ``xb`` (one block per row): the codes q (as
+    float32 integers: q8_0 signed, q{b}_0 and q{b}_1 in 0 … 2^b − 1), the block scale d and (q{b}_1) the block
+    minimum, both as stored: fp16. Module docstring."""
+    xf = xb.float()
+    if symmetric and bits == 8:  # quantize_row_q8_0_ref
+        amax = xf.abs().amax(-1, keepdim=True)
+        check_finite((-amax, amax), "KV-cache quantisation")
+        d = amax / 127
+        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        return torch.trunc(xf * inv + torch.sign(xf) * 0.5), d.half(), None  # roundf: half away from zero
+    levels = 2**bits - 1
+    if symmetric:  # quantize_row_q4_0_ref / q5_0: d = m / −2^(b−1), m the signed value of largest magnitude
+        half = 2 ** (bits - 1)
+        m = xf.gather(-1, xf.abs().argmax(-1, keepdim=True))
+        check_finite((-m.abs(), m.abs()), "KV-cache quantisation")
+        d = m / -half
+        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        return torch.floor(xf * inv + (half + 0.5)).clamp_max(levels), d.half(), None
+    lo, hi = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)  # quantize_row_q4_1_ref / q5_1
+    check_finite((lo, hi), "KV-cache quantisation")
+    d = (hi - lo) / levels
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return torch.floor((xf - lo) * inv + 0.5).clamp(0, levels), d.half(), lo.half()
+
+
+def ggml_dequantize(q: Tensor, d: Tensor, m: Tensor | None, bits: int, symmetric: bool) -> Tensor:
+    """dequantize_row_q8_0 / q{b}_0 / q{b}_1 in float32: q·d, (q − 2^(b−1))·d, q·d + m."""
+    q = q.float()
+    if symmetric and bits == 8:
+        return q * d.float()
+    if symmetric:
+        return (q - 2 ** (bits - 1)) * d.float()
+    return q * d.float() + m.float()
+
+
+def ggml_quantize_blocks(xb: Tensor, bits: int, symmetric: bool) -> Tensor:
+    """:func:`ggml_codes` then :func:`ggml_dequantize`: a block row as llama.cpp's cache gives it back."""
+    return ggml_dequantize(*ggml_codes(xb, bits, symmetric), bits, symmetric)
 
 
 def _pack_bits(q: Tensor, bits: int) -> Tensor:
@@ -121,7 +170,7 @@ def _minmax_codes(x: Tensor, bits: int, dim: int) -> tuple[Tensor, Tensor, Tenso
     return (xf - lo).div_(scale).round_().clamp_(0, qmax), scale, lo
 
 
-def pack(quantizer: KVSchemeQuantizer, x: Tensor, values: bool, offset: int = 0) -> Packed:
+def pack(quantizer: Any, x: Tensor, values: bool, offset: int = 0) -> Packed:
     """The packed form of all positions of ``x`` (B, H, n, D), absolute positions offset … offset + n − 1, which
     the scheme has made final (for KIVI keys: whole groups)."""
     c, name = quantizer.config, quantizer.scheme.name

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -55,12 +55,11 @@ from torch import Tensor
 from models.errors import UserError, did_you_mean
 from models.kvcache import CacheView
 from models.registry import Registry
-from qbench.quant.formats import E4M3, E5M2, round_to_element
+from qbench.quant.formats import round_to_element
 from qbench.quant.kv_options import KV_SCHEME_SYNTAX
+from qbench.quant.kvpack import FP8_ELEMENTS as PACK_FP8_ELEMENTS
+from qbench.quant.kvpack import ggml_quantize_blocks, pack
 from qbench.quant.primitives import TINY, check_finite
-
-if TYPE_CHECKING:
-    from qbench.quant.kv import KVConfig
 
 
 @dataclass(frozen=True)
@@ -105,7 +104,7 @@ KV_SCHEMES.register(
 )
 # Legacy ``granularity`` values (records written before the registry) meant whole-window statistics.
 LEGACY_GRANULARITY = {"kivi": {"scheme": "window"}, "per-token": {"scheme": "window", "key_axis": "token"}}
-FP8_ELEMENTS = {"fp8-e4m3": E4M3, "fp8-e5m2": E5M2}
+FP8_ELEMENTS = PACK_FP8_ELEMENTS  # scheme name -> element format (shared with the packed cache)
 CALIBRATED = "calib"  # fp8 scale=calib: per-layer k_scale/v_scale from calibrate_kv_scales
 OPTION_FIELDS = ("group", "residual", "block", "sym", "scale", "key_axis")
 SYNTAX = KV_SCHEME_SYNTAX
@@ -195,7 +194,7 @@ def parse_kv_scheme(text: str) -> dict[str, Any]:
     return out
 
 
-def normalize_config(config: KVConfig) -> None:
+def normalize_config(config: Any) -> None:
     """Validate ``config`` in place (frozen: object.__setattr__): resolve the scheme name (aliases, ``NAME:…``
     overrides), fill the scheme's defaults, refuse options of other schemes and impossible values."""
     from qbench.quant.kv_options import KV_BITS
@@ -257,7 +256,7 @@ def normalize_config(config: KVConfig) -> None:
         raise UserError(f"KV-cache fp8 scale {config.scale!r} is not supported; choose a positive number")
 
 
-def label(config: KVConfig) -> str:
+def label(config: Any) -> str:
     """kv2, kv2-keep1, kv2-g32r32, kv4-tok, kv4-tok-asym, kv8-e4m3, kv2-win, kv2-win-tok, …-sinks1."""
     scheme = KV_SCHEMES.get(config.scheme)
     parts = [f"kv{config.bits}{scheme.suffix}"]
@@ -279,7 +278,7 @@ def label(config: KVConfig) -> str:
     return "-".join(parts)
 
 
-def describe(config: KVConfig) -> dict[str, Any]:
+def describe(config: Any) -> dict[str, Any]:
     """The full scheme (every field, the defaults filled in) plus what is quantised how — record identity."""
     scheme = KV_SCHEMES.get(config.scheme)
     fields = {key: getattr(config, key) for key in ("bits", "scheme", "keep_first", "keep_sinks")}
@@ -320,52 +319,6 @@ def minmax_quantize(
     return q.mul_(scale).add_(lo).to(x.dtype)
 
 
-def _fp16(x: Tensor) -> Tensor:
-    """A scale as llama.cpp stores it (GGML_FP32_TO_FP16) and reads it back."""
-    return x.to(torch.float16).float()
-
-
-def ggml_codes(xb: Tensor, bits: int, symmetric: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    """llama.cpp's reference block quantisers over the last dim of ``xb`` (one block per row): the codes q (as
-    float32 integers: q8_0 signed, q{b}_0 and q{b}_1 in 0 … 2^b − 1), the block scale d and (q{b}_1) the block
-    minimum, both as stored: fp16. Module docstring."""
-    xf = xb.float()
-    if symmetric and bits == 8:  # quantize_row_q8_0_ref
-        amax = xf.abs().amax(-1, keepdim=True)
-        check_finite((-amax, amax), "KV-cache quantisation")
-        d = amax / 127
-        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-        return torch.trunc(xf * inv + torch.sign(xf) * 0.5), d.half(), None  # roundf: half away from zero
-    levels = 2**bits - 1
-    if symmetric:  # quantize_row_q4_0_ref / q5_0: d = m / −2^(b−1), m the signed value of largest magnitude
-        half = 2 ** (bits - 1)
-        m = xf.gather(-1, xf.abs().argmax(-1, keepdim=True))
-        check_finite((-m.abs(), m.abs()), "KV-cache quantisation")
-        d = m / -half
-        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-        return torch.floor(xf * inv + (half + 0.5)).clamp_max(levels), d.half(), None
-    lo, hi = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)  # quantize_row_q4_1_ref / q5_1
-    check_finite((lo, hi), "KV-cache quantisation")
-    d = (hi - lo) / levels
-    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    return torch.floor((xf - lo) * inv + 0.5).clamp(0, levels), d.half(), lo.half()
-
-
-def ggml_dequantize(q: Tensor, d: Tensor, m: Tensor | None, bits: int, symmetric: bool) -> Tensor:
-    """dequantize_row_q8_0 / q{b}_0 / q{b}_1 in float32: q·d, (q − 2^(b−1))·d, q·d + m."""
-    q = q.float()
-    if symmetric and bits == 8:
-        return q * d.float()
-    if symmetric:
-        return (q - 2 ** (bits - 1)) * d.float()
-    return q * d.float() + m.float()
-
-
-def ggml_quantize_blocks(xb: Tensor, bits: int, symmetric: bool) -> Tensor:
-    """:func:`ggml_codes` then :func:`ggml_dequantize`: a block row as llama.cpp's cache gives it back."""
-    return ggml_dequantize(*ggml_codes(xb, bits, symmetric), bits, symmetric)
-
-
 def _per_token_rows(x: Tensor, bits: int, block: int, symmetric: bool) -> Tensor:
     """(B, H, n, D) -> each token's row (all H heads, llama.cpp's layout) quantised in blocks of ``block``."""
     B, H, n, D = x.shape
@@ -395,7 +348,7 @@ class KVSchemeQuantizer:
         True  # marks the (k, v, past) -> CacheView protocol for CausalSelfAttention and the kv wrapper
     )
 
-    def __init__(self, config: KVConfig) -> None:
+    def __init__(self, config: Any) -> None:
         self.config = config
         self.scheme = KV_SCHEMES.get(config.scheme)
         self.sinks: Tensor | None = None
@@ -516,8 +469,6 @@ class KVSchemeQuantizer:
 
     def pack(self, x: Tensor, values: bool, offset: int = 0) -> Any:
         """The packed storage (``qbench.quant.kvpack.Packed``) of final positions x (B, H, n, D) from ``offset``."""
-        from qbench.quant.kvpack import pack
-
         return pack(self, x, values, offset)
 
     def stored(

@@ -20,12 +20,18 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "family": ("gpt2", "llama"),
     # softmax1: +1 in the denominator (a head may attend nowhere); sink: a learned per-head key/value bias,
     # i.e. an extra always-visible key (the "attention bias" of Sun et al., Massive Activations).
-    "attn": ("softmax", "softmax1", "sink"),
+    # Training-time remedies (models.attention): clipped = clipped softmax (Bondarenko et al. 2023);
+    # softpick = ReLU(e^x - 1) / sum|e^x - 1| (Zuhri et al. 2025); sink-logit = one learned logit per head
+    # appended to the scores and dropped after the softmax (gpt-oss), softmax-1 when that logit is 0.
+    "attn": ("softmax", "softmax1", "sink", "clipped", "softpick", "sink-logit"),
     # rmsnorm = per-channel gain ("RMSNorm-M", Llama); rmsnorm_single = one scalar gain ("RMSNorm-S", the paper's).
     "norm": ("layernorm", "rmsnorm", "rmsnorm_single"),
     "norm_position": ("pre", "post"),
     "pos": ("learned", "rope", "none"),
     "mlp": ("gelu", "swiglu"),
+    # A sigmoid gate on each head's attention output, computed from the block's (normed) input (Qiu et al. 2025,
+    # position G1): one scalar per head (headwise) or one per channel (elementwise).
+    "gate": ("none", "headwise", "elementwise"),
 }
 
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -53,6 +59,19 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    gate: str = "none"
+    # OSP's learnable d x d projection after the token embedding (identity at init, our choice: the model starts
+    # as the plain one); merged into the embedding for evaluation and export (models.transformer.merge_emb_proj).
+    emb_proj: bool = False
+    # Clipped softmax clip((zeta - gamma) softmax(x) + gamma, 0, 1) with gamma = -clip_alpha / context: the
+    # paper parametrises gamma = -alpha/T by the sequence length T. Defaults: zeta = 1 (no stretch) and alpha = 4,
+    # so that T = 128 gives gamma of about -0.03, the order of the paper's BERT setting (from memory; not
+    # re-checked against its tables offline). T is the model's context, a constant, so a query's weights do not
+    # depend on how many tokens a batch or a KV cache happens to hold.
+    clip_alpha: float = 4.0
+    clip_zeta: float = 1.0
+    # Softpick's denominator epsilon: 1e-8, added to the (max-shifted) sum as the paper's reference code does.
+    softpick_eps: float = 1e-8
 
     def __post_init__(self) -> None:
         for name, choices in CHOICES.items():
@@ -66,10 +85,23 @@ class ModelConfig:
             raise UserError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if self.pos == "rope" and self.head_dim % 2:
             raise UserError(f"rope needs an even head dimension, got {self.head_dim}")
+        if not isinstance(self.emb_proj, bool):
+            raise UserError(f"emb_proj must be true or false, got {self.emb_proj!r}")
+        if not self.clip_alpha >= 0 or not self.clip_zeta >= 1:
+            raise UserError(
+                f"clipped softmax needs clip_alpha >= 0 and clip_zeta >= 1, got {self.clip_alpha}, {self.clip_zeta}"
+            )
+        if not self.softpick_eps > 0:
+            raise UserError(f"softpick_eps must be > 0, got {self.softpick_eps}")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    @property
+    def clip_gamma(self) -> float:
+        """The clipped softmax's lower bound gamma = -alpha / T (T = the context length)."""
+        return -self.clip_alpha / self.context
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with ``changes`` applied; unknown field names are a :class:`UserError`."""

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.attention import softmax1
+from models.attention import clipped_softmax, softmax1, softmax_with_sink_logit, softpick
 from models.checkpoint import Checkpoint, load_checkpoint
 from models.config import ModelConfig
 from models.errors import UserError
@@ -106,6 +106,119 @@ def register_softmax1() -> None:
     AttentionInterface.register(SOFTMAX1_EAGER, softmax1_eager_attention)
     AttentionMaskInterface.register(SOFTMAX1, eager_mask)
     AttentionMaskInterface.register(SOFTMAX1_EAGER, eager_mask)
+    register_remedies()
+
+
+# ---------------------------------------------------------------------------- training-time remedies (attention)
+#
+# clipped softmax, softpick and the sink logit as transformers attention functions, computed explicitly (they
+# return their probabilities, like transformers' eager). Their parameters travel in the exported config.json, so a
+# plain ``from_pretrained`` after registering reproduces the model: ``clipped_softmax_gamma``/``_zeta``,
+# ``softpick_eps`` and ``sink_logits`` (one list of n_head logits per layer, read through the attention module's
+# ``layer_idx``; a float32 value written as JSON reads back bit-exactly).
+
+CLIPPED = "clipped_softmax"
+SOFTPICK = "softpick"
+SINK_LOGIT = "sink_logit"
+ATTN_IMPLEMENTATIONS = {
+    "softmax1": SOFTMAX1,
+    "clipped": CLIPPED,
+    "softpick": SOFTPICK,
+    "sink-logit": SINK_LOGIT,
+}
+REMEDY_IMPLEMENTATIONS = (CLIPPED, SOFTPICK, SINK_LOGIT)  # explicit: they return their probabilities
+
+
+def _masked_scores(
+    query: Tensor, key: Tensor, attention_mask: Tensor | None, scaling: float | None
+) -> Tensor:
+    """float32 scores (B, H, Q, K) with masked entries at exactly −inf: eager_mask marks them with the dtype's
+    minimum, which softpick would count in its denominator (e^x − 1 = −1 there) where its paper counts 0."""
+    scale = scaling if scaling is not None else query.size(-1) ** -0.5
+    scores = (query @ key.transpose(-2, -1)).float() * scale
+    if attention_mask is None:
+        # Never hit with the mask function registered; refuse rather than silently drop causality.
+        if query.size(2) > 1:
+            raise RuntimeError("attention got no mask; register it with models.hf.register_remedies()")
+        return scores
+    mask = attention_mask[..., : key.size(2)]
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, float("-inf"))
+    return scores.masked_fill(mask <= torch.finfo(mask.dtype).min, float("-inf"))
+
+
+def _explicit(query: Tensor, key: Tensor, value: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
+    probs = probs.to(query.dtype)
+    return (probs @ value).transpose(1, 2).contiguous(), probs
+
+
+def clipped_softmax_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """Clipped softmax (``models.attention.clipped_softmax``) with γ, ζ from the model config."""
+    key, value = _repeat_kv(query, key, value)
+    scores = _masked_scores(query, key, attention_mask, scaling)
+    cfg = module.config
+    return _explicit(
+        query, key, value, clipped_softmax(scores, cfg.clipped_softmax_gamma, cfg.clipped_softmax_zeta)
+    )
+
+
+def softpick_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """Softpick (``models.attention.softpick``) with ε from the model config; masked keys count 0."""
+    key, value = _repeat_kv(query, key, value)
+    scores = _masked_scores(query, key, attention_mask, scaling)
+    return _explicit(query, key, value, softpick(scores, module.config.softpick_eps))
+
+
+def sink_logit_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """A learned logit per head appended to each row, softmaxed and dropped (gpt-oss's eager attention with
+    ``module.sinks``); the logits are the config's ``sink_logits[layer_idx]``."""
+    key, value = _repeat_kv(query, key, value)
+    scores = _masked_scores(query, key, attention_mask, scaling)
+    sinks = torch.tensor(
+        module.config.sink_logits[module.layer_idx], dtype=torch.float32, device=query.device
+    )
+    return _explicit(query, key, value, softmax_with_sink_logit(scores, sinks))
+
+
+def register_remedies() -> None:
+    """Register the remedies' attention functions and their (eager) mask functions with transformers."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    for name, fn in (
+        (CLIPPED, clipped_softmax_attention),
+        (SOFTPICK, softpick_attention),
+        (SINK_LOGIT, sink_logit_attention),
+    ):
+        AttentionInterface.register(name, fn)
+        AttentionMaskInterface.register(name, eager_mask)
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -127,7 +240,8 @@ def _gpt2_model(config: ModelConfig, state: dict[str, Tensor]) -> Any:
     _require(
         config,
         "GPT2LMHeadModel",
-        attn=("softmax", "softmax1"),
+        attn=("softmax", *ATTN_IMPLEMENTATIONS),
+        gate=("none",),
         norm=("layernorm",),
         norm_position=("pre",),
         pos=("learned", "none"),
@@ -194,7 +308,8 @@ def _llama_model(config: ModelConfig, state: dict[str, Tensor]) -> Any:
     _require(
         config,
         "LlamaForCausalLM",
-        attn=("softmax", "softmax1"),
+        attn=("softmax", *ATTN_IMPLEMENTATIONS),
+        gate=("none",),
         norm=("rmsnorm", "rmsnorm_single"),
         norm_position=("pre",),
         pos=("rope",),
@@ -232,11 +347,17 @@ def to_hf_model(model: torch.nn.Module, tokenizer: Any | None = None) -> Any:
 
     With ``tokenizer``, its ``<|endoftext|>`` id becomes the config's bos/eos/pad id (generation needs them).
     """
-    from models.transformer import Transformer
+    from models.transformer import Transformer, merge_emb_proj
 
     assert isinstance(model, Transformer)
+    model = merge_emb_proj(
+        model
+    )  # OSP's embedding projection folds into the embedding: export the plain model
     config = model.config
-    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    # The sink logits travel in the config (see register_remedies), not as weights.
+    state = {
+        k: v.detach().float().cpu() for k, v in model.state_dict().items() if not k.endswith(".attn.sinks")
+    }
     if config.tie_embeddings:
         state.pop("lm_head.weight")
     build = _gpt2_model if config.family == "gpt2" else _llama_model
@@ -249,9 +370,18 @@ def to_hf_model(model: torch.nn.Module, tokenizer: Any | None = None) -> Any:
         raise RuntimeError(f"export mapping is incomplete: missing {missing}, unexpected {unexpected}")
     if config.tie_embeddings:
         hf_model.tie_weights()
-    attn_impl = SOFTMAX1 if config.attn == "softmax1" else "sdpa"
-    if attn_impl == SOFTMAX1:
+    attn_impl = ATTN_IMPLEMENTATIONS.get(config.attn, "sdpa")
+    if attn_impl != "sdpa":
         register_softmax1()
+    if config.attn == "clipped":
+        hf_model.config.clipped_softmax_gamma = config.clip_gamma
+        hf_model.config.clipped_softmax_zeta = config.clip_zeta
+    if config.attn == "softpick":
+        hf_model.config.softpick_eps = config.softpick_eps
+    if config.attn == "sink-logit":
+        hf_model.config.sink_logits = [
+            block.attn.sinks.detach().float().cpu().tolist() for block in model.transformer.h
+        ]
     hf_model.config._attn_implementation = attn_impl
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -276,5 +406,7 @@ def export_to_hf(checkpoint: Checkpoint | str | Path, out: str | Path) -> Path:
         "model": ckpt.config.to_dict(),
         "provenance": ckpt.provenance,
     }
+    if ckpt.config.emb_proj:  # "model" is what was trained; the weights are its merged, plain form
+        hf_config["qbench"]["merged_emb_proj"] = True
     atomic_write_json(config_file, hf_config)
     return out

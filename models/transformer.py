@@ -15,7 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.attention import attention_fast, attention_reference, attention_two_version, attention_with_past
+from models.attention import (
+    REMEDY_KINDS,
+    RemedyParams,
+    attention_fast,
+    attention_reference,
+    attention_two_version,
+    attention_with_past,
+    remedy_attention,
+    remedy_attention_reference,
+)
 from models.config import ModelConfig
 from models.kvcache import KVCache, PackedKVCache, QuantizedKVCache  # KVCache is defined there, used here
 
@@ -84,6 +93,16 @@ class CausalSelfAttention(nn.Module):
             self.sink_v = nn.Parameter(torch.zeros(config.n_head, config.head_dim))
         else:
             self.sink_k = self.sink_v = None
+        if config.attn == "sink-logit":
+            # gpt-oss's per-head sink logit; 0 at init, where the head computes softmax-1.
+            self.sinks = nn.Parameter(torch.zeros(config.n_head))
+        self.remedy = RemedyParams(gamma=config.clip_gamma, zeta=config.clip_zeta, eps=config.softpick_eps)
+        # Gated attention (Qiu et al. 2025, G1): y_h <- y_h * sigmoid(x W_g + b_g), one gate per head (headwise)
+        # or per channel (elementwise), from this layer's input x. Bondarenko et al.'s conditional gate is the
+        # headwise case (a linear G_h(x) per head, sigmoid, scaling that head's output).
+        self.gate = config.gate
+        if config.gate != "none":
+            self.g_proj = nn.Linear(d, config.n_head if config.gate == "headwise" else d, bias=True)
         # Set by ``models.observe``; None means "don't materialise probabilities" (the fast path).
         self.probs_hook: Callable[[Tensor], None] | None = None
         # A neutral hook on what a KV cache would store: called on (k, v) after RoPE, returns the (k, v) every
@@ -113,14 +132,43 @@ class CausalSelfAttention(nn.Module):
             past = cache.pos
             k, v = cache.append(layer, k, v)
             if past > 0:  # after the prompt: attend over the cached positions too
-                y = attention_with_past(q, k, v, past, self.kind, self.sink_k, self.sink_v)
-                return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+                if self.kind in REMEDY_KINDS:
+                    y = remedy_attention(q, k, v, self.kind, self._remedy_params())
+                else:
+                    y = attention_with_past(q, k, v, past, self.kind, self.sink_k, self.sink_v)
+                return self._project(y, x)
+        if self.kind in REMEDY_KINDS:
+            if self.probs_hook is None:
+                y = remedy_attention(q, k, v, self.kind, self._remedy_params())
+            else:
+                y, probs = remedy_attention_reference(q, k, v, self.kind, self._remedy_params())
+                self.probs_hook(probs)
+            return self._project(y, x)
         if self.probs_hook is None:
             y = attention_fast(q, k, v, self.kind, self.sink_k, self.sink_v)
         else:
             y, probs = attention_reference(q, k, v, self.kind, self.sink_k, self.sink_v)
             self.probs_hook(probs)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        return self._project(y, x)
+
+    def _remedy_params(self) -> RemedyParams:
+        if self.kind != "sink-logit":
+            return self.remedy
+        return RemedyParams(self.remedy.gamma, self.remedy.zeta, self.remedy.eps, self.sinks)
+
+    def _project(self, y: Tensor, x: Tensor) -> Tensor:
+        """Heads (B, nh, T, hs) -> gate (if any) -> concatenated channels -> output projection.
+
+        The gate is Qiu et al.'s G1 (after SDPA, before the output projection): y_h ⊙ σ(x W_g + b_g) with x this
+        layer's input. Head-wise, it is Bondarenko et al.'s conditional gated attention (2023) with a linear gating
+        function: one sigmoid per head and token, scaling that head's output.
+        """
+        B, nh, T, hs = y.shape
+        y = y.transpose(1, 2)  # (B, T, nh, hs)
+        if self.gate != "none":
+            g = torch.sigmoid(self.g_proj(x))  # (B, T, nh) or (B, T, C)
+            y = y * (g.unsqueeze(-1) if self.gate == "headwise" else g.view(B, T, nh, hs))
+        return self.c_proj(y.reshape(B, T, nh * hs))
 
     def _read_quantised_cache(
         self, q: Tensor, k: Tensor, v: Tensor, kv: tuple[KVCache, int] | None
@@ -138,6 +186,8 @@ class CausalSelfAttention(nn.Module):
         if self.kv_transform.reads_one_version and self.probs_hook is None:
             # Every position a query may see is stored (or kept float) the moment it is written: the stored
             # version alone, on the fused kernels.
+            if self.kind in REMEDY_KINDS:
+                return remedy_attention(q, view.k_hat, view.v_hat, self.kind, self._remedy_params())
             if past:
                 return attention_with_past(
                     q, view.k_hat, view.v_hat, past, self.kind, self.sink_k, self.sink_v
@@ -146,6 +196,7 @@ class CausalSelfAttention(nn.Module):
         y, probs = attention_two_version(
             q, view.k, view.k_hat, view.v, view.v_hat, view.key_quantised, view.value_quantised,
             self.kind, self.sink_k, self.sink_v, past=past,
+            remedy=self._remedy_params() if self.kind in REMEDY_KINDS else None,
         )  # fmt: skip
         self.kv_transform.observe(probs)
         if self.probs_hook is not None and kv is None:
@@ -224,6 +275,8 @@ class Transformer(nn.Module):
             self.transformer["wpe"] = nn.Embedding(config.context, config.d_model)
         if config.norm_position == "pre":  # post-norm blocks already end in a norm
             self.transformer["ln_f"] = build_norm(config)
+        if config.emb_proj:
+            self.transformer["emb_proj"] = nn.Linear(config.d_model, config.d_model, bias=False)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.tie_weights()
         if config.pos == "rope":
@@ -233,6 +286,8 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("c_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layer))
+        if config.emb_proj:  # identity: the model starts as the plain architecture
+            nn.init.eye_(self.transformer["emb_proj"].weight)
 
     def make_rope_tables(self, device: torch.device | str | None = None) -> None:
         """(Re)build the non-persistent RoPE tables, e.g. after loading weights into a model built on 'meta'."""
@@ -261,6 +316,8 @@ class Transformer(nn.Module):
         if pos + T > self.config.context:
             raise ValueError(f"sequence length {pos + T} exceeds the model's context {self.config.context}")
         x = self.transformer.wte(input_ids)  # (B, T, C)
+        if "emb_proj" in self.transformer:  # OSP: the token embedding only, before positions are added
+            x = self.transformer.emb_proj(x)
         if "wpe" in self.transformer:
             x = x + self.transformer.wpe(torch.arange(pos, pos + T, device=input_ids.device))
         rope = (
@@ -326,3 +383,29 @@ def build(config: ModelConfig, seed: int | None = None) -> Transformer:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Transformer(config)
+
+
+def merge_emb_proj(model: Transformer) -> Transformer:
+    """The plain architecture computing the same function: OSP's embedding projection P folded into the token
+    embedding (E <- E Pᵀ, since emb_proj(E[t]) = E[t] Pᵀ), so what is quantised and exported has no P.
+
+    A tied head reads the unprojected E, so a tied model comes back untied (head = E, embedding = E Pᵀ).
+    A model without ``emb_proj`` is returned unchanged.
+    """
+    config = model.config
+    if not config.emb_proj:
+        return model
+    plain = config.replace(emb_proj=False, tie_embeddings=False)
+    with torch.device("meta"):
+        merged = Transformer(plain)
+    state = {
+        k: v.detach().clone() for k, v in model.state_dict().items() if k != "transformer.emb_proj.weight"
+    }
+    P = model.transformer.emb_proj.weight.detach()
+    wte = model.transformer.wte.weight.detach()
+    state["lm_head.weight"] = model.lm_head.weight.detach().clone()
+    state["transformer.wte.weight"] = (wte.double() @ P.double().t()).to(wte.dtype)
+    merged.load_state_dict(state, assign=True)
+    if plain.pos == "rope":
+        merged.make_rope_tables(wte.device)
+    return merged.train(model.training)

@@ -139,3 +139,32 @@ def test_no_import_circles(package):
     known = {c for c in KNOWN_CIRCLES if c[0].split(".")[0] == package}
     assert found - known == set(), "import circles (a module reaches itself through its imports)"
     assert known - found == set(), "a known circle is gone: remove it from KNOWN_CIRCLES"
+
+
+KERNELS = ROOT / "qbench" / "quant" / "kernels"
+
+
+def test_kernel_code_lives_in_one_tree():
+    """Every compiled or GPU kernel is in qbench/quant/kernels/: C sources, ctypes bindings, Triton kernels and
+    the one build helper — nowhere else in the packages."""
+    c_files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.c")]
+    assert c_files and all(p.parent == KERNELS for p in c_files), c_files
+    outside = []
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            if path.is_relative_to(KERNELS):
+                continue
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom)
+                    else []
+                )
+                if any(n.split(".")[0] in ("ctypes", "triton") for n in names):
+                    outside.append(f"{path.relative_to(ROOT)} imports {names}")
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "CDLL":
+                    outside.append(f"{path.relative_to(ROOT)} loads a shared library")
+    assert not outside, outside

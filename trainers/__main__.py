@@ -28,7 +28,7 @@ from trainers import state
 from trainers.loop import DTYPES, TrainConfig, TrainingDiverged, train
 from trainers.recipes import RECIPES
 
-SWITCH_FLAGS = ("attn", "norm", "norm_position", "pos", "bias")
+SWITCH_FLAGS = ("attn", "norm", "norm_position", "pos", "bias", "gate", "emb_proj")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,9 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model_switches(g: argparse._ArgumentGroup) -> None:
-    for name in ("attn", "norm", "norm_position", "pos"):
+    for name in ("attn", "norm", "norm_position", "pos", "gate"):
         g.add_argument(f"--{name.replace('_', '-')}", dest=name, help=f"one of {', '.join(CHOICES[name])}")
     g.add_argument("--bias", action=argparse.BooleanOptionalAction, help="biases in linear layers and norms")
+    g.add_argument(
+        "--emb-proj",
+        dest="emb_proj",
+        action=argparse.BooleanOptionalAction,
+        help="OSP's learnable projection after the token embedding (merged away for evaluation)",
+    )
     g.add_argument(
         "--set", action="append", metavar="FIELD=VALUE", help="any model config field, e.g. n_layer=2"
     )

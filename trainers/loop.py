@@ -56,7 +56,7 @@ from models.observe import observe
 from models.stats import OutlierAccumulator
 from trainers import distributed, state
 from trainers.batches import WindowSampler, probe_windows, shard_rows, validation_windows
-from trainers.optim.registry import OPTIMIZERS, build_optimizer, param_groups
+from trainers.optim.registry import OPTIMIZERS, build_optimizer, optimizer_param_groups, optimizer_settings
 from trainers.recipes import RECIPES
 from trainers.throughput import describe as describe_throughput
 from trainers.throughput import mfu
@@ -345,7 +345,7 @@ def _start(cfg: TrainConfig, out: Path, resume: bool, overwrite: bool, ctx: dist
     model = _model(cfg, out if saved else None, ctx.device)
     optimizer = build_optimizer(
         cfg.optimizer,
-        param_groups(model, cfg.weight_decay),
+        optimizer_param_groups(cfg.optimizer, model, cfg.weight_decay),
         cfg.lr,
         cfg.weight_decay,
         cfg.betas,
@@ -412,7 +412,10 @@ def optimizer_options(name: str, device: torch.device) -> dict[str, Any]:
     OrthoAdam keeps its own per-parameter loop (its rotations need scratch space per tensor). RMSprop has no
     fused kernel, so it takes foreach on CUDA too.
     """
-    if name == "orthoadam":
+    if name in (
+        "orthoadam",
+        "muon",
+    ):  # muon: torch's Muon has no foreach/fused step; its AdamW half picks its own
         return {}
     if device.type == "cuda" and name in ("adamw", "sgd", "sgd-momentum"):
         return {"fused": True}
@@ -617,6 +620,7 @@ def provenance_of(run: Run) -> dict[str, Any]:
         "config": run.cfg.to_dict(),
         "recipe": RECIPES.get(run.cfg.recipe).to_dict(),
         "optimizer": run.cfg.optimizer,
+        "optimizer_settings": optimizer_settings(run.cfg.optimizer),
         "model": run.cfg.model_config().to_dict(),
         "data": run.data.info,
     }

@@ -30,6 +30,20 @@ Two further fixes from the literature, on top of ``vanilla`` (AdamW):
   Activations: it gives heads a place to dump attention and removes massive activations in GPT-2);
 - ``postnorm``: normalisation after the residual add instead of before the block ("The Spike, the Sparse and the
   Sink": moving the norm decouples massive activations from attention sinks).
+
+Training-time remedies beyond the paper's recipe, each on top of ``vanilla`` and changing only what it names:
+
+- ``muon``: the Muon optimiser on hidden matrices, AdamW on the rest (``trainers.optim.muon``);
+- ``osp``: Outlier-Safe Pre-Training (Park et al. 2025): Muon + RMSNorm-S + the learnable embedding projection
+  (merged into the embedding for evaluation and export);
+- ``clipped-softmax``: clipped softmax attention (Bondarenko et al. 2023), γ = −4/T, ζ = 1;
+- ``gated-attn``: an element-wise sigmoid gate on the attention output (Qiu et al. 2025, their best variant:
+  G1, element-wise);
+- ``softpick``: softpick attention (Zuhri et al. 2025);
+- ``sink-logit``: a learned per-head sink logit (gpt-oss), softmax-1 at initialisation;
+
+and ``paper+gate``: the paper's recipe plus a head-wise gate (one scalar per head, Bondarenko et al.'s
+conditional gate).
 """
 
 from __future__ import annotations
@@ -40,7 +54,7 @@ from typing import Any
 
 from models.registry import Registry
 
-MODEL_SWITCHES = ("attn", "norm", "norm_position", "pos", "bias")
+MODEL_SWITCHES = ("attn", "norm", "norm_position", "pos", "bias", "gate", "emb_proj")
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,8 @@ class Recipe:
     norm_position: str | None = None
     pos: str | None = None
     bias: bool | None = None
+    gate: str | None = None
+    emb_proj: bool | None = None
 
     def model_switches(self) -> dict[str, Any]:
         """The switches this recipe sets, as ``ModelConfig`` field overrides."""
@@ -103,6 +119,29 @@ RECIPES.register(
 )
 RECIPES.register(
     "postnorm", _VANILLA.replace(norm_position="post"), "post-norm blocks + AdamW", aliases=("post-norm",)
+)
+
+
+_REMEDIES: dict[str, tuple[dict[str, Any], str]] = {
+    "muon": (
+        dict(optim="muon"),
+        "Muon on hidden matrices + AdamW on embeddings, head, norms, biases; softmax attention",
+    ),
+    "osp": (
+        dict(optim="muon", norm="rmsnorm_single", emb_proj=True),
+        "Outlier-Safe Pre-Training: Muon + RMSNorm-S + learnable embedding projection",
+    ),
+    "clipped-softmax": (dict(attn="clipped"), "clipped softmax attention (gamma = -4/T, zeta = 1) + AdamW"),
+    "gated-attn": (dict(gate="elementwise"), "element-wise sigmoid gate on the attention output + AdamW"),
+    "softpick": (dict(attn="softpick"), "softpick attention, ReLU(e^x - 1) / sum |e^x - 1| + AdamW"),
+    "sink-logit": (dict(attn="sink-logit"), "a learned per-head sink logit (gpt-oss) + AdamW"),
+}
+for _name, (_changes, _description) in _REMEDIES.items():
+    RECIPES.register(_name, _VANILLA.replace(**_changes), _description)
+RECIPES.register(
+    "paper+gate",
+    RECIPES.get("paper").replace(gate="headwise"),
+    "the paper's recipe + a head-wise sigmoid gate on the attention output",
 )
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import UserError
-from models.hf import SOFTMAX1, SOFTMAX1_EAGER
+from models.hf import REMEDY_IMPLEMENTATIONS, SOFTMAX1, SOFTMAX1_EAGER
 from models.observe import EveryLayer, Observation, observe
 from models.transformer import Transformer
 
@@ -76,8 +76,10 @@ def _block_output(output: Tensor | tuple) -> Tensor:
 def _eager_attention(model: nn.Module) -> Iterator[None]:
     """Temporarily switch a transformers model to an attention implementation that returns probabilities."""
     current = model.config._attn_implementation
-    eager = SOFTMAX1_EAGER if current == SOFTMAX1 else "eager"
-    if current not in (SOFTMAX1, SOFTMAX1_EAGER, "sdpa", "eager", None):
+    # The remedies' attention functions (clipped softmax, softpick, sink logit) are explicit already.
+    explicit = (SOFTMAX1_EAGER, "eager", *REMEDY_IMPLEMENTATIONS)
+    eager = SOFTMAX1_EAGER if current == SOFTMAX1 else current if current in explicit else "eager"
+    if current not in (SOFTMAX1, "sdpa", None, *explicit):
         raise UserError(f"attention implementation {current!r} has no eager equivalent for attention metrics")
     model.set_attn_implementation(eager)
     try:

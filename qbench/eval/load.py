@@ -28,6 +28,7 @@ from torch import nn
 
 from models.checkpoint import is_checkpoint, load_checkpoint
 from models.errors import UserError, unknown_choice
+from models.transformer import merge_emb_proj
 
 CKPT_ROOT = Path("ckpts")
 DTYPES = {
@@ -136,6 +137,8 @@ def load_model(
         ckpt = load_checkpoint(target, device=device, dtype=torch_dtype)
         if ckpt.tokenizer is None:
             raise UserError(f"checkpoint {target} has no tokenizer files; re-save it with its tokenizer")
+        # OSP's embedding projection is a training-time device: evaluate (and quantise) the plain model it folds into.
+        model = merge_emb_proj(ckpt.model)
         description = {
             "kind": "qbench",
             "path": str(target),
@@ -145,7 +148,9 @@ def load_model(
             "dtype": dtype,
             "provenance": ckpt.provenance,
         }
-        return LoadedModel(ckpt.model, ckpt.tokenizer, _folder_name(target), str(target), description)
+        if model is not ckpt.model:
+            description["merged_emb_proj"] = True
+        return LoadedModel(model, ckpt.tokenizer, _folder_name(target), str(target), description)
     if isinstance(target, Path) and target.is_file():
         from qbench.eval.gguf import load_gguf
 

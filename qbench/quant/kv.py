@@ -385,6 +385,7 @@ def _kv_attention(base: str) -> Callable:
                 value,
                 *args,
                 softmax_one=base in (SOFTMAX1, SOFTMAX1_EAGER),
+                base_name=base,
                 base=_base_attention(base, module),
                 **kwargs,
             )

@@ -533,6 +533,7 @@ def hf_attention(
     scaling: float | None = None,
     softmax_one: bool = False,
     base: Any = None,
+    base_name: str = "",
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor | None]:
     """A transformers attention function's job, done explicitly over the two-version cache: ``key``/``value``
@@ -560,8 +561,19 @@ def hf_attention(
     last = None if position_ids is None else int(position_ids.reshape(-1, position_ids.size(-1))[:, -1].max())
     offset = 0 if last is None else last + 1 - L
     view = quantizer.read(key, value, past=L - T, offset=max(offset, 0))
-    if quantizer.reads_one_version and base is not None:  # the stored version alone, on the wrapped kernel
+    one_version = (
+        quantizer.reads_one_version or quantizer.probing or quantizer.calibrating
+    )  # (the last two: float)
+    if one_version and base is not None:  # the stored version alone, on the wrapped kernel
         return base(module, query, view.k_hat, view.v_hat, attention_mask, scaling=scaling, **kwargs)
+    from models.hf import REMEDY_IMPLEMENTATIONS
+
+    if base_name in REMEDY_IMPLEMENTATIONS:
+        raise UserError(
+            f"KV-cache scheme {quantizer.config.label} reads two versions of the cache, which the {base_name!r} "
+            "attention of transformers models does not take here; use --kv-scheme per-token, fp8-e4m3, "
+            "fp8-e5m2 or window (or the qbench checkpoint itself)"
+        )
     k, k_hat, v, v_hat = view.k, view.k_hat, view.v, view.v_hat
     if key.size(1) != query.size(1):
         n_rep = query.size(1) // key.size(1)
@@ -621,8 +633,8 @@ def attach_sink_finder(model: torch.nn.Module) -> None:
     running = [False]
 
     def choose_sinks(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        if running[0] or not _first_pass(args, kwargs):
-            return
+        if running[0] or any(q.probing for q in quantizers) or not _first_pass(args, kwargs):
+            return  # (the attach probe only checks that every layer's quantiser runs)
         running[0] = True
         try:
             for q in quantizers:

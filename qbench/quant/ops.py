@@ -15,10 +15,10 @@ Registrations:
 - autograd: straight-through estimator — the gradient passes unchanged (nothing is clipped by absmax, and a
   clipped zeropoint edge is at most one step away);
 - CPU: for fp32 tensors whose blocks are contiguous rows (per tensor, channel, token, group, sequence) a fused C
-  kernel (``cpu_kernel.py``, built on first use in ~0.2 s; ≥ 80 % of a plain copy's bandwidth against ~35 % for
-  the torch code); otherwise, or without a C compiler, or with ``QBENCH_FAST_FAKE_QUANT=0`` /
+  kernel (``kernels/fake_cpu.py``, built on first use in ~0.2 s; ≥ 80 % of a plain copy's bandwidth against ~35 %
+  for the torch code); otherwise, or without a C compiler, or with ``QBENCH_NATIVE=0`` /
   ``set_cpu_fast_path(False)``, the pure-torch primitive;
-- CUDA: a Triton kernel when ``triton`` is importable and the layout is rows (see ``triton_fake.py``), else the
+- CUDA: a Triton kernel when ``triton`` is importable and the layout is rows (``kernels/triton_fake.py``), else the
   same torch code on CUDA tensors. NaN/inf input raises ``ValueError`` on the torch paths (the check costs one
   reduction over the small scale tensor); the Triton path skips it to avoid a host synchronisation, and
   non-finite input then gives non-finite output.
@@ -29,22 +29,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
-from qbench.quant import cpu_kernel
 from qbench.quant.granularity import Granularity, PerBlock, per_sequence
 from qbench.quant.primitives import block_sizes, check_bits, check_input, non_finite_error
 from qbench.quant.primitives import fake_quantize as reference_fake_quantize
 
-_FAST_CPU = {"enabled": os.environ.get("QBENCH_FAST_FAKE_QUANT", "1") != "0", "min_numel": 1 << 12}
+# "enabled" None: decided on first use by the one switch of the compiled kernels (kernels/build.py: QBENCH_NATIVE,
+# or the older QBENCH_FAST_FAKE_QUANT) — read lazily: importing qbench.quant.kernels here would import this module.
+_FAST_CPU = {"enabled": None, "min_numel": 1 << 12}
 
 
 def set_cpu_fast_path(enabled: bool, min_numel: int = 1 << 12) -> None:
-    """Use the fused C kernel (``cpu_kernel.py``) for fp32 row layouts of at least ``min_numel`` elements."""
+    """Use the fused C kernel (``kernels/fake_cpu.py``) for fp32 row layouts of at least ``min_numel`` elements."""
     _FAST_CPU.update(enabled=bool(enabled), min_numel=int(min_numel))
 
 
@@ -87,9 +87,13 @@ def fake_quantize_op(x: Tensor, bits: int, symmetric: bool, block: list[int]) ->
 def _cpu_impl(x: Tensor, bits: int, symmetric: bool, block: list[int]) -> Tensor:
     check_input(x, "fake_quantize")
     check_bits(bits)
+    if _FAST_CPU["enabled"] is None:
+        from qbench.quant.kernels.build import switched_on
+
+        _FAST_CPU["enabled"] = switched_on("QBENCH_FAST_FAKE_QUANT")
     if _FAST_CPU["enabled"] and x.dtype == torch.float32 and x.numel() >= _FAST_CPU["min_numel"]:
         rows = rows_view(x, block_sizes(x.shape, PerBlock(tuple(block))))
-        result = None if rows is None else cpu_kernel.fake_quantize_rows(rows, bits, symmetric)
+        result = None if rows is None else _fake_cpu().fake_quantize_rows(rows, bits, symmetric)
         if result is not None:
             y, non_finite = result
             if non_finite:
@@ -104,9 +108,7 @@ def _cuda_impl(x: Tensor, bits: int, symmetric: bool, block: list[int]) -> Tenso
     check_bits(bits)
     rows = rows_view(x, block_sizes(x.shape, PerBlock(tuple(block))))
     if rows is not None and triton_available() and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        from qbench.quant import (
-            triton_fake,
-        )  # imported on first CUDA use: triton is optional and slow to load
+        from qbench.quant.kernels import triton_fake  # on first CUDA use: triton is optional and slow to load
 
         return triton_fake.fake_quantize_rows(rows, bits, symmetric).view(x.shape)
     return _torch_impl(x, bits, symmetric, block)
@@ -125,14 +127,20 @@ def _straight_through(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
 fake_quantize_op.register_autograd(_straight_through)
 
 
+def _fake_cpu():
+    """The C kernel's module, imported on first use (``qbench.quant.kernels`` imports this module's users)."""
+    from qbench.quant.kernels import fake_cpu
+
+    return fake_cpu
+
+
 @functools.cache
 def triton_available() -> bool:
-    """Whether ``triton`` can be imported (it is optional: ~1 GB, only useful with a GPU)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether ``triton`` is installed (it is optional: ~1 GB, only useful with a GPU); imported only where the
+    kernels are (``kernels/triton_fake.py``)."""
+    from importlib.util import find_spec
+
+    return find_spec("triton") is not None
 
 
 def fake_quantize(x: Tensor, bits: int, granularity: Granularity, symmetric: bool) -> Tensor:

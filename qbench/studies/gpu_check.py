@@ -214,8 +214,8 @@ def _pytest_gpu() -> dict[str, Any]:
 
 
 def _triton_check() -> dict[str, Any]:
-    from qbench.quant import triton_fake
     from qbench.quant.granularity import PerToken
+    from qbench.quant.kernels import triton_fake
     from qbench.quant.primitives import fake_quantize
 
     cases = 0

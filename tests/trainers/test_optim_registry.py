@@ -48,7 +48,7 @@ def test_hyperparameters_reach_the_optimiser():
 def test_unknown_name_is_a_did_you_mean_user_error():
     with pytest.raises(UserError, match=r"unknown optimizer 'ortoadam' \(did you mean 'orthoadam'\?\)"):
         build_optimizer("ortoadam", model().parameters(), lr=1e-3)
-    assert set(OPTIMIZERS.names()) == {"adamw", "orthoadam", "rmsprop", "sgd", "sgd-momentum"}
+    assert set(OPTIMIZERS.names()) == {"adamw", "orthoadam", "rmsprop", "sgd", "sgd-momentum", "muon"}
     assert all(OPTIMIZERS.describe(name) for name in OPTIMIZERS)
 
 

@@ -78,3 +78,41 @@ def test_unknown_names_suggest_the_closest():
     with pytest.raises(UserError, match="did you mean 'sgd-momentum'"):
         TrainConfig(optim="sgd-momentun")
     assert get_recipe("baseline") == get_recipe("vanilla")  # aliases
+
+
+REMEDIES = {
+    "muon": dict(optim="muon"),
+    "osp": dict(optim="muon", norm="rmsnorm_single", emb_proj=True),
+    "clipped-softmax": dict(attn="clipped"),
+    "gated-attn": dict(gate="elementwise"),
+    "softpick": dict(attn="softpick"),
+    "sink-logit": dict(attn="sink-logit"),
+}
+
+
+@pytest.mark.parametrize("name", [*REMEDIES, "paper+gate"])
+def test_remedies_change_only_what_they_name_and_learn(name):
+    import torch
+
+    from models import build
+    from trainers.optim import build_optimizer, optimizer_param_groups
+
+    base, expected = (get_recipe("paper"), dict(gate="headwise")) if name == "paper+gate" else (
+        get_recipe("vanilla"), REMEDIES[name])  # fmt: skip
+    assert changed_fields(get_recipe(name), base) == set(expected)
+    assert all(getattr(get_recipe(name), k) == v for k, v in expected.items())
+    # a micro model of the recipe overfits one batch: the loss falls within a few steps
+    cfg = TrainConfig(
+        recipe=name, switches=dict(n_layer=2, d_model=32, n_head=2, d_ff=64, vocab_size=97), context=16
+    )
+    model = build(cfg.model_config(), seed=0)
+    opt = build_optimizer(cfg.optimizer, optimizer_param_groups(cfg.optimizer, model, 0.0), lr=3e-3, seed=0)
+    x = torch.randint(0, 97, (4, 17), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(6):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.05, losses

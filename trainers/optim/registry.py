@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from models.registry import Registry
+from trainers.optim.muon import MUON_SETTINGS, MuonAdamW, muon_param_groups
 from trainers.optim.orthoadam import OrthoAdam
 
 Params = Iterable[Tensor] | Iterable[dict[str, Any]]
@@ -48,6 +49,10 @@ def _sgd_momentum(
     return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay, **kw)
 
 
+def _muon(params: Params, lr: float, weight_decay: float, betas: tuple[float, float], seed: int, **kw: Any):
+    return MuonAdamW(list(params), lr=lr, weight_decay=weight_decay, betas=betas, **kw)
+
+
 OPTIMIZERS: Registry[OptimizerFactory] = Registry("optimizer")
 OPTIMIZERS.register("adamw", _adamw, "torch.optim.AdamW (decoupled weight decay)")
 OPTIMIZERS.register(
@@ -64,6 +69,24 @@ OPTIMIZERS.register(
     "torch.optim.SGD with momentum 0.9, L2 weight decay",
     aliases=("sgdm", "sgd_momentum"),
 )
+OPTIMIZERS.register(
+    "muon",
+    _muon,
+    "torch.optim.Muon on hidden matrices (adjust_lr_fn=match_rms_adamw) + AdamW on embeddings, head, norms, biases",
+)
+
+
+def optimizer_param_groups(name: str, model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The parameter groups the optimiser ``name`` is built over: Muon's split (:func:`muon_param_groups`) for
+    ``muon``, nanoGPT's weight-decay groups (:func:`param_groups`) for every other."""
+    if OPTIMIZERS.canonical(name) == "muon":
+        return muon_param_groups(model, weight_decay)
+    return param_groups(model, weight_decay)
+
+
+def optimizer_settings(name: str) -> dict[str, Any]:
+    """Fixed hyper-parameters of ``name`` beyond lr / weight decay / betas, for a run's provenance."""
+    return dict(MUON_SETTINGS) if OPTIMIZERS.canonical(name) == "muon" else {}
 
 
 def build_optimizer(

@@ -22,7 +22,7 @@ Speed: ``fused="auto"`` (the default) runs float32 CPU input through the compile
 one C call quantises the activations (the same codes and scales), accumulates the int8 products exactly in int32
 (AVX2: a streaming GEMV up to 16 rows, an int16 panel GEMM above — except on CPUs with AVX-512 VNNI or AMX,
 where oneDNN's ``torch._int_mm`` takes the rows above 16) and applies the epilogue in the same operation order
-— so the result equals the torch path bit for bit (tested). Without a C compiler (or with ``QBENCH_NATIVE_KERNELS=0``) "auto" falls back to the torch path below.
+— so the result equals the torch path bit for bit (tested). Without a C compiler (or with ``QBENCH_NATIVE=0``) "auto" falls back to the torch path below.
 In torch, quantising activations eagerly costs several passes over x and the epilogue several passes over the
 (M, out) result — together about as much as the int8 GEMM saves. ``fused=True`` runs the whole forward as one
 ``torch.compile``'d function (one pass to quantise, one fused epilogue); "auto" without the C kernels does that

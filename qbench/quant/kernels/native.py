@@ -21,12 +21,12 @@ without AVX-512 VNNI, slow at any size), and the int4 kernels want bf16 activati
 - ``dequantize``: Ŵ as float32, bit-identical to ``primitives.dequantize`` (the prefill path: one pass, then
   torch's sgemm, so prefill equals fake mode exactly).
 
-Build: on first use, with the system C compiler (``$CC``, else ``cc``/``gcc``) and ``-O3 -march=native`` (then
-without ``-march=native``, then without OpenMP, when a flag is refused) into a temporary file that is deleted
-once loaded — never cached, so a binary built for one CPU never runs on another. ``-march=native`` decides the
-instruction set at build time, on the machine that runs it: :func:`isa` says which loop was compiled. Without a
-compiler, or with ``QBENCH_NATIVE_KERNELS=0`` in the environment (or :func:`set_enabled(False) <set_enabled>`),
-:func:`available` is False and the layers use their torch paths (``torch._int_mm``, dequantise + ``F.linear``).
+Build: on first use, like every kernel of qbench (``build.py``: one compiler lookup, ``-O3 -march=native
+-fopenmp`` and fallbacks, never cached, so a binary built for one CPU never runs on another). ``-march=native``
+decides the instruction set at build time, on the machine that runs it: :func:`isa` says which loop was compiled.
+Without a compiler, or with ``QBENCH_NATIVE=0`` in the environment (the older ``QBENCH_NATIVE_KERNELS=0`` too; or
+:func:`set_enabled(False) <set_enabled>`), :func:`available` is False and the layers use their torch paths
+(``torch._int_mm``, dequantise + ``F.linear``).
 Threads: OpenMP over output channels with ``torch.get_num_threads()`` threads (one thread: no parallel region).
 """
 
@@ -35,20 +35,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Iterator
-from importlib import resources
 
 import torch
 from torch import Tensor
 
-ENV = "QBENCH_NATIVE_KERNELS"
+from qbench.quant.kernels import build as kernel_build
+
+ENV = kernel_build.ENV  # QBENCH_NATIVE=0 switches the compiled kernels off
+LEGACY_ENV = "QBENCH_NATIVE_KERNELS"
 ISA_NAMES = {0: "C", 1: "AVX2"}
-_STATE = {"enabled": os.environ.get(ENV, "1") != "0"}
-_BASE_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-shared", "-fPIC"]
+_STATE = {"enabled": kernel_build.switched_on(LEGACY_ENV)}
 _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
     "qk_isa": ([], _INT),
@@ -70,11 +67,7 @@ _SIGNATURES = {
 }
 
 
-def _compiler() -> str | None:
-    return next((c for c in (os.environ.get("CC"), "cc", "gcc") if c and shutil.which(c)), None)
-
-
-BUILD_FLAGS = (["-march=native", "-fopenmp"], ["-march=native"], ["-fopenmp"], [])  # first that compiles
+BUILD_FLAGS = kernel_build.FLAG_CASCADE  # first that compiles
 
 
 @functools.cache
@@ -86,20 +79,9 @@ def _library() -> ctypes.CDLL | None:
 def build(extra_flags: list[str]) -> ctypes.CDLL | None:
     """``native.c`` compiled with the base flags plus ``extra_flags`` and loaded, or None when the compiler is
     missing or refuses (tests build the portable loops with ``[]`` to compare them with the vector ones)."""
-    cc = _compiler()
-    if cc is None:
+    dll = kernel_build.compile_source("native.c", extra_flags)
+    if dll is None:
         return None
-    source = resources.files("qbench.quant.kernels").joinpath("native.c").read_text()
-    with tempfile.TemporaryDirectory(prefix="qbench-native-") as tmp:
-        src, lib = os.path.join(tmp, "native.c"), os.path.join(tmp, "native.so")
-        with open(src, "w") as f:
-            f.write(source)
-        done = subprocess.run(
-            [cc, *_BASE_FLAGS, *extra_flags, "-o", lib, src], capture_output=True, timeout=120
-        )
-        if done.returncode != 0:
-            return None
-        dll = ctypes.CDLL(lib)  # loaded: the file may go
     for name, (args, res) in _SIGNATURES.items():
         fn = getattr(dll, name)
         fn.argtypes, fn.restype = args, res

@@ -19,7 +19,7 @@ faster (AVX2-only CPUs have no fast ``_int_mm``: 0.01–0.07× float32 measured 
 Everything else returns None from the ``*_forward`` functions and the layer runs its torch path: CUDA, input
 other than float32, autograd, inside ``torch.compile``, a stored tensor in a dtype the C kernel does not read
 (a float32 pointer must point at float32: a bf16 bias read as float32 gave NaN), the kernels switched off with
-``QBENCH_NATIVE_KERNELS=0``.
+``QBENCH_NATIVE=0``.
 
 Forcing a path (tests, measurements): ``with paths.force("c-gemm"): …`` or ``QBENCH_FORCE_PATH=c-gemm`` in the
 environment. A layer kind that has no such path (weight-only has no ``int-mm``, low-bit layers only ``torch``)

@@ -722,3 +722,31 @@ def test_kv_cache_speed_reports_bytes_and_tokens_per_second(ours):
     assert all(r["tokens_per_s"] > 0 for r in records) and records[1]["kv"]["scheme"] == "per-token"
     with pytest.raises(UserError, match="exceeds the context"):
         kv_cache_speed(ours["llama"], [], new_tokens=30, prompt_tokens=8)
+
+
+# ------------------------------------------------------------------------------ training-time remedies
+
+
+@pytest.mark.parametrize("kind", ["clipped", "softpick", "sink-logit"])
+def test_the_remedies_read_the_quantised_cache_causally_and_as_generation_does(kind):
+    from models.attention import RemedyParams, remedy_attention_reference
+
+    params = RemedyParams(gamma=-0.03, zeta=1.0, eps=1e-6, sink_logit=torch.randn(2, generator=gen(30)))
+    q, k, k_hat, v, v_hat = (torch.randn(1, 2, 9, 4, generator=gen(31 + i)) for i in range(5))
+    for flag, (kk, vv) in ((False, (k, v)), (True, (k_hat, v_hat))):
+        mask = torch.full((9, 9), flag)
+        got, _ = attention_two_version(q, k, k_hat, v, v_hat, mask, mask, kind, remedy=params)
+        expected, _ = remedy_attention_reference(q, kk, vv, kind, params)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    model = build(micro_config("llama", attn=kind), seed=0).eval()
+    kv = apply_kv(model, KVConfig(2, SMALL))
+    ids = torch.randint(0, 64, (1, 24), generator=gen(32))
+    with torch.no_grad():
+        full = kv(ids)
+        assert (full - model(ids)).abs().max() > 1e-5
+        torch.testing.assert_close(
+            kv(_later_tokens_changed(ids, 15))[:, :16], full[:, :16], rtol=0, atol=1e-6
+        )
+        cache = kv.new_cache()
+        parts = [kv(ids[:, :5], cache)] + [kv(ids[:, i : i + 1], cache) for i in range(5, 24)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)

@@ -165,7 +165,9 @@ def test_switched_off_layers_take_the_torch_path(monkeypatch):
 
 
 def test_no_compiler_means_torch_path(monkeypatch):
-    monkeypatch.setattr(native, "_compiler", lambda: None)
+    from qbench.quant.kernels import build
+
+    monkeypatch.setattr(build, "compiler", lambda: None)
     native._library.cache_clear()
     try:
         assert not native.available() and native.isa() is None
@@ -175,11 +177,21 @@ def test_no_compiler_means_torch_path(monkeypatch):
         native._library.cache_clear()  # the next use rebuilds with the real compiler
 
 
-def test_environment_variable_switches_off():
-    code = "from qbench.quant.kernels import native; print(native.available())"
-    env = {**os.environ, native.ENV: "0"}
+@pytest.mark.parametrize("variable", ["QBENCH_NATIVE", "QBENCH_NATIVE_KERNELS"])
+def test_environment_variable_switches_off(variable):
+    """One switch for every compiled kernel (QBENCH_NATIVE=0); the older name still works for the real layers."""
+    code = (
+        "import torch\n"
+        "from qbench.quant import ops\n"
+        "from qbench.quant.granularity import PerTensor\n"
+        "from qbench.quant.kernels import native\n"
+        "ops.fake_quantize(torch.randn(64, 128), 8, PerTensor(), True)\n"
+        "print(native.available(), ops._FAST_CPU['enabled'])"
+    )
+    env = {**os.environ, variable: "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    expected = "False False" if variable == "QBENCH_NATIVE" else "False True"
+    assert out.stdout.strip() == expected
 
 
 def test_two_threads_equal_one():

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from models.errors import UserError
-from qbench.quant import cpu_kernel, ops
+from qbench.quant import ops
 from qbench.quant.granularity import PerAxis, PerBlock, PerGroup, PerTensor, PerToken, per_sequence
+from qbench.quant.kernels import fake_cpu as cpu_kernel
 from qbench.quant.primitives import fake_quantize as reference
 
 GRANULARITIES = [PerTensor(), PerAxis(0), PerAxis(-1), PerToken(), PerGroup(4), PerBlock((1, -1, -1))]
@@ -184,7 +185,7 @@ def test_c_kernel_is_used_threads_and_errors(monkeypatch):
 TRITON_CHECK = textwrap.dedent(
     """
     import itertools, torch
-    from qbench.quant import triton_fake
+    from qbench.quant.kernels import triton_fake
     from qbench.quant.granularity import PerToken
     from qbench.quant.primitives import fake_quantize
     gen = torch.Generator().manual_seed(0)

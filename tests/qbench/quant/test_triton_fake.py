@@ -25,7 +25,7 @@ CUDA_GRID_LIMITS = (2**31 - 1, 65535, 65535)
 NAN_CHECK = textwrap.dedent(
     """
     import itertools, torch
-    from qbench.quant import triton_fake
+    from qbench.quant.kernels import triton_fake
     from qbench.quant.granularity import PerToken
     from qbench.quant.primitives import fake_quantize
     for (R, L, split), bad, sym, dt in itertools.product(
@@ -63,7 +63,7 @@ def test_nan_and_inf_rows_propagate_like_the_cpu_reference():
 
 def test_long_rows_launch_within_cuda_grid_limits(monkeypatch):
     """A per-tensor scale over 300 M elements needs 73,243 pieces of 4096: more than a grid's 2nd dimension holds."""
-    from qbench.quant import triton_fake
+    from qbench.quant.kernels import triton_fake
 
     grids = []
 

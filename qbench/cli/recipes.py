@@ -1,0 +1,79 @@
+"""``qbench recipes``: train a panel of training-time remedy recipes at one budget, evaluate each into one table;
+the study is :mod:`qbench.studies.recipes`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from models.errors import UserError
+from qbench.cli.base import add_output_argument, console
+from qbench.cli.budgets import DEMO_TOKENS
+from qbench.studies.recipes import DEFAULT_RECIPES  # torch-free: the parser stays light
+
+NAME = "recipes"
+HELP = (
+    "train remedy recipes (Muon, OSP, clipped softmax, gates, softpick, sink logit) at one budget; one table"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="tiny", help="model preset (default tiny)")
+    parser.add_argument(
+        "--recipes", nargs="+", default=list(DEFAULT_RECIPES), help=f"default: {' '.join(DEFAULT_RECIPES)}"
+    )
+    parser.add_argument("--steps", type=int, default=500, help="optimiser steps of every run (default 500)")
+    parser.add_argument(
+        "--lr", type=float, default=4e-3, help="peak learning rate of every run (default 4e-3)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="training and evaluation seed")
+    parser.add_argument(
+        "--tokens", type=int, default=DEMO_TOKENS, help="evaluation token budget per model (the demo's)"
+    )
+    parser.add_argument(
+        "--mode", action="append", choices=("fake", "real"), help="fake (default) | real; repeatable"
+    )
+    parser.add_argument("--parallel", type=int, default=2, help="runs trained at once (default 2)")
+    parser.add_argument(
+        "--ckpt-root", default="ckpts/recipes", help="checkpoint folder (default: ckpts/recipes)"
+    )
+    add_output_argument(
+        parser, "results folder (default: results/recipes)", default="results/recipes", metavar="DIR"
+    )
+    parser.add_argument(
+        "--estimate", action="store_true", help="print the cost estimate and stop (nothing is trained)"
+    )
+    parser.add_argument(
+        "--train-arg",
+        action="append",
+        default=[],
+        help="a trainer option for every run, e.g. --train-arg=--set --train-arg=n_layer=2 (repeatable)",
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    from qbench.cli.evaluate import print_record
+    from qbench.studies.recipes import RecipesConfig, describe_estimate, estimate, run_panel, time_one_step
+
+    if args.steps < 1 or args.tokens < 2 or args.parallel < 1:
+        raise UserError(
+            f"--steps and --parallel must be ≥ 1 and --tokens ≥ 2, got {args.steps}, {args.parallel}, {args.tokens}"
+        )
+    cfg = RecipesConfig(
+        preset=args.preset,
+        recipes=tuple(args.recipes),
+        steps=args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        ckpt_root=Path(args.ckpt_root),
+        output_path=Path(args.output_path),
+        eval_tokens=args.tokens,
+        modes=tuple(args.mode or ("fake",)),
+        parallel=args.parallel,
+        extra_args=tuple(args.train_arg),
+    )
+    if args.estimate:
+        console.print(describe_estimate(estimate(cfg, time_one_step(cfg))), highlight=False)
+        return
+    table = run_panel(cfg, console, getattr(args, "command_line", "qbench recipes"), on_record=print_record)
+    console.print(f"wrote {table}")

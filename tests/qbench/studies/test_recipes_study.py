@@ -1,0 +1,84 @@
+"""``qbench.studies.recipes`` on a micro preset and a handful of steps: the cost estimate, a resumable panel
+trained two at a time, every recipe evaluated into one table."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from models.errors import UserError
+from qbench.studies import recipes as study
+
+EMBEDDED = Path(__file__).resolve().parents[3] / "trainers" / "corpus" / "embedded.jsonl.gz"
+MICRO = ("--set", "n_layer=2", "--set", "d_model=32", "--set", "n_head=2", "--set", "d_ff=64")
+
+
+@pytest.fixture(scope="module")
+def micro_panel(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recipes")
+    corpus = root / "micro.jsonl"
+    with gzip.open(EMBEDDED, "rt", encoding="utf-8") as f, open(corpus, "w", encoding="utf-8") as out:
+        for _, line in zip(range(20), f):
+            doc = json.loads(line)
+            out.write(json.dumps({"id": doc["id"], "text": doc["text"][:4000]}) + "\n")
+    extra = (*MICRO, "--context", "16", "--batch-size", "2", "--eval-tokens", "64", "--probe-batch", "2")
+    return study.RecipesConfig(
+        recipes=("vanilla", "osp"),
+        steps=2,
+        ckpt_root=root / "ckpts",
+        output_path=root / "results",
+        eval_tokens=64,
+        schemes=("absmax-coarse",),
+        probe_every=1,
+        extra_args=(*extra, "--data", str(corpus)),
+    )
+
+
+def test_estimate_counts_tokens_and_flops_before_anything_runs(micro_panel):
+    est = study.estimate(micro_panel, step_s=0.5)
+    assert [r["recipe"] for r in est["runs"]] == ["vanilla", "osp"]
+    assert all(r["tokens"] == 2 * 2 * 16 and r["steps_left"] == 2 for r in est["runs"])
+    assert est["runs"][1]["optimizer"] == "muon"
+    # OSP's embedding projection is a d x d matmul: more FLOPs per token than the baseline
+    assert est["runs"][1]["flops"] > est["runs"][0]["flops"] > 0
+    assert est["wall_s"] == pytest.approx(4 * 0.5 / 2)  # 4 steps, two runs at a time
+    assert "2 runs x 2 steps" in study.describe_estimate(est)
+    assert study.time_one_step(micro_panel) > 0
+    with pytest.raises(UserError, match="did you mean 'softpick'"):
+        study.RecipesConfig(recipes=("softpik",))
+
+
+def test_panel_trains_resumes_and_writes_one_table(micro_panel, monkeypatch, tmp_path):
+    from rich.console import Console
+
+    monkeypatch.setenv("QBENCH_CACHE", str(tmp_path / "cache"))
+    console = Console(file=open(tmp_path / "log", "w"))  # noqa: SIM115
+    table = study.run_panel(micro_panel, console, "qbench recipes --test")
+    text = table.read_text()
+    assert "| vanilla" in text and "| osp" in text
+    assert "`osp`: Outlier-Safe Pre-Training" in text and "FLOP" in text
+    cfg = json.loads((micro_panel.ckpt_root / "osp" / "config.json").read_text())
+    assert cfg["model"]["emb_proj"]  # trained with the projection, evaluated merged
+    records = [json.loads(p.read_text()) for p in micro_panel.output_path.glob("*/*.json")]
+    osp = [r for r in records if r["model"]["name"] == "osp"]
+    assert osp and all(r["model"]["merged_emb_proj"] for r in osp)
+    assert study.estimate(micro_panel)["steps_left"] == 0  # a rerun resumes to nothing
+
+
+def test_cli_module_prints_the_estimate_and_refuses_bad_input(micro_panel, capsys):
+    import argparse
+
+    from qbench.cli import recipes as cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    train_args = [f"--train-arg={a}" for a in micro_panel.extra_args]
+    cli.run(
+        parser.parse_args(["--estimate", "--recipes", "vanilla", "sink-logit", "--steps", "3", *train_args])
+    )
+    assert "2 runs x 3 steps" in capsys.readouterr().out
+    with pytest.raises(UserError, match="--steps"):
+        cli.run(parser.parse_args(["--steps", "0"]))

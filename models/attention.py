@@ -28,6 +28,9 @@ from models.flash_softmax1 import softmax1_flash
 
 # softmax-1 on a fused kernel through the row logsumexp (models.flash_softmax1); False forces the extra-key path.
 SOFTMAX1_FLASH = True
+# attention_two_version works on blocks of queries whose (B, nh, rows, L) score matrix has at most this many
+# elements (2^24 float32 = 64 MiB per temporary), so long windows do not hold several full T × L matrices.
+QUERY_BLOCK_ELEMENTS = 2**24
 
 
 def softmax1(scores: Tensor, dim: int = -1) -> Tensor:
@@ -148,6 +151,102 @@ def attention_reference(
     all_probs = torch.softmax(torch.cat([sink_logit, scores], dim=-1), dim=-1)
     probs = all_probs[..., 1:]
     return probs @ v + all_probs[..., :1] * extra_v, probs
+
+
+def _rows(mask: Tensor | None, rows: slice) -> Tensor | None:
+    """The query rows ``rows`` of a mask broadcastable to (B, nh, T, L) (a one-row mask serves every query)."""
+    return mask if mask is None or mask.size(-2) == 1 else mask[..., rows, :]
+
+
+def attention_two_version(
+    q: Tensor,
+    k: Tensor,
+    k_hat: Tensor,
+    v: Tensor,
+    v_hat: Tensor,
+    key_quantised: Tensor,
+    value_quantised: Tensor,
+    kind: str = "softmax",
+    sink_k: Tensor | None = None,
+    sink_v: Tensor | None = None,
+    *,
+    past: int = 0,
+    mask: Tensor | None = None,
+    scale: float | None = None,
+    remedy: RemedyParams | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention over a cache that holds some positions quantised and some in float, *as each query saw it*.
+
+    A streaming quantised cache (KIVI's float residual, a value window) holds key j in float for early queries
+    and quantised for later ones, so one pass over a window needs both versions: with Mk[t, j] = True where
+    query t reads key j quantised (likewise Mv for values),
+
+        scores[t, j] = where(Mk[t, j], q_t·k̂_j, q_t·k_j) · scale,   out = (P ⊙ Mv)·V̂ + (P ⊙ ¬Mv)·V,
+
+    two score matrices selected by position instead of a loop over queries. q: (B, nh, T, hs) at positions
+    past … past + T − 1; k, k_hat, v, v_hat: (B, nh, L, hs); the masks broadcast to (B, nh, T, L). ``mask``:
+    None = offset causal (query i sees keys 0 … past + i), else boolean (True = may attend) or additive float,
+    broadcastable to (B, nh, T, L) (transformers' masks, sliding windows included). softmax-1 and the sink
+    follow :func:`attention_reference` (an extra key of logit q·sink_k·scale, value sink_v; zeros for softmax-1);
+    the remedies (``clipped``, ``softpick``, ``sink-logit``) normalise the selected scores with ``remedy``'s
+    parameters as :func:`remedy_attention_reference` does.
+    Scores and probabilities in float32. Returns (output (B, nh, T, hs) in q's dtype, probs on the real keys).
+    """
+    T, L = q.size(2), k.size(2)
+    rows = max(1, QUERY_BLOCK_ELEMENTS // max(1, q.size(0) * q.size(1) * L))
+    if T > rows:  # bound the (B, nh, T, L) float32 temporaries: blocks of queries, each a full matrix product
+        outs, probs = [], []
+        for start in range(0, T, rows):
+            stop = min(T, start + rows)
+            rows_of = slice(start, stop)
+            o, p = attention_two_version(
+                q[:, :, rows_of], k, k_hat, v, v_hat, _rows(key_quantised, rows_of), _rows(value_quantised, rows_of),
+                kind, sink_k, sink_v, past=past + start, mask=_rows(mask, rows_of), scale=scale, remedy=remedy,
+            )  # fmt: skip
+            outs.append(o)
+            probs.append(p)
+        return torch.cat(outs, dim=2), torch.cat(probs, dim=2)
+    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+    qf = q.float()
+    s_float = (qf @ k.float().transpose(-2, -1)) * scale
+    s_quant = (qf @ k_hat.float().transpose(-2, -1)) * scale
+    scores = torch.where(key_quantised, s_quant, s_float)
+    # The most negative float, not −inf: exp gives exactly 0 all the same, and a query that may see nothing (a
+    # padding row of a transformers batch) gets finite weights instead of NaN, which P·V would spread.
+    # softpick tells masked keys by −inf (they count 0 in its sums), so the remedies keep −inf.
+    lowest = float("-inf") if kind in REMEDY_KINDS else torch.finfo(torch.float32).min
+    if mask is None:
+        causal = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        scores = scores.masked_fill(~causal, lowest)
+    elif mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, lowest)
+    else:
+        scores = scores + mask.float()
+    extra = None
+    if kind == "softmax":
+        probs = torch.softmax(scores, dim=-1)
+    elif kind == "softmax1":
+        probs = softmax1(scores, dim=-1)
+    elif kind in REMEDY_KINDS:
+        if remedy is None:
+            raise ValueError(f"attn={kind!r} needs its RemedyParams")
+        if kind == "clipped":
+            probs = clipped_softmax(scores, remedy.gamma, remedy.zeta)
+        elif kind == "softpick":
+            probs = softpick(scores, remedy.eps)
+        else:
+            probs = softmax_with_sink_logit(scores, remedy.sink_logit.float())
+    else:
+        extra_k, extra_v = _extra_kv(kind, q, sink_k, sink_v)
+        sink_logit = (qf @ extra_k.float().transpose(-2, -1)) * scale  # (B, nh, T, 1)
+        all_probs = torch.softmax(torch.cat([sink_logit, scores], dim=-1), dim=-1)
+        probs, extra = all_probs[..., 1:], all_probs[..., :1] * extra_v.float()
+    zero = probs.new_zeros(())
+    out = torch.where(value_quantised, probs, zero) @ v_hat.float()
+    out = out + torch.where(value_quantised, zero, probs) @ v.float()
+    if extra is not None:
+        out = out + extra
+    return out.to(q.dtype), probs
 
 
 # ------------------------------------------------------------------------------------- training-time remedies

@@ -20,11 +20,13 @@ from models.attention import (
     RemedyParams,
     attention_fast,
     attention_reference,
+    attention_two_version,
     attention_with_past,
     remedy_attention,
     remedy_attention_reference,
 )
 from models.config import ModelConfig
+from models.kvcache import KVCache, PackedKVCache, QuantizedKVCache  # KVCache is defined there, used here
 
 # ---------------------------------------------------------------------------------------------------- norms
 
@@ -68,35 +70,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
-
-
-# ------------------------------------------------------------------------------------------------- KV cache
-
-
-class KVCache:
-    """Keys and values of the positions seen so far, for generation: ``model(ids, cache=cache)`` appends the new
-    positions and attends over all of them, so each new token costs one position's work instead of the prefix's.
-
-    One preallocated (B, n_head, context, head_dim) buffer per block and per key/value (no re-allocation as the
-    sequence grows), created on first use with the dtype and device of the keys. ``pos`` counts the positions
-    stored; the model advances it after each forward.
-    """
-
-    def __init__(self, config: ModelConfig) -> None:
-        self.pos, self.context = 0, config.context
-        self._k: list[Tensor | None] = [None] * config.n_layer
-        self._v: list[Tensor | None] = [None] * config.n_layer
-
-    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store (k, v) (B, nh, T, hs) at positions pos … pos + T − 1 of ``layer``; return its keys/values so far."""
-        if self._k[layer] is None:
-            B, nh, _, hs = k.shape
-            self._k[layer] = k.new_empty(B, nh, self.context, hs)
-            self._v[layer] = v.new_empty(B, nh, self.context, hs)
-        end = self.pos + k.size(2)
-        self._k[layer][:, :, self.pos : end] = k
-        self._v[layer][:, :, self.pos : end] = v
-        return self._k[layer][:, :, :end], self._v[layer][:, :, :end]
 
 
 # ------------------------------------------------------------------------------------------------- attention
@@ -150,6 +123,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self._qkv(x))
         if rope is not None:  # (B, nh, T, hs)
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if getattr(self.kv_transform, "streaming", False):
+            return self.c_proj(self._read_quantised_cache(q, k, v, kv).transpose(1, 2).reshape(B, T, C))
         if self.kv_transform is not None:
             k, v = self.kv_transform(k, v)
         if kv is not None:
@@ -194,6 +169,39 @@ class CausalSelfAttention(nn.Module):
             g = torch.sigmoid(self.g_proj(x))  # (B, T, nh) or (B, T, C)
             y = y * (g.unsqueeze(-1) if self.gate == "headwise" else g.view(B, T, nh, hs))
         return self.c_proj(y.reshape(B, T, nh * hs))
+
+    def _read_quantised_cache(
+        self, q: Tensor, k: Tensor, v: Tensor, kv: tuple[KVCache, int] | None
+    ) -> Tensor:
+        """Attention over a quantised KV cache (``kv_transform.read``, qbench.quant.kvschemes) as each query saw
+        it after its own token was written: one pass over a window, or a :class:`models.kvcache.QuantizedKVCache`
+        filled chunk by chunk; both give the same output (positions are absolute)."""
+        if kv is None:
+            past, view = 0, self.kv_transform.read(k, v, past=0)
+        else:
+            cache, layer = kv
+            if not hasattr(cache, "append_read"):
+                raise ValueError("a model with a quantised KV cache generates with model.new_cache()")
+            past, view = cache.pos, cache.append_read(layer, k, v, self.kv_transform)
+        if self.kv_transform.reads_one_version and self.probs_hook is None:
+            # Every position a query may see is stored (or kept float) the moment it is written: the stored
+            # version alone, on the fused kernels.
+            if self.kind in REMEDY_KINDS:
+                return remedy_attention(q, view.k_hat, view.v_hat, self.kind, self._remedy_params())
+            if past:
+                return attention_with_past(
+                    q, view.k_hat, view.v_hat, past, self.kind, self.sink_k, self.sink_v
+                )
+            return attention_fast(q, view.k_hat, view.v_hat, self.kind, self.sink_k, self.sink_v)
+        y, probs = attention_two_version(
+            q, view.k, view.k_hat, view.v, view.v_hat, view.key_quantised, view.value_quantised,
+            self.kind, self.sink_k, self.sink_v, past=past,
+            remedy=self._remedy_params() if self.kind in REMEDY_KINDS else None,
+        )  # fmt: skip
+        self.kv_transform.observe(probs)
+        if self.probs_hook is not None and kv is None:
+            self.probs_hook(probs.to(q.dtype))
+        return y
 
 
 # ------------------------------------------------------------------------------------------------------- MLP
@@ -325,10 +333,19 @@ class Transformer(nn.Module):
             x = self.transformer.ln_f(x)
         return self.lm_head(x)  # (B, T, V)
 
+    def new_cache(self, packed: bool = False) -> KVCache:
+        """An empty cache for generation: when the blocks quantise their KV cache (qbench.quant.kvschemes) a
+        :class:`models.kvcache.QuantizedKVCache` (dequantised values), or with ``packed`` a
+        :class:`models.kvcache.PackedKVCache` (codes and scales, dequantised on read); else a float
+        :class:`KVCache`."""
+        if any(getattr(block.attn.kv_transform, "streaming", False) for block in self.transformer.h):
+            return PackedKVCache(self.config) if packed else QuantizedKVCache(self.config)
+        return KVCache(self.config)
+
     @torch.inference_mode()
     def generate(self, prompt: Tensor, new_tokens: int) -> Tensor:
-        """``new_tokens`` greedy tokens (B, new_tokens) after ``prompt`` (B, P), with a :class:`KVCache`."""
-        cache = KVCache(self.config)
+        """``new_tokens`` greedy tokens (B, new_tokens) after ``prompt`` (B, P), with a KV cache (:meth:`new_cache`)."""
+        cache = self.new_cache()
         logits = self(prompt, cache)
         out = []
         for i in range(new_tokens):

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from models.errors import UserError
 from qbench.cli.budgets import EVAL_TOKENS
-from qbench.quant.kv_options import GRANULARITIES, KV_BITS
+from qbench.quant.kv_options import KV_BITS, KV_SCHEME_NAMES, KV_SCHEME_SYNTAX
 
 # the loader, the protocol and the KV cache import torch: only the commands that use them import them
 if TYPE_CHECKING:
@@ -99,33 +99,63 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
 
 
 def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
-    """--kv-bits, --kv-granularity, --kv-keep-first: KV-cache quantisation on top of every scheme
-    (``qbench.quant.kv``; results named ``<scheme>+kv4``, and ``--scheme fp`` gives the float model's ``fp+kv4``)."""
+    """--kv-bits, --kv-scheme, --kv-keep-first, --kv-keep-sinks: KV-cache quantisation on top of every scheme
+    (``qbench.quant.kv``, ``qbench.quant.kvschemes``; results named ``<scheme>+kv4``, and ``--scheme fp`` gives
+    the float model's ``fp+kv4``). --kv-granularity is the former name of --kv-scheme."""
     bits = " | ".join(map(str, KV_BITS))
     parser.add_argument(
         "--kv-bits",
         type=int,
-        help=f"quantise the KV cache (keys after RoPE, values) to {bits} bits (default: a float cache)",
+        help=f"quantise the KV cache (keys after RoPE, values) to {bits} bits (8 for the fp8 schemes; "
+        "default: a float cache)",
     )
     parser.add_argument(
-        "--kv-granularity",
-        help=f"{' | '.join(GRANULARITIES)}: kivi (default) = keys per channel over the scored window and "
-        "values per token; per-token = both per token",
+        "--kv-scheme",
+        help=f"{' | '.join(KV_SCHEME_NAMES)} (default kivi), with overrides as {KV_SCHEME_SYNTAX}; "
+        "see qbench.quant.kvschemes",
     )
+    parser.add_argument("--kv-granularity", help=argparse.SUPPRESS)  # the former name of --kv-scheme
     parser.add_argument(
         "--kv-keep-first",
         type=int,
         help="keep cache positions 0..K-1 in float and out of the ranges (sink protection; default: 0)",
     )
+    parser.add_argument(
+        "--kv-keep-sinks",
+        type=int,
+        help="keep the K positions that receive the most attention in the float model's first pass in float",
+    )
 
 
 def kv_from_args(args: argparse.Namespace) -> KVConfig | None:
-    """The KV-cache config the options ask for; None without --kv-bits (the other two options then refuse)."""
-    granularity, keep_first = getattr(args, "kv_granularity", None), getattr(args, "kv_keep_first", None)
-    if getattr(args, "kv_bits", None) is None:
-        if granularity is not None or keep_first is not None:
-            raise UserError("--kv-granularity and --kv-keep-first need --kv-bits (the KV cache's bit width)")
+    """The KV-cache config the options ask for; None without --kv-bits or --kv-scheme (the keep options then
+    refuse). An fp8 scheme needs no --kv-bits (8); ``bits=`` inside --kv-scheme works too."""
+    from qbench.quant.kvschemes import parse_kv_scheme
+
+    scheme = getattr(args, "kv_scheme", None)
+    legacy = getattr(args, "kv_granularity", None)
+    if scheme is not None and legacy is not None:
+        raise UserError("give --kv-scheme only (--kv-granularity is its former name)")
+    scheme = scheme if scheme is not None else legacy
+    keep_first, keep_sinks = getattr(args, "kv_keep_first", None), getattr(args, "kv_keep_sinks", None)
+    bits = getattr(args, "kv_bits", None)
+    if bits is None and scheme is not None:
+        parsed = parse_kv_scheme(scheme)
+        bits = parsed.get("bits", 8 if parsed["scheme"].startswith("fp8") else None)
+        if bits is None:
+            raise UserError(
+                f"--kv-scheme {scheme} needs --kv-bits (the KV cache's bit width: {' | '.join(map(str, KV_BITS))})"
+            )
+    if bits is None:
+        if keep_first is not None or keep_sinks is not None:
+            raise UserError("--kv-keep-first and --kv-keep-sinks need --kv-bits or --kv-scheme")
         return None
     from qbench.quant.kv import KVConfig
 
-    return KVConfig(args.kv_bits, granularity or "kivi", keep_first or 0)
+    config = KVConfig(bits, scheme or "kivi", keep_first or 0, keep_sinks or 0)
+    if config.scale == "calib":  # calibration batches are not plumbed through the commands yet
+        raise UserError(
+            "--kv-scheme …:scale=calib needs calibration batches: use the Python API "
+            "(qbench.quant.kvschemes.calibrate_kv_scales) or give scale=<number>"
+        )
+    return config

@@ -9,32 +9,32 @@ Definition (design/metrics.md, "KV-cache quantisation"; KIVI, Liu et al. 2024, �
   after their projection — exactly the tensors a KV cache would hold. Every query position attends over the
   dequantised keys and values. The extra always-visible key of softmax-1 (zeros) and the learned sink's key/value
   are parameters, not cache entries, and stay float.
-- Quantiser (KIVI eq. 1): asymmetric round-to-nearest over a group X of the cache,
-  z = min X, s = (max X − min X) / (2^b − 1), q = clamp(round((x − z) / s), 0, 2^b − 1), x̂ = q · s + z.
-  (Unlike qbench's weight "zeropoint", the range is [min X, max X], not widened to include 0: KIVI's formula.)
-  ``round`` is round-half-to-even (``torch.round``); s is floored at float32's TINY so a constant group
-  dequantises to itself; arithmetic in float32, the result cast back to the input dtype.
-- Groups: ``granularity="kivi"`` (default) quantises keys per channel — one (z, s) per (sequence, head, channel)
-  over the token positions — and values per token — one (z, s) per (sequence, head, position) over the head's
-  channels. ``granularity="per-token"`` quantises both per token.
-- Window (ours, documented simplification): KIVI computes key statistics over groups of G consecutive tokens and
-  keeps the R most recent tokens in float while generating. Here perplexity scores whole windows at once, so a
-  key channel's statistics are taken over **all positions of the window being scored** (excluding kept ones, see
-  below). This is not causal — a query at position t reads keys whose range also depends on later keys — and it
-  is the same for every query; it is what a cache filled by one prefill of the window and then quantised holds.
-  Per-token groups (values, and keys under ``per-token``) are causal.
-- ``keep_first=K`` leaves positions 0..K−1 in float (bit-exact) and computes every other position's statistics
-  without them — sink protection as in IntactKV, KVQuant's attention-sink handling and PrefixQuant.
+- Schemes (``KVConfig.scheme``, ``--kv-scheme NAME[:key=value,…]``; ``qbench.quant.kvschemes`` has the
+  registry, each scheme's source and its exact definition): ``kivi`` (default; KIVI §3 streaming: keys per
+  channel in groups of G tokens once a residual of R is complete, values per token with the R newest float),
+  ``per-token`` (llama.cpp q8_0/q4_0/q4_1 blocks of 32), ``fp8-e4m3``/``fp8-e5m2`` (vLLM's per-layer scales)
+  and ``window`` (the earlier whole-window statistics, a non-causal upper bound). The quantiser of the integer
+  schemes other than per-token is KIVI eq. 1 (``fake_quantize_minmax``).
+- When: every query at t reads the cache as it stood after token t was written (``read`` gives, per query,
+  which positions it reads quantised; ``models.attention.attention_two_version`` computes both score matrices
+  and selects by position), so one pass over a window equals generating it token by token through
+  ``models.kvcache.QuantizedKVCache`` and no scheme but ``window`` reads a later token.
+- ``keep_first=K`` leaves absolute positions 0..K−1 in float (bit-exact) and out of every statistic — sink
+  protection as in IntactKV, KVQuant's attention-sink handling and PrefixQuant; ``keep_sinks=K`` keeps each
+  layer's K most-attended positions of a float first pass (``kvschemes.attach_sink_finder``).
 - Never across sequences of a batch: results do not depend on how windows are batched.
 
 Where the cache is intercepted:
 
-- Our models expose a neutral hook (``CausalSelfAttention.kv_transform``, called on (k, v) after RoPE).
+- Our models expose a neutral hook (``CausalSelfAttention.kv_transform``, called on (k, v) after RoPE); a KV
+  scheme's quantiser (``kvschemes.KVSchemeQuantizer``, marked ``streaming``) is instead asked for each query's
+  view of the whole cache (``read``).
 - Transformers models whose attention goes through transformers' ``AttentionInterface`` (GPT-2, Llama,
   Mistral, Qwen2/3, Gemma 3, Phi-3, OPT, GPT-NeoX, GPT-J, ...) get their registered attention function wrapped
   (``qbench_kv+<implementation>``), so eager, sdpa, ``softmax1`` and ``softmax1_eager`` all read quantised
   keys/values: the (key, value) the function receives is what the model's cache stores (after RoPE, before
-  GQA's repeat).
+  GQA's repeat). The wrapper computes each query's view explicitly (``kvschemes.hf_attention``; schemes that
+  never read a written position in float hand the stored keys/values to the wrapped implementation).
 - Transformers models whose attention module computes attention itself (Falcon, Bloom, MPT, GPT-Neo, XGLM)
   keep their implementation name — renaming it would change their code path: Falcon tests
   ``_attn_implementation == "sdpa"`` and, failing it, adds an sdpa-style boolean mask to eager scores and sees
@@ -44,7 +44,9 @@ Where the cache is intercepted:
   layout broadcasts each k/v group to its query heads before the update, so every copy is quantised alike,
   as its own cache would hold them; Bloom and MPT (ALiBi, bias added to the scores): keys and values as
   projected; GPT-Neo (learned absolute positions) and XGLM (sinusoidal positions added to the embeddings):
-  as projected. A real cache passed in (generation) is updated first and read back quantised.
+  as projected. A real cache passed in (generation) is updated first and read back quantised. The module reads
+  one version of the cache for all its queries, which is exact for per-token, fp8 and window; KIVI (whose
+  queries read different versions) is refused there in one line.
 
 No silent no-op: after attaching, a probe forward of a few tokens checks that the quantiser ran in every
 decoder layer; otherwise ``attach_kv`` refuses the model in one line.
@@ -56,68 +58,73 @@ import copy
 import inspect
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from models.errors import UserError, unknown_choice
-from qbench.quant.kv_options import GRANULARITIES, KV_BITS
+from models.errors import UserError
+from qbench.quant.kv_options import GRANULARITIES, KV_BITS  # noqa: F401 - GRANULARITIES: the former names
+from qbench.quant.kvschemes import KVSchemeQuantizer as KVQuantizer  # the quantiser attached per layer
 from qbench.quant.primitives import TINY, check_finite
 
-_GRANULARITY_LABEL = {"kivi": "", "per-token": "-tok"}
 # Informative to_dict keys; from_dict ignores them.
-_INFO_KEYS = ("label", "keys", "values", "range", "statistics")
+_INFO_KEYS = ("label", "keys", "values", "range", "statistics", "causal", "description")
 KV_PREFIX = "qbench_kv+"  # transformers attention implementations registered by this module
 
 
 @dataclass(frozen=True)
 class KVConfig:
-    """How the KV cache is quantised: ``bits`` (8, 6, 4, 3, 2), ``granularity`` ("kivi" = keys per channel and
-    values per token; "per-token" = both per token), ``keep_first`` (leading positions kept in float)."""
+    """How the KV cache is quantised: ``bits`` (8, 6, 4, 3, 2; 8 for fp8), ``scheme`` (a ``kvschemes.KV_SCHEMES``
+    name, optionally ``NAME:key=value,…``: kivi (default), per-token, fp8-e4m3, fp8-e5m2, window), ``keep_first``
+    (leading absolute positions kept in float), ``keep_sinks`` (the most-attended positions kept in float) and
+    the scheme's own options (``None`` = its default): kivi ``group``/``residual``, per-token ``block``/``sym``,
+    fp8 ``scale``, window ``key_axis``. See ``qbench.quant.kvschemes``."""
 
     bits: int
-    granularity: str = "kivi"
+    scheme: str = "kivi"
     keep_first: int = 0
+    keep_sinks: int = 0
+    group: int | None = None
+    residual: int | None = None
+    block: int | None = None
+    sym: bool | None = None
+    scale: float | str | None = None
+    key_axis: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.bits, bool) or self.bits not in KV_BITS:
-            raise UserError(
-                f"KV-cache bits {self.bits!r} are not supported; choose from: {', '.join(map(str, KV_BITS))}"
-            )
-        if self.granularity not in GRANULARITIES:
-            raise unknown_choice("KV-cache granularity", self.granularity, GRANULARITIES)
-        if isinstance(self.keep_first, bool) or not isinstance(self.keep_first, int) or self.keep_first < 0:
-            raise UserError(
-                f"KV-cache keep_first {self.keep_first!r} is not supported; "
-                "choose an integer ≥ 0 (leading positions kept in float)"
-            )
+        from qbench.quant.kvschemes import normalize_config
+
+        normalize_config(self)  # resolves NAME:overrides and aliases, fills defaults; one-line UserErrors
+
+    @property
+    def causal(self) -> bool:
+        from qbench.quant.kvschemes import KV_SCHEMES
+
+        return KV_SCHEMES.get(self.scheme).causal and not self.keep_sinks  # sinks: chosen over the window
 
     @property
     def label(self) -> str:
-        """Short name for tables: ``kv2``, ``kv2-keep1``, ``kv4-tok``."""
-        keep = f"-keep{self.keep_first}" if self.keep_first else ""
-        return f"kv{self.bits}{_GRANULARITY_LABEL[self.granularity]}{keep}"
+        """Short name for tables: ``kv2``, ``kv2-keep1``, ``kv4-tok``, ``kv8-e4m3``, ``kv2-win``."""
+        from qbench.quant.kvschemes import label
+
+        return label(self)
 
     def to_dict(self) -> dict[str, Any]:
-        """The full config plus informative fields (label, what is quantised how), written into every record."""
-        key_groups = "per channel" if self.granularity == "kivi" else "per token"
-        return {
-            "bits": self.bits,
-            "granularity": self.granularity,
-            "keep_first": self.keep_first,
-            "label": self.label,
-            "keys": f"{key_groups}, after the rotary embedding where the model has one",
-            "values": "per token, after the projection",
-            "range": "asymmetric [min, max] round-to-nearest (KIVI eq. 1)",
-            "statistics": "per sequence and head; per-channel ranges over the whole scored window, "
-            f"positions < {self.keep_first} kept in float and left out of the ranges",
-        }
+        """Every field (defaults filled in), causal yes/no and what is quantised how: written into every record."""
+        from qbench.quant.kvschemes import describe
+
+        return describe(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> KVConfig:
-        known = ("bits", "granularity", "keep_first")
+        from qbench.quant.kvschemes import LEGACY_GRANULARITY
+
+        known = [f.name for f in fields(cls)]
+        d = dict(d)
+        if "granularity" in d and "scheme" not in d:  # records from before the scheme registry
+            d.update(LEGACY_GRANULARITY.get(d.pop("granularity"), {"scheme": "?"}))
         unknown = set(d) - set(known) - set(_INFO_KEYS)
         if unknown:
             raise UserError(f"unknown KV-cache config field(s) {sorted(unknown)}; known: {list(known)}")
@@ -138,38 +145,13 @@ def fake_quantize_minmax(x: Tensor, bits: int, dim: int) -> Tensor:
     return q.mul_(scale).add_(lo).to(x.dtype)
 
 
-def _quantize_positions(x: Tensor, bits: int, dim: int, keep_first: int) -> Tensor:
-    """Fake-quantise a (B, H, T, D) cache tensor over ``dim``, positions < ``keep_first`` untouched and unseen."""
-    if keep_first <= 0:
-        return fake_quantize_minmax(x, bits, dim)
-    if x.size(-2) <= keep_first:
-        return x
-    head, rest = x[..., :keep_first, :], x[..., keep_first:, :]
-    return torch.cat([head, fake_quantize_minmax(rest, bits, dim)], dim=-2)
-
-
 def quantize_kv(key: Tensor, value: Tensor, config: KVConfig) -> tuple[Tensor, Tensor]:
-    """The dequantised (key, value) a cache quantised under ``config`` gives back; both (B, H, T, D)."""
-    key_dim = -2 if config.granularity == "kivi" else -1  # per channel: reduce over positions
-    return (
-        _quantize_positions(key, config.bits, key_dim, config.keep_first),
-        _quantize_positions(value, config.bits, -1, config.keep_first),
-    )
+    """The (key, value) a cache quantised under ``config`` holds once the whole window (B, H, T, D) is written:
+    final positions dequantised, the rest (KIVI's float residuals, kept positions) float."""
+    from qbench.quant.kvschemes import KVSchemeQuantizer
 
-
-class KVQuantizer:
-    """The callable attached to attention modules: ``(k, v) -> quantize_kv(k, v, config)``."""
-
-    def __init__(self, config: KVConfig) -> None:
-        self.config = config
-        self.calls = 0  # how often it ran: the probe after attaching checks every layer's quantiser ran
-
-    def __call__(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        self.calls += 1
-        return quantize_kv(key, value, self.config)
-
-    def __repr__(self) -> str:
-        return f"KVQuantizer({self.config.label})"
+    quantizer = KVSchemeQuantizer(config)
+    return quantizer.stored(key, value, quantizer.keep_mask(key.size(0), key.size(2), key.device))
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -201,6 +183,10 @@ def attach_kv(model: nn.Module, config: KVConfig) -> nn.Module:
             block.attn.kv_transform = KVQuantizer(config)
     else:
         _attach_transformers(model, config)
+    if config.keep_sinks:  # a float pass before each first pass chooses the positions kept in float
+        from qbench.quant.kvschemes import attach_sink_finder
+
+        attach_sink_finder(model)
     model.qbench_kv = config.to_dict()
     _probe(model)
     return model
@@ -241,10 +227,16 @@ def _probe(model: nn.Module) -> None:
     quantizers = kv_quantizers(model)
     before = {name: q.calls for name, q in quantizers.items()}
     ids = probe_ids(model)
-    if isinstance(model, Transformer):
-        model(ids)
-    else:
-        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    for q in quantizers.values():
+        q.probing = True  # count the call, read float: a calibrated scheme has no scales yet
+    try:
+        if isinstance(model, Transformer):
+            model(ids)
+        else:
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    finally:
+        for q in quantizers.values():
+            q.probing = False
     missed = [name for name, q in quantizers.items() if q.calls == before[name]]
     if missed:
         raise UserError(
@@ -289,6 +281,18 @@ def _attach_transformers(model: nn.Module, config: KVConfig) -> None:
     for module in modules:
         module.qbench_kv = KVQuantizer(config)
         if module not in registry:
+            if config.keep_sinks:  # the sink finder reads attention probabilities this route never sees
+                raise UserError(
+                    f"cannot keep the sinks of {type(model).__name__} in float: {type(module).__name__} computes "
+                    "attention itself; use --kv-keep-first"
+                )
+            if config.scheme == "kivi":  # one stand-in cache read serves all queries: one version only
+                raise UserError(
+                    f"cannot quantise the KV cache of {type(model).__name__} under {config.label}: "
+                    f"{type(module).__name__} computes attention itself and reads one version of the cache for "
+                    "every query, while KIVI's queries read different ones; use --kv-scheme per-token, "
+                    "fp8-e4m3, fp8-e5m2 or window"
+                )
             _hook_cache_argument(module, model)
     if registry:
         hf_config._attn_implementation = register_kv_attention(base)  # the copy's own config (deep-copied)
@@ -368,8 +372,24 @@ def _base_attention(base: str, module: nn.Module) -> Callable:
 
 def _kv_attention(base: str) -> Callable:
     def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any):
-        # (B, kv heads, T, D): as stored, before GQA's repeat
-        key, value = _quantizer_of(module, KV_PREFIX + base)(key, value)
+        quantizer = _quantizer_of(module, KV_PREFIX + base)
+        if getattr(quantizer, "streaming", False):  # each query reads the cache as it was after its token
+            from models.hf import SOFTMAX1, SOFTMAX1_EAGER
+            from qbench.quant.kvschemes import hf_attention
+
+            return hf_attention(
+                quantizer,
+                module,
+                query,
+                key,
+                value,
+                *args,
+                softmax_one=base in (SOFTMAX1, SOFTMAX1_EAGER),
+                base_name=base,
+                base=_base_attention(base, module),
+                **kwargs,
+            )
+        key, value = quantizer(key, value)  # (B, kv heads, T, D): as stored, before GQA's repeat
         return _base_attention(base, module)(module, query, key, value, *args, **kwargs)
 
     attention.__doc__ = f"{base} attention reading a quantised KV cache (qbench.quant.kv)."

@@ -260,7 +260,7 @@ class SweepConfig:
     tolerance: float = DEFAULT_TOLERANCE
     kv_keep_first: list[int] = field(default_factory=list)
     kv_bits: list[int] | None = None  # the kv axis' widths; None: those of ``bits`` that are KV-cache widths
-    kv_granularity: str | None = None  # None: the KV cache's default (KIVI)
+    kv_granularity: str | None = None  # a KV-cache scheme, NAME[:key=value,…] (kvschemes); None: KIVI
     protocol: Protocol = field(default_factory=Protocol)
     output_path: Path = Path("qbench_results/sweep")
     seed: int = 0
@@ -311,8 +311,7 @@ def _grid_spec(cfg: SweepConfig, models: list[str], schemes: list[str], kv: Any 
 def _kv_config(cfg: SweepConfig, cell: Cell) -> Any:
     from qbench.quant.kv import KVConfig
 
-    kwargs = {"granularity": cfg.kv_granularity} if cfg.kv_granularity else {}
-    return KVConfig(cell.kv_bits, keep_first=cell.curve.keep_first, **kwargs)
+    return KVConfig(cell.kv_bits, cfg.kv_granularity or "kivi", keep_first=cell.curve.keep_first)
 
 
 def _groups(cfg: SweepConfig, cells: list[Cell]) -> list[tuple[Any, list[Cell]]]:

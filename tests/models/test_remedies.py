@@ -374,7 +374,9 @@ def test_kv_cache_quantisation_reads_the_same_keys_in_ours_and_the_export():
     x = torch.randint(0, 97, (1, 24))
     for attn in ("clipped", "softpick", "sink-logit"):
         model = perturbed("llama", dict(attn=attn))
-        ours, theirs = apply_kv(model, KVConfig(4)), apply_kv(to_hf_model(model), KVConfig(4))
+        # per-token: every key/value quantised as written (KIVI keeps a 24-token window float)
+        config = KVConfig(4, "per-token")
+        ours, theirs = apply_kv(model, config), apply_kv(to_hf_model(model), config)
         assert (ours(x) - model(x)).abs().max() > 1e-4  # 4-bit keys/values change something
         torch.testing.assert_close(theirs(x).logits, ours(x), rtol=1e-4, atol=1e-4)
 

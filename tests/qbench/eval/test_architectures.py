@@ -2,12 +2,14 @@
 layouts, Falcon's three attention branches) — and none lets a position see the future.
 
 For each family (2 layers, d 32, vocab 128, random weights) and each transform — float, two fake weight
-schemes, the KV cache under ``kivi`` and ``per-token`` statistics — two things are checked:
+schemes, the KV cache under the ``window``, ``kivi`` and ``per-token`` schemes — two things are checked:
 
 - acted: the transform changed the logits and a probe (forward hooks on the fake-quant layers; the KV
   quantisers' call counters) saw it run in every decoder layer;
-- causal: changing the last token leaves every earlier position's logits unchanged. ``kivi`` takes a key
-  channel's range over the whole window, so it is causal by construction only for ``per-token``.
+- causal: changing the last token leaves every earlier position's logits unchanged. ``window`` takes a key
+  channel's range over the whole window, so it is not causal by construction; ``kivi`` and ``per-token`` are.
+  ``kivi`` (queries read different versions of the cache) is refused where the attention module computes
+  attention itself.
 
 The statistics hooks (``observe_any``: block outputs and attention probabilities) are checked to record every
 layer. ``python -m tests.qbench.eval.test_architectures`` prints the architecture table.
@@ -28,8 +30,18 @@ from qbench.quant.kv import KVConfig, apply_kv
 
 VOCAB, T = 128, 12
 SCHEMES = ("absmax-fine", "zeropoint-int4")
-KV = {"kv2": KVConfig(2), "kv2-tok": KVConfig(2, granularity="per-token")}
-CAUSAL_BY_DESIGN = {"float": True, **dict.fromkeys(SCHEMES, True), "kv2": False, "kv2-tok": True}
+KV = {
+    "kv2-win": KVConfig(2, "window"),
+    "kv2-kivi": KVConfig(2, "kivi:group=4,residual=4"),  # groups small enough for the 12-token test
+    "kv2-tok": KVConfig(2, "per-token"),
+}
+CAUSAL_BY_DESIGN = {
+    "float": True,
+    **dict.fromkeys(SCHEMES, True),
+    "kv2-win": False,
+    "kv2-kivi": True,
+    "kv2-tok": True,
+}
 TRANSFORMS = tuple(CAUSAL_BY_DESIGN)
 ATOL = 1e-5
 
@@ -243,7 +255,7 @@ def test_a_kv_cache_that_cannot_be_reached_is_refused(family_models, monkeypatch
 
 def test_falcon_keeps_its_implementation_and_its_causal_mask(family_models):
     model = _model(family_models, "falcon")
-    kv = apply_kv(model, KVConfig(2, granularity="per-token"))
+    kv = apply_kv(model, KVConfig(2, "per-token"))
     assert kv.config._attn_implementation == model.config._attn_implementation == "sdpa"
 
 
@@ -334,7 +346,7 @@ def test_context_length_without_one_in_the_config_comes_from_the_window(family_m
 
 def kv_route(model: nn.Module) -> str:
     """Where the KV quantiser intercepts the cache: the wrapped attention function or the cache stand-in."""
-    kv = apply_kv(model, KVConfig(8))
+    kv = apply_kv(model, KVConfig(8, "per-token"))
     return "attention function" if kv.config._attn_implementation.startswith("qbench_kv+") else "cache.update"
 
 
@@ -391,11 +403,11 @@ def test_qbench_run_loads_the_family_and_its_kv_cache_moves_perplexity(family, t
             protocol=protocol,
             output_path=tmp_path / f"kv{bits}",
             attention=False,
-            kv=KVConfig(bits),
+            kv=KVConfig(bits, "per-token"),  # kivi is refused where the module computes attention itself
         )
         records = run_grid(spec)
         assert all(r["status"] == "ok" for r in records), [r.get("error") for r in records]
-        assert records[-1]["scheme"]["name"] == f"fp+kv{bits}"
+        assert records[-1]["scheme"]["name"] == f"fp+kv{bits}-tok"
         ppl[bits] = records[-1]["metrics"]["perplexity"]
         assert records[-1]["protocol"]["window"] == 16
     assert ppl[8] != ppl[2]  # the cache is quantised (they were equal when it silently was not)

@@ -31,25 +31,25 @@ def grid(tmp_path, model, schemes, kv=None, modes=("fake",)):
 @pytest.mark.parametrize("fixture", ["ckpt_dir", "hf_llama_dir"])
 def test_records_carry_the_kv_block_and_names_show_it(fixture, request, tmp_path):
     model = request.getfixturevalue(fixture)
-    kv = KVConfig(2, keep_first=1)
+    kv = KVConfig(2, "kivi:group=4,residual=8", keep_first=1)  # groups small enough for the windows
     records = run_grid(grid(tmp_path, model, ["fp", "absmax-fine"], kv, modes=("fake", "real")))
     assert [(r["scheme"]["name"], r["mode"]) for r in records] == [
         ("fp", "float"),
-        ("fp+kv2-keep1", "fake"),  # the cache alone: once, whatever the modes
-        ("absmax-fine+kv2-keep1", "fake"),
-        ("absmax-fine+kv2-keep1", "real"),
+        ("fp+kv2-g4r8-keep1", "fake"),  # the cache alone: once, whatever the modes
+        ("absmax-fine+kv2-g4r8-keep1", "fake"),
+        ("absmax-fine+kv2-g4r8-keep1", "real"),
     ]
     assert records[0]["kv"] is None
     for r in records[1:]:
         assert r["status"] == "ok", r["error"]
-        assert KVConfig.from_dict(r["kv"]) == kv and r["kv"]["label"] == "kv2-keep1"
+        assert KVConfig.from_dict(r["kv"]) == kv and r["kv"]["label"] == "kv2-g4r8-keep1"
         assert r["metrics"]["perplexity"] != records[0]["metrics"]["perplexity"]
     assert records[1]["scheme"]["weight_bits"] is None and records[2]["scheme"]["weight_bits"] == 8
     files = sorted(p.name for p in (tmp_path / "results").rglob("*.json"))
     assert files == [
-        "absmax-fine+kv2-keep1__fake.json",
-        "absmax-fine+kv2-keep1__real.json",
-        "fp+kv2-keep1__fake.json",
+        "absmax-fine+kv2-g4r8-keep1__fake.json",
+        "absmax-fine+kv2-g4r8-keep1__real.json",
+        "fp+kv2-g4r8-keep1__fake.json",
         "fp.json",
     ]
     plain = run_grid(grid(tmp_path, model, ["absmax-fine"]))[1]  # same scheme without KV: its own record
@@ -57,10 +57,10 @@ def test_records_carry_the_kv_block_and_names_show_it(fixture, request, tmp_path
     headers, _, caption = comparison([*records, plain])
     assert headers[1:6] == [
         "fp",
-        "fp+kv2-keep1/fake",
+        "fp+kv2-g4r8-keep1/fake",
         "absmax-fine/fake",
-        "absmax-fine+kv2-keep1/fake",
-        "absmax-fine+kv2-keep1/real",
+        "absmax-fine+kv2-g4r8-keep1/fake",
+        "absmax-fine+kv2-g4r8-keep1/real",
     ]
     assert "+kvN: KV cache quantised" in caption
 
@@ -73,7 +73,7 @@ def test_the_reuse_key_includes_the_kv_block(ckpt_dir, tmp_path):
     assert seen == [True, True]
     path = tmp_path / "results" / ckpt_dir.name / "fp+kv4__fake.json"
     record = json.loads(path.read_text())
-    record["kv"]["granularity"] = "per-token"  # a record made under another cache setting
+    record["kv"]["scheme"] = "per-token"  # a record made under another cache setting
     path.write_text(json.dumps(record))
     seen.clear()
     again = run_grid(spec, on_record=lambda r, reused: seen.append(reused))[1]

@@ -227,10 +227,15 @@ def _path_for(plain: Path, identity: str) -> Path:
     beside = plain.with_name(f"{plain.stem}.{identity}.json")
     if beside.exists():  # the cell went beside an earlier plain file once: it stays there
         return beside
-    if not plain.exists():
+    try:
+        existing = json.loads(plain.read_text())
+    except OSError:
+        return plain  # missing
+    except ValueError:  # torn (a writer without the atomic rename): nothing to keep, recompute in place
         return plain
-    existing = _read_record(plain)  # a torn file or another JSON is kept as it is: the cell goes beside it
-    return plain if existing is not None and cell_identity(existing) == identity else beside
+    if not (isinstance(existing, dict) and "record_version" in existing):
+        return beside  # another file's JSON: kept as it is
+    return plain if cell_identity(existing) == identity else beside
 
 
 def float_scheme() -> Any:

@@ -132,7 +132,7 @@ def test_a_cell_beside_a_torn_plain_file_is_found_again(ckpt_dir, tmp_path):
     run_grid(spec([ckpt_dir], out))
     run_grid(spec([ckpt_dir], out, seed=1))  # goes beside the seed-0 file
     plain = next(out.rglob("absmax-coarse__fake.json"))
-    plain.write_text("[1, 2]")  # not a record: kept as it is, never read as one
+    plain.write_text("[1, 2]")  # JSON that is not a record: kept as it is, never read as one
     seen = []
     run_grid(spec([ckpt_dir], out, seed=1), on_record=lambda r, reused: seen.append(reused))
     assert seen == [True, True] and plain.read_text() == "[1, 2]"

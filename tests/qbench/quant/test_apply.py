@@ -166,7 +166,7 @@ def test_exclude_patterns(llama):
     quantized = quantize(llama, "absmax-fine", exclude=["*.mlp.*"])
     assert type(quantized.model.layers[0].mlp.up_proj) is nn.Linear
     assert isinstance(quantized.model.layers[0].self_attn.q_proj, FakeQuantLinear)
-    with pytest.raises(UserError, match=r"'\*\.attention\.\*' matches no linear layer"):
+    with pytest.raises(UserError, match=r"'\*\.attention\.\*' matches no layer the scheme quantises"):
         quantize(llama, "absmax-fine", exclude=["*.mlp.*", "*.attention.*"])
 
 

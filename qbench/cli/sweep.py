@@ -44,7 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         help="also sweep the KV cache with the first K positions in float (repeatable)",
     )
-    p.add_argument("--kv-granularity", help="KV cache scales: kivi (default) | per-token")
+    p.add_argument(
+        "--kv-scheme",
+        "--kv-granularity",  # the former name
+        dest="kv_granularity",
+        metavar="NAME",
+        help="the kv axis' KV-cache scheme, NAME[:key=value,…] as run's --kv-scheme (default: kivi)",
+    )
     add_output_argument(p, "records, sweep.json/.md/.png", default="qbench_results/sweep", metavar="DIR")
     p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
     p.add_argument("--no-attention", action="store_true", help="skip attention statistics (faster)")

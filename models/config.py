@@ -147,7 +147,7 @@ PRESETS.register(
     Preset(
         family_config("gpt2", n_layer=4, n_head=4, d_model=256, d_ff=1024, context=128, vocab_size=8192),
         "bpe8192",
-        "the 4-layer d=256 model in which facts.md saw outliers emerge within ~1 M tokens",
+        "the 4-layer d=256 model in which outliers emerge within ~1 M tokens on a CPU (results/emergence/)",
     ),
     "CPU: 4 layers, d 256, 4 heads, context 128, vocab 8192; trains in minutes",
 )

@@ -2,7 +2,7 @@
 
 Why it works. For one query row with (scaled, causally masked) scores s_j and values v_j, write
 Z = Σ_j exp(s_j) and lse = log Z. Ordinary softmax attention gives o = Σ_j exp(s_j) v_j / Z. softmax-1 adds 1 to
-the denominator (design/metrics.md):
+the denominator (docs/metrics.md):
 
     o1 = Σ_j exp(s_j) v_j / (1 + Z) = o · Z / (1 + Z) = o · e^lse / (1 + e^lse) = o · sigmoid(lse).
 

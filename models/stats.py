@@ -1,4 +1,4 @@
-"""Outlier and attention statistics of a forward pass — the definitions, in one place (design/metrics.md).
+"""Outlier and attention statistics of a forward pass — the definitions, in one place (docs/metrics.md).
 
 Pure tensor functions plus an accumulator, so the trainer's probes and qbench's evaluation compute the same
 numbers. Inputs come from ``models.observe`` (our models) or forward hooks (transformers models):

@@ -1,4 +1,4 @@
-"""Declared dependency floors match what the code uses (issue 13.7), and the dev extra can test the CUDA kernels."""
+"""Declared dependency floors match what the code uses, and the dev extra can test the CUDA kernels."""
 
 from __future__ import annotations
 

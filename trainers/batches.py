@@ -6,7 +6,7 @@ A window is ``span`` consecutive ids of a token stream, cut into inputs ``x = w[
   is whatever token sits at ``o`` (mid-document, usually).
 - ``bos=True``: ``w = [BOS] + stream[o : o + context]`` — a start token (``<|endoftext|>``) opens every window, so
   ``x = [BOS] + context − 1 stream tokens`` and the targets are the ``context`` stream tokens; the model never has
-  to predict BOS. The fixed first token is what lets an attention sink form at position 0 (design/facts.md).
+  to predict BOS. The fixed first token is what lets an attention sink form at position 0 (measured on the tiny presets: results/emergence/).
 
 Training offsets: step ``s`` draws the global batch's ``batch_size`` offsets uniformly from ``[0, N − span]``
 with numpy's PCG64 seeded by ``SeedSequence([seed, s])``. The sampler's whole state is therefore
@@ -15,7 +15,7 @@ micro-batch takes a contiguous row slice of the same global batch, so 1 process 
 data. Windows may overlap and repeat (sampling with replacement), as in nanoGPT.
 
 Validation: consecutive non-overlapping windows from the start of the validation stream (the perplexity
-protocol of design/metrics.md), up to a token budget. Probe: ``n`` windows at evenly spaced offsets of the
+protocol of docs/metrics.md), up to a token budget. Probe: ``n`` windows at evenly spaced offsets of the
 validation stream — the fixed batch on which the outlier statistics are tracked during training.
 """
 

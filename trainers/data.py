@@ -73,7 +73,7 @@ def _in_split(doc_id: str, validation: set[str], split: str) -> bool:
 
 def default_split(corpus: str | os.PathLike) -> Split:
     """The split evaluation reads when none is given: ``validation`` of a registered corpus (its train split
-    trains our models), ``all`` of a user's own file or folder (issue 13.2: cutting it and keeping only the
+    trains our models), ``all`` of a user's own file or folder (cutting it and keeping only the
     ~2 % of chunks that hash into validation evaluated 19 k of ~530 k tokens of a 2 MB file)."""
     from trainers.tokenfiles import is_tokenfiles  # a `qbench data prepare` folder has its validation slice
 

@@ -62,7 +62,9 @@ from trainers.throughput import describe as describe_throughput
 from trainers.throughput import mfu
 from trainers.tokenfiles import TokenFiles, TokenFileSampler, is_tokenfiles
 
-DEFAULT_STEPS = 500  # ~1 M predicted tokens at batch 16 x 128: where facts.md saw outliers emerge on `tiny`
+DEFAULT_STEPS = (
+    500  # ~1 M predicted tokens at batch 16 x 128: where outliers emerge on `tiny` (results/emergence/)
+)
 DTYPES = ("auto", "float32", "bfloat16")
 # Fields that may differ when resuming: they change what is logged or saved, not the training trajectory.
 RESUMABLE_CHANGES = frozenset(

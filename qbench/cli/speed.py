@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> None:
     if not all(v in os.environ for v in MALLOC_ENV):
         err_console.print(
             "[dim]tip: MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 qbench speed ... "
-            "removes page-fault noise from the timings (see qbench/speed.py)[/]"
+            "removes page-fault noise from the timings (see qbench/studies/speed.py)[/]"
         )
     records = run_speed(
         shape=shape,

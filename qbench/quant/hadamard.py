@@ -1,4 +1,4 @@
-"""Full-size orthogonal transforms for the Hadamard baseline (QuaRot-style), for any dimension (issue 13.9).
+"""Full-size orthogonal transforms for the Hadamard baseline (QuaRot-style), for any dimension.
 
 QuaRot rotates with a Hadamard matrix of the whole dimension d = 2^k · m: H_{2^k} (Sylvester, by a fast
 Walsh-Hadamard transform) ⊗ a known Hadamard matrix of the odd part (it ships H_12, H_20, H_28, H_40, H_172...).

@@ -3,7 +3,7 @@
     from qbench.quant.kv import KVConfig, apply_kv
     kv_model = apply_kv(model, KVConfig(bits=2, keep_first=1))   # a copy; ``model`` is untouched
 
-Definition (design/metrics.md, "KV-cache quantisation"; KIVI, Liu et al. 2024, §3.1 eq. 1 and §3.2–3.3):
+Definition (docs/metrics.md, "KV-cache quantisation"; KIVI, Liu et al. 2024, §3.1 eq. 1 and §3.2–3.3):
 
 - What: per layer and (KV) head, the keys *after* the rotary embedding (where the model has one) and the values
   after their projection — exactly the tensors a KV cache would hold. Every query position attends over the

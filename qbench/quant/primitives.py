@@ -1,6 +1,6 @@
 """Pure quantisation math (torchao's ``quant_primitives`` layer): choose qparams, quantise, dequantise, fake-quantise.
 
-Definitions (design/metrics.md), for b bits, applied to every block of a granularity (see ``granularity.py``):
+Definitions (docs/metrics.md), for b bits, applied to every block of a granularity (see ``granularity.py``):
 
 - absmax (``symmetric=True``): qmax = 2^(b−1) − 1; s = max(max|x| / qmax, TINY);
   q = clamp(round(x / s), −qmax, qmax); x̂ = s · q.

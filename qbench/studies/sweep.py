@@ -16,7 +16,7 @@ Every cell is one record of the evaluation grid (:func:`qbench.eval.harness.run_
 what is missing. A cell whose overrides equal the family's own bits *is* the family (``absmax-coarse:w=8`` is
 ``absmax-coarse``), so the curves of one family share their widest cell.
 
-**Breaking point** (design/metrics.md): the lowest bit width b whose perplexity change stays within the
+**Breaking point** (docs/metrics.md): the lowest bit width b whose perplexity change stays within the
 tolerance at b *and at every wider width swept*, so one lucky noisy cell below a failing one cannot lower it;
 ``None`` ("none") when even the widest width fails. "Within" means change ≤ tolerance (:func:`within_tolerance`,
 up to 1e-9 relative, so a cell at exactly +tolerance passes): quantisation that lowers perplexity is noise, not

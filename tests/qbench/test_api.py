@@ -1,4 +1,4 @@
-"""The top-level Python API (issue 13.4): qbench.quantize / load / evaluate, imported lazily."""
+"""The top-level Python API: qbench.quantize / load / evaluate, imported lazily."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Filesystem errors end with one line, never a traceback, and lose nothing written before (issue 13.6)."""
+"""Filesystem errors end with one line, never a traceback, and lose nothing written before."""
 
 from __future__ import annotations
 

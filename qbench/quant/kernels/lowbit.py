@@ -9,7 +9,7 @@ Storage for an (out, in) weight, b bits, groups of g input channels (per output 
 - ``qweight`` uint8, the unsigned codes u ∈ [0, 2^b − 1] packed along the input dim by :func:`pack_bits`;
   symmetric codes q ∈ [−qmax, qmax] are stored as u = q + qmax with zero point qmax (qmax = 2^(b−1) − 1);
 - ``scales`` float32 (out, in/g); ``zeros`` uint8 (out, in/g) for asymmetric codes;
-- ŵ = s · (u − z): the primitives' formulas (design/metrics.md), so the real weight equals
+- ŵ = s · (u − z): the primitives' formulas (docs/metrics.md), so the real weight equals
   ``fake.fake_quantize_weight(W, b, granularity, symmetric)`` bit for bit (tested). A group that does not divide
   the row leaves a shorter last group (codes stored zero-padded to whole groups, sliced off when dequantised).
 

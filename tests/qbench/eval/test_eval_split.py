@@ -1,4 +1,4 @@
-"""A user's evaluation file is evaluated whole by default (issue 13.2); registered corpora keep their split."""
+"""A user's evaluation file is evaluated whole by default; registered corpora keep their split."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GGUF files as --ckpt (issue 13.3): a tiny Llama GGUF written here with the ``gguf`` package, Q8_0 linear weights."""
+"""GGUF files as --ckpt: a tiny Llama GGUF written here with the ``gguf`` package, Q8_0 linear weights."""
 
 from __future__ import annotations
 

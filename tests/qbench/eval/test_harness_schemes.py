@@ -1,4 +1,4 @@
-"""Overridden and calibrated schemes in the grid (issue 10.1/10.2): the record's scheme config rebuilds the same
+"""Overridden and calibrated schemes in the grid: the record's scheme config rebuilds the same
 scheme, calibration windows/seed/corpus are recorded, and a record is reused only for an equal config."""
 
 import json

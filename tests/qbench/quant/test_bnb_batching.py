@@ -1,4 +1,4 @@
-"""LLM.int8 cells do not depend on --batch-size (issue 13.10): bitsandbytes picks outlier columns per call."""
+"""LLM.int8 cells do not depend on --batch-size: bitsandbytes picks outlier columns per call."""
 
 from __future__ import annotations
 

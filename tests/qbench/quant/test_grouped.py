@@ -1,5 +1,5 @@
-"""Grouped weight-only int4/int3/int2 (issue 10.3): fake quantisation against a plain-torch reference written from
-design/metrics.md ("Quantisation schemes": Absmax and Zeropoint), bit packing, and real == fake."""
+"""Grouped weight-only int4/int3/int2: fake quantisation against a plain-torch reference written from
+docs/metrics.md ("Quantisation schemes": Absmax and Zeropoint), bit packing, and real == fake."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
-"""The Hadamard baseline's rotation is orthogonal and full-size for every dimension (issue 13.9), and quantised
-layers keep their rotations and scales in float32 through casts (issue 13.11)."""
+"""The Hadamard baseline's rotation is orthogonal and full-size for every dimension, and quantised
+layers keep their rotations and scales in float32 through casts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Scheme overrides ``NAME:key=value,…``: parsing, canonical names, validation, JSON round trip (issue 10.1)."""
+"""Scheme overrides ``NAME:key=value,…``: parsing, canonical names, validation, JSON round trip."""
 
 import json
 

@@ -20,16 +20,16 @@ EXPECTED = {
     "smoothquant",
     "hadamard-absmax-coarse",
     "hadamard-zeropoint-int4",
-    # grouped weight-only (issue 10.3)
+    # grouped weight-only
     "zeropoint-int4-g128",
     "zeropoint-int4-g64",
     "zeropoint-int4-g32",
     "zeropoint-int3-g128",
     "zeropoint-int2-g64",
-    # W4A8, integer (issue 12)
+    # W4A8, integer
     "absmax-w4a8",
     "absmax-w4a8-g32",
-    # floating-point formats, fake mode (issue 10.4)
+    # floating-point formats, fake mode
     *("fp8-e4m3", "fp8-e4m3-rowwise", "fp8-e5m2", "fp8-e5m2-rowwise", "mxfp8", "mxfp6", "mxfp4", "nvfp4"),
     "nvfp4-torchao",
 }

@@ -1,4 +1,4 @@
-"""Static (calibrated) activation scales (issue 10.2): hand-computed absmax on a micro model, saturation,
+"""Static (calibrated) activation scales: hand-computed absmax on a micro model, saturation,
 one calibration pass shared with SmoothQuant, and real int8 == fake."""
 
 import pytest

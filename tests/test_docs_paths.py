@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP = ("models", "trainers", "qbench", "tests", "docs", "results", "scripts")
-PATH = re.compile(r"(?<![\w./-])((?:%s)/[A-Za-z0-9_.\-/]*[A-Za-z0-9_/])" % "|".join(TOP))
+PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(TOP) + r")/[A-Za-z0-9_.\-/]*[A-Za-z0-9_/])")
 # Paths that name what a command writes or a pattern, not a file of the repository
 GENERATED = re.compile(
     r"[<>*{}]|/NAME|/OUT|results/gpu|/step-|results/recipes|results/reproduce|results/cards"

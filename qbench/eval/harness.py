@@ -320,6 +320,12 @@ class ModelEvaluation:
             if name != FLOAT_SCHEME:
                 select_layers(self.lm.model, self.spec.scheme(name), self.spec.exclude, self.spec.allow_empty)
         kv = self.spec.kv
+        window = self.windows.window
+        if kv is not None and kv.scheme == "kivi" and kv.residual >= window:
+            raise UserError(
+                f"KV scheme kivi keeps its {kv.residual} newest positions in float, and the window has {window}: "
+                f"nothing would be quantised; choose --kv-scheme kivi:residual=N with N below {window}"
+            )
         if kv is not None and kv.keep_first >= self.windows.window:
             raise UserError(
                 f"--kv-keep-first {kv.keep_first} keeps every position of the {self.windows.window}-token "

@@ -59,6 +59,8 @@ class DemoConfig:
     schedule_steps: int | None = None  # a longer schedule of which only the first ``steps`` are trained
     sweep_axes: tuple[str, ...] = ("w", "a", "o", "all", "kv")  # () skips the bit-width sweep
     sweep_keep_first: tuple[int, ...] = (1,)  # KV-cache curves with these leading positions kept in float
+    # KIVI with G = R = 32: the default residual (128) would keep the demo's whole 128-token windows in float
+    sweep_kv_scheme: str = "kivi:group=32,residual=32"
 
     @property
     def description(self) -> str:
@@ -135,6 +137,7 @@ def sweep_config(cfg: DemoConfig) -> Any:
         models=[str(cfg.ckpt_root / r) for r in RECIPES],
         axes=list(cfg.sweep_axes),
         kv_keep_first=list(cfg.sweep_keep_first),
+        kv_granularity=cfg.sweep_kv_scheme,
         protocol=Protocol(tokens=cfg.eval_tokens),
         output_path=cfg.output_path / "sweep",
         baseline_path=cfg.output_path,

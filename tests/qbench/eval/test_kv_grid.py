@@ -66,14 +66,14 @@ def test_records_carry_the_kv_block_and_names_show_it(fixture, request, tmp_path
 
 
 def test_the_reuse_key_includes_the_kv_block(ckpt_dir, tmp_path):
-    spec = grid(tmp_path, ckpt_dir, ["fp"], KVConfig(4))
+    spec = grid(tmp_path, ckpt_dir, ["fp"], KVConfig(4, "per-token"))
     first = run_grid(spec)[1]
     seen = []
     run_grid(spec, on_record=lambda r, reused: seen.append(reused))
     assert seen == [True, True]
-    path = tmp_path / "results" / ckpt_dir.name / "fp+kv4__fake.json"
+    path = tmp_path / "results" / ckpt_dir.name / f"{spec.scheme('fp').name}__fake.json"
     record = json.loads(path.read_text())
-    record["kv"]["scheme"] = "per-token"  # a record made under another cache setting
+    record["kv"]["scheme"] = "window"  # a record made under another cache setting
     path.write_text(json.dumps(record))
     seen.clear()
     again = run_grid(spec, on_record=lambda r, reused: seen.append(reused))[1]
@@ -91,8 +91,11 @@ FAST = ["--tokens", "128", "--batch-size", "2", "--no-attention"]
 def test_cli_run_and_score_with_a_quantised_cache(ckpt_dir, tmp_path, capsys):
     out_path = str(tmp_path / "r")
     argv = ["run", "--ckpt", str(ckpt_dir), "--scheme", "fp", "--kv-bits", "4", "--kv-keep-first", "1"]
-    assert main([*argv, *FAST, "--output-path", out_path]) == 0
-    assert "fp+kv4-keep1" in capsys.readouterr().out
+    small = ["--kv-scheme", "kivi:group=8,residual=8"]  # the default residual (128) covers a 32-token window
+    assert main([*argv, *small, *FAST, "--output-path", out_path]) == 0
+    assert "fp+kv4-g8r8-keep1" in capsys.readouterr().out
+    assert main([*argv, *FAST, "--output-path", out_path]) == 2  # ... and is refused, not measured as float
+    assert "nothing would be quantised" in capsys.readouterr().err
     argv = ["score", "--ckpt", str(ckpt_dir), "--scheme", "absmax-fine", "--kv-bits", "8"]
     assert main([*argv, *FAST, "--output-path", out_path, "--kv-granularity", "per-token"]) == 0
     assert "absmax-fine+kv8-tok" in capsys.readouterr().out

@@ -90,7 +90,9 @@ def test_an_exclude_pattern_that_matches_nothing_is_refused_before_evaluating(ck
 
 def test_kv_keep_first_must_leave_part_of_the_window(ckpt_dir, tmp_path):
     with pytest.raises(UserError, match=r"--kv-keep-first 1000 .* below 32"):
-        run_grid(spec([ckpt_dir], tmp_path / "r", schemes=["fp"], kv=KVConfig(4, keep_first=1000)))
+        run_grid(
+            spec([ckpt_dir], tmp_path / "r", schemes=["fp"], kv=KVConfig(4, "per-token", keep_first=1000))
+        )
     assert not (tmp_path / "r").exists()
 
 

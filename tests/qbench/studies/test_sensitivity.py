@@ -143,7 +143,7 @@ def test_a_quantised_kv_cache_is_in_every_cell_and_measured_alone(planted_ckpt, 
 
     from qbench.quant.kv import KVConfig
 
-    spec = replace(_spec(planted_ckpt, tmp_path / "cells"), kv=KVConfig(4))
+    spec = replace(_spec(planted_ckpt, tmp_path / "cells"), kv=KVConfig(4, "kivi:group=8,residual=8"))
     announced, phases = [], []
     result = sensitivity(
         spec,
@@ -156,7 +156,7 @@ def test_a_quantised_kv_cache_is_in_every_cell_and_measured_alone(planted_ckpt, 
     assert announced == [2] and phases.count("unit") == 2 and phases.count("kv") == 1
     assert phases.count("repair") == len(result["repair"]["steps"]) == 1  # all quantised: within 100 %
     assert result["timing"]["cells"] == {"units": 2, "kv": 1, "repair": 1}
-    assert result["kv"]["bits"] == 4 and result["scheme"]["name"].endswith("+kv4")
+    assert result["kv"]["bits"] == 4 and result["scheme"]["name"].endswith("+kv4-g8r8")
     assert result["kv_only_ppl_change_pct"] is not None
     record = json.loads(next((tmp_path / "cells" / "kv-only").rglob("*.json")).read_text())
     assert record["kv"]["bits"] == 4 and len(record["scheme"]["exclude"]) == 14  # every layer float

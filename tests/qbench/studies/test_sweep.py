@@ -208,6 +208,7 @@ def test_a_sweep_writes_one_record_per_cell_and_a_rerun_reuses_them_all(ckpt_dir
         axes=["w", "o", "all", "kv"],
         bits=[8, 4, 2],
         kv_keep_first=[1],
+        kv_granularity="kivi:group=8,residual=8",  # the default residual (128) covers a 32-token window
         protocol=MICRO,
         output_path=out,
     )
@@ -226,8 +227,8 @@ def test_a_sweep_writes_one_record_per_cell_and_a_rerun_reuses_them_all(ckpt_dir
         "absmax-coarse:w=4",
         "absmax-coarse:o=4",
         "absmax-coarse:a=4,o=4,w=4",
-        "fp+kv4",
-        "fp+kv4-keep1",
+        "fp+kv4-g8r8",
+        "fp+kv4-g8r8-keep1",
     }
     kv = {c["axis"]: c["kv"] for c in sweep["cells"] if c["bits"] == 2 and c["family"] == "fp"}
     assert (kv["kv"]["bits"], kv["kv"]["keep_first"], kv["kv-keep1"]["keep_first"]) == (2, 0, 1)

@@ -313,7 +313,7 @@ class ModelEvaluation:
 
     def check(self) -> None:
         """Refuse bad input before anything is evaluated (one line each): an ``exclude`` pattern that matches no
-        layer the scheme would quantise, and a KV cache whose kept positions cover the whole window."""
+        layer the scheme would quantise, and a KV cache whose kept positions or float residual cover the window."""
         from qbench.quant.apply import select_layers
 
         for name in self.spec.schemes:
@@ -321,15 +321,15 @@ class ModelEvaluation:
                 select_layers(self.lm.model, self.spec.scheme(name), self.spec.exclude, self.spec.allow_empty)
         kv = self.spec.kv
         window = self.windows.window
-        if kv is not None and kv.scheme == "kivi" and kv.residual >= window:
-            raise UserError(
-                f"KV scheme kivi keeps its {kv.residual} newest positions in float, and the window has {window}: "
-                f"nothing would be quantised; choose --kv-scheme kivi:residual=N with N below {window}"
-            )
         if kv is not None and kv.keep_first >= self.windows.window:
             raise UserError(
                 f"--kv-keep-first {kv.keep_first} keeps every position of the {self.windows.window}-token "
                 f"window in float (nothing would be quantised); choose a value below {self.windows.window}"
+            )
+        if kv is not None and kv.scheme == "kivi" and kv.residual >= window:
+            raise UserError(
+                f"KV scheme kivi keeps its {kv.residual} newest positions in float, and the window has {window}: "
+                f"nothing would be quantised; choose --kv-scheme kivi:residual=N with N below {window}"
             )
 
     def identity(self, scheme_name: str | None, mode: str) -> str:

@@ -260,7 +260,9 @@ class SweepConfig:
     tolerance: float = DEFAULT_TOLERANCE
     kv_keep_first: list[int] = field(default_factory=list)
     kv_bits: list[int] | None = None  # the kv axis' widths; None: those of ``bits`` that are KV-cache widths
-    kv_granularity: str | None = None  # a KV-cache scheme, NAME[:key=value,…] (kvschemes); None: KIVI
+    kv_granularity: str | None = (
+        None  # a KV-cache scheme, NAME[:key=value,…]; None: default_kv_scheme(window)
+    )
     protocol: Protocol = field(default_factory=Protocol)
     output_path: Path = Path("qbench_results/sweep")
     seed: int = 0
@@ -308,17 +310,32 @@ def _grid_spec(cfg: SweepConfig, models: list[str], schemes: list[str], kv: Any 
     )
 
 
-def _kv_config(cfg: SweepConfig, cell: Cell) -> Any:
+_ANY_WINDOW = (
+    1 << 30
+)  # before a model is loaded: the window is unknown, and only the scheme's syntax is checked
+
+
+def default_kv_scheme(window: int) -> str:
+    """The kv axis' scheme when none is given: KIVI as deployed (G = 32, R = 128), but with R = 32 on windows of
+    128 tokens or fewer, where R = 128 would keep the whole window in float (nothing to measure), and per-token
+    blocks on windows of 32 or fewer. The choice is written into every record's ``kv`` block and label."""
+    if window > 128:
+        return "kivi"
+    return "kivi:group=32,residual=32" if window > 32 else "per-token"
+
+
+def _kv_config(cfg: SweepConfig, cell: Cell, window: int) -> Any:
     from qbench.quant.kv import KVConfig
 
-    return KVConfig(cell.kv_bits, cfg.kv_granularity or "kivi", keep_first=cell.curve.keep_first)
+    scheme = cfg.kv_granularity or default_kv_scheme(window)
+    return KVConfig(cell.kv_bits, scheme, keep_first=cell.curve.keep_first)
 
 
-def _groups(cfg: SweepConfig, cells: list[Cell]) -> list[tuple[Any, list[Cell]]]:
+def _groups(cfg: SweepConfig, cells: list[Cell], window: int) -> list[tuple[Any, list[Cell]]]:
     """Cells grouped into grid runs: the linear-layer cells in one, the KV cells one run per cache setting."""
     groups: dict[str, tuple[Any, list[Cell]]] = {}
     for cell in cells:
-        kv = _kv_config(cfg, cell) if cell.kv_bits is not None else None
+        kv = _kv_config(cfg, cell, window) if cell.kv_bits is not None else None
         key = "" if kv is None else _scheme_key(kv.to_dict())
         groups.setdefault(key, (kv, []))[1].append(cell)
     return list(groups.values())
@@ -350,7 +367,7 @@ def validate(cfg: SweepConfig) -> list[Cell]:
         if cell.kv_bits is None:
             get_scheme(cell.scheme)
         else:
-            _kv_config(cfg, cell)
+            _kv_config(cfg, cell, cfg.protocol.window or _ANY_WINDOW)  # the user's scheme, checked now
     return cells
 
 
@@ -379,7 +396,10 @@ def run_sweep(
                 f"two models are both named {lm.name!r} ({sources[lm.name]} and {lm.source}): their records "
                 f"would share {Path(cfg.output_path) / lm.name}/; rename one folder"
             )
-        for kv, group in _groups(cfg, cells):
+        from qbench.eval.adapters import context_length
+
+        window = cfg.protocol.window or context_length(lm.model)
+        for kv, group in _groups(cfg, cells, window):
             spec = _grid_spec(cfg, [model], _unique_schemes(group), kv)
             records = run_grid(spec, on_record=on_record, loaded={model: lm})
             fps.setdefault(lm.name, records[0])  # run_grid's float baseline comes first
@@ -597,7 +617,8 @@ def breaking_point_columns(sweep: Mapping[str, Any]) -> dict[str, dict[str, str]
 def expected_records(cfg: SweepConfig) -> int:
     """How many records the sweep's grid runs pass to ``on_record`` (float baselines included): a progress total."""
     return sum(
-        len(cfg.models) * (1 + len(_unique_schemes(group))) for _, group in _groups(cfg, validate(cfg))
+        len(cfg.models) * (1 + len(_unique_schemes(group)))
+        for _, group in _groups(cfg, validate(cfg), cfg.protocol.window or _ANY_WINDOW)
     )
 
 

@@ -309,3 +309,12 @@ def test_the_kv_axis_takes_its_own_widths_from_kv_bits():
     assert [c.bits for c in cells] == [8, 6]
     with pytest.raises(UserError, match="--kv-bits 5 is not a KV-cache width"):
         plan(["absmax-coarse"], ["kv"], [8], kv_bits=[5])
+
+
+def test_the_kv_axis_default_follows_the_window():
+    from qbench.quant.kv import KVConfig
+    from qbench.studies.sweep import default_kv_scheme
+
+    assert default_kv_scheme(1024) == "kivi"
+    assert KVConfig(2, default_kv_scheme(128)).residual == 32 < 128  # R = 128 would quantise nothing
+    assert default_kv_scheme(32) == "per-token"

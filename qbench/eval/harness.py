@@ -262,6 +262,7 @@ class ModelEvaluation:
         self._lm = lm
         self._windows: Windows | None = None
         self._fp: dict[str, Any] | None = None
+        self._protocol: dict[str, Any] | None = None
         self.fp_reused = False  # whether fp_record() came from disk
 
     @property
@@ -358,8 +359,12 @@ class ModelEvaluation:
         return {"name": "fp", "description": f"unquantised ({self.spec.dtype})"}
 
     def protocol_record(self) -> dict[str, Any]:
-        record = protocol_record(self.spec.protocol, self.windows, self.lm.tokenizer, self.spec.dtype)
-        return {**record, "attention_statistics": self.spec.attention}
+        """The protocol as run, computed once: every cell's identity, reuse check and record read it (it hashes
+        the tokenizer)."""
+        if self._protocol is None:
+            record = protocol_record(self.spec.protocol, self.windows, self.lm.tokenizer, self.spec.dtype)
+            self._protocol = {**record, "attention_statistics": self.spec.attention}
+        return dict(self._protocol)
 
     def fp_record(self) -> dict[str, Any]:
         """The float baseline (perplexity, outliers, massive activations), read from disk when already there."""

@@ -151,7 +151,7 @@ def comparison(
         fp = cells.get("fp")
         outliers = fp["outliers"] if fp else {}
         row = [label, _cell(fp) if fp else "-", *(_cell(cells[c]) if c in cells else "-" for c in columns)]
-        row += [_outlier(outliers.get(key), key) for key, _ in OUTLIER_COLUMNS]
+        row += [format_value(key, outliers.get(key)) for key, _ in OUTLIER_COLUMNS]
         row += [extra.get(label, {}).get(h, "-") for h in extra_headers]
         rows.append(row)
     return headers, rows, caption(records)
@@ -168,10 +168,6 @@ def _column_order(column: str) -> tuple[int, int, str, str]:
     index = -1 if base == "fp" else names.index(base) if base in names else len(names)
     kv_bits = int(kv.split("-")[0]) if kv[:1].isdigit() else 99  # no KV quantisation first
     return (index, -kv_bits, scheme, mode)
-
-
-def _outlier(value: Any, key: str) -> str:
-    return format_value(key, value)
 
 
 def caption(records: list[dict[str, Any]]) -> str:

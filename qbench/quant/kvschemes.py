@@ -52,13 +52,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from models.errors import UserError, did_you_mean
+from models.errors import UserError
 from models.kvcache import CacheView
 from models.registry import Registry
 from qbench.quant.formats import round_to_element
 from qbench.quant.kv_options import KV_SCHEME_SYNTAX
 from qbench.quant.kvpack import FP8_ELEMENTS as PACK_FP8_ELEMENTS
 from qbench.quant.kvpack import ggml_quantize_blocks, pack
+from qbench.quant.overrides import parse_items
 from qbench.quant.primitives import TINY, check_finite
 
 
@@ -172,26 +173,9 @@ def parse_kv_scheme(text: str) -> dict[str, Any]:
     valid = ["bits", "keep_first", "keep_sinks", *scheme.defaults]
     if not spec.strip():
         raise UserError(f"KV-cache scheme {text!r}: nothing after ':'; give overrides as {SYNTAX}")
-    for item in spec.split(","):
-        key, eq, value = (part.strip().lower() for part in item.partition("="))
-        if not eq or not key or not value:
-            raise UserError(
-                f"KV-cache scheme {text!r}: {item.strip()!r} is not key=value; keys: {', '.join(valid)}"
-            )
-        if key not in valid:
-            raise UserError(
-                f"KV-cache scheme {text!r}: unknown key {key!r}{did_you_mean(key, valid)} for {scheme.name}; "
-                f"keys: {', '.join(valid)}"
-            )
-        if key in out:
-            raise UserError(f"KV-cache scheme {text!r}: key {key!r} is given twice")
-        try:
-            out[key] = _PARSERS[key](value)
-        except ValueError as e:
-            raise UserError(
-                f"KV-cache scheme {text!r}: {key}={value!r} is not valid; {key} takes {e}"
-            ) from None
-    return out
+    parsers = {key: _PARSERS[key] for key in valid}
+    items = parse_items(spec, parsers, f"KV-cache scheme {text!r}", scheme.name, f"keys: {', '.join(valid)}")
+    return {**out, **{key: value for key, (_, value) in items.items()}}
 
 
 def normalize_config(config: Any) -> None:

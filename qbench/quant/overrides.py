@@ -140,29 +140,42 @@ def _valid_keys(base: Any) -> dict[str, tuple[str, Callable[[str], Any], str]]:
     return keys
 
 
-def parse_overrides(spec: str, base: Any, full: str) -> dict[str, tuple[str, Any]]:
-    """``"w=4,a=4"`` -> {key: (value text as given, parsed value)}; a one-line UserError on any bad item."""
-    keys = _valid_keys(base)
-    valid = ", ".join(f"{k} ({v[2]})" for k, v in keys.items())
+def parse_items(
+    spec: str,
+    parsers: dict[str, Callable[[str], Any]],
+    where: str,
+    owner: str,
+    keys_text: str,
+    noun: str = "key",
+    item_word: str = "",
+) -> dict[str, tuple[str, Any]]:
+    """``"a=1,b=2"`` -> {key: (value text as given, parsed value)}: the ``key=value,…`` syntax every override list
+    shares (weight schemes here, KV-cache schemes in ``kvschemes``), with its one-line UserErrors."""
     out: dict[str, tuple[str, Any]] = {}
     for item in spec.split(","):
         key, sep, text = (part.strip().lower() for part in item.partition("="))
         if not sep or not key or not text:
+            raise UserError(f"{where}: {item_word}{item.strip()!r} is not key=value; {keys_text}")
+        if key not in parsers:
             raise UserError(
-                f"scheme {full!r}: override {item.strip()!r} is not key=value; valid keys: {valid}"
-            )
-        if key not in keys:
-            raise UserError(
-                f"scheme {full!r}: unknown override key {key!r}{did_you_mean(key, keys)} for {base.name}; "
-                f"valid keys: {valid}"
+                f"{where}: unknown {noun} {key!r}{did_you_mean(key, parsers)} for {owner}; {keys_text}"
             )
         if key in out:
-            raise UserError(f"scheme {full!r}: override key {key!r} is given twice")
+            raise UserError(f"{where}: {noun} {key!r} is given twice")
         try:
-            out[key] = (text, keys[key][1](text))
+            out[key] = (text, parsers[key](text))
         except ValueError as e:
-            raise UserError(f"scheme {full!r}: {key}={text!r} is not valid; {key} takes {e}") from None
+            raise UserError(f"{where}: {key}={text!r} is not valid; {key} takes {e}") from None
     return out
+
+
+def parse_overrides(spec: str, base: Any, full: str) -> dict[str, tuple[str, Any]]:
+    """``"w=4,a=4"`` -> {key: (value text as given, parsed value)}; a one-line UserError on any bad item."""
+    keys = _valid_keys(base)
+    valid = ", ".join(f"{k} ({v[2]})" for k, v in keys.items())
+    parsers = {k: v[1] for k, v in keys.items()}
+    where, keys_text = f"scheme {full!r}", f"valid keys: {valid}"
+    return parse_items(spec, parsers, where, base.name, keys_text, "override key", "override ")
 
 
 def _updates(base: Any, parsed: dict[str, tuple[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -58,123 +58,33 @@ neither the block's amax nor its other elements, then slicing the padding off).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from models.errors import UserError, unknown_choice
+from qbench.quant.format_specs import (  # noqa: F401 (re-exported: the descriptions live there, torch-free)
+    E2M1,
+    E2M3,
+    E3M2,
+    E4M3,
+    E5M2,
+    E8M0_MAX_EXP,
+    E8M0_MIN_EXP,
+    ELEMENTS,
+    FORMATS,
+    INT,
+    NVFP4_BLOCK_SCALE_MIN,
+    NVFP4_RECIPES,
+    ElementFormat,
+    NumberFormat,
+    get_format,
+)
 from qbench.quant.granularity import Granularity, PerGroup, PerTensor, per_sequence
 from qbench.quant.primitives import TINY, block_dims, block_sizes, blocked, check_input
 
-E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127  # MX v1.0 §5.4.1
-NVFP4_BLOCK_SCALE_MIN = torch.finfo(torch.float8_e4m3fn).tiny  # 2^−6, torchao's E4M3_EPS
-# NVFP4 recipe -> the lower clamp of the block scale before its E4M3 cast (module docstring)
-NVFP4_RECIPES: dict[str, float] = {"nvidia": 0.0, "torchao": NVFP4_BLOCK_SCALE_MIN}
 _PER_TENSOR = PerTensor()
-
-
-@dataclass(frozen=True)
-class ElementFormat:
-    """A small IEEE-like float: sign, ``exp_bits``, ``man_bits``, subnormals, saturating at ``max_normal``."""
-
-    name: str
-    exp_bits: int
-    man_bits: int
-    max_normal: float
-    torch_dtype: torch.dtype | None = None  # rounded by torch's cast when torch has the dtype
-
-    @property
-    def bits(self) -> int:
-        return 1 + self.exp_bits + self.man_bits
-
-    @property
-    def bias(self) -> int:
-        return 2 ** (self.exp_bits - 1) - 1
-
-    @property
-    def emax(self) -> int:
-        """Exponent of the largest normal number: the spec's emax_elem (MX v1.0 §6.3)."""
-        return math.floor(math.log2(self.max_normal))
-
-    def values(self) -> Tensor:
-        """All non-negative finite values, ascending (float64): the format's value table."""
-        m = torch.arange(2**self.man_bits, dtype=torch.float64) / 2**self.man_bits
-        subnormal = m * 2.0 ** (1 - self.bias)
-        normal = [(1 + m) * 2.0**e for e in range(1 - self.bias, self.emax + 1)]
-        table = torch.cat([subnormal, *normal])
-        return table[table <= self.max_normal]
-
-
-E4M3 = ElementFormat("e4m3", 4, 3, 448.0, torch.float8_e4m3fn)
-E5M2 = ElementFormat("e5m2", 5, 2, 57344.0, torch.float8_e5m2)
-E3M2 = ElementFormat("e3m2", 3, 2, 28.0)
-E2M3 = ElementFormat("e2m3", 2, 3, 7.5)
-E2M1 = ElementFormat("e2m1", 2, 1, 6.0)
-ELEMENTS = {f.name: f for f in (E4M3, E5M2, E3M2, E2M3, E2M1)}
-
-
-@dataclass(frozen=True)
-class NumberFormat:
-    """A scheme-level format: an element format and how scales are shared.
-
-    ``scaling``: ``"fp8"`` (one float32 scale per block of the scheme's granularity), ``"mx"`` (an E8M0 scale
-    per ``block_size`` elements of the last dimension), ``"nv"`` (an E4M3 scale per block and a float32 scale
-    per tensor). ``recipe``: for ``"nv"``, which block-scale rule (:data:`NVFP4_RECIPES`); None otherwise.
-    """
-
-    name: str
-    element: ElementFormat
-    scaling: str
-    block_size: int | None
-    label: str
-    description: str
-    recipe: str | None = None
-
-    @property
-    def bits(self) -> int:
-        return self.element.bits
-
-
-FORMATS: dict[str, NumberFormat] = {
-    f.name: f
-    for f in (
-        NumberFormat("fp8-e4m3", E4M3, "fp8", None, "FP8-e4m3", "FP8 E4M3 (max 448), float32 scales"),
-        NumberFormat("fp8-e5m2", E5M2, "fp8", None, "FP8-e5m2", "FP8 E5M2 (max 57344), float32 scales"),
-        NumberFormat("mxfp8", E4M3, "mx", 32, "MXFP8", "OCP MX: E4M3 elements, E8M0 scale per 32"),
-        NumberFormat("mxfp8-e5m2", E5M2, "mx", 32, "MXFP8-e5m2", "OCP MX: E5M2 elements, E8M0 scale per 32"),
-        NumberFormat("mxfp6", E2M3, "mx", 32, "MXFP6", "OCP MX: E2M3 elements, E8M0 scale per 32"),
-        NumberFormat("mxfp6-e3m2", E3M2, "mx", 32, "MXFP6-e3m2", "OCP MX: E3M2 elements, E8M0 scale per 32"),
-        NumberFormat("mxfp4", E2M1, "mx", 32, "MXFP4", "OCP MX: E2M1 elements, E8M0 scale per 32"),
-        NumberFormat(
-            "nvfp4",
-            E2M1,
-            "nv",
-            16,
-            "NVFP4",
-            "NVIDIA: E2M1 elements, E4M3 scale (subnormals allowed) per 16, fp32 per tensor",
-            "nvidia",
-        ),
-        NumberFormat(
-            "nvfp4-torchao",
-            E2M1,
-            "nv",
-            16,
-            "NVFP4-torchao",
-            "NVFP4 with torchao's block scale, floored at E4M3's smallest normal 2^-6",
-            "torchao",
-        ),
-    )
-}
-INT = "int"  # the default: integer grids (primitives.py)
-
-
-def get_format(name: str) -> NumberFormat:
-    """The :class:`NumberFormat` called ``name`` (did-you-mean error otherwise; ``"int"`` is not one)."""
-    if name not in FORMATS:
-        raise unknown_choice("number format", name, [INT, *FORMATS])
-    return FORMATS[name]
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:

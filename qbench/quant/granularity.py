@@ -165,3 +165,8 @@ def per_sequence(granularity: Granularity, ndim: int) -> Granularity:
     if block[0] == 1:
         return granularity
     return PerBlock((1, *block[1:]))
+
+
+def is_static_granularity(granularity: Granularity) -> bool:
+    """Per tensor or per (last-axis) channel: the granularities a calibrated (static) scale can have."""
+    return isinstance(granularity, PerTensor) or (isinstance(granularity, PerAxis) and granularity.axis == -1)

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from models.errors import UserError
+from qbench.quant.format_specs import check_bits
 from qbench.quant.granularity import WHOLE, Granularity
 
 TINY = torch.finfo(torch.float32).tiny
@@ -38,11 +39,6 @@ class QParams:
 
     scale: Tensor
     zero_point: Tensor | None
-
-
-def check_bits(bits: int) -> None:
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
-        raise UserError(f"bits={bits!r} is not supported; choose an integer from 2 to 8")
 
 
 def qrange(bits: int, symmetric: bool) -> tuple[int, int]:

@@ -42,7 +42,7 @@ from typing import Any
 
 from models.errors import UserError, unknown_choice
 from models.registry import Registry
-from qbench.quant.formats import FORMATS, INT, get_format
+from qbench.quant.format_specs import FORMATS, INT, check_bits, get_format
 from qbench.quant.granularity import (
     Granularity,
     PerAxis,
@@ -50,10 +50,9 @@ from qbench.quant.granularity import (
     PerTensor,
     PerToken,
     granularity_from_dict,
+    is_static_granularity,
 )
 from qbench.quant.overrides import apply_overrides
-from qbench.quant.primitives import check_bits
-from qbench.quant.static import check_static
 
 METHODS = ("rtn", "llm-int8", "bnb-nf4", "smoothquant", "hadamard")
 BNB_METHODS = ("llm-int8", "bnb-nf4")  # run by bitsandbytes in either mode: no fake emulation
@@ -65,6 +64,36 @@ _METHOD_PARAMS = {
     "hadamard": {"seed": 0},
 }
 _PER_CHANNEL, _PER_TOKEN, _PER_TENSOR = PerAxis(0), PerToken(), PerTensor()  # immutable defaults
+
+
+def check_static(scheme: Any) -> None:
+    """Validate a scheme's static/calibration fields (``static.py`` defines static scales); torch-free, as every
+    check run when a scheme is built, so listing schemes imports no framework."""
+    name = scheme.name
+    if not isinstance(scheme.static, bool):
+        raise UserError(f"scheme {name!r}: static must be true or false, got {scheme.static!r}")
+    n = scheme.calib_windows
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UserError(f"scheme {name!r}: calib_windows must be a positive integer, got {n!r}")
+    seed = scheme.calib_seed
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise UserError(f"scheme {name!r}: calib_seed must be a non-negative integer or none, got {seed!r}")
+    if not scheme.static:
+        return
+    if scheme.method in ("llm-int8", "bnb-nf4"):
+        raise UserError(
+            f"scheme {name!r}: {scheme.method} quantises activations itself; static=true does not apply"
+        )
+    if scheme.act_bits is None and scheme.out_bits is None:
+        raise UserError(f"scheme {name!r}: static=true needs quantised activations or outputs (a=… or o=…)")
+    for role, bits, granularity in (
+        ("activation", scheme.act_bits, scheme.act_granularity),
+        ("output", scheme.out_bits, scheme.out_granularity),
+    ):
+        if bits is not None and not is_static_granularity(granularity):
+            raise UserError(
+                f"scheme {name!r}: static {role} scales are per tensor or per channel, not {granularity.label}"
+            )
 
 
 @dataclass(frozen=True)

@@ -20,49 +20,13 @@ A static scale is shared by every sequence, so results still do not depend on ho
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from models.errors import UserError
 from qbench.quant.float32 import Float32Buffers
-from qbench.quant.granularity import Granularity, PerAxis, PerTensor
+from qbench.quant.granularity import Granularity, PerTensor, is_static_granularity
 from qbench.quant.primitives import QParams, check_input, non_finite_error, qparams_from_stats, qrange
-
-
-def is_static_granularity(granularity: Granularity) -> bool:
-    """Per tensor or per (last-axis) channel: the granularities a calibrated scale can have."""
-    return isinstance(granularity, PerTensor) or (isinstance(granularity, PerAxis) and granularity.axis == -1)
-
-
-def check_static(scheme: Any) -> None:
-    """Validate a scheme's static/calibration fields (called by ``QuantScheme.__post_init__``)."""
-    name = scheme.name
-    if not isinstance(scheme.static, bool):
-        raise UserError(f"scheme {name!r}: static must be true or false, got {scheme.static!r}")
-    n = scheme.calib_windows
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise UserError(f"scheme {name!r}: calib_windows must be a positive integer, got {n!r}")
-    seed = scheme.calib_seed
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise UserError(f"scheme {name!r}: calib_seed must be a non-negative integer or none, got {seed!r}")
-    if not scheme.static:
-        return
-    if scheme.method in ("llm-int8", "bnb-nf4"):
-        raise UserError(
-            f"scheme {name!r}: {scheme.method} quantises activations itself; static=true does not apply"
-        )
-    if scheme.act_bits is None and scheme.out_bits is None:
-        raise UserError(f"scheme {name!r}: static=true needs quantised activations or outputs (a=… or o=…)")
-    for role, bits, granularity in (
-        ("activation", scheme.act_bits, scheme.act_granularity),
-        ("output", scheme.out_bits, scheme.out_granularity),
-    ):
-        if bits is not None and not is_static_granularity(granularity):
-            raise UserError(
-                f"scheme {name!r}: static {role} scales are per tensor or per channel, not {granularity.label}"
-            )
 
 
 def static_qparams(lo: Tensor, hi: Tensor, bits: int, granularity: Granularity, symmetric: bool) -> QParams:

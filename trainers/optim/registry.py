@@ -9,47 +9,58 @@ normalisation they differ — what torch calls weight_decay is what these entrie
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
-
-import torch
-from torch import Tensor, nn
+from typing import TYPE_CHECKING, Any
 
 from models.registry import Registry
-from trainers.optim.muon import MUON_SETTINGS, MuonAdamW, muon_param_groups
-from trainers.optim.orthoadam import OrthoAdam
 
-Params = Iterable[Tensor] | Iterable[dict[str, Any]]
-OptimizerFactory = Callable[..., torch.optim.Optimizer]
+if TYPE_CHECKING:  # torch is imported by the factories, not here: `qbench ls optimizers` lists names only
+    import torch
+    from torch import Tensor, nn
+
+Params = Iterable["Tensor"] | Iterable[dict[str, Any]]
+OptimizerFactory = Callable[..., "torch.optim.Optimizer"]
 
 
 def _adamw(params: Params, lr: float, weight_decay: float, betas: tuple[float, float], seed: int, **kw: Any):
+    import torch
+
     return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, **kw)
 
 
 def _orthoadam(
     params: Params, lr: float, weight_decay: float, betas: tuple[float, float], seed: int, **kw: Any
 ):
+    from trainers.optim.orthoadam import OrthoAdam
+
     return OrthoAdam(params, lr=lr, betas=betas, weight_decay=weight_decay, seed=seed, **kw)
 
 
 def _rmsprop(
     params: Params, lr: float, weight_decay: float, betas: tuple[float, float], seed: int, **kw: Any
 ):
+    import torch
+
     # RMSProp's squared-gradient average plays the role of Adam's second moment, so it takes β2 as its decay.
     return torch.optim.RMSprop(params, lr=lr, alpha=betas[1], weight_decay=weight_decay, **kw)
 
 
 def _sgd(params: Params, lr: float, weight_decay: float, betas: tuple[float, float], seed: int, **kw: Any):
+    import torch
+
     return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, **kw)
 
 
 def _sgd_momentum(
     params: Params, lr: float, weight_decay: float, betas: tuple[float, float], seed: int, **kw
 ):
+    import torch
+
     return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay, **kw)
 
 
 def _muon(params: Params, lr: float, weight_decay: float, betas: tuple[float, float], seed: int, **kw: Any):
+    from trainers.optim.muon import MuonAdamW
+
     return MuonAdamW(list(params), lr=lr, weight_decay=weight_decay, betas=betas, **kw)
 
 
@@ -80,13 +91,19 @@ def optimizer_param_groups(name: str, model: nn.Module, weight_decay: float) -> 
     """The parameter groups the optimiser ``name`` is built over: Muon's split (:func:`muon_param_groups`) for
     ``muon``, nanoGPT's weight-decay groups (:func:`param_groups`) for every other."""
     if OPTIMIZERS.canonical(name) == "muon":
+        from trainers.optim.muon import muon_param_groups
+
         return muon_param_groups(model, weight_decay)
     return param_groups(model, weight_decay)
 
 
 def optimizer_settings(name: str) -> dict[str, Any]:
     """Fixed hyper-parameters of ``name`` beyond lr / weight decay / betas, for a run's provenance."""
-    return dict(MUON_SETTINGS) if OPTIMIZERS.canonical(name) == "muon" else {}
+    if OPTIMIZERS.canonical(name) != "muon":
+        return {}
+    from trainers.optim.muon import MUON_SETTINGS
+
+    return dict(MUON_SETTINGS)
 
 
 def build_optimizer(
@@ -109,6 +126,8 @@ def build_optimizer(
 
 def output_embedding(model: nn.Module) -> nn.Module | None:
     """The LM head (vocab, d) of our models (``lm_head``) or of a transformers model (``get_output_embeddings``)."""
+    from torch import nn
+
     getter = getattr(model, "get_output_embeddings", None)
     head = getter() if callable(getter) else getattr(model, "lm_head", None)
     return head if isinstance(getattr(head, "weight", None), nn.Parameter) else None
@@ -126,6 +145,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     rare tokens: measured here on the tiny preset, rotating it raised validation perplexity after 100 steps from
     579 to 740 (plain AdamW: 565); the outliers OrthoAdam targets live in the channel axis.
     """
+    from torch import nn
+
     params = [p for p in model.parameters() if p.requires_grad]
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     head = output_embedding(model)

@@ -527,3 +527,21 @@ def test_micro_model_mxfp8_beats_mxfp4_and_real_mode_refuses():
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     with pytest.raises(UserError, match="no real kernel for format 'mxfp4'"):
         quantize(model, "mxfp4", mode="real")
+
+
+def test_torch_free_descriptions_match_torchs_dtypes():
+    """``format_specs`` names its constants without importing torch; they must be torch's own numbers."""
+    assert formats.NVFP4_BLOCK_SCALE_MIN == torch.finfo(torch.float8_e4m3fn).tiny
+    for element in (formats.E4M3, formats.E5M2):
+        assert torch.finfo(element.torch_dtype).max == element.max_normal
+    assert formats.E2M1.torch_dtype is None
+
+
+def test_listing_schemes_imports_no_torch():
+    """``qbench ls schemes`` must stay fast: the scheme registry and every check it runs are torch-free."""
+    import subprocess
+    import sys
+
+    code = "import sys; from qbench.quant.schemes import SCHEMES; assert len(SCHEMES) > 10; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from models.errors import UserError
 from qbench.quant.float32 import Float32Buffers
 from qbench.quant.formats import INT, fake_quantize_format
-from qbench.quant.granularity import Granularity, PerAxis, PerGroup
+from qbench.quant.granularity import Granularity, PerGroup, unit
 from qbench.quant.hadamard import apply_kron, odd_factor
 from qbench.quant.ops import fake_quantize, fake_quantize_activation
 from qbench.quant.schemes import QuantScheme
@@ -107,18 +107,12 @@ def fake_quantize_weight(w: Tensor, bits: int, granularity: Granularity, symmetr
 
 
 def describe(bits: int | None, granularity: Granularity, symmetric: bool, role: str) -> str:
-    """``W8 per-channel``, ``A8 per-token``, ``W4 zp per-channel``, ``O8 per-sequence``; '' when float."""
+    """``W8 per-channel``, ``A8 per-token``, ``W4 zp per-g32``, ``O8 per-sequence`` (the words of
+    ``granularity.unit``); '' when float."""
     if bits is None:
         return ""
-    if isinstance(granularity, PerAxis) and granularity.axis == (0 if role == "W" else -1):
-        words = "per-channel"
-    elif isinstance(granularity, PerGroup):
-        words = f"per-group{granularity.group_size}"
-    elif role != "W" and granularity.label == "tensor":
-        words = "per-sequence"  # a per-tensor activation scale is computed per sequence (granularity.per_sequence)
-    else:
-        words = "per-" + granularity.label
-    return f"{role}{bits}{'' if symmetric else ' zp'} {words}"
+    words = unit(granularity, {"W": "weight", "A": "act", "O": "out"}[role])
+    return f"{role}{bits}{'' if symmetric else ' zp'} per-{words}"
 
 
 class FakeQuantLinear(Float32Buffers):

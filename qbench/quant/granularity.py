@@ -18,6 +18,12 @@ granularity          one scale per                                     block of 
 
 :func:`per_sequence` gives the form used for *activations*: no scale is ever shared across the leading (batch)
 dimension, so results do not depend on how sequences are batched.
+
+**One vocabulary** (:func:`unit`; scheme labels, layer descriptions, records, docs and error messages all use it):
+``tensor``; ``sequence`` (an activation's per-tensor scale, computed per sequence); ``channel`` (a weight's
+output channel, PerAxis(0) of (out, in); an activation's input channel, PerAxis(−1)); ``token``; ``g<N>`` (groups
+of N along the input dimension); anything else by its label (``axis<k>``, ``block…``). In prose: "per channel",
+"per token", "per group of N".
 """
 
 from __future__ import annotations
@@ -105,7 +111,7 @@ class PerGroup:
 
     @property
     def label(self) -> str:
-        return f"group{self.group_size}"
+        return f"g{self.group_size}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "group_size": self.group_size}
@@ -170,3 +176,16 @@ def per_sequence(granularity: Granularity, ndim: int) -> Granularity:
 def is_static_granularity(granularity: Granularity) -> bool:
     """Per tensor or per (last-axis) channel: the granularities a calibrated (static) scale can have."""
     return isinstance(granularity, PerTensor) or (isinstance(granularity, PerAxis) and granularity.axis == -1)
+
+
+def unit(granularity: Granularity, role: str) -> str:
+    """What one scale covers, in the project's one vocabulary (module docstring); ``role`` is ``"weight"``
+    (an (out, in) matrix), ``"act"`` or ``"out"`` (activations: (..., channels), a per-tensor scale is per
+    sequence)."""
+    if role not in ("weight", "act", "out"):
+        raise ValueError(f"role {role!r}: weight, act or out")
+    if isinstance(granularity, PerAxis) and granularity.axis == (0 if role == "weight" else -1):
+        return "channel"
+    if isinstance(granularity, PerTensor) and role != "weight":
+        return "sequence"
+    return granularity.label

@@ -51,6 +51,7 @@ from qbench.quant.granularity import (
     PerToken,
     granularity_from_dict,
     is_static_granularity,
+    unit,
 )
 from qbench.quant.overrides import apply_overrides
 
@@ -206,12 +207,9 @@ class QuantScheme:
 
 
 def _word(granularity: Granularity, role: str) -> str:
-    """Human words: a weight's PerAxis(0) and an activation's PerAxis(-1) are both "channel"."""
-    if isinstance(granularity, PerAxis) and granularity.axis == (0 if role == "weight" else -1):
-        return "channel"
-    if isinstance(granularity, PerGroup):
-        return f"g{granularity.group_size}"
-    return granularity.label
+    """A scheme label's word for a granularity: :func:`~qbench.quant.granularity.unit`, except that a per-tensor
+    activation reads "tensor" (labels name the setting the paper names; the scale is still per sequence)."""
+    return "tensor" if isinstance(granularity, PerTensor) else unit(granularity, role)
 
 
 def _check_format(s: QuantScheme) -> None:

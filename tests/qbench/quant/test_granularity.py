@@ -46,3 +46,18 @@ def test_per_sequence_never_shares_a_scale_across_the_batch():
     assert per_sequence(PerToken(), 3) == PerToken()
     assert per_sequence(PerGroup(8), 3) == PerGroup(8)
     assert per_sequence(PerTensor(), 2) == PerTensor()  # a (T, C) input is one sequence
+
+
+def test_one_vocabulary_for_what_a_scale_covers():
+    """Labels, layer descriptions and messages all take their words from ``unit`` (one vocabulary)."""
+    from qbench.quant.fake import describe
+    from qbench.quant.granularity import PerAxis, PerGroup, PerTensor, PerToken, unit
+
+    assert unit(PerAxis(0), "weight") == "channel" and unit(PerAxis(-1), "act") == "channel"
+    assert unit(PerAxis(-1), "weight") == "axis-1"  # an input-channel scale on a weight is not "channel"
+    assert unit(PerToken(), "act") == "token" and unit(PerGroup(32), "weight") == "g32"
+    assert unit(PerTensor(), "weight") == "tensor" and unit(PerTensor(), "out") == "sequence"
+    assert describe(4, PerGroup(32), False, "W") == "W4 zp per-g32"
+    assert describe(8, PerTensor(), True, "A") == "A8 per-sequence"
+    with pytest.raises(ValueError, match="role"):
+        unit(PerTensor(), "W")

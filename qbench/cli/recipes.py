@@ -18,6 +18,11 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--long",
+        action="store_true",
+        help="qbench demo --long's budget for every recipe (Llama style, 2000 steps of a 5000-step schedule)",
+    )
     parser.add_argument("--preset", default="tiny", help="model preset (qbench ls presets)")
     parser.add_argument(
         "--recipes",
@@ -25,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(DEFAULT_RECIPES),
         help="training recipes of the panel (qbench ls recipes)",
     )
-    parser.add_argument("--steps", type=int, default=500, help="optimiser steps of every run")
+    parser.add_argument("--steps", type=int, help="optimiser steps of every run (default: 500; --long 2000)")
     parser.add_argument("--lr", type=float, default=4e-3, help="peak learning rate of every run")
     parser.add_argument("--seed", type=int, default=0, help="training and evaluation seed")
     parser.add_argument(
@@ -35,8 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mode", action="append", choices=("fake", "real"), help="fake (default) | real; repeatable"
     )
     parser.add_argument("--parallel", type=int, default=2, help="runs trained at once (one thread each)")
-    parser.add_argument("--ckpt-root", default="ckpts/recipes", help="checkpoint folder")
-    add_output_argument(parser, "results folder", default="results/recipes", metavar="DIR")
+    parser.add_argument(
+        "--ckpt-root", help="checkpoint folder (default: ckpts/recipes; --long: ckpts/recipes-long)"
+    )
+    add_output_argument(
+        parser, "results folder (default: results/recipes; --long: results/recipes-long)", metavar="DIR"
+    )
+    parser.add_argument(
+        "--no-sweep", action="store_true", help="skip the bit-width sweep (8→2 bits, KV cache)"
+    )
     parser.add_argument(
         "--estimate", action="store_true", help="print the cost estimate and stop (nothing is trained)"
     )
@@ -50,24 +62,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from qbench.cli.evaluate import print_record
-    from qbench.studies.recipes import RecipesConfig, describe_estimate, estimate, run_panel, time_one_step
+    from qbench.studies.recipes import (
+        RecipesConfig,
+        describe_estimate,
+        estimate,
+        long_config,
+        run_panel,
+        time_one_step,
+    )
 
-    if args.steps < 1 or args.tokens < 2 or args.parallel < 1:
+    base = long_config() if args.long else RecipesConfig()
+    steps = base.steps if args.steps is None else args.steps
+    if steps < 1 or args.tokens < 2 or args.parallel < 1:
         raise UserError(
-            f"--steps and --parallel must be ≥ 1 and --tokens ≥ 2, got {args.steps}, {args.parallel}, {args.tokens}"
+            f"--steps and --parallel must be ≥ 1 and --tokens ≥ 2, got {steps}, {args.parallel}, {args.tokens}"
         )
+    if base.schedule_steps and steps > base.schedule_steps:
+        raise UserError(f"--steps {steps} exceeds the long panel's {base.schedule_steps}-step schedule")
     cfg = RecipesConfig(
-        preset=args.preset,
-        recipes=tuple(args.recipes),
-        steps=args.steps,
-        lr=args.lr,
-        seed=args.seed,
-        ckpt_root=Path(args.ckpt_root),
-        output_path=Path(args.output_path),
-        eval_tokens=args.tokens,
-        modes=tuple(args.mode or ("fake",)),
-        parallel=args.parallel,
-        extra_args=tuple(args.train_arg),
+        **{
+            **base.__dict__,
+            "preset": args.preset,
+            "recipes": tuple(args.recipes),
+            "steps": steps,
+            "lr": args.lr,
+            "seed": args.seed,
+            "ckpt_root": Path(args.ckpt_root) if args.ckpt_root else base.ckpt_root,
+            "output_path": Path(args.output_path) if args.output_path else base.output_path,
+            "eval_tokens": args.tokens,
+            "modes": tuple(args.mode or ("fake",)),
+            "parallel": args.parallel,
+            "extra_args": (*base.extra_args, *args.train_arg),
+            "sweep_axes": () if args.no_sweep else base.sweep_axes,
+        }
     )
     if args.estimate:
         console.print(describe_estimate(estimate(cfg, time_one_step(cfg))), highlight=False)

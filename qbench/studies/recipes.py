@@ -7,10 +7,14 @@ demo's evaluation of each, into one table.
    last checkpoint, so an interrupted panel continues where it stopped. Before anything starts,
    :func:`estimate` prints the cost: tokens and training FLOPs (``trainers.throughput``'s 6·N + 12·L·d·T) per
    run and in all, and a wall-time guess from one timed forward/backward step of the baseline on this machine.
-2. Evaluate each with ``qbench grid`` like the demo (the float model and the paper's four schemes; outlier and
-   attention statistics); finished cells are reused.
+2. Evaluate each exactly like the demo: ``qbench grid`` (the float model and the paper's four schemes; outlier and
+   attention statistics), then the demo's bit-width sweep (weights, activations, outputs, all, the KV cache: the
+   breaking points); finished cells are reused.
 3. Write ``results/recipes/``: one JSON record per cell, ``table.md`` (the comparison, with the command, machine,
    cost and wall times) and ``emergence.json``/``emergence.png`` from the training probes.
+
+``--long`` (:func:`long_config`) runs the panel at ``qbench demo --long``'s budget, Llama style; its ``vanilla``
+and ``paper`` runs are the long demo's (same arguments), so ``--ckpt-root ckpts/demo-long`` reuses them.
 
 OSP's embedding projection is folded into the embedding when the checkpoints are loaded for evaluation
 (``qbench.eval.load``), so every row of the table is a plain-architecture model.
@@ -57,6 +61,12 @@ class RecipesConfig:
     probe_every: int = 25
     parallel: int = 2
     extra_args: tuple[str, ...] = field(default_factory=tuple)  # trainer options for every recipe
+    schedule_steps: int | None = None  # a longer schedule of which only the first ``steps`` are trained
+    # the norm of recipes that leave it to the preset (None: the preset's); Llama style needs RMSNorm there
+    style_norm: str | None = None
+    sweep_axes: tuple[str, ...] = ("w", "a", "o", "all", "kv")  # the demo's sweep; () skips it
+    sweep_keep_first: tuple[int, ...] = (1,)
+    sweep_kv_scheme: str = "kivi:group=32,residual=32"  # the demo's: R = 128 would cover 128-token windows
 
     def __post_init__(self) -> None:
         from trainers.recipes import RECIPES
@@ -65,7 +75,25 @@ class RecipesConfig:
 
     @property
     def description(self) -> str:
-        return f"{self.preset}, {self.steps} steps, lr {self.lr}, seed {self.seed}"
+        schedule = f" of a {self.schedule_steps}-step schedule" if self.schedule_steps else ""
+        style = ", Llama style" if "family=llama" in self.extra_args else ""
+        return f"{self.preset}{style}, {self.steps} steps{schedule}, lr {self.lr}, seed {self.seed}"
+
+
+def long_config(**changes: Any) -> RecipesConfig:
+    """``qbench recipes --long``: ``qbench demo --long``'s budget (Llama style, the first 2000 steps of the
+    emergence study's 5000-step schedule) for every recipe; its vanilla and paper runs are the long demo's."""
+    from qbench.studies.demo import LLAMA_STYLE, LONG, LONG_SCHEDULE
+
+    base = {
+        "steps": LONG.steps,
+        "schedule_steps": LONG_SCHEDULE,
+        "extra_args": LLAMA_STYLE,
+        "style_norm": "rmsnorm",
+        "ckpt_root": Path("ckpts/recipes-long"),
+        "output_path": Path("results/recipes-long"),
+    }
+    return RecipesConfig(**{**base, **changes})
 
 
 def panel_runs(cfg: RecipesConfig) -> list[TrainRun]:
@@ -75,7 +103,22 @@ def panel_runs(cfg: RecipesConfig) -> list[TrainRun]:
         *("--probe-every", str(cfg.probe_every), "--ckpt-every", "50"),
         *cfg.extra_args,
     )
-    return [TrainRun(r, cfg.ckpt_root / r, cfg.steps, ("--recipe", r, *shared)) for r in cfg.recipes]
+    from trainers.recipes import RECIPES
+
+    def own(recipe: str) -> tuple[str, ...]:
+        keeps_preset_norm = RECIPES.get(recipe).norm is None
+        return ("--norm", cfg.style_norm) if cfg.style_norm and keeps_preset_norm else ()
+
+    return [
+        TrainRun(
+            r,
+            cfg.ckpt_root / r,
+            cfg.schedule_steps or cfg.steps,
+            ("--recipe", r, *shared, *own(r)),
+            stop_at=cfg.steps if cfg.schedule_steps else None,
+        )
+        for r in cfg.recipes
+    ]
 
 
 def _train_config(cfg: RecipesConfig, recipe: str) -> Any:
@@ -83,7 +126,7 @@ def _train_config(cfg: RecipesConfig, recipe: str) -> Any:
     from trainers.__main__ import build_parser, config_from_args
 
     run = next(r for r in panel_runs(cfg) if r.name == recipe)
-    return config_from_args(vars(build_parser().parse_args(["--steps", str(cfg.steps), *run.args])))
+    return config_from_args(vars(build_parser().parse_args(["--steps", str(run.steps), *run.args])))
 
 
 def time_one_step(cfg: RecipesConfig) -> float:
@@ -131,15 +174,15 @@ def estimate(cfg: RecipesConfig, step_s: float | None = None) -> dict[str, Any]:
             fpt = flops_per_token(Transformer(mc), mc.n_layer, mc.d_model, tc.window)
         out = cfg.ckpt_root / recipe
         done = read_state(out, verify=False)["step"] if has_state(out) else 0
-        left = max(0, tc.total_steps - done)
+        end = min(cfg.steps, tc.total_steps)  # a prefix of a longer schedule trains only ``steps``
         rows.append(
             {
                 "recipe": recipe,
                 "optimizer": tc.optimizer,
-                "steps": tc.total_steps,
-                "steps_left": left,
-                "tokens": tc.total_steps * tc.tokens_per_step,
-                "flops": tc.total_steps * tc.tokens_per_step * fpt,
+                "steps": end,
+                "steps_left": max(0, end - done),
+                "tokens": end * tc.tokens_per_step,
+                "flops": end * tc.tokens_per_step * fpt,
             }
         )
     steps_left = sum(r["steps_left"] for r in rows)
@@ -206,8 +249,31 @@ def evaluate(cfg: RecipesConfig, on_record: Any = None) -> list[dict]:
     return run_grid(spec, on_record=on_record)
 
 
+def sweep_config(cfg: RecipesConfig) -> Any:
+    """The demo's bit-width sweep (weights, activations, outputs, all, the KV cache) over the panel, on the grid's
+    windows and float baselines: the breaking points of every recipe."""
+    from qbench.eval.metrics import Protocol
+    from qbench.studies.sweep import SweepConfig
+
+    return SweepConfig(
+        models=[str(cfg.ckpt_root / r) for r in cfg.recipes],
+        axes=list(cfg.sweep_axes),
+        kv_keep_first=list(cfg.sweep_keep_first),
+        kv_granularity=cfg.sweep_kv_scheme,
+        protocol=Protocol(tokens=cfg.eval_tokens),
+        output_path=cfg.output_path / "sweep",
+        baseline_path=cfg.output_path,
+        seed=cfg.seed,
+    )
+
+
 def write_report(
-    cfg: RecipesConfig, records: list[dict], timings: dict[str, float], command: str, est: dict[str, Any]
+    cfg: RecipesConfig,
+    records: list[dict],
+    timings: dict[str, float],
+    command: str,
+    est: dict[str, Any],
+    sweep: dict[str, Any] | None = None,
 ) -> Path:
     """table.md (the comparison, the command, machine, cost and timings) and the emergence curves."""
     from models.io import atomic_write_json, cpu_model
@@ -222,12 +288,21 @@ def write_report(
     plots.emergence_plot(curves, out / "emergence.png")
     machine = f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}"
     legend = "\n".join(f"- `{r}`: {RECIPES.describe(r)}" for r in cfg.recipes)
+    sweep_time = f", bit-width sweep {timings['sweep']:.0f} s" if "sweep" in timings else ""
     text = (
         f"# qbench recipes: training-time remedies\n\nMade by `{command}` ({cfg.description}) on {machine} "
         f"({time.strftime('%Y-%m-%d', time.gmtime())}); {describe_estimate(est)}. Training "
-        f"{timings['train']:.0f} s, evaluation {timings['eval']:.0f} s.\n\n{legend}\n\n"
+        f"{timings['train']:.0f} s, evaluation {timings['eval']:.0f} s{sweep_time}.\n\n{legend}\n\n"
         f"{render(records, 'md')}\n![emergence](emergence.png)\n"
     )
+    if sweep is not None:
+        from qbench.studies.sweep import sweep_caption, sweep_table
+
+        text += (
+            "\n## Breaking points: the bit-width sweep\n\n"
+            f"{sweep_table(sweep)}\n\n{sweep_caption(sweep)} Records, `sweep.json` and `sweep.md` in `sweep/`."
+            "\n\n![sweep](sweep/sweep.png)\n"
+        )
     atomic_write_text(out / "table.md", text)
     return out / "table.md"
 
@@ -241,4 +316,12 @@ def run_panel(cfg: RecipesConfig, console: Any, command: str, on_record: Any = N
     train_s = train_panel(cfg, console)
     start = time.perf_counter()
     records = evaluate(cfg, on_record=on_record)
-    return write_report(cfg, records, {"train": train_s, "eval": time.perf_counter() - start}, command, est)
+    timings = {"train": train_s, "eval": time.perf_counter() - start}
+    sweep = None
+    if cfg.sweep_axes:
+        from qbench.cli.sweep import run_sweep_with_progress
+
+        start = time.perf_counter()
+        sweep = run_sweep_with_progress(sweep_config(cfg), command)
+        timings["sweep"] = time.perf_counter() - start
+    return write_report(cfg, records, timings, command, est, sweep)

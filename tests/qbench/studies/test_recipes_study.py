@@ -34,6 +34,9 @@ def micro_panel(tmp_path_factory):
         schemes=("absmax-coarse",),
         probe_every=1,
         extra_args=(*extra, "--data", str(corpus)),
+        sweep_axes=("kv",),  # the demo's sweep, one axis: its breaking points reach the table
+        sweep_keep_first=(),
+        sweep_kv_scheme="per-token",  # KIVI's residual would cover the 16-token windows
     )
 
 
@@ -60,9 +63,11 @@ def test_panel_trains_resumes_and_writes_one_table(micro_panel, monkeypatch, tmp
     text = table.read_text()
     assert "| vanilla" in text and "| osp" in text
     assert "`osp`: Outlier-Safe Pre-Training" in text and "FLOP" in text
+    assert "## Breaking points" in text and "| osp" in text.split("## Breaking points")[1]
     cfg = json.loads((micro_panel.ckpt_root / "osp" / "config.json").read_text())
     assert cfg["model"]["emb_proj"]  # trained with the projection, evaluated merged
     records = [json.loads(p.read_text()) for p in micro_panel.output_path.glob("*/*.json")]
+    records = [r for r in records if "model" in r]  # sweep/sweep.json is the sweep's summary
     osp = [r for r in records if r["model"]["name"] == "osp"]
     assert osp and all(r["model"]["merged_emb_proj"] for r in osp)
     assert study.estimate(micro_panel)["steps_left"] == 0  # a rerun resumes to nothing
@@ -82,3 +87,24 @@ def test_cli_module_prints_the_estimate_and_refuses_bad_input(micro_panel, capsy
     assert "2 runs x 3 steps" in capsys.readouterr().out
     with pytest.raises(UserError, match="--steps"):
         cli.run(parser.parse_args(["--steps", "0"]))
+    with pytest.raises(UserError, match="5000-step schedule"):
+        cli.run(parser.parse_args(["--long", "--steps", "6000"]))
+
+
+def test_long_panel_is_the_long_demos_runs():
+    """``--long``: every recipe at the long demo's budget; its vanilla and paper runs are the long demo's own
+    (same trainer arguments), so the demo's checkpoints serve the panel."""
+    from qbench.studies import demo
+
+    cfg = study.long_config(recipes=("vanilla", "paper", "muon", "osp"))
+    runs = {r.name: r for r in study.panel_runs(cfg)}
+    demo_runs = {r.name: r for r in demo.demo_runs(demo.LONG)}
+    for name in ("vanilla", "paper"):
+        assert runs[name].args == demo_runs[name].args
+        assert (runs[name].steps, runs[name].stop_at) == (demo_runs[name].steps, demo_runs[name].stop_at)
+    assert (
+        "--norm" in runs["muon"].args
+    )  # Llama style: RMSNorm where the recipe leaves the norm to the preset
+    assert "--norm" not in runs["osp"].args  # OSP brings its own single-scale RMSNorm
+    est = study.estimate(cfg)
+    assert all(r["steps"] == 2000 for r in est["runs"])  # a 2000-step prefix of the 5000-step schedule

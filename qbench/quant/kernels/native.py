@@ -68,6 +68,8 @@ _SIGNATURES = {
 
 
 BUILD_FLAGS = kernel_build.FLAG_CASCADE  # first that compiles
+# one library: the entry points (dispatch), the portable loops, the AVX2 loops (empty unless the target has AVX2)
+NATIVE_SOURCES = ("native.c", "native_ref.c", "native_avx2.c")
 
 
 @functools.cache
@@ -77,9 +79,10 @@ def _library() -> ctypes.CDLL | None:
 
 
 def build(extra_flags: list[str]) -> ctypes.CDLL | None:
-    """``native.c`` compiled with the base flags plus ``extra_flags`` and loaded, or None when the compiler is
-    missing or refuses (tests build the portable loops with ``[]`` to compare them with the vector ones)."""
-    dll = kernel_build.compile_source("native.c", extra_flags)
+    """:data:`NATIVE_SOURCES` compiled with the base flags plus ``extra_flags`` and loaded, or None when the
+    compiler is missing or refuses (tests build the portable loops with ``[]`` — no ``-march=native``, so
+    ``native.c`` picks ``native_ref.c`` — to compare them with the vector ones)."""
+    dll = kernel_build.compile_source(NATIVE_SOURCES, extra_flags)
     if dll is None:
         return None
     for name, (args, res) in _SIGNATURES.items():

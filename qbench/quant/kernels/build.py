@@ -58,7 +58,9 @@ def compile_source(
                 f.write(package.joinpath(file).read_text())
         lib = os.path.join(tmp, names[0].replace(".c", ".so"))
         sources = [os.path.join(tmp, n) for n in names]
-        done = subprocess.run([cc, *flags, *extra_flags, "-o", lib, *sources], capture_output=True, timeout=120)
+        done = subprocess.run(
+            [cc, *flags, *extra_flags, "-o", lib, *sources], capture_output=True, timeout=120
+        )
         if done.returncode != 0:
             return None
         return ctypes.CDLL(lib)  # loaded: the file may go

@@ -45,6 +45,7 @@ from qbench.quant.kernels import build as kernel_build
 ENV = kernel_build.ENV  # QBENCH_NATIVE=0 switches the compiled kernels off
 LEGACY_ENV = "QBENCH_NATIVE_KERNELS"
 ISA_NAMES = {0: "C", 1: "AVX2"}
+GEMV_ROWS = 16  # native.h: the default split between the decode loop and the GEMM
 _STATE = {"enabled": kernel_build.switched_on(LEGACY_ENV)}
 _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
@@ -166,19 +167,51 @@ def w8a8_linear(q: Tensor, sx: Tensor, w: Tensor, sw: Tensor, bias: Tensor | Non
     return y
 
 
+def w8a8_forward(
+    x: Tensor, rows_per_scale: int, w: Tensor, sw: Tensor, bias: Tensor | None, gemv: bool
+) -> Tensor:
+    """float32 (M, N) of the W8A8 linear from float32 x (M, K): quantise per ``rows_per_scale`` rows, then the
+    GEMV (``gemv``) or the GEMM, in one foreign call."""
+    _check(x, w, sw, bias)
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    _library().qk_w8a8_forward_path(
+        x.data_ptr(), m, k, max(1, rows_per_scale), w.data_ptr(), sw.data_ptr(), int(sw.numel() > 1),
+        _ptr(bias), y.data_ptr(), n, threads(), int(gemv),
+    )  # fmt: skip
+    return y
+
+
 def w4a8_forward(
-    x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias: Tensor | None
+    x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias: Tensor | None, gemv: bool | None = None
 ) -> Tensor | None:
     """float32 (M, N) of the W4A8 linear: x float32 (M, K) quantised per ``rows_per_scale`` rows, ``w4`` uint8
-    nibbles (c + 8) (N, ⌈K/2⌉), ``scale`` float32 (N, G). None when the group size has no loop (g must be K,
-    32 or a multiple of 64)."""
+    nibbles (c + 8) (N, ⌈K/2⌉), ``scale`` float32 (N, G). ``gemv``: the loop (None: the GEMV up to 16 rows).
+    None when the group size has no loop (g must be K, 32 or a multiple of 64)."""
     _check(x, w4, scale, bias)
     m, k = x.shape
     n, groups = scale.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    ok = _library().qk_w4a8_forward(
+    ok = _library().qk_w4a8_forward_path(
         x.data_ptr(), m, k, max(1, rows_per_scale), w4.data_ptr(), scale.data_ptr(), groups, _ptr(bias),
-        y.data_ptr(), n, threads(),
+        y.data_ptr(), n, threads(), int(m <= GEMV_ROWS if gemv is None else gemv),
+    )  # fmt: skip
+    return y if ok else None
+
+
+def weight_only_linear(
+    x: Tensor, codes: Tensor, bits4: bool, scale: Tensor, zero: Tensor | None, bias: Tensor | None
+) -> Tensor | None:
+    """x (M, K) · Ŵᵀ + b from int4 nibbles (``bits4``) or int8 codes without building Ŵ, or None when this
+    build or group size has no loop (then dequantise)."""
+    _check(x, codes, scale, zero, bias)
+    m, k = x.shape
+    n, groups = scale.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    ok = _library().qk_weight_only_linear(
+        x.data_ptr(), m, codes.data_ptr(), int(bits4), int(codes.dtype == torch.int8), scale.data_ptr(),
+        _ptr(zero), groups, _ptr(bias), y.data_ptr(), n, k, threads(),
     )  # fmt: skip
     return y if ok else None
 

@@ -2,7 +2,8 @@
 
 Why: at decode (1–16 rows) a linear is bound by the bytes of its weight, and torch has no kernel that reads int8
 or int4 weights at memory speed while keeping our numerics: ``torch._int_mm`` is slow at one row (and, on CPUs
-without AVX-512 VNNI, slow at any size), and the int4 kernels want bf16 activations. ``native.c`` holds:
+without AVX-512 VNNI, slow at any size), and the int4 kernels want bf16 activations. The library's entry points
+(``native.c``; the loops are in ``native_ref.c``, portable, and ``native_avx2.c``, see Build) are:
 
 - ``quantize_rows``: per-token (or per-sequence) absmax int8 quantisation of float32 activations, the same
   arithmetic as ``int8.quantize_activation`` (true division, round half to even) — equal codes, equal scales;
@@ -22,8 +23,11 @@ without AVX-512 VNNI, slow at any size), and the int4 kernels want bf16 activati
   torch's sgemm, so prefill equals fake mode exactly).
 
 Build: on first use, like every kernel of qbench (``build.py``: one compiler lookup, ``-O3 -march=native
--fopenmp`` and fallbacks, never cached, so a binary built for one CPU never runs on another). ``-march=native``
-decides the instruction set at build time, on the machine that runs it: :func:`isa` says which loop was compiled.
+-fopenmp`` and fallbacks, never cached, so a binary built for one CPU never runs on another), the three files
+of :data:`NATIVE_SOURCES` into one library. ``-march=native`` decides the instruction set at build time, on the
+machine that runs it: with AVX2 + FMA ``native.c`` calls the loops of ``native_avx2.c``, else those of
+``native_ref.c`` (the ggml-quants layering: one portable reference, one file per instruction set, no ISA test
+inside a function); :func:`isa` says which. The torch custom ops over these wrappers are in ``_ops.py``.
 Without a compiler, or with ``QBENCH_NATIVE=0`` in the environment (the older ``QBENCH_NATIVE_KERNELS=0`` too; or
 :func:`set_enabled(False) <set_enabled>`), :func:`available` is False and the layers use their torch paths
 (``torch._int_mm``, dequantise + ``F.linear``).

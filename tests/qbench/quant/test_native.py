@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (``native.c``) and their dispatch (``paths.py``) equal fake mode and the torch paths.
+"""The compiled CPU kernels (``native*.c``) and their dispatch (``paths.py``) equal fake mode and the torch paths.
 
 Integer accumulation is exact, so the W8A8 kernels equal the torch path bit for bit; the weight-only decode
 kernels reassociate float sums (equal to fake mode to float rounding) and the weight-only prefill path (C

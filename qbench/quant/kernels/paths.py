@@ -213,8 +213,8 @@ def _native_ready() -> bool:
 
 
 @torch.compiler.assume_constant_result
-def _traced_choice(kind: str, rows: int) -> str:
-    return choose(kind, rows)
+def _traced_choice(kind: str, many_rows: bool) -> str:
+    return choose(kind, DECODE_ROWS + 1 if many_rows else 1)  # choose reads rows only as ≤ DECODE_ROWS or not
 
 
 @torch.compiler.assume_constant_result
@@ -223,7 +223,10 @@ def _traced_weight_only_loop(bits4: bool, in_features: int, groups: int) -> bool
 
 
 def _path(kind: str, rows: int) -> str:
-    return _traced_choice(kind, rows) if torch.compiler.is_compiling() else choose(kind, rows)
+    if not torch.compiler.is_compiling():
+        return choose(kind, rows)
+    # rows may be symbolic (dynamic shapes): the comparison becomes a guard, the choice a constant per branch
+    return _traced_choice(kind, True) if rows > DECODE_ROWS else _traced_choice(kind, False)
 
 
 class _Bound:

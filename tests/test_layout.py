@@ -142,12 +142,13 @@ def test_no_import_circles(package):
 
 
 KERNELS = ROOT / "qbench" / "quant" / "kernels"
+NATIVE_EXTS = ("*.c", "*.h", "*.cc", "*.cpp", "*.cu", "*.cuh")  # compiled kernel code of any kind
 
 
 def test_kernel_code_lives_in_one_tree():
     """Every compiled or GPU kernel is in qbench/quant/kernels/: C sources, ctypes bindings, Triton kernels and
     the one build helper — nowhere else in the packages."""
-    c_files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.c")]
+    c_files = [p for pkg in (*PACKAGES, "scripts") for ext in NATIVE_EXTS for p in (ROOT / pkg).rglob(ext)]
     assert c_files and all(p.parent == KERNELS for p in c_files), c_files
     outside = []
     for pkg in PACKAGES:
@@ -165,6 +166,37 @@ def test_kernel_code_lives_in_one_tree():
                 )
                 if any(n.split(".")[0] in ("ctypes", "triton") for n in names):
                     outside.append(f"{path.relative_to(ROOT)} imports {names}")
-                if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "CDLL":
-                    outside.append(f"{path.relative_to(ROOT)} loads a shared library")
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", "") in ("CDLL", "load_inline"):
+                    outside.append(f"{path.relative_to(ROOT)} loads or builds a shared library")
     assert not outside, outside
+
+
+def test_kernel_sources_are_package_data_and_one_function_per_isa():
+    """Every C file and header of the kernels is shipped (pyproject's package-data globs) and built (the
+    library's source list or its own loader); the ISA is chosen in one place: only native.c's dispatch table and
+    native_avx2.c's file guard test for AVX2, never a function body, and the reference holds no intrinsics."""
+    import fnmatch
+
+    import tomllib
+
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "qbench"
+    ]
+    for path in (p for ext in NATIVE_EXTS for p in KERNELS.glob(ext)):
+        rel = path.relative_to(ROOT / "qbench").as_posix()
+        assert any(fnmatch.fnmatch(rel, g) for g in globs), f"{rel} is not package data: {globs}"
+    from qbench.quant.kernels import native
+
+    built = {*native.NATIVE_SOURCES, "fake_quant.c"}
+    assert {p.name for p in KERNELS.glob("*.c")} == built
+    isa_tests = {
+        p.name: [line for line in p.read_text().splitlines() if line.startswith("#if") and "AVX" in line]
+        for p in KERNELS.glob("native*.[ch]")
+    }
+    assert isa_tests == {
+        "native.h": ["#if defined(__AVX2__) && defined(__FMA__)", "#ifdef QK_AVX2"],  # the macro; prototypes
+        "native.c": ["#if defined(QK_AVX2)"],  # the dispatch table
+        "native_avx2.c": ["#ifdef QK_AVX2"],  # the whole file
+        "native_ref.c": [],
+    }, isa_tests
+    assert "_mm" not in (KERNELS / "native_ref.c").read_text()

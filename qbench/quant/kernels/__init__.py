@@ -9,6 +9,13 @@ and the table in docs/schemes.md (:func:`kernels_table`; a test keeps the page e
 it. Adding an integer format with a real kernel: write the layer (on :class:`~.base.RealLinear`) and its kernel,
 add one entry here, and test it against fake mode.
 
+The kernel tree: every compiled or GPU kernel of qbench lives in this package (a layout test holds it so).
+``native_ref.c`` / ``native_avx2.c`` / ``native.c`` (+ ``native.h``) are the real layers' C library — portable
+reference loops, AVX2 loops, and the entry points choosing between them at build time; ``native.py`` loads it
+(``build.py``: the one compiler lookup) and wraps it; ``_ops.py`` registers the wrappers as ``torch.ops.qbench``
+custom ops so compiled models keep them; ``paths.py`` decides which kernel a layer runs. ``fake_quant.c`` +
+``fake_cpu.py`` and ``triton_fake.py`` serve ``qbench::fake_quantize`` (``qbench.quant.ops``).
+
 Anything else (another bit width, per-input-channel activation scales, an asymmetric or group-wise int8 weight
 with int8 activations)
 has no integer kernel here and raises :class:`UserError` — run it with ``mode="fake"``. ``weight`` is always

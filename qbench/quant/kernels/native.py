@@ -2,7 +2,8 @@
 
 Why: at decode (1–16 rows) a linear is bound by the bytes of its weight, and torch has no kernel that reads int8
 or int4 weights at memory speed while keeping our numerics: ``torch._int_mm`` is slow at one row (and, on CPUs
-without AVX-512 VNNI, slow at any size), and the int4 kernels want bf16 activations. ``native.c`` holds:
+without AVX-512 VNNI, slow at any size), and the int4 kernels want bf16 activations. The library's entry points
+(``native.c``; the loops are in ``native_ref.c``, portable, and ``native_avx2.c``, see Build) are:
 
 - ``quantize_rows``: per-token (or per-sequence) absmax int8 quantisation of float32 activations, the same
   arithmetic as ``int8.quantize_activation`` (true division, round half to even) — equal codes, equal scales;
@@ -22,8 +23,11 @@ without AVX-512 VNNI, slow at any size), and the int4 kernels want bf16 activati
   torch's sgemm, so prefill equals fake mode exactly).
 
 Build: on first use, like every kernel of qbench (``build.py``: one compiler lookup, ``-O3 -march=native
--fopenmp`` and fallbacks, never cached, so a binary built for one CPU never runs on another). ``-march=native``
-decides the instruction set at build time, on the machine that runs it: :func:`isa` says which loop was compiled.
+-fopenmp`` and fallbacks, never cached, so a binary built for one CPU never runs on another), the three files
+of :data:`NATIVE_SOURCES` into one library. ``-march=native`` decides the instruction set at build time, on the
+machine that runs it: with AVX2 + FMA ``native.c`` calls the loops of ``native_avx2.c``, else those of
+``native_ref.c`` (the ggml-quants layering: one portable reference, one file per instruction set, no ISA test
+inside a function); :func:`isa` says which. The torch custom ops over these wrappers are in ``_ops.py``.
 Without a compiler, or with ``QBENCH_NATIVE=0`` in the environment (the older ``QBENCH_NATIVE_KERNELS=0`` too; or
 :func:`set_enabled(False) <set_enabled>`), :func:`available` is False and the layers use their torch paths
 (``torch._int_mm``, dequantise + ``F.linear``).
@@ -45,6 +49,7 @@ from qbench.quant.kernels import build as kernel_build
 ENV = kernel_build.ENV  # QBENCH_NATIVE=0 switches the compiled kernels off
 LEGACY_ENV = "QBENCH_NATIVE_KERNELS"
 ISA_NAMES = {0: "C", 1: "AVX2"}
+GEMV_ROWS = 16  # native.h: the default split between the decode loop and the GEMM
 _STATE = {"enabled": kernel_build.switched_on(LEGACY_ENV)}
 _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
@@ -68,6 +73,8 @@ _SIGNATURES = {
 
 
 BUILD_FLAGS = kernel_build.FLAG_CASCADE  # first that compiles
+# one library: the entry points (dispatch), the portable loops, the AVX2 loops (empty unless the target has AVX2)
+NATIVE_SOURCES = ("native.c", "native_ref.c", "native_avx2.c")
 
 
 @functools.cache
@@ -77,9 +84,10 @@ def _library() -> ctypes.CDLL | None:
 
 
 def build(extra_flags: list[str]) -> ctypes.CDLL | None:
-    """``native.c`` compiled with the base flags plus ``extra_flags`` and loaded, or None when the compiler is
-    missing or refuses (tests build the portable loops with ``[]`` to compare them with the vector ones)."""
-    dll = kernel_build.compile_source("native.c", extra_flags)
+    """:data:`NATIVE_SOURCES` compiled with the base flags plus ``extra_flags`` and loaded, or None when the
+    compiler is missing or refuses (tests build the portable loops with ``[]`` — no ``-march=native``, so
+    ``native.c`` picks ``native_ref.c`` — to compare them with the vector ones)."""
+    dll = kernel_build.compile_source(NATIVE_SOURCES, extra_flags)
     if dll is None:
         return None
     for name, (args, res) in _SIGNATURES.items():
@@ -163,19 +171,51 @@ def w8a8_linear(q: Tensor, sx: Tensor, w: Tensor, sw: Tensor, bias: Tensor | Non
     return y
 
 
+def w8a8_forward(
+    x: Tensor, rows_per_scale: int, w: Tensor, sw: Tensor, bias: Tensor | None, gemv: bool
+) -> Tensor:
+    """float32 (M, N) of the W8A8 linear from float32 x (M, K): quantise per ``rows_per_scale`` rows, then the
+    GEMV (``gemv``) or the GEMM, in one foreign call."""
+    _check(x, w, sw, bias)
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    _library().qk_w8a8_forward_path(
+        x.data_ptr(), m, k, max(1, rows_per_scale), w.data_ptr(), sw.data_ptr(), int(sw.numel() > 1),
+        _ptr(bias), y.data_ptr(), n, threads(), int(gemv),
+    )  # fmt: skip
+    return y
+
+
 def w4a8_forward(
-    x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias: Tensor | None
+    x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias: Tensor | None, gemv: bool | None = None
 ) -> Tensor | None:
     """float32 (M, N) of the W4A8 linear: x float32 (M, K) quantised per ``rows_per_scale`` rows, ``w4`` uint8
-    nibbles (c + 8) (N, ⌈K/2⌉), ``scale`` float32 (N, G). None when the group size has no loop (g must be K,
-    32 or a multiple of 64)."""
+    nibbles (c + 8) (N, ⌈K/2⌉), ``scale`` float32 (N, G). ``gemv``: the loop (None: the GEMV up to 16 rows).
+    None when the group size has no loop (g must be K, 32 or a multiple of 64)."""
     _check(x, w4, scale, bias)
     m, k = x.shape
     n, groups = scale.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    ok = _library().qk_w4a8_forward(
+    ok = _library().qk_w4a8_forward_path(
         x.data_ptr(), m, k, max(1, rows_per_scale), w4.data_ptr(), scale.data_ptr(), groups, _ptr(bias),
-        y.data_ptr(), n, threads(),
+        y.data_ptr(), n, threads(), int(m <= GEMV_ROWS if gemv is None else gemv),
+    )  # fmt: skip
+    return y if ok else None
+
+
+def weight_only_linear(
+    x: Tensor, codes: Tensor, bits4: bool, scale: Tensor, zero: Tensor | None, bias: Tensor | None
+) -> Tensor | None:
+    """x (M, K) · Ŵᵀ + b from int4 nibbles (``bits4``) or int8 codes without building Ŵ, or None when this
+    build or group size has no loop (then dequantise)."""
+    _check(x, codes, scale, zero, bias)
+    m, k = x.shape
+    n, groups = scale.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    ok = _library().qk_weight_only_linear(
+        x.data_ptr(), m, codes.data_ptr(), int(bits4), int(codes.dtype == torch.int8), scale.data_ptr(),
+        _ptr(zero), groups, _ptr(bias), y.data_ptr(), n, k, threads(),
     )  # fmt: skip
     return y if ok else None
 

@@ -17,7 +17,7 @@ Storage (``qweight`` has the ``int4.pack_int4`` layout, so the same byte order s
 Forward: x' = ``transform_input(x, input_scale, rotation)`` (SmoothQuant / Hadamard, as ``FakeQuantLinear``),
 q, s_x = ``int8.quantize_activation(x')``; then y = s_x · Σ_g s_g · Σ_{k∈g} c_k q_k + b with exact int32 group
 sums (per output channel: (acc · s_x) · s_w + b, W8A8's epilogue). CPU float32 with g = in, 32 or a multiple
-of 64: one C call (``native.c``, ``qk_w4a8_forward``: up to 16 rows a GEMV reading the nibbles, more rows the
+of 64: one C call (``native.c``, ``qk_w4a8_forward_path``: up to 16 rows a GEMV reading the nibbles, more rows the
 int16 panel GEMM); otherwise the torch path F.linear(s_x · q, Ŵ) + b — fake mode's own arithmetic on the
 stored codes. Both equal fake mode to float rounding.
 """

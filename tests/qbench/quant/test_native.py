@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (``native.c``) and their dispatch (``paths.py``) equal fake mode and the torch paths.
+"""The compiled CPU kernels (``native*.c``) and their dispatch (``paths.py``) equal fake mode and the torch paths.
 
 Integer accumulation is exact, so the W8A8 kernels equal the torch path bit for bit; the weight-only decode
 kernels reassociate float sums (equal to fake mode to float rounding) and the weight-only prefill path (C
@@ -7,6 +7,7 @@ dequantise + torch GEMM) equals fake mode bit for bit. Shapes are odd on purpose
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -227,35 +228,66 @@ def test_int8_codes_outside_absmax_range_are_refused():
         Int8Linear(codes, torch.ones(4), None)
 
 
+@functools.cache
+def _portable():
+    """The library built from native_ref.c alone (no -march=native: what a CPU without AVX2 runs)."""
+    return native.build(["-fopenmp"]) or native.build([])
+
+
+def _call(lib, name, *args):
+    return getattr(lib, name)(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
+
+
 def test_portable_loops_equal_the_vector_loops():
-    """The plain-C build (no -march=native: what a CPU without AVX2 runs) against this machine's build, exactly
-    (W8A8 at GEMV and GEMM row counts, W4A8 per channel and per group), except W4A8's g = 32 decode loop, whose
-    float sum runs in another order (then to float rounding)."""
-    portable = native.build(["-fopenmp"]) or native.build([])
+    """The plain-C build (native_ref.c) against this machine's build, exactly: the quantiser, the epilogue,
+    W8A8 and W4A8 (per channel and per group) through both the GEMV and the GEMM entry, dequantisation —
+    except W4A8's g = 32 AVX2 decode loop, whose float sum runs in another order (then to float rounding)."""
+    portable = _portable()
     assert portable is not None and portable.qk_isa() == 0
-
-    def call(lib, name, *args):
-        return getattr(lib, name)(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
-
     torch.manual_seed(9)
     for m, k, n, group in [(1, 63, 37, None), (3, 256, 20, 32), (20, 130, 9, None), (17, 256, 40, 64)]:
+        x = torch.randn(m, k) * 3
+        for rows_per_scale in (1, m):
+            q, s = torch.empty(m, k, dtype=torch.int8), torch.empty(m)
+            _call(portable, "qk_quantize_rows", x, m, k, rows_per_scale, q, s)
+            assert all(map(torch.equal, (q, s), native.quantize_rows(x, rows_per_scale)))
         q = torch.randint(-127, 128, (m, k), dtype=torch.int8)
         w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         sx, sw, bias = torch.rand(m), torch.rand(n), torch.randn(n)
         y = torch.empty(m, n)
-        call(portable, "qk_w8a8_linear", q, sx, m, w, sw, 1, bias, y, n, k, 1)
+        _call(portable, "qk_w8a8_linear", q, sx, m, w, sw, 1, bias, y, n, k, 1)
         assert torch.equal(y, native.w8a8_linear(q, sx, w, sw, bias))
+        acc = q.int() @ w.int().T
+        _call(portable, "qk_scale_output", acc, m, n, sx, sw, 1, bias, y, 1)
+        assert torch.equal(y, native.scale_output(acc, sx, sw, bias))
         layer = Int4A8Linear.from_float(torch.randn(n, k), bias, group)
-        x = torch.randn(m, k)
         groups = layer.scales.shape[1]
-        assert call(
-            portable, "qk_w4a8_forward", x, m, k, 1, layer.qweight, layer.scales, groups, bias, y, n, 1
-        )
-        vector = native.w4a8_forward(x, 1, layer.qweight, layer.scales, bias)
-        if group == 32 and m <= paths.DECODE_ROWS:  # the AVX2 decode loop sums g = 32 groups in another order
-            assert rel_err(y, vector) < 1e-6
-        else:
-            assert torch.equal(y, vector)
+        for gemv in (1, 0):  # each entry of the vector build, whatever the row count
+            want = torch.empty(m, n)
+            _call(native.library(), "qk_w8a8_forward_path", x, m, k, 1, w, sw, 1, bias, want, n, 1, gemv)
+            _call(portable, "qk_w8a8_forward_path", x, m, k, 1, w, sw, 1, bias, y, n, 1, gemv)
+            assert torch.equal(y, want)
+            args = (x, m, k, 1, layer.qweight, layer.scales, groups, bias)
+            assert _call(native.library(), "qk_w4a8_forward_path", *args, want, n, 1, gemv)
+            assert _call(portable, "qk_w4a8_forward_path", *args, y, n, 1, gemv)
+            if group == 32 and gemv:  # the AVX2 decode loop sums g = 32 groups in another order
+                assert rel_err(y, want) < 1e-6
+            else:
+                assert torch.equal(y, want)
+        codes, scale = layer.qweight, torch.rand(n, groups)
+        zero = torch.randint(0, 16, (n, groups), dtype=torch.uint8)
+        out = torch.empty(n, k)
+        _call(portable, "qk_dequantize", codes, 1, 0, scale, zero, n, k, groups, out, 1)
+        assert torch.equal(out, native.dequantize(codes, True, scale, zero, k))
+
+
+def test_portable_build_declines_weight_only_and_layers_dequantise():
+    """native_ref.c has no loop reading weight-only codes: the entry point declines and paths.py dequantises."""
+    portable = _portable()
+    x, codes = torch.randn(2, 64), torch.randint(0, 256, (5, 32), dtype=torch.uint8)
+    ok = _call(portable, "qk_weight_only_linear", x, 2, codes, 1, 0, torch.rand(5, 1), None, 1, None,
+               torch.empty(2, 5), 5, 64, 1)  # fmt: skip
+    assert ok == 0
 
 
 # ------------------------------------------------------------------------------------------------ CUDA

@@ -1,0 +1,130 @@
+/* qbench's real-kernel CPU routines, compiled on first use by native.py (see its docstring for the why).
+
+   Files (the ggml-quants layering): native_ref.c holds the portable scalar loops and is always compiled — it is
+   the definition, what a CPU without AVX2 runs and what the vector loops are tested against; native_avx2.c
+   holds one function per AVX2 + FMA loop and compiles to nothing unless the build targets AVX2 (build.py's
+   -march=native); native.c exports the entry points and picks one of the two at build time, from the compile
+   flags (the -march=native build is for the machine that runs it, so nothing is left to choose at run time).
+   Shared here: the scalar pieces both files use (epilogues, tails), so both compute them identically.
+
+   Layouts (all row-major, no padding; K need not be a multiple of anything: tails run scalar code):
+     x   float32 (M, K) activations         q   int8 (M, K) activation codes, sx float32 (M,) their scales
+     w8  int8 (N, K) weight codes           sw  float32 (N,) per output channel, or (1,) per tensor
+     w4  uint8 (N, ceil(K/2)): code of k = 2j in the low nibble of byte j, k = 2j + 1 in the high nibble
+     scale float32 (N, G), zero uint8 (N, G): one (scale, zero) per group of g = K / G input channels
+
+   Exactness: integer dot products are exact (int32; |q| <= 127 keeps every int16 partial below 2^15);
+   float arithmetic is IEEE float32 without contraction (-ffp-contract=off), in the order the torch reference
+   uses wherever the result must equal it bit for bit (quantisation, epilogue, dequantisation). */
+#ifndef QK_NATIVE_H
+#define QK_NATIVE_H
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define QK_AVX2 1
+#endif
+
+/* between the files of one library, never looked up by native.py */
+#define QK_HIDDEN __attribute__((visibility("hidden")))
+
+#define GEMV_ROWS 16 /* up to this many activation rows: the decode loop (paths.DECODE_ROWS mirrors it) */
+
+/* y = (acc * sx[m]) * sw[n] + bias[n]: int8.py's epilogue, same operation order. */
+static inline float epilogue(int32_t acc, float sx, const float *sw, int per_channel, const float *bias,
+                             int64_t n) {
+    float y = ((float)acc * sx) * sw[per_channel ? n : 0];
+    return bias ? y + bias[n] : y;
+}
+
+static inline int32_t dot_tail_i8(const int8_t *a, const int8_t *b, int64_t from, int64_t k) {
+    int32_t s = 0;
+    for (int64_t i = from; i < k; ++i) s += (int32_t)a[i] * (int32_t)b[i];
+    return s;
+}
+
+/* the int4 code of channel i in a W4A8 row (nibbles hold code + 8) */
+static inline int w4_code(const uint8_t *wr, int64_t i) { return ((wr[i >> 1] >> ((i & 1) * 4)) & 15) - 8; }
+
+/* W4A8 group sizes with a loop: g = K, 32 or a multiple of 64 (w4a8.kernel_group_ok mirrors it) */
+static inline int w4a8_groups_ok(int64_t k, int64_t groups) {
+    int64_t g = k / groups;
+    return groups == 1 || (k % groups == 0 && (g == 32 || g % 64 == 0));
+}
+
+/* Σ_{i in [from, to)} c_i q_i for one weight row: exact integer sums */
+static inline int32_t w4a8_tail(const int8_t *q, const uint8_t *wr, int64_t from, int64_t to) {
+    int32_t s = 0;
+    for (int64_t i = from; i < to; ++i) s += w4_code(wr, i) * (int32_t)q[i];
+    return s;
+}
+
+/* y[m, n] from the group sums: per channel W8A8's epilogue; per group s_x · Σ_g s_g · A_g + b */
+static inline float w4a8_epilogue(const int32_t *acc, int64_t groups, float sx, const float *sr,
+                                  const float *bias, int64_t n) {
+    if (groups == 1) return epilogue(acc[0], sx, sr, 0, bias, n);
+    float t = 0.0f;
+    for (int64_t grp = 0; grp < groups; ++grp) t += sr[grp] * (float)acc[grp];
+    t = t * sx;
+    return bias ? t + bias[n] : t;
+}
+
+static inline float code_at(const uint8_t *wr, int bits4, int signed_codes, int64_t i) {
+    if (bits4) return (float)((wr[i >> 1] >> ((i & 1) * 4)) & 15);
+    return signed_codes ? (float)(int8_t)wr[i] : (float)wr[i];
+}
+
+/* scalar reference for one (row m, output n), channels [from, k): Σ_g s_g Σ_k (q − z_g) x */
+static inline float wo_tail(const float *x, const uint8_t *wr, int bits4, int signed_codes, const float *sr,
+                            const uint8_t *zr, int64_t g, int64_t from, int64_t k) {
+    float total = 0.0f;
+    for (int64_t i = from; i < k; ++i) {
+        float z = zr ? (float)zr[i / g] : 0.0f;
+        total += (code_at(wr, bits4, signed_codes, i) - z) * sr[i / g] * x[i];
+    }
+    return total;
+}
+
+/* ------------------------------------------------------------------ native_ref.c: portable, always built */
+/* The row helpers continue a vector loop: they start at element `from` (a running max `m` for absmax). */
+QK_HIDDEN float qk_ref_absmax_f32(const float *x, int64_t from, int64_t n, float m);
+QK_HIDDEN void qk_ref_quantize_row(const float *x, int64_t from, int64_t n, float s, int8_t *q);
+QK_HIDDEN void qk_ref_w8a8_linear(const int8_t *q, const float *sx, int64_t m_rows, const int8_t *w,
+                                  const float *sw, int per_channel, const float *bias, float *y, int64_t n_out,
+                                  int64_t k, int nthreads);
+QK_HIDDEN void qk_ref_w4a8_linear(const int8_t *q, const float *sx, int64_t m_rows, const uint8_t *w,
+                                  const float *scale, int64_t groups, const float *bias, float *y,
+                                  int64_t n_out, int64_t k, int nthreads);
+QK_HIDDEN int qk_ref_weight_only_linear(const float *x, int64_t m_rows, const uint8_t *w, int bits4,
+                                        int signed_codes, const float *scale, const uint8_t *zero,
+                                        int64_t groups, const float *bias, float *y, int64_t n_out, int64_t k,
+                                        int nthreads);
+void qk_w4_permute_x(const float *x, int64_t m_rows, int64_t k, float *xp);
+
+/* --------------------------------------------------------- native_avx2.c: built when the target has AVX2 */
+#ifdef QK_AVX2
+QK_HIDDEN float qk_avx2_absmax_f32(const float *x, int64_t n);
+QK_HIDDEN void qk_avx2_quantize_row(const float *x, int64_t n, float s, int8_t *q);
+QK_HIDDEN void qk_avx2_w8a8_gemv(const int8_t *q, const float *sx, int64_t m_rows, const int8_t *w,
+                                 const float *sw, int per_channel, const float *bias, float *y, int64_t n_out,
+                                 int64_t k, int nthreads);
+QK_HIDDEN void qk_avx2_w8a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const int8_t *w,
+                                 const float *sw, int per_channel, const float *bias, float *y, int64_t n_out,
+                                 int64_t k, int nthreads);
+QK_HIDDEN void qk_avx2_w4a8_gemv(const int8_t *q, const float *sx, int64_t m_rows, const uint8_t *w,
+                                 const float *scale, int64_t groups, const float *bias, float *y,
+                                 int64_t n_out, int64_t k, int nthreads);
+QK_HIDDEN void qk_avx2_w4a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const uint8_t *w,
+                                 const float *scale, int64_t groups, const float *bias, float *y,
+                                 int64_t n_out, int64_t k, int nthreads);
+QK_HIDDEN int qk_avx2_weight_only_linear(const float *x, int64_t m_rows, const uint8_t *w, int bits4,
+                                         int signed_codes, const float *scale, const uint8_t *zero,
+                                         int64_t groups, const float *bias, float *y, int64_t n_out, int64_t k,
+                                         int nthreads);
+#endif
+
+#endif

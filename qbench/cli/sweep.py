@@ -45,11 +45,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also sweep the KV cache with the first K positions in float (repeatable)",
     )
     p.add_argument(
+        "--kv-keep-sinks",
+        type=int,
+        action="append",
+        help="also sweep the KV cache with the K most-attended positions in float (repeatable)",
+    )
+    p.add_argument(
         "--kv-scheme",
         "--kv-granularity",  # the former name
         dest="kv_granularity",
+        action="append",
         metavar="NAME",
-        help="the kv axis' KV-cache scheme, NAME[:key=value,…] as run's --kv-scheme (default: kivi)",
+        help="the kv axis' KV-cache scheme, NAME[:key=value,…] as run's --kv-scheme; repeatable: one set of kv "
+        "curves per scheme (default: kivi, with residual 32 on windows ≤ 128, per-token on windows ≤ 32)",
     )
     add_output_argument(p, "records, sweep.json/.md/.png", default="qbench_results/sweep", metavar="DIR")
     p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
@@ -69,6 +77,7 @@ def sweep_config(args: argparse.Namespace):
         bits=sweep.parse_bits(args.bits),
         tolerance=args.tolerance,
         kv_keep_first=args.kv_keep_first or [],
+        kv_keep_sinks=args.kv_keep_sinks or [],
         kv_bits=None if args.kv_bits is None else sweep.parse_bits(args.kv_bits),
         kv_granularity=args.kv_granularity,
         protocol=protocol_from_args(args),

@@ -9,7 +9,11 @@ apart. A *curve* is one model under one scheme family with one *axis* swept over
   float stays float);
 - ``kv``: the float model with a b-bit KV cache (``--kv-bits b``, family ``fp``); for every ``keep_first`` K > 0 a
   second curve ``kv-keepK`` keeps cache positions 0..K−1 in float (sink protection, as IntactKV / KVQuant /
-  PrefixQuant do). Bit widths the KV cache does not offer are left out of its curves.
+  PrefixQuant do), and for every ``keep_sinks`` K > 0 a curve ``kv-sinksK`` keeps the K most-attended positions
+  of the float model's first pass in float (the sink need not be token 0). Bit widths the KV cache does not offer
+  are left out of its curves (the fp8 schemes offer 8 only). With several KV-cache schemes every scheme gets its
+  own curves, named ``kv-keep1 (per-token)``: one sweep measures kivi against llama.cpp-style blocks, FP8 and the
+  whole-window bound.
 
 Every cell is one record of the evaluation grid (:func:`qbench.eval.harness.run_grid`) under
 ``output_path/<model>/``, so the grid's reuse rules hold: a re-run, or a sweep interrupted half way, evaluates only
@@ -64,6 +68,8 @@ class Curve:
     family: str
     axis: str
     keep_first: int = 0
+    keep_sinks: int = 0
+    kv_scheme: str | None = None  # the KV-cache scheme of a kv curve (None: the sweep's default)
 
     @property
     def label(self) -> str:
@@ -151,6 +157,8 @@ def plan(
     bits: Sequence[int],
     keep_first: Sequence[int] = (),
     kv_bits: Sequence[int] | None = None,
+    kv_schemes: Sequence[str | None] = (None,),
+    keep_sinks: Sequence[int] = (),
 ) -> tuple[list[Cell], list[str]]:
     """Every cell of the sweep, and a note for each (family, axis) that does not apply (a tensor left float)."""
     cells: list[Cell] = []
@@ -174,12 +182,31 @@ def plan(
         kv_bits = [b for b in bits if b in choices] if kv_bits is None else list(kv_bits)
         if not kv_bits:
             skipped.append(f"kv: none of bits {list(bits)} is a KV-cache width ({list(choices)})")
-        for k in dict.fromkeys([0, *keep_first]):
-            if k < 0:
-                raise UserError(f"--kv-keep-first must be ≥ 0, got {k}")
-            curve = Curve(FLOAT_FAMILY, "kv" if k == 0 else f"kv-keep{k}", k)
-            cells += [Cell(curve, b, FLOAT_FAMILY, kv_bits=b) for b in kv_bits]
+        for flag, values in (("--kv-keep-first", keep_first), ("--kv-keep-sinks", keep_sinks)):
+            if any(k < 0 for k in values):
+                raise UserError(f"{flag} must be ≥ 0, got {min(values)}")
+        protections = [(0, 0)] + [(k, 0) for k in dict.fromkeys(keep_first) if k > 0]
+        protections += [(0, k) for k in dict.fromkeys(keep_sinks) if k > 0]
+        schemes = list(dict.fromkeys(kv_schemes)) or [None]
+        for scheme in schemes:
+            widths = kv_bits
+            if scheme is not None and _fixed_kv_bits(scheme):
+                widths = [b for b in kv_bits if b == 8]
+                if not widths:
+                    skipped.append(f"kv ({scheme}): stores 8 bits only, and 8 is not swept")
+            for first, sinks in protections:
+                axis = "kv" + (f"-keep{first}" if first else f"-sinks{sinks}" if sinks else "")
+                axis += f" ({scheme})" if len(schemes) > 1 else ""
+                curve = Curve(FLOAT_FAMILY, axis, first, sinks, scheme)
+                cells += [Cell(curve, b, FLOAT_FAMILY, kv_bits=b) for b in widths]
     return cells, skipped
+
+
+def _fixed_kv_bits(scheme: str) -> bool:
+    """Whether a KV-cache scheme stores 8 bits only (the FP8 caches)."""
+    from qbench.quant.kvschemes import FP8_ELEMENTS, KV_SCHEMES
+
+    return KV_SCHEMES.canonical(scheme.split(":", 1)[0].strip()) in FP8_ELEMENTS
 
 
 # -------------------------------------------------------------------------------------------- breaking point
@@ -260,9 +287,16 @@ class SweepConfig:
     tolerance: float = DEFAULT_TOLERANCE
     kv_keep_first: list[int] = field(default_factory=list)
     kv_bits: list[int] | None = None  # the kv axis' widths; None: those of ``bits`` that are KV-cache widths
-    kv_granularity: str | None = (
-        None  # a KV-cache scheme, NAME[:key=value,…]; None: default_kv_scheme(window)
-    )
+    # the kv axis' KV-cache scheme(s), NAME[:key=value,…]; None: default_kv_scheme(window); a list: one set of
+    # curves per scheme
+    kv_granularity: str | list[str] | None = None
+    kv_keep_sinks: list[int] = field(default_factory=list)
+
+    @property
+    def kv_schemes(self) -> list[str | None]:
+        g = self.kv_granularity
+        return [None] if not g else [g] if isinstance(g, str) else list(g)
+
     protocol: Protocol = field(default_factory=Protocol)
     output_path: Path = Path("qbench_results/sweep")
     seed: int = 0
@@ -327,8 +361,8 @@ def default_kv_scheme(window: int) -> str:
 def _kv_config(cfg: SweepConfig, cell: Cell, window: int) -> Any:
     from qbench.quant.kv import KVConfig
 
-    scheme = cfg.kv_granularity or default_kv_scheme(window)
-    return KVConfig(cell.kv_bits, scheme, keep_first=cell.curve.keep_first)
+    scheme = cell.curve.kv_scheme or default_kv_scheme(window)
+    return KVConfig(cell.kv_bits, scheme, keep_first=cell.curve.keep_first, keep_sinks=cell.curve.keep_sinks)
 
 
 def _groups(cfg: SweepConfig, cells: list[Cell], window: int) -> list[tuple[Any, list[Cell]]]:
@@ -352,16 +386,22 @@ def _unique_schemes(group: Sequence[Cell]) -> list[str]:
     return list(seen.values())
 
 
+def _plan(cfg: SweepConfig) -> tuple[list[Cell], list[str]]:
+    return plan(
+        cfg.families, cfg.axes, cfg.bits, cfg.kv_keep_first, cfg.kv_bits, cfg.kv_schemes, cfg.kv_keep_sinks
+    )
+
+
 def validate(cfg: SweepConfig) -> list[Cell]:
     """The plan, with every scheme built once so a bad family or override fails before a model loads."""
     from qbench.quant.schemes import get_scheme
 
     if not cfg.tolerance >= 0:
         raise UserError(f"--tolerance must be a percentage ≥ 0, got {cfg.tolerance}")
-    cells, _ = plan(cfg.families, cfg.axes, cfg.bits, cfg.kv_keep_first, cfg.kv_bits)
+    cells, _ = _plan(cfg)
     if not cells:
         raise UserError(
-            f"nothing to sweep: {'; '.join(plan(cfg.families, cfg.axes, cfg.bits, (), cfg.kv_bits)[1])}"
+            f"nothing to sweep: {'; '.join(plan(cfg.families, cfg.axes, cfg.bits, (), cfg.kv_bits, cfg.kv_schemes)[1])}"
         )
     for cell in cells:
         if cell.kv_bits is None:
@@ -384,7 +424,7 @@ def run_sweep(
     from qbench.eval.harness import run_grid
 
     cells = validate(cfg)
-    _, skipped = plan(cfg.families, cfg.axes, cfg.bits, cfg.kv_keep_first, cfg.kv_bits)
+    _, skipped = _plan(cfg)
     start = time.perf_counter()
     fps: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []
@@ -469,6 +509,7 @@ def _summary(
         "axes": list(cfg.axes),
         "bits": list(cfg.bits),
         "kv_keep_first": list(cfg.kv_keep_first),
+        "kv_keep_sinks": list(cfg.kv_keep_sinks),
         "models": {
             name: {
                 "model": fp["model"],

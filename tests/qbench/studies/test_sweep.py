@@ -208,15 +208,16 @@ def test_a_sweep_writes_one_record_per_cell_and_a_rerun_reuses_them_all(ckpt_dir
         axes=["w", "o", "all", "kv"],
         bits=[8, 4, 2],
         kv_keep_first=[1],
+        kv_keep_sinks=[1],
         kv_granularity="kivi:group=8,residual=8",  # the default residual (128) covers a 32-token window
         protocol=MICRO,
         output_path=out,
     )
     seen: list[tuple[str, bool]] = []
     sweep = run_sweep(cfg, on_record=lambda r, reused: seen.append((r["scheme"]["name"], reused)))
-    assert len(sweep["cells"]) == 5 * 3  # (axes w, o, all, kv, kv-keep1) x bits
+    assert len(sweep["cells"]) == 6 * 3  # (axes w, o, all, kv, kv-keep1, kv-sinks1) x bits
     unique = {c["scheme"] for c in sweep["cells"]}
-    assert len(unique) == 3 * 2 + 1 + 2 * 3  # the 8-bit cell of every axis is absmax-coarse itself
+    assert len(unique) == 3 * 2 + 1 + 3 * 3  # the 8-bit cell of every axis is absmax-coarse itself
     records = sorted((out / ckpt_dir.name).glob("*__fake.json"))
     assert records == sorted(record_path(out, ckpt_dir.name, s, "fake") for s in unique)
     for cell in sweep["cells"]:
@@ -229,9 +230,11 @@ def test_a_sweep_writes_one_record_per_cell_and_a_rerun_reuses_them_all(ckpt_dir
         "absmax-coarse:a=4,o=4,w=4",
         "fp+kv4-g8r8",
         "fp+kv4-g8r8-keep1",
+        "fp+kv4-g8r8-sinks1",
     }
     kv = {c["axis"]: c["kv"] for c in sweep["cells"] if c["bits"] == 2 and c["family"] == "fp"}
     assert (kv["kv"]["bits"], kv["kv"]["keep_first"], kv["kv-keep1"]["keep_first"]) == (2, 0, 1)
+    assert (kv["kv-sinks1"]["keep_sinks"], kv["kv-sinks1"]["keep_first"]) == (1, 0)
     assert not any(reused for name, reused in seen if name != "fp")
     written = json.loads((out / "sweep.json").read_text())
     assert written["tolerance_pct"] == 1.0 and written["env"]["git_commit"] == sweep["env"]["git_commit"]
@@ -318,3 +321,23 @@ def test_the_kv_axis_default_follows_the_window():
     assert default_kv_scheme(1024) == "kivi"
     assert KVConfig(2, default_kv_scheme(128)).residual == 32 < 128  # R = 128 would quantise nothing
     assert default_kv_scheme(32) == "per-token"
+
+
+def test_several_kv_schemes_and_sink_protection_each_get_their_curves():
+    """One sweep compares KV-cache schemes: every scheme gets kv / kv-keepK / kv-sinksK curves named after it,
+    the FP8 caches only at 8 bits (the width they store)."""
+    schemes = ["kivi:group=32,residual=32", "per-token", "fp8-e4m3"]
+    cells, skipped = plan(["absmax-coarse"], ["kv"], [8, 4, 2], [1], None, schemes, [1])
+    axes = {c.curve.axis: [x.bits for x in cells if x.curve == c.curve] for c in cells}
+    assert axes["kv (per-token)"] == axes["kv-sinks1 (kivi:group=32,residual=32)"] == [8, 4, 2]
+    assert axes["kv-keep1 (fp8-e4m3)"] == axes["kv-sinks1 (fp8-e4m3)"] == [8]
+    assert len(axes) == 3 * 3 and not skipped
+    sinks = next(c for c in cells if c.curve.axis == "kv-sinks1 (per-token)")
+    assert (sinks.curve.keep_first, sinks.curve.keep_sinks, sinks.curve.kv_scheme) == (0, 1, "per-token")
+    # one scheme: the curves keep their plain names, as before
+    cells, _ = plan(["absmax-coarse"], ["kv"], [4], [1], None, ["per-token"], [2])
+    assert [c.curve.axis for c in cells] == ["kv", "kv-keep1", "kv-sinks2"]
+    _, skipped = plan(["absmax-coarse"], ["kv"], [4], (), None, ["fp8-e5m2"])
+    assert skipped == ["kv (fp8-e5m2): stores 8 bits only, and 8 is not swept"]
+    with pytest.raises(UserError, match="--kv-keep-sinks must be ≥ 0"):
+        plan(["absmax-coarse"], ["kv"], [4], (), None, [None], [-1])

@@ -31,9 +31,8 @@ from models.errors import UserError
 from qbench.quant.fake import pad_to_groups, transform_input, transform_weight
 from qbench.quant.granularity import Granularity, PerAxis, PerGroup
 from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
+from qbench.quant.kernels.registry import PACKED_BITS  # the registry's predicates read it too
 from qbench.quant.primitives import choose_qparams, qrange, quantize
-
-PACKED_BITS = (2, 3, 4)
 
 
 def _unit(bits: int) -> tuple[int, int]:

@@ -197,6 +197,7 @@ def kv_generation_records(
                 try:
                     if c["config"] is not None:
                         c["model"], c["packed"] = apply_kv(model, c["config"]), True
+                        c["calibration"] = _calibrate(c["model"], c["config"], ids)
                     m, packed = c["model"], c["packed"]
                     cache = m.new_cache(packed=True) if packed else m.new_cache()
                     start = time.perf_counter()
@@ -235,7 +236,7 @@ def kv_generation_records(
             rec = {
                 **base,
                 "cache": "float" if config is None else config.label,
-                "kv": None if config is None else config.to_dict(),
+                "kv": None if config is None else {**config.to_dict(), **c.get("calibration", {})},
                 "cache_bytes": c.get("bytes"),
                 "float_bytes": ref.get("bytes"),
                 "bytes_vs_float": c["bytes"] / ref["bytes"] if c.get("bytes") and ref.get("bytes") else None,
@@ -255,6 +256,25 @@ def kv_generation_records(
             }
             records.append(rec)
     return records
+
+
+def _calibrate(model: nn.Module, config: KVConfig, ids: Tensor) -> dict[str, Any]:
+    """fp8 ``scale=calib``: scales from the timed prompt itself (speed does not depend on their values; the
+    record says so); {} for any other cache."""
+    from qbench.quant.kvschemes import CALIBRATED, calibrate_kv_scales
+
+    if config.scale != CALIBRATED:
+        return {}
+    scales = calibrate_kv_scales(model, [ids])
+    layers = sorted(scales)
+    return {
+        "calibration": {
+            "corpus": "the timed prompt (random token ids)",
+            "tokens": int(ids.numel()),
+            "k_scale": [scales[i][0] for i in layers],
+            "v_scale": [scales[i][1] for i in layers],
+        }
+    }
 
 
 def _dtype(model: nn.Module) -> torch.dtype:

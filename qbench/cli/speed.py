@@ -11,10 +11,8 @@ from qbench.cli.base import add_output_argument, console, err_console
 from qbench.cli.budgets import TIMING_TOKENS
 from qbench.quant.kv_options import KV_SCHEME_SYNTAX
 
-KV_CONTEXTS = (
-    1024,
-    4096,
-)  # qbench.studies.kvspeed's defaults (that module imports torch; the parser must not)
+# qbench.studies.kvspeed's defaults (that module imports torch; the parser must not)
+KV_CONTEXTS = (1024, 4096)
 KV_NEW_TOKENS = 16
 
 NAME = "speed"
@@ -68,8 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-new-tokens",
         type=int,
         default=KV_NEW_TOKENS,
-        help="KV-cache figures: greedy decode steps timed after each prefill (few, so 4k on gpt2-130m stays "
-        "within minutes: one prefill per cache and context, then this many steps × repeats (≤ 3))",
+        help="KV-cache figures: greedy decode steps timed after each prefill (few, to bound a 4k context on "
+        "gpt2-130m: one prefill per cache and context, then this many steps × repeats (at most 3))",
     )
     p.add_argument(
         "--kv-scheme",

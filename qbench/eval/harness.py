@@ -186,9 +186,8 @@ class CellResult:
     error: str | None = None
     massive: dict[str, Any] | None = None  # float record only
     linear: dict[str, Any] | None = None  # float record only
-    kv_calibration: dict[str, Any] | None = (
-        None  # fp8 scale=calib: the scales found (KV_CALIBRATION_MEASURED)
-    )
+    # fp8 scale=calib: what calibration found (KV_CALIBRATION_MEASURED)
+    kv_calibration: dict[str, Any] | None = None
 
 
 NAN_PPL = {"perplexity": float("nan"), "nll": float("nan"), "tokens": 0}
@@ -204,11 +203,8 @@ def record_path(output_path: Path, model_name: str, scheme: str | None, mode: st
 
 
 KV_CALIB_WINDOWS = 8  # fp8 scale=calib: train windows, as many as a calibrated weight scheme's default
-KV_CALIBRATION_MEASURED = (
-    "tokens",
-    "k_scale",
-    "v_scale",
-)  # what calibrating a cell found, not what defines it
+# what calibrating a cell found (not what defines it: kept out of its identity)
+KV_CALIBRATION_MEASURED = ("tokens", "k_scale", "v_scale")
 
 
 def kv_calibrated(kv: Any) -> bool:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from models.errors import UserError
 from qbench.quant.kv import KVConfig, apply_kv
-from qbench.studies.speed import time_interleaved
+from qbench.studies.timing import time_interleaved
 
 
 def _decode(model: nn.Module, prompt: Tensor, new_tokens: int, packed: bool) -> tuple[Tensor, Any]:

@@ -40,7 +40,6 @@ import copy
 import inspect
 import os
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from torch import Tensor, nn
 
 from models.errors import UserError, unknown_choice
 from qbench.quant.apply import model_bytes, real_kernels
+from qbench.studies.timing import time_interleaved
 
 DEFAULT_MODES = ("fake", "real")
 W8A16 = (
@@ -77,17 +77,6 @@ class Candidate:
 
 
 # --------------------------------------------------------------------------------------------- timing
-
-
-def time_interleaved(fns: Sequence[Callable[[], Any]], repeats: int) -> list[list[float]]:
-    """Seconds per call: each repeat calls every function once, in order (round-robin). No warm-up here."""
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, out in zip(fns, times):
-            start = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - start)
-    return times
 
 
 def _warm_up(candidates: list[Candidate]) -> None:

@@ -9,6 +9,11 @@ from pathlib import Path
 from models.errors import UserError
 from qbench.cli.base import add_output_argument, console, err_console
 from qbench.cli.budgets import TIMING_TOKENS
+from qbench.quant.kv_options import KV_SCHEME_SYNTAX
+
+# qbench.studies.kvspeed's defaults (that module imports torch; the parser must not)
+KV_CONTEXTS = (1024, 4096)
+KV_NEW_TOKENS = 16
 
 NAME = "speed"
 HELP = "time/memory of each scheme × mode vs fp32 and peers (ratios, interleaved)"
@@ -45,6 +50,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="our models decode with their own KV cache (own) or exported to transformers (transformers)",
     )
     p.add_argument("--no-layer", action="store_true", help="skip the per-layer and bandwidth figures")
+    p.add_argument(
+        "--no-kv", action="store_true", help="skip the KV-cache figures (packed vs float cache in generation)"
+    )
+    p.add_argument(
+        "--kv-contexts",
+        type=int,
+        nargs="+",
+        default=list(KV_CONTEXTS),
+        metavar="N",
+        help="KV-cache figures: prefill lengths (tokens already in the cache when decoding is timed; a preset "
+        "is rebuilt with a context that holds them)",
+    )
+    p.add_argument(
+        "--kv-new-tokens",
+        type=int,
+        default=KV_NEW_TOKENS,
+        help="KV-cache figures: greedy decode steps timed after each prefill (few, to bound a 4k context on "
+        "gpt2-130m: one prefill per cache and context, then this many steps × repeats (at most 3))",
+    )
+    p.add_argument(
+        "--kv-scheme",
+        action="append",
+        metavar="NAME[:k=v,…]",
+        help=f"KV-cache figures: a packed cache scheme (repeatable; {KV_SCHEME_SYNTAX} as run's --kv-scheme; "
+        "default: kivi and per-token at 8, 4, 2 bits and fp8-e4m3)",
+    )
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        action="append",
+        help="KV-cache figures: widths of each --kv-scheme that is not fp8 (repeatable; default 8, 4, 2)",
+    )
     p.add_argument(
         "--device", default="cpu", help="cpu | cuda | cuda:N (peers without a kernel there: noted)"
     )
@@ -86,6 +123,11 @@ def run(args: argparse.Namespace) -> None:
         sys.stdout.write(format_speed_table(records, tablefmt) + "\n")
         return
     shape = (args.in_features, args.out_features)
+    kv_configs = None
+    if not args.no_kv:
+        from qbench.studies.kvspeed import kv_configs as parse_kv_configs
+
+        kv_configs = parse_kv_configs(args.kv_scheme, args.kv_bits)
     schemes = expand_schemes(args.scheme) if args.scheme else None
     if not all(v in os.environ for v in MALLOC_ENV):
         err_console.print(
@@ -108,6 +150,10 @@ def run(args: argparse.Namespace) -> None:
         generate_via=args.generate_via,
         layer=not args.no_layer,
         device=args.device,
+        kv=not args.no_kv,
+        kv_configs=kv_configs,
+        kv_contexts=args.kv_contexts,
+        kv_new_tokens=args.kv_new_tokens,
     )
     if args.output_path:
         payload = {"records": records, "software": software_versions(), "git_commit": git_commit()}

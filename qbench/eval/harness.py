@@ -135,8 +135,21 @@ class GridSpec:
         return scheme
 
     def kv_record(self) -> dict[str, Any] | None:
-        """The ``kv`` block of this grid's quantised records (None: the KV cache stays float)."""
-        return None if self.kv is None else self.kv.to_dict()
+        """The ``kv`` block of this grid's quantised records (None: the KV cache stays float). An fp8 cache with
+        ``scale=calib`` adds its calibration protocol (``calibration``: corpus, train split, windows); each
+        record then adds the scales it calibrated and the tokens they saw (:data:`KV_CALIBRATION_MEASURED`)."""
+        if self.kv is None:
+            return None
+        record = self.kv.to_dict()
+        if kv_calibrated(self.kv):
+            record["calibration"] = {
+                "corpus": self.protocol.corpus,
+                "split": "train",
+                "windows": KV_CALIB_WINDOWS,
+                "selection": "first windows",
+                "statistic": "per layer: max |k| / max_normal, max |v| / max_normal",
+            }
+        return record
 
     def scheme_record(self, name: str) -> dict[str, Any]:
         """What a record says of its scheme: the full config plus the layers kept in float by ``exclude``, and for
@@ -173,6 +186,8 @@ class CellResult:
     error: str | None = None
     massive: dict[str, Any] | None = None  # float record only
     linear: dict[str, Any] | None = None  # float record only
+    # fp8 scale=calib: what calibration found (KV_CALIBRATION_MEASURED)
+    kv_calibration: dict[str, Any] | None = None
 
 
 NAN_PPL = {"perplexity": float("nan"), "nll": float("nan"), "tokens": 0}
@@ -185,6 +200,27 @@ def record_path(output_path: Path, model_name: str, scheme: str | None, mode: st
     protocol, excludes, KV cache…), the cell is stored beside it under its identity (:func:`stored_path`)."""
     stem = None if scheme is None else scheme.replace(":", "@")
     return output_path / model_name / ("fp.json" if stem is None else f"{stem}__{mode}.json")
+
+
+KV_CALIB_WINDOWS = 8  # fp8 scale=calib: train windows, as many as a calibrated weight scheme's default
+# what calibrating a cell found (not what defines it: kept out of its identity)
+KV_CALIBRATION_MEASURED = ("tokens", "k_scale", "v_scale")
+
+
+def kv_calibrated(kv: Any) -> bool:
+    """Whether a KV config's fp8 scales are calibrated on train windows (``scale=calib``)."""
+    from qbench.quant.kvschemes import CALIBRATED
+
+    return kv is not None and kv.scale == CALIBRATED
+
+
+def kv_identity(kv: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A record's ``kv`` block without what calibration measured (the scales follow from the model and the
+    calibration protocol, which the block keeps): what identifies the cell and decides its reuse."""
+    if not kv or "calibration" not in kv:
+        return kv
+    calibration = {k: v for k, v in kv["calibration"].items() if k not in KV_CALIBRATION_MEASURED}
+    return {**kv, "calibration": calibration}
 
 
 def cell_identity(record: dict[str, Any]) -> str:
@@ -206,7 +242,7 @@ def cell_identity(record: dict[str, Any]) -> str:
         "model": model.get("fingerprint") or model.get("path") or model.get("name"),
         "scheme": record.get("scheme"),
         "mode": record.get("mode"),
-        "kv": record.get("kv"),
+        "kv": kv_identity(record.get("kv")),
         "protocol": requested,
         "seed": None if float_record else record.get("seed"),  # nothing seeded in a float evaluation
     }
@@ -429,7 +465,7 @@ class ModelEvaluation:
             "cell_id": None,  # filled below from the record's own fields
             "model": {"name": self.name, **self.lm.description},
             "scheme": r.scheme,
-            "kv": self.spec.kv_record() if mode != "float" else None,
+            "kv": self._kv_block(r) if mode != "float" else None,
             "mode": mode,
             "backend": r.backend,
             "protocol": self.protocol_record(),
@@ -488,6 +524,7 @@ class ModelEvaluation:
                 )
             )
             qmodel = self._with_kv(qmodel)
+            base = replace(base, kv_calibration=self._calibrate_kv(qmodel))
         except (UserError, NonFiniteError) as e:  # no real kernel here / NaN or inf weights: recorded, go on
             nonfinite = isinstance(e, NonFiniteError)
             return self.record(
@@ -534,6 +571,31 @@ class ModelEvaluation:
             return model
         return apply_kv(model, self.spec.kv) if model is self.lm.model else attach_kv(model, self.spec.kv)
 
+    def _kv_block(self, r: CellResult) -> dict[str, Any] | None:
+        record = self.spec.kv_record()
+        if record is not None and r.kv_calibration is not None:
+            record["calibration"] = {**record["calibration"], **r.kv_calibration}
+        return record
+
+    def _calibrate_kv(self, model: torch.nn.Module) -> dict[str, Any] | None:
+        """fp8 ``scale=calib``: per-layer k_scale / v_scale of ``model`` (weights as the cell quantises them, a
+        float cache meanwhile) over ``KV_CALIB_WINDOWS`` train windows of the evaluation's length, batched as
+        calibrated weight schemes are (``calibrate.CALIBRATION_BATCH``); None for any other cache."""
+        from qbench.quant.calibrate import CALIBRATION_BATCH
+        from qbench.quant.kvschemes import calibrate_kv_scales
+
+        if not kv_calibrated(self.spec.kv):
+            return None
+        ids = kv_calibration_windows(self.lm.tokenizer, self.spec.protocol, self.windows.window)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        scales = calibrate_kv_scales(model, ids.to(device).split(CALIBRATION_BATCH))
+        layers = sorted(scales)
+        return {
+            "tokens": int(ids.numel()),
+            "k_scale": [scales[i][0] for i in layers],
+            "v_scale": [scales[i][1] for i in layers],
+        }
+
     def _calibration(self, scheme: Any) -> torch.Tensor:
         """Calibration windows (SmoothQuant, static scales): ``scheme.calib_windows`` windows of the *train*
         split (never the evaluated text), the evaluation's window length (``calibration_windows``)."""
@@ -553,6 +615,16 @@ def calibration_windows(tokenizer: Any, protocol: Protocol, window: int, scheme:
     )  # each window predicts `window`
     ids = make_windows(tokenizer, train, window).ids
     return select_windows(ids, scheme.calib_windows, scheme.calib_seed)
+
+
+def kv_calibration_windows(tokenizer: Any, protocol: Protocol, window: int) -> torch.Tensor:
+    """The train windows an fp8 ``scale=calib`` cache is calibrated on: the first ``KV_CALIB_WINDOWS`` windows of
+    the train split (:func:`calibration_windows`' protocol), ``window`` tokens each."""
+    from types import SimpleNamespace
+
+    return calibration_windows(
+        tokenizer, protocol, window, SimpleNamespace(calib_windows=KV_CALIB_WINDOWS, calib_seed=None)
+    )
 
 
 def _needs_calibration(scheme: Any) -> bool:
@@ -655,7 +727,7 @@ def cell_record(spec: GridSpec, evaluation: ModelEvaluation, scheme: str, mode: 
         existing is not None
         and evaluation.matches(existing)
         and existing.get("scheme") == spec.scheme_record(scheme)
-        and existing.get("kv") == spec.kv_record()
+        and kv_identity(existing.get("kv")) == spec.kv_record()
         and existing.get("status") != "unsupported"
     )
     record = existing if reusable else evaluation.quantised_record(scheme, mode)

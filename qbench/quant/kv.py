@@ -70,7 +70,7 @@ from qbench.quant.kvschemes import KVSchemeQuantizer as KVQuantizer  # the quant
 from qbench.quant.primitives import TINY, check_finite
 
 # Informative to_dict keys; from_dict ignores them.
-_INFO_KEYS = ("label", "keys", "values", "range", "statistics", "causal", "description")
+_INFO_KEYS = ("label", "keys", "values", "range", "statistics", "causal", "description", "calibration")
 KV_PREFIX = "qbench_kv+"  # transformers attention implementations registered by this module
 
 

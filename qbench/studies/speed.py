@@ -40,7 +40,6 @@ import copy
 import inspect
 import os
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from torch import Tensor, nn
 
 from models.errors import UserError, unknown_choice
 from qbench.quant.apply import model_bytes, real_kernels
+from qbench.studies.timing import time_interleaved
 
 DEFAULT_MODES = ("fake", "real")
 W8A16 = (
@@ -77,17 +77,6 @@ class Candidate:
 
 
 # --------------------------------------------------------------------------------------------- timing
-
-
-def time_interleaved(fns: Sequence[Callable[[], Any]], repeats: int) -> list[list[float]]:
-    """Seconds per call: each repeat calls every function once, in order (round-robin). No warm-up here."""
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, out in zip(fns, times):
-            start = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - start)
-    return times
 
 
 def _warm_up(candidates: list[Candidate]) -> None:
@@ -534,6 +523,10 @@ def run_speed(
     layer: bool = True,
     device: str = "cpu",
     generate_via: str = "own",
+    kv: bool = True,
+    kv_configs: Sequence[Any] | None = None,
+    kv_contexts: Sequence[int] = (1024, 4096),
+    kv_new_tokens: int = 16,
 ) -> list[dict[str, Any]]:
     """Measure every scheme × mode per layer, the peers, fake-quant bandwidth and a whole model; return records.
 
@@ -547,6 +540,13 @@ def run_speed(
     inside and the previous count is restored. Records carry ``ms`` (median), ``ms_min``, ``speedup`` and
     ``speedup_best`` vs fp32 of the same kind, ``weight_bytes``, ``bytes_vs_fp32`` and ``error`` (why a candidate
     did not run: no real kernel, peer not installed); bandwidth records add ``gb_per_s`` and ``vs_copy``.
+
+    ``kv``: the KV-cache section (``qbench.studies.kvspeed.kv_generation_records``, records of kind ``kv``) —
+    generation through the packed cache of each of ``kv_configs`` (default ``kvspeed.default_kv_configs()``) vs
+    the float cache, after a prefill of each of ``kv_contexts`` tokens, ``kv_new_tokens`` decode steps timed.
+    A preset is built (randomly initialised, seed 0) with its context raised to the longest prefill plus the new
+    tokens when it is shorter; a checkpoint keeps its own context (longer prefills are recorded as errors).
+    Every record carries ``threads``, ``cpu``, ``torch``, ``git_commit`` and ``seed``.
     """
     if schemes is None:
         from qbench.quant.schemes import SCHEMES
@@ -557,11 +557,19 @@ def run_speed(
     device = str(check_device(device))
     if generate_via not in GENERATE_VIA:
         raise unknown_choice("generation path", generate_via, GENERATE_VIA)
-    if min(threads, tokens, repeats, model_tokens, new_tokens) < 1:
+    if min(threads, tokens, repeats, model_tokens, new_tokens, kv_new_tokens, *kv_contexts) < 1:
         raise UserError(
-            f"threads, tokens, repeats, model tokens and new tokens must be ≥ 1, got {threads}, {tokens}, "
-            f"{repeats}, {model_tokens}, {new_tokens}"
+            f"threads, tokens, repeats, model tokens, new tokens and KV contexts must be ≥ 1, got {threads}, "
+            f"{tokens}, {repeats}, {model_tokens}, {new_tokens}, {kv_new_tokens}, {list(kv_contexts)}"
         )
+    if kv and (model or ckpt):
+        from qbench.studies.kvspeed import default_kv_configs
+
+        kv_configs = (
+            list(kv_configs) if kv_configs else default_kv_configs()
+        )  # bad configs fail before timing
+    from models.io import git_commit
+
     common = {
         "threads": threads,
         "shape": list(shape),
@@ -572,6 +580,8 @@ def run_speed(
         "cpu": cpu_name(),
         "device": device,
         "native_isa": _native_isa(),
+        "git_commit": git_commit(),
+        "seed": seed,
     }
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -594,9 +604,38 @@ def run_speed(
                     records += _generate_records(
                         net, name, vocab, new_tokens, min(repeats, 3), schemes, common, generate_via
                     )
+                if kv:
+                    records += _kv_records(
+                        net, name, model, ckpt, kv_configs, kv_contexts, kv_new_tokens, repeats, seed, common
+                    )
     finally:
         torch.set_num_threads(previous_threads)
     return records
+
+
+def _kv_records(
+    net: nn.Module,
+    name: str,
+    preset: str | None,
+    ckpt: str | None,
+    configs: Sequence[Any],
+    contexts: Sequence[int],
+    new_tokens: int,
+    repeats: int,
+    seed: int,
+    common: dict[str, Any],
+) -> list[dict]:
+    """The KV-cache section: a preset rebuilt with a context that holds the longest prefill (weights do not
+    change the speed), a checkpoint as loaded."""
+    from qbench.studies.kvspeed import kv_generation_records
+
+    needed = max(contexts) + new_tokens
+    if ckpt is None and net.config.context < needed:
+        from models import build, preset_config
+
+        net = build(preset_config(preset, context=needed), seed=0).eval().to(common["device"])
+    extra = {k: v for k, v in common.items() if k not in ("shape", "tokens", "repeats", "seed")}
+    return kv_generation_records(net, name, configs, contexts, new_tokens, min(repeats, 3), seed, extra)
 
 
 def cpu_name() -> str:
@@ -634,9 +673,13 @@ def format_speed_table(records: Sequence[dict[str, Any]], tablefmt: str = "simpl
         ("bandwidth", "fake-quant bandwidth"),
         ("model", "whole model, prefill"),
         ("generate", "whole model, generation"),
+        ("kv", "KV cache, generation"),
     ):
         rows = [r for r in records if r["kind"] == kind]
         if not rows:
+            continue
+        if kind == "kv":
+            sections += _kv_sections(rows, tablefmt)
             continue
         head = _section_title(title, rows[0]) + ("\n" if tablefmt == "github" else "")  # md: a blank line
         if kind == "bandwidth":
@@ -682,12 +725,58 @@ def format_speed_table(records: Sequence[dict[str, Any]], tablefmt: str = "simpl
     return "\n\n".join(sections)
 
 
+def _kv_sections(rows: Sequence[dict[str, Any]], tablefmt: str) -> list[str]:
+    """One table per context: each cache's bytes and decode tokens/s with their ratios to the float cache."""
+    from tabulate import tabulate
+
+    out = []
+    for context in dict.fromkeys(r["context"] for r in rows):
+        group = [r for r in rows if r["context"] == context]
+        first = group[0]
+        title = (
+            f"KV cache, generation: {first['model']}, prefill {context} tokens then {first['new_tokens']} decode "
+            f"steps timed, batch 1, packed cache (codes + scales, dequantised on read) vs the "
+            f"{first.get('float_dtype', 'float')} cache"
+        )
+        head = _section_title(title, {**first, "kind": "kv"}) + ("\n" if tablefmt == "github" else "")
+        table = [
+            [
+                r["cache"],
+                _fmt(r["cache_bytes"] and r["cache_bytes"] / 2**20, ".2f"),
+                _fmt(r["bytes_vs_float"], ".3f"),
+                _fmt(r["ms"], ".1f"),
+                _fmt(r.get("tokens_per_s"), ".1f"),
+                _fmt(r["speedup"], ".2f"),
+                _fmt(r.get("speedup_best"), ".2f"),
+                {True: "yes", False: "no", None: "-"}[r.get("tokens_equal_float")],
+                _short(r["error"]),
+            ]
+            for r in group
+        ]
+        headers = [
+            "cache",
+            "MiB",
+            "× float bytes",
+            "ms (median)",
+            "tokens/s (best)",
+            "speed vs float",
+            "speed vs float (min)",
+            "same tokens",
+            "note",
+        ]
+        out.append(head + tabulate(table, headers, tablefmt=tablefmt))
+    return out
+
+
 def _short(note: str | None, width: int = 60) -> str:
     return "" if not note else note if len(note) <= width else note[: width - 1] + "…"
 
 
 def _section_title(title: str, rec: dict[str, Any]) -> str:
-    shape = f"{rec['shape'][0]}→{rec['shape'][1]}, {rec['tokens']} tokens"
+    if rec["kind"] == "kv":  # the title says the shape
+        title, shape = title.split(": ", 1)
+    else:
+        shape = f"{rec['shape'][0]}→{rec['shape'][1]}, {rec['tokens']} tokens"
     if rec["kind"] == "model":
         shape = f"{rec['model']}, {rec['model_tokens']} tokens"
     if rec["kind"] == "generate":

@@ -15,7 +15,7 @@ qbench speed --tokens 1 --in-features 2048 --out-features 8192 --mode real --no-
 qbench speed --tokens 512 --in-features 1024 --out-features 4096 --mode real --no-model --repeats 7 "${LAYER[@]}" \
     --json prefill.json > /dev/null
 qbench speed --no-layer --model small --mode real --repeats 5 "${MODEL[@]}" --json small.json > /dev/null
-qbench speed --no-layer --model small --mode real --repeats 3 --generate-via transformers \
+qbench speed --no-layer --model small --mode real --repeats 3 --generate-via transformers --no-kv \
     --scheme absmax-fine --scheme absmax-w4a8:head=true --json small-via-transformers.json > /dev/null
 qbench speed --no-layer --model gpt2-130m --mode real --repeats 3 --scheme absmax-fine --scheme absmax-fine:head=true \
     --scheme zeropoint-int4 --scheme absmax-w4a8 --scheme absmax-w4a8:head=true --scheme absmax-w4a8-g32:head=true \

@@ -159,6 +159,45 @@ def test_inspect_score_and_intervene_through_the_cli(hf_llama_dir, ckpt_dir, tmp
     assert code == 2 and "zero" in err
 
 
+def test_speed_measures_the_kv_cache_and_skips_it_on_request(tmp_path, capsys):
+    records = tmp_path / "kv.json"
+    argv = [
+        "speed",
+        "--no-layer",
+        "--no-generate",
+        "--scheme",
+        "absmax-fine",
+        "--mode",
+        "fake",
+        "--repeats",
+        1,
+    ]
+    argv += ["--model", "tiny", "--model-tokens", 8, "--kv-contexts", 8, 140, "--kv-new-tokens", 2]
+    argv += [
+        "--kv-scheme",
+        "per-token",
+        "--kv-bits",
+        4,
+        "--kv-scheme",
+        "fp8-e4m3:scale=calib",
+        "--json",
+        records,
+    ]
+    code, out, _ = run([*argv, "--format", "md"], capsys)
+    assert code == 0 and "KV cache, generation: tiny, prefill 140 tokens" in out and "| kv8-e4m3-calib" in out
+    kv = [r for r in json.loads(records.read_text())["records"] if r["kind"] == "kv"]
+    assert [(r["context"], r["cache"]) for r in kv] == [
+        (c, n) for c in (8, 140) for n in ("float", "kv4-tok", "kv8-e4m3-calib")
+    ]
+    assert all(r["error"] is None and r["tokens_per_s"] > 0 for r in kv), kv
+    assert len(kv[2]["kv"]["calibration"]["k_scale"]) == 4  # tiny: 4 layers
+    code, out, _ = run([*argv, "--no-kv"], capsys)
+    assert code == 0 and "KV cache" not in out
+    assert not [r for r in json.loads(records.read_text())["records"] if r["kind"] == "kv"]
+    code, _, err = run(["speed", "--kv-scheme", "fp8-e4m3:scale=foo"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "positive number or calib" in err
+
+
 def test_speed_writes_json_and_renders_it_again(tmp_path, capsys):
     records = tmp_path / "speed.json"
     argv = ["speed", "--in-features", 64, "--out-features", 32, "--tokens", 1, "--repeats", 1, "--no-peers"]

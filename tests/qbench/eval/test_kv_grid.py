@@ -118,3 +118,70 @@ def test_bad_kv_options_are_one_line_errors(extra, message, ckpt_dir, tmp_path, 
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) <= 2  # one message (rich may wrap a long line once)
+
+
+# ------------------------------------------------------------------------------------ fp8 scale=calib
+
+
+def _reference_scales(model, ids, top):
+    """Plain torch: the float model's own KV cache (models.KVCache) over each calibration batch, max |k|, |v|."""
+    import torch
+
+    from qbench.quant.calibrate import CALIBRATION_BATCH
+
+    amax = [[0.0, 0.0] for _ in range(model.config.n_layer)]
+    with torch.no_grad():
+        for batch in ids.split(CALIBRATION_BATCH):
+            cache = model.new_cache()
+            model(batch, cache)
+            for layer in range(model.config.n_layer):
+                k, v = (t[:, :, : batch.size(1)] for t in (cache._k[layer], cache._v[layer]))
+                amax[layer] = [
+                    max(amax[layer][0], float(k.abs().max())),
+                    max(amax[layer][1], float(v.abs().max())),
+                ]
+    return [a[0] / top for a in amax], [a[1] / top for a in amax]
+
+
+@pytest.mark.parametrize("name, top", [("fp8-e4m3", 448.0), ("fp8-e5m2", 57344.0)])
+def test_calibrated_fp8_cache_scales_are_amax_over_the_train_windows(ckpt_dir, tmp_path, name, top):
+    from qbench.eval.harness import KV_CALIB_WINDOWS, ModelEvaluation, kv_calibration_windows
+
+    kv = KVConfig(8, f"{name}:scale=calib")
+    spec = grid(tmp_path, ckpt_dir, ["fp"], kv)
+    records = run_grid(spec)
+    rec = records[1]
+    assert rec["status"] == "ok", rec["error"]
+    assert rec["scheme"]["name"] == f"fp+{kv.label}"
+    calibration = rec["kv"]["calibration"]
+    evaluation = ModelEvaluation(spec, str(ckpt_dir))
+    ids = kv_calibration_windows(evaluation.lm.tokenizer, SMALL, evaluation.windows.window)
+    assert ids.shape == (KV_CALIB_WINDOWS, evaluation.windows.window)
+    assert calibration["tokens"] == ids.numel() and calibration["split"] == "train"
+    k_ref, v_ref = _reference_scales(evaluation.lm.model, ids, top)
+    assert calibration["k_scale"] == pytest.approx(k_ref, rel=1e-6)
+    assert calibration["v_scale"] == pytest.approx(v_ref, rel=1e-6)
+    assert rec["metrics"]["perplexity"] is not None
+    # another cell than scale=1.0, and reused as the same cell on a second run
+    fixed = run_grid(grid(tmp_path, ckpt_dir, ["fp"], KVConfig(8, name)))[1]
+    assert fixed["cell_id"] != rec["cell_id"] and "calibration" not in fixed["kv"]
+    assert fixed["metrics"]["perplexity"] != rec["metrics"]["perplexity"]
+    again = run_grid(grid(tmp_path, ckpt_dir, ["fp"], kv))[1]
+    assert again == rec  # read back from disk, not recomputed
+    assert KVConfig.from_dict(rec["kv"]) == kv
+
+
+def test_calibrated_fp8_cache_from_the_command_line(ckpt_dir, tmp_path, capsys):
+    out = tmp_path / "cli"
+    argv = ["run", "--ckpt", ckpt_dir, "--scheme", "absmax-fine", "--kv-scheme", "fp8-e4m3:scale=calib"]
+    argv += ["--tokens", "128", "--batch-size", "2", "--no-attention", "--output-path", out]
+    assert main([str(a) for a in argv]) == 0
+    (path,) = out.rglob("absmax-fine+kv8-e4m3-calib__fake.json")
+    kv = json.loads(path.read_text())["kv"]
+    assert kv["scale"] == "calib" and kv["label"] == "kv8-e4m3-calib"
+    assert len(kv["calibration"]["k_scale"]) == len(kv["calibration"]["v_scale"]) > 0
+    assert all(s > 0 for s in kv["calibration"]["k_scale"]) and kv["calibration"]["corpus"] == "embedded"
+    capsys.readouterr()
+    assert main(["run", "--ckpt", str(ckpt_dir), "--kv-scheme", "fp8-e4m3:scale=foo"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "scale" in err and "calib" in err and "foo" in err, err

@@ -537,6 +537,7 @@ def test_command_line_options():
     )
     assert parse("--kv-scheme", "fp8-e5m2") == KVConfig(8, "fp8-e5m2")
     assert parse("--kv-scheme", "per-token:bits=4") == KVConfig(4, "per-token")
+    assert parse("--kv-scheme", "fp8-e4m3:scale=calib").label == "kv8-e4m3-calib"  # calibrated by the harness
     assert (
         parse("--kv-bits", "3", "--kv-granularity", "window", "--kv-keep-first", "2").label == "kv3-win-keep2"
     )
@@ -544,7 +545,7 @@ def test_command_line_options():
         (("--kv-scheme", "kivi"), "needs --kv-bits"),
         (("--kv-keep-sinks", "1"), "need --kv-bits or --kv-scheme"),
         (("--kv-bits", "4", "--kv-scheme", "per-token:bits=2"), "bits=2 but bits=4"),
-        (("--kv-scheme", "fp8-e4m3:scale=calib"), "needs calibration batches"),
+        (("--kv-scheme", "fp8-e4m3:scale=foo"), "a positive number or calib"),
     ]:
         with pytest.raises(UserError, match=message):
             parse(*args)

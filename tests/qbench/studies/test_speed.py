@@ -8,6 +8,7 @@ from torch import nn
 
 from models.errors import UserError
 from qbench.quant.apply import model_bytes
+from qbench.quant.kv import KVConfig
 from qbench.studies.speed import format_speed_table, greedy_generate, run_speed, time_interleaved
 
 SCHEMES = [
@@ -34,6 +35,9 @@ def records():
         model="tiny",
         model_tokens=16,
         new_tokens=4,
+        kv_configs=[KVConfig(4, "per-token"), KVConfig(2), KVConfig(8, "fp8-e4m3"), KVConfig(2, "window")],
+        kv_contexts=(8, 140),  # 140 > tiny's context 128: the preset is rebuilt with a longer one
+        kv_new_tokens=3,
     )
     assert torch.get_num_threads() == 2  # restored
     return recs
@@ -68,7 +72,8 @@ def test_layer_records(records):
     assert layer["zeropoint-int4 [real]"]["weight_bytes"] < layer["absmax-fine [real]"]["weight_bytes"]
     unsupported = layer["absmax-fine-perchannel [real]"]
     assert unsupported["ms"] is None and "no real kernel" in unsupported["error"]
-    assert all(r["threads"] == 1 and r["tokens"] == 16 and r["repeats"] == 1 for r in records)
+    weights = [r for r in records if r["kind"] != "kv"]
+    assert all(r["threads"] == 1 and r["tokens"] == 16 and r["repeats"] == 1 for r in weights)
 
 
 def test_model_records(records):
@@ -85,6 +90,56 @@ def test_generate_records(records):
         assert gen[name]["error"] is None and gen[name]["tokens_per_s"] > 0, name
         assert gen[name]["via"] == "qbench models.KVCache" and gen[name]["new_tokens"] == 4
     assert "no real kernel" in gen["absmax-fine-perchannel [real]"]["error"]
+
+
+def test_kv_records(records):
+    kv = [r for r in records if r["kind"] == "kv"]
+    assert [(r["context"], r["cache"]) for r in kv] == [
+        (c, name) for c in (8, 140) for name in ("float", "kv4-tok", "kv2", "kv8-e4m3", "kv2-win")
+    ]
+    for r in kv:  # self-describing
+        assert r["model"] == "tiny" and r["new_tokens"] == 3 and r["threads"] == 1 and r["seed"] == 0
+        assert (
+            r["torch"] == torch.__version__ and r["cpu"] and "git_commit" in r and r["model_context"] == 143
+        )
+        assert r["float_dtype"] == "float32"
+    by = {(r["context"], r["cache"]): r for r in kv}
+    for c in (8, 140):
+        assert by[c, "float"]["speedup"] == 1.0 and by[c, "float"]["bytes_vs_float"] == 1.0
+        assert by[c, "kv4-tok"]["bytes_vs_float"] == pytest.approx(18 / 128)  # q4_0 blocks vs float32
+        assert by[c, "kv8-e4m3"]["bytes_vs_float"] == pytest.approx(1 / 4)
+        assert by[c, "kv8-e4m3"]["kv"]["scheme"] == "fp8-e4m3" and by[c, "kv2"]["kv"]["residual"] == 128
+        for name in ("kv4-tok", "kv2", "kv8-e4m3"):
+            rec = by[c, name]
+            assert rec["error"] is None and rec["tokens_per_s"] > 0 and rec["speedup"] > 0, rec
+        assert "no packed form" in by[c, "kv2-win"]["error"] and by[c, "kv2-win"]["tokens_per_s"] is None
+    assert by[8, "kv2"]["bytes_vs_float"] == 1.0  # KIVI: fewer than R = 128 positions, all float
+    assert by[140, "kv2"]["bytes_vs_float"] < 1.0
+    table = format_speed_table(records, "github")
+    assert "KV cache, generation: tiny, prefill 140 tokens then 3 decode steps timed" in table
+    assert "| kv4-tok" in table and "speed vs float" in table
+
+
+def test_kv_section_bounds_and_checkpoints(ckpt_dir):
+    from qbench.studies.kvspeed import kv_configs
+
+    assert [c.label for c in kv_configs(None, None)] == [
+        "kv8", "kv4", "kv2", "kv8-tok", "kv4-tok", "kv2-tok", "kv8-e4m3"
+    ]  # fmt: skip
+    assert [c.label for c in kv_configs(["per-token", "fp8-e5m2"], [4, 2])] == [
+        "kv4-tok",
+        "kv2-tok",
+        "kv8-e5m2",
+    ]
+    with pytest.raises(UserError, match="KV contexts"):
+        run_speed(repeats=1, schemes=[], layer=False, model="tiny", kv_contexts=(0,))
+    recs = run_speed(
+        repeats=1, schemes=[], model=None, ckpt=str(ckpt_dir), model_tokens=8, new_tokens=2, layer=False,
+        generate=False, kv_configs=[KVConfig(8, "fp8-e4m3")], kv_contexts=(4, 100000), kv_new_tokens=2,
+    )  # fmt: skip
+    kv = [r for r in recs if r["kind"] == "kv"]
+    assert kv[0]["error"] is None and kv[1]["tokens_per_s"] > 0
+    assert all("exceeds the model's context" in r["error"] for r in kv[2:])  # a checkpoint keeps its context
 
 
 def test_greedy_generate_equals_transformers_generate():
@@ -172,6 +227,7 @@ def test_whole_model_figures_for_a_checkpoint(request, fixture):
         model_tokens=8,
         new_tokens=3,
         layer=False,
+        kv=False,
     )
     assert {r["kind"] for r in recs} == {"model", "generate"}
     gen = [r for r in recs if r["kind"] == "generate"]
@@ -181,7 +237,7 @@ def test_whole_model_figures_for_a_checkpoint(request, fixture):
     if fixture == "ckpt_dir":  # the export path a user who converts the checkpoint would run
         exported = run_speed(
             repeats=1, schemes=[], modes=["real"], model=None, ckpt=ckpt, model_tokens=8, new_tokens=3,
-            layer=False, generate_via="transformers",
+            layer=False, generate_via="transformers", kv=False,
         )  # fmt: skip
         assert {r["via"] for r in exported if r["kind"] == "generate"} == {
             "exported to transformers (KV cache)"
@@ -201,7 +257,12 @@ def test_speed_on_cuda():
         model_tokens=16,
         new_tokens=2,
         device="cuda",
+        kv_configs=[KVConfig(4, "per-token")],
+        kv_contexts=(8,),
+        kv_new_tokens=2,
     )
     for kind in ("layer", "model", "generate"):
         rec = by_name(recs, kind)["absmax-fine [real]"]
         assert rec["error"] is None and rec["device"] == "cuda" and rec["ms"] > 0, kind
+    kv = [r for r in recs if r["kind"] == "kv"]
+    assert all(r["error"] is None and r["device"] == "cuda" and r["tokens_per_s"] > 0 for r in kv), kv

@@ -90,6 +90,8 @@ def figures(card: Mapping[str, Any]) -> dict[str, bytes]:
             if x["massive_count"]:
                 axes[1].annotate(f"{x['massive_count']} massive", (x["layer"], x["max_abs"]), fontsize=7)
         axes[1].set(title="max |activation| (dotted: 100)", xlabel="block", yscale="log")
+        for ax in axes[:2]:
+            ax.set_xticks(xs)
         axes[2].barh(range(len(linear)), [x["input_crest"] for x in linear], color="C2")
         axes[2].set_yticks(range(len(linear)), [x["name"] for x in linear], fontsize=6)
         axes[2].invert_yaxis()
@@ -107,6 +109,8 @@ def figures(card: Mapping[str, Any]) -> dict[str, bytes]:
             grid = att[key]
             image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
             ax.set(title=title, xlabel="head", ylabel="layer")
+            ax.set_xticks(range(max((len(r) for r in grid), default=0)))
+            ax.set_yticks(range(len(grid)))
             for r, row in enumerate(grid):
                 for c, v in enumerate(row):
                     ax.text(
@@ -258,7 +262,7 @@ def _sections(
         for b in m["breaking_points"]
     ]
     out = [
-        ("Identity and protocol", ["", ""], identity, ""),
+        ("Identity and protocol", ["what", "value"], identity, ""),
         (
             "Outlier profile per layer",
             ["block", "κ first", "κ other", "max |act|", "massive", "channels", "sites (position:token)"],

@@ -14,22 +14,26 @@ from qbench.cli.base import SEED_HELP, add_output_argument
 NAME = "card"
 HELP = "one page per model: outliers, attention sink, deployable formats, breaking points, KV cache, verdict"
 
-# What each budget measures (qbench.studies.card.BUDGETS holds them; a test keeps this text equal to them).
-BUDGET_HELP = (
-    "quick: 4,096 tokens, 9 formats (the paper's 4, int4 g128, W4A8 g32, FP8 E4M3, MXFP4, NVFP4), KV cache at "
-    "4/2 bits, no sweep, sensitivity by module type; standard: 16,384 tokens, all 17 formats, KV cache at 8/4/3/2 "
-    "bits, an absmax-coarse sweep of axes w,a,o,all at 8,6,4,3,2 bits, sensitivity by module type; full: 32,768 "
-    "tokens, all 17 formats, KV at 8/4/3/2 bits, absmax-coarse and absmax-fine sweeps at 8-2 bits, sensitivity by "
-    "layer, and the real kernels' speed. The KV rows come with and without sink protection (--kv-keep-sinks 1); "
-    "the sensitivity study and its repair run for the first format over --tolerance"
-)
+
+def budget_help() -> str:
+    """What each budget measures, from the budgets themselves (``qbench.studies.card`` imports no torch)."""
+    from qbench.studies.card import BUDGETS, FORMATS, KV_KEEP_SINKS
+
+    labels = {f.scheme: f.label for f in FORMATS}
+    quick = BUDGETS["quick"]
+    return (
+        "; ".join(b.describe() for b in BUDGETS.values())
+        + f". Quick's formats: {', '.join(labels[s] for s in quick.formats)}; standard and full: all "
+        f"{len(FORMATS)} ({', '.join(f.label for f in FORMATS)}). The KV rows come plain and with "
+        f"--kv-keep-sinks {KV_KEEP_SINKS}"
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, tokens=None, many=True)
     tokens = next(a for a in p._actions if a.dest == "tokens")
     tokens.help = "token budget: stream tokens scored (default: the budget's)"
-    p.add_argument("--budget", default="quick", choices=("quick", "standard", "full"), help=BUDGET_HELP)
+    p.add_argument("--budget", default="quick", choices=("quick", "standard", "full"), help=budget_help())
     p.add_argument(
         "--tolerance",
         type=float,

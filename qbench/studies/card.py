@@ -52,7 +52,7 @@ HADAMARD_W4A8 = "hadamard-absmax-coarse:w=4,o=none,agran=token,group=none"
 FORMATS: tuple[Format, ...] = (
     Format("W8A8 per-channel/per-token", "absmax-fine"),
     Format("W8A8 per-tensor", "absmax-moderate"),
-    Format("W8A8 per-tensor, int8 outputs (coarse)", "absmax-coarse"),
+    Format("W8A8 per-tensor + int8 outputs (coarse)", "absmax-coarse"),
     Format("int4 per-channel weight-only", "zeropoint-int4"),
     Format("int4 g128 weight-only", "zeropoint-int4-g128"),
     Format("W4A8 g32", "absmax-w4a8-g32"),
@@ -115,15 +115,19 @@ class Budget:
         )
 
 
-def _budgets() -> dict[str, Budget]:
-    from qbench.cli.budgets import CARD_QUICK_TOKENS, DEMO_TOKENS, EVAL_TOKENS
+# Tokens per budget: quick its own (qbench.cli.budgets.CARD_QUICK_TOKENS), standard the demo's (DEMO_TOKENS),
+# full the evaluation budget (EVAL_TOKENS), so full cards share cells with run/grid/sweep at their defaults. Literals
+# here (studies do not import the CLI); tests/qbench/studies/test_card.py keeps them equal.
+QUICK_TOKENS, STANDARD_TOKENS, FULL_TOKENS = 4096, 16384, 32768
 
+
+def _budgets() -> dict[str, Budget]:
     everything = tuple(f.scheme for f in FORMATS)
     return {
-        "quick": Budget("quick", CARD_QUICK_TOKENS, QUICK_FORMATS, (4, 2)),
+        "quick": Budget("quick", QUICK_TOKENS, QUICK_FORMATS, (4, 2)),
         "standard": Budget(
             "standard",
-            DEMO_TOKENS,
+            STANDARD_TOKENS,
             everything,
             (8, 4, 3, 2),
             ("absmax-coarse",),
@@ -132,7 +136,7 @@ def _budgets() -> dict[str, Budget]:
         ),
         "full": Budget(
             "full",
-            EVAL_TOKENS,
+            FULL_TOKENS,
             everything,
             (8, 4, 3, 2),
             ("absmax-coarse", "absmax-fine"),

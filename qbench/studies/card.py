@@ -1107,46 +1107,47 @@ def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, An
             )
         },
         "models": models,
-        "comparison": _comparison(models) if len(models) > 1 else None,
+        "comparison": _comparison(models, tolerance) if len(models) > 1 else None,
         "env": models[0]["env"] if models else None,  # each model's own record says what made it
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     return card
 
 
-def _comparison(models: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The same rows side by side; ``more_robust`` names the model with the smaller perplexity change (or the
-    lower breaking point), None when they are equal or one is missing."""
+def _least(values: Mapping[str, float]) -> str | None:
+    """The one model with the smallest value; None on a tie."""
+    best = min(values.values(), default=None)
+    winners = [k for k, v in values.items() if v == best]
+    return winners[0] if len(winners) == 1 else None
+
+
+def _more_robust_change(values: Mapping[str, float | None], tolerance: float) -> str | None:
+    """The model a perplexity change hurts least: a decrease counts as no damage (noise), a failed or missing cell
+    as the worst; None when every model stays within the tolerance (nothing to choose) or on a tie."""
+    from qbench.studies.sweep import within_tolerance
+
+    if all(within_tolerance(v, tolerance) for v in values.values()):
+        return None
+    return _least({k: math.inf if v is None else max(v, 0.0) for k, v in values.items()})
+
+
+def _comparison(models: Sequence[Mapping[str, Any]], tolerance: float) -> list[dict[str, Any]]:
+    """The same rows side by side. ``more_robust``: for a format or KV row the model with the smaller damage
+    (:func:`_more_robust_change`), for a breaking point the lower one (``none`` is the worst), for a float
+    statistic whose registry direction is ``lower`` the lower value; None when nothing tells them apart."""
     rows = []
-    names = [m["name"] for m in models]
 
-    def better(values: dict[str, float | None], lower: bool = True) -> str | None:
-        known = {k: v for k, v in values.items() if v is not None}
-        if len(known) < len(values) or len(set(known.values())) == 1:
-            failed = [k for k, v in values.items() if v is None]
-            ok = [k for k in values if k not in failed]
-            return ok[0] if len(ok) == 1 else None
-        return (min if lower else max)(known, key=known.get)
-
-    schemes = list(dict.fromkeys(f["scheme"] for m in models for f in m["formats"]))
-    for scheme in schemes:
-        values = {}
-        label = scheme
-        for m in models:
-            row = next((f for f in m["formats"] if f["scheme"] == scheme), None)
-            values[m["name"]] = None if row is None else row["ppl_change_pct"]
-            label = row["label"] if row else label
+    def row(section: str, label: str, scheme: str | None, values: dict, more_robust: str | None) -> None:
         rows.append(
-            {
-                "section": "formats",
-                "row": label,
-                "scheme": scheme,
-                "values": values,
-                "more_robust": better(values),
-            }
+            {"section": section, "row": label, "scheme": scheme, "values": values, "more_robust": more_robust}
         )
-    kv_keys = list(dict.fromkeys((r["bits"], r["keep_sinks"]) for m in models for r in m["kv"]["rows"]))
-    for bits, keep in kv_keys:
+
+    for scheme in dict.fromkeys(f["scheme"] for m in models for f in m["formats"]):
+        found = {m["name"]: next((f for f in m["formats"] if f["scheme"] == scheme), None) for m in models}
+        values = {k: None if f is None else f["ppl_change_pct"] for k, f in found.items()}
+        label = next(f["label"] for f in found.values() if f is not None)
+        row("formats", label, scheme, values, _more_robust_change(values, tolerance))
+    for bits, keep in dict.fromkeys((r["bits"], r["keep_sinks"]) for m in models for r in m["kv"]["rows"]):
         values = {
             m["name"]: next(
                 (
@@ -1159,36 +1160,22 @@ def _comparison(models: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             for m in models
         }
         label = f"KV {bits} bit" + (f", {keep} sink(s) kept" if keep else "")
-        rows.append(
-            {"section": "kv", "row": label, "scheme": None, "values": values, "more_robust": better(values)}
-        )
-    axes = list(dict.fromkeys((b["family"], b["axis"]) for m in models for b in m["breaking_points"]))
-    for family, axis in axes:
-        values = {}
-        for m in models:
-            b = next((x for x in m["breaking_points"] if (x["family"], x["axis"]) == (family, axis)), None)
-            values[m["name"]] = None if b is None else (math.inf if b["bits"] is None else b["bits"])
-        rows.append(
-            {
-                "section": "breaking points",
-                "row": f"break {family} {axis}",
-                "scheme": None,
-                "values": {k: (None if v in (None, math.inf) else v) for k, v in values.items()},
-                "more_robust": better({k: v for k, v in values.items()}),
-            }
-        )
-    for key in ("kurtosis_other", "max_abs", "first_token_top1_share"):
+        row("kv", label, None, values, _more_robust_change(values, tolerance))
+    for family, axis in dict.fromkeys((b["family"], b["axis"]) for m in models for b in m["breaking_points"]):
+        found = {
+            m["name"]: next(
+                (x for x in m["breaking_points"] if (x["family"], x["axis"]) == (family, axis)), None
+            )
+            for m in models
+        }
+        bits = {k: math.inf if b is None or b["bits"] is None else b["bits"] for k, b in found.items()}
+        values = {k: None if b is None else b["text"] for k, b in found.items()}
+        row("breaking points", f"break {family} {axis}", None, values, _least(bits))
+    for key in ("kurtosis_first", "kurtosis_other", "max_abs", "first_token_top1_share"):
         values = {m["name"]: m["outliers"]["summary"].get(key) for m in models}
-        rows.append(
-            {
-                "section": "outliers",
-                "row": BY_KEY[key].label,
-                "scheme": None,
-                "values": values,
-                "more_robust": better(values),
-            }
-        )
-    del names
+        known = {k: v for k, v in values.items() if v is not None}
+        lower = BY_KEY[key].better == "lower" and len(known) == len(values)
+        row("outliers", BY_KEY[key].label, None, values, _least(known) if lower else None)
     return rows
 
 

@@ -389,7 +389,9 @@ def _cell(c: Mapping[str, Any], name: str) -> str:
     if c["section"] in ("formats", "kv"):
         return _pct(v)
     if c["section"] == "breaking points":
-        return "none" if v is None else str(v)
+        return "-" if v is None else str(v)
+    if c["row"] == "1st-token top-1":
+        return _share(v)
     return _num(v)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -898,11 +899,22 @@ def _sensitivity_section(
     r = sens["repair"]
     p = fp["protocol"]
     scheme = sens["scheme"]["name"]
-    excludes = " ".join(f"--exclude '{n}'" for n in r["exclude"])
-    command = (
-        f"qbench run --ckpt {source} --scheme '{scheme}' {excludes} --data {p['corpus']} --tokens {p['tokens']} "
-        f"--window {p['window']} --seed {settings.get('seed', 0)} --output-path {settings.get('output_path')}"
-    )
+    q = shlex.quote
+    options = [
+        f"--ckpt {q(str(source))}",
+        f"--scheme {q(scheme)}",
+        *(f"--exclude {q(n)}" for n in r["exclude"]),
+        f"--data {q(p['corpus'])}",
+        *([f"--split {p['split']}"] if p.get("split") != "validation" else []),
+        f"--tokens {p['tokens']}",
+        f"--window {p['window']}",
+        *([] if p.get("bos", True) else ["--no-bos"]),
+        *([f"--batch-size {p['batch_size']}"] if p.get("batch_size", 8) != 8 else []),
+        *([f"--dtype {p['dtype']}"] if (p.get("dtype") or "float32") != "float32" else []),
+        f"--seed {settings.get('seed', 0)}",
+        f"--output-path {q(str(settings.get('output_path')))}",
+    ]
+    command = "qbench run " + " ".join(options)
     return {
         "scheme": scheme,
         "by": sens["by"],
@@ -935,7 +947,7 @@ def _sensitivity_section(
             "ppl_change_pct": r["ppl_change_pct"],
             "tolerance_pct": r["tolerance_pct"],
         },
-        "command": command.replace("  ", " "),
+        "command": command,
     }
 
 

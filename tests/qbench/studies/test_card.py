@@ -171,3 +171,18 @@ def test_the_more_robust_model_is_the_one_damaged_least():
     assert pick({"a": 0.2, "b": 0.5}, 1.0) is None  # both within the tolerance
     assert pick({"a": -4.0, "b": 0.0, "c": 2.0}, 1.0) is None  # a decrease is no damage: a and b tie
     assert pick({"a": None, "b": 30.0}, 1.0) == "b"  # NaN/inf or missing is the worst
+
+
+def test_the_docs_state_the_cells_of_each_budget():
+    from pathlib import Path
+
+    page = (Path(__file__).parents[3] / "docs" / "card.md").read_text()
+    rows = {
+        line.split("|")[1].strip(" `").split("`")[0]: line
+        for line in page.splitlines()
+        if line.startswith("| `")
+    }
+    for name, b in BUDGETS.items():
+        cells = card.planned_cells(CardConfig(models=["m"], budget=name))
+        assert rows[name].rstrip(" |").endswith(f"| {cells}"), (name, cells)
+        assert f"{b.tokens:,}" in rows[name]

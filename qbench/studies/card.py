@@ -725,7 +725,8 @@ def _format_row(
                 r.get("speedup")
                 for r in speed.get("records", [])
                 if r.get("kind") == "model"
-                and r.get("scheme") == name
+                and r.get("scheme") is not None
+                and _canonical(r["scheme"]) == name
                 and r.get("mode") == "real"
                 and not r.get("error")
             ),

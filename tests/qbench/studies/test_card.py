@@ -186,3 +186,20 @@ def test_the_docs_state_the_cells_of_each_budget():
         cells = card.planned_cells(CardConfig(models=["m"], budget=name))
         assert rows[name].rstrip(" |").endswith(f"| {cells}"), (name, cells)
         assert f"{b.tokens:,}" in rows[name]
+
+
+def test_a_format_row_takes_the_real_kernels_speed_up_from_speed_records():
+    from qbench.quant.schemes import get_scheme
+
+    scheme = {**get_scheme(card.HADAMARD_W4A8).to_dict(), "exclude": []}
+    record = {"scheme": scheme, "status": "ok", "metrics": {"perplexity": 10.1, "ppl_change_pct": 1.0}}
+    fp = {"model_bytes": 1000, "protocol": {"dtype": "float32"}, "linear_ranges": {"per_layer": {}}}
+    speed = {
+        "records": [  # run_speed names a scheme as it was asked for, overrides in the order given
+            {"kind": "model", "scheme": card.HADAMARD_W4A8, "mode": "real", "speedup": 1.7, "error": None},
+            {"kind": "model", "scheme": card.HADAMARD_W4A8, "mode": "fake", "speedup": 0.2, "error": None},
+        ]
+    }
+    row = card._format_row(record, fp, {"linear_shapes": {}}, 1.0, speed, None)
+    assert row["label"] == "Hadamard + W4A8" and row["note"] and row["speedup"] == 1.7
+    assert card._format_row(record, fp, {"linear_shapes": {}}, 1.0, None, None)["speedup"] is None

@@ -99,9 +99,9 @@ def run(args: argparse.Namespace) -> None:
 
         def on_estimate(n: int, seconds: float, model: str) -> None:
             bar.console.print(
-                f"  {model}: {n} cells before the sensitivity study; one float evaluation took {seconds:.2f} s, "
-                f"so at most ~{n * seconds / 60:.1f} min for cells not yet on disk (the sensitivity study adds "
-                "one cell per unit and per repair step)",
+                f"  {model}: {n} cells before the sensitivity study (which adds one per unit and per repair "
+                f"step); one float evaluation took {seconds:.2f} s, so ~{n * seconds / 60:.1f} min of evaluation "
+                "for the cells not yet on disk, plus quantising each (cells on disk cost nothing)",
                 highlight=False,
                 soft_wrap=True,
             )

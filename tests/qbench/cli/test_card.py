@@ -115,12 +115,12 @@ def test_the_verdict_and_the_repair_hold_when_re_run(card_dir, planted_ckpt, tmp
     verdict = model["verdict"]
     assert verdict["lines"] and verdict["avoid"] is not None  # a tolerance of 0.1 % fails some format
     recommended = verdict["recommended"]
-    if recommended is not None:
-        out = tmp_path / "recommended"
-        argv = ["run", "--ckpt", str(planted_ckpt), "--scheme", recommended["scheme"], "--tokens", TOKENS]
-        assert main([*argv, "--output-path", str(out)]) == 0
-        (record,) = [json.loads(p.read_text()) for p in out.rglob("*__fake.json")]
-        assert record["metrics"]["ppl_change_pct"] <= float(TOLERANCE)
+    assert recommended is not None  # fp8-e4m3 stays within 0.1 % on the micro model
+    out = tmp_path / "recommended"
+    argv = ["run", "--ckpt", str(planted_ckpt), "--scheme", recommended["scheme"], "--tokens", TOKENS]
+    assert main([*argv, "--output-path", str(out)]) == 0
+    (record,) = [json.loads(p.read_text()) for p in out.rglob("*__fake.json")]
+    assert record["metrics"]["ppl_change_pct"] <= float(TOLERANCE)
     repair = verdict["repair"]
     assert repair is not None and repair["reached"] and repair["exclude"]
     command = shlex.split(repair["command"])

@@ -37,6 +37,7 @@ from qbench.eval.metric_registry import BY_KEY
 CARD_VERSION = 1
 PROFILE_VERSION = 2  # 2: linear_shapes (the nominal bytes of each format)
 DEFAULT_TOLERANCE = 1.0
+LINEAR_TABLE_ROWS = 12  # linear layers in the card's table, by input crest factor (all are in card.json)
 KV_KEEP_SINKS = 1  # sink protection in the KV rows: the most-attended position per layer kept float
 
 
@@ -569,6 +570,7 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
                 "sensitivity": sensitivity,
                 "speed": speed,
                 "source": lm.source,
+                "paths": _stored_paths(Path(cfg.output_path), [fp, *formats, *kv]),
             }
         )
     card = build_card(
@@ -585,6 +587,13 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
     )
     write_card(card, Path(cfg.output_path))
     return card
+
+
+def _stored_paths(out: Path, records: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """{cell_id: the record's file relative to ``out``}: the card names the record behind each row."""
+    from qbench.eval.harness import stored_path
+
+    return {r["cell_id"]: str(stored_path(out, r).relative_to(out)) for r in records}
 
 
 def _new_cells_only(progress: Progress, seen: set[str]) -> Callable[[dict[str, Any], bool], None]:
@@ -683,15 +692,9 @@ def _change(record: Mapping[str, Any]) -> float | None:
     return record["metrics"]["ppl_change_pct"] if record.get("status") == "ok" else None
 
 
-def _record_ref(record: Mapping[str, Any], out: Path | None) -> str | None:
-    from qbench.eval.harness import stored_path
-
-    if out is None:
-        return None
-    try:
-        return str(stored_path(out, dict(record)).relative_to(out))
-    except (KeyError, ValueError):
-        return None
+def _record_ref(record: Mapping[str, Any], paths: Mapping[str, str] | None) -> str | None:
+    """Where ``record`` is stored, relative to the output path (``run_card`` collects them)."""
+    return (paths or {}).get(record.get("cell_id") or "")
 
 
 def _format_row(
@@ -700,7 +703,7 @@ def _format_row(
     profile: Mapping[str, Any],
     tolerance: float,
     speed: Mapping[str, Any] | None,
-    out: Path | None,
+    out: Mapping[str, str] | None,
 ) -> dict[str, Any]:
     from qbench.studies.sweep import within_tolerance
 
@@ -761,7 +764,9 @@ def _canonical(name: str) -> str:
         return name
 
 
-def _kv_rows(kv: Sequence[Mapping[str, Any]], tolerance: float, out: Path | None) -> dict[str, Any]:
+def _kv_rows(
+    kv: Sequence[Mapping[str, Any]], tolerance: float, out: Mapping[str, str] | None
+) -> dict[str, Any]:
     from qbench.studies.sweep import breaking_point, within_tolerance
 
     rows = []
@@ -870,6 +875,7 @@ def _outlier_profile(fp: Mapping[str, Any], profile: Mapping[str, Any]) -> dict[
         for name, v in ((fp.get("linear_ranges") or {}).get("per_layer") or {}).items()
     ]
     o = fp["outliers"]
+    ranked = sorted((x for x in linear if x["input_crest"] is not None), key=lambda x: -x["input_crest"])
     return {
         "summary": {
             "kurtosis_first": o.get("kurtosis_first"),
@@ -885,6 +891,9 @@ def _outlier_profile(fp: Mapping[str, Any], profile: Mapping[str, Any]) -> dict[
         "windows": o.get("windows"),
         "layers": layers,
         "linear": linear,
+        "linear_worst": [
+            x["name"] for x in ranked[:LINEAR_TABLE_ROWS]
+        ],  # the tables' rows; the figure has all
     }
 
 
@@ -1046,10 +1055,10 @@ def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, An
     ``profile``, ``formats``, ``kv`` (records), ``sweep`` (``run_sweep``'s result or None), ``sensitivity``
     (the study's result or None), ``speed`` (the speed record or None) and ``source`` (what ``--ckpt`` named)."""
     tolerance = settings["tolerance_pct"]
-    out = Path(settings["output_path"]) if settings.get("output_path") else None
     models = []
     for entry in per_model:
         fp, profile = entry["fp"], entry["profile"]
+        out = entry.get("paths")
         p = fp["protocol"]
         formats = [_format_row(r, fp, profile, tolerance, entry.get("speed"), out) for r in entry["formats"]]
         kv = _kv_rows(entry["kv"], tolerance, out)

@@ -93,7 +93,13 @@ def figures(card: Mapping[str, Any]) -> dict[str, bytes]:
         for ax in axes[:2]:
             ax.set_xticks(xs)
         axes[2].barh(range(len(linear)), [x["input_crest"] for x in linear], color="C2")
-        axes[2].set_yticks(range(len(linear)), [x["name"] for x in linear], fontsize=6)
+        if len(linear) <= 40:
+            axes[2].set_yticks(range(len(linear)), [x["name"] for x in linear], fontsize=6)
+        else:  # too many to name: the worst few are named beside their bars
+            for k, x in enumerate(linear):
+                if x["name"] in m["outliers"]["linear_worst"][:3]:
+                    axes[2].annotate(x["name"], (x["input_crest"], k), fontsize=6)
+            axes[2].set_ylabel("linear layer (model order)")
         axes[2].invert_yaxis()
         axes[2].set(title="linear input crest factor max|x|/RMS", xscale="log")
         fig.suptitle(f"{m['name']}: outlier profile", fontsize=10)
@@ -213,6 +219,7 @@ def _sections(
             _num(x["weight_crest"]),
         ]
         for x in m["outliers"]["linear"]
+        if x["name"] in m["outliers"]["linear_worst"]
     ]
     att = m["attention"]
     heads = max((len(r) for r in att["top1_share"]), default=0)

@@ -275,3 +275,40 @@ def test_bad_options_are_one_line_errors(planted_ckpt, capsys):
     assert "--budget" in capsys.readouterr().err
     assert main(["card", "--ckpt", str(planted_ckpt), "--tolerance", "-1"]) == 2
     assert "tolerance" in capsys.readouterr().err
+
+
+def test_the_card_is_a_function_of_the_records_on_disk(card_dir):
+    """Rebuilt from the record files card.json names (and the sensitivity study's result), the card is the same."""
+    from qbench.studies.card import build_card
+
+    saved = card_of(card_dir)
+    (model,) = saved["models"]
+
+    def read(rel: str) -> dict:
+        return json.loads((card_dir / rel).read_text())
+
+    out = Path(model["sensitivity"]["output"])
+    sensitivity = {**json.loads((out / "sensitivity.json").read_text()), "output": str(out)}
+    records = {
+        "fp": read(model["fp"]["record"]),
+        "profile": read(f"{model['name']}/profile.json"),
+        "formats": [read(f["record"]) for f in model["formats"]],
+        "kv": [read(r["record"]) for r in model["kv"]["rows"]],
+        "sweep": None,
+        "sensitivity": sensitivity,
+        "speed": None,
+        "source": model["source"],
+    }
+    records["paths"] = {r["cell_id"]: rel for r, rel in [(records["fp"], model["fp"]["record"])]}
+    records["paths"].update({f["cell_id"]: f["record"] for f in model["formats"]})
+    records["paths"].update(
+        {r["cell_id"]: row["record"] for r, row in zip(records["kv"], model["kv"]["rows"])}
+    )
+    settings = {
+        k: saved[k] for k in ("budget", "budget_contents", "tolerance_pct", "command", "seed", "output_path")
+    }
+    rebuilt = build_card([records], {**settings, "wall_seconds": saved["wall_seconds"]})
+    rebuilt = json.loads(json.dumps(rebuilt))  # tuples and such as card.json holds them
+    for key in ("created_utc",):
+        rebuilt.pop(key), saved.pop(key)
+    assert rebuilt == saved

@@ -312,3 +312,9 @@ def test_the_card_is_a_function_of_the_records_on_disk(card_dir):
     for key in ("created_utc",):
         rebuilt.pop(key), saved.pop(key)
     assert rebuilt == saved
+
+
+def test_compare_on_a_card_folder_shows_the_formats_not_the_sensitivity_cells(card_dir, capsys):
+    assert main(["compare", str(card_dir), "--format", "csv"]) == 0
+    table = capsys.readouterr().out
+    assert "absmax-coarse" in table and "float:" not in table and "WARNING" not in table

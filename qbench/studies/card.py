@@ -1073,6 +1073,8 @@ def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, An
                     "path": fp["model"].get("path"),
                     "fingerprint": fp["model"].get("fingerprint"),
                     "dtype": fp["model"].get("dtype"),
+                    # a GGUF's weights already lie on its grid (Q8_0, Q4_K…): each cell quantises them again
+                    "gguf": fp["model"].get("gguf"),
                     **profile["architecture"],
                 },
                 "protocol": {

@@ -197,6 +197,9 @@ def _sections(
         ["float perplexity", _num(m["fp"]["perplexity"], ".4f")],
         ["fingerprint", str(ident.get("fingerprint"))[:16]],
     ]
+    if ident.get("gguf"):
+        types = ", ".join(f"{k} {v}" for k, v in (ident["gguf"].get("tensor_types") or {}).items())
+        identity.append(["GGUF tensors", f"{types} (every cell quantises these dequantised weights again)"])
     o = m["outliers"]["summary"]
     outlier_rows = [
         [

@@ -573,6 +573,19 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
                 "paths": _stored_paths(Path(cfg.output_path), [fp, *formats, *kv]),
             }
         )
+    sweeps = [m["sweep"] for m in per_model if m["sweep"]]
+    if (
+        len(sweeps) > 1
+    ):  # one run_sweep per model (one model in memory at a time): DIR/sweep.json holds them all
+        from qbench.studies.sweep import write_outputs
+
+        merged = {
+            **sweeps[-1],
+            "models": {k: v for s in sweeps for k, v in s["models"].items()},
+            "cells": [c for s in sweeps for c in s["cells"]],
+            "breaking_points": [p for s in sweeps for p in s["breaking_points"]],
+        }
+        write_outputs(merged, Path(cfg.output_path))
     card = build_card(
         per_model,
         settings={

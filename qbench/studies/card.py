@@ -476,20 +476,25 @@ def speed_record(
     from qbench.studies.speed import run_speed
 
     real = [s for s in schemes if real_kernel_problem(get_scheme(s)) is None]
-    records = run_speed(
-        schemes=real,
-        modes=("real",),
-        peers=False,
-        layer=False,
-        generate=False,
-        ckpt=lm.source,
-        model=None,
-        model_tokens=512,
-        repeats=5,
-        device=cfg.device,
-    )
+    error = None
+    try:
+        records = run_speed(
+            schemes=real,
+            modes=("real",),
+            peers=False,
+            layer=False,
+            generate=False,
+            ckpt=lm.source,
+            model=None,
+            model_tokens=512,
+            repeats=5,
+            device=cfg.device,
+        )
+    except (UserError, RuntimeError, ValueError) as e:  # a model the speed study cannot load: no speed-ups
+        records, error = [], f"{type(e).__name__}: {e}"
     record = {
         "fingerprint": fp["model"].get("fingerprint"),
+        "error": error,
         "what": "whole-model prefill of 512 tokens, real kernels vs float32 (qbench.studies.speed.run_speed)",
         "records": records,
         "env": environment(cfg.device),
@@ -574,9 +579,8 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
             }
         )
     sweeps = [m["sweep"] for m in per_model if m["sweep"]]
-    if (
-        len(sweeps) > 1
-    ):  # one run_sweep per model (one model in memory at a time): DIR/sweep.json holds them all
+    # one run_sweep per model (one model in memory at a time); DIR/sweep.json then holds them all
+    if len(sweeps) > 1:
         from qbench.studies.sweep import write_outputs
 
         merged = {

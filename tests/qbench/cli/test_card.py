@@ -251,6 +251,11 @@ def test_the_html_page_renders_in_a_headless_browser(card_dir, tmp_path):
         [*flags, f"--screenshot={shot}", "--window-size=1200,2400", url], capture_output=True, timeout=120
     )
     assert shot.exists() and shot.stat().st_size > 10_000
+    pdf = tmp_path / "card.pdf"  # printable: the print stylesheet lays it out on pages
+    subprocess.run(
+        [*flags, f"--print-to-pdf={pdf}", "--no-pdf-header-footer", url], capture_output=True, timeout=120
+    )
+    assert pdf.exists() and pdf.read_bytes()[:5] == b"%PDF-" and pdf.stat().st_size > 10_000
     dom = subprocess.run(
         [*flags, "--enable-logging=stderr", "--v=0", "--dump-dom", url],
         capture_output=True,

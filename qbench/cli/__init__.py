@@ -51,6 +51,7 @@ COMMAND_MODULES = (
     "speed",
     "demo",
     "sweep",
+    "card",
     "emergence",
     "reproduce",
     "recipes",

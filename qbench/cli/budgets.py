@@ -26,10 +26,15 @@ PAPER_TOKENS = 262144
 # ``speed``: tokens per timed forward, the prefill shape of a kernel timing (not a perplexity budget).
 TIMING_TOKENS = 512
 
+# ``card --budget quick``: the fewest tokens a card scores (``qbench.studies.card.BUDGETS``; standard and full
+# take the demo's and the evaluation budget), so a first look at a model takes minutes.
+CARD_QUICK_TOKENS = 4096
+
 BUDGETS = {
     "evaluation": EVAL_TOKENS,
     "per-unit study": UNIT_TOKENS,
     "demo": DEMO_TOKENS,
     "paper reproduction": PAPER_TOKENS,
     "timing": TIMING_TOKENS,
+    "card quick": CARD_QUICK_TOKENS,
 }

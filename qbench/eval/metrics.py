@@ -321,3 +321,104 @@ def linear_ranges(
         "max_input_kurtosis": worst("input_kurtosis", max),
         "per_layer": per_layer,
     }
+
+
+# ------------------------------------------------------------------------------------- per-head attention sink
+
+
+class _PerHeadSink(list):
+    """Stands in for ``Observation.attention``: reduces each layer's (B, nh, T, T) probabilities to per-head sums
+    of the first-token statistics (``models.stats``' definitions, per head instead of over all heads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = 0
+        self.hits: list[Tensor] = []  # per layer: (nh,) queries whose largest weight is on key 0 (and > 0)
+        self.mass: list[Tensor] = []  # per layer: (nh,) summed weight on key 0
+        self.queries: list[int] = []  # per layer: queries per head
+
+    def append(self, probs: Tensor) -> None:  # type: ignore[override]
+        rows = probs[:, :, 1:, :].detach().float()  # queries q >= 1 (query 0 sees only itself)
+        key0 = rows[..., 0]
+        hits = ((key0 > 0) & (key0 >= rows.amax(-1))).sum(dim=(0, 2)).double().cpu()
+        mass = key0.double().sum(dim=(0, 2)).cpu()
+        n = key0.size(0) * key0.size(2)
+        if self.layer < len(self.hits):
+            self.hits[self.layer] += hits
+            self.mass[self.layer] += mass
+            self.queries[self.layer] += n
+        else:
+            self.hits.append(hits)
+            self.mass.append(mass)
+            self.queries.append(n)
+        self.layer += 1
+
+    def extend(self, many) -> None:  # type: ignore[override]
+        for probs in many:
+            self.append(probs)
+
+
+@torch.no_grad()
+def attention_sink_per_head(
+    model: nn.Module, windows: Windows, n_windows: int = 8, batch_size: int = 4, device: str = "cpu"
+) -> dict[str, Any]:
+    """The attention sink per layer and head over the first ``n_windows`` windows: ``top1_share[l][h]`` = the share
+    of head h's queries q ≥ 1 whose largest weight is on key 0 (and non-zero), ``mass[l][h]`` = its mean weight on
+    key 0 — ``first_token_top1_share`` and ``first_token_mass`` (``models.stats``) before averaging over heads."""
+    sink = _PerHeadSink()
+    ids = windows.ids[:n_windows]
+    for start in range(0, len(ids), batch_size):
+        sink.layer = 0
+        with observe_any(model, attention=True) as obs:
+            obs.attention = sink
+            forward_observed(model, ids[start : start + batch_size].to(device), obs)
+    return {
+        "windows": len(ids),
+        "top1_share": [(h / n).tolist() if n else [] for h, n in zip(sink.hits, sink.queries, strict=True)],
+        "mass": [(m / n).tolist() if n else [] for m, n in zip(sink.mass, sink.queries, strict=True)],
+    }
+
+
+@torch.no_grad()
+def massive_activation_sites(
+    model: nn.Module,
+    windows: Windows,
+    tokenizer: Any,
+    n_windows: int = 8,
+    device: str = "cpu",
+    limit: int = 8,
+) -> list[dict[str, Any]]:
+    """Where the massive activations are (Sun et al.'s criterion, :data:`MASSIVE_ABS`, :data:`MASSIVE_RATIO`): per
+    layer, the channels holding one, and the ``limit`` largest sites as (window, position, channel, value, token
+    text) — the "which channels, which tokens" of :func:`massive_activations`' counts."""
+    ids = windows.ids[:n_windows].to(device)
+    with observe_any(model) as obs:
+        forward_observed(model, ids, obs)
+    out = []
+    for index, h in enumerate(obs.hidden):
+        mag = h.float().abs()
+        median = mag.median().item()
+        is_massive = (mag > MASSIVE_ABS) & (mag > MASSIVE_RATIO * median)
+        where = is_massive.nonzero().tolist()
+        where.sort(key=lambda s: -mag[s[0], s[1], s[2]].item())
+        sites = [
+            {
+                "window": b,
+                "position": t,
+                "channel": c,
+                "value": h[b, t, c].item(),
+                "token": tokenizer.decode([int(ids[b, t])]),
+            }
+            for b, t, c in where[:limit]
+        ]
+        out.append(
+            {
+                "layer": index,
+                "median": median,
+                "count": len(where),
+                "channels": sorted({c for _, _, c in where}),
+                "positions": sorted({t for _, t, _ in where}),
+                "sites": sites,
+            }
+        )
+    return out

@@ -28,11 +28,13 @@ def read_records(folder: Path) -> list[dict[str, Any]]:
     """All records under ``folder`` (a model's result folder, or a folder of those).
 
     A ``qbench sweep`` folder below ``folder`` (one holding ``sweep.json``) is left out: its dozens of
-    bit-width cells are read through its own table, and ``compare --breaking-points`` summarises them. Naming
-    the sweep folder itself reads its records.
+    bit-width cells are read through its own table, and ``compare --breaking-points`` summarises them. So is a
+    ``qbench sensitivity`` folder below it (``sensitivity.json``: one cell per unit, each with most layers kept
+    in float; a card holds one under ``sensitivity/``). Naming such a folder itself reads its records.
     """
     records = []
-    sweeps = [p.parent for p in folder.rglob("sweep.json") if p.parent != folder]
+    studies = [*folder.rglob("sweep.json"), *folder.rglob("sensitivity.json")]
+    sweeps = [p.parent for p in studies if p.parent != folder]
     for path in sorted(folder.rglob("*.json")):
         if any(path.is_relative_to(s) for s in sweeps):
             continue

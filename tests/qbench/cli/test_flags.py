@@ -25,6 +25,7 @@ WRITERS = {
     "speed",
     "demo",
     "sweep",
+    "card",
     "emergence",
     "reproduce",
     "recipes",

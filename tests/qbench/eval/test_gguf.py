@@ -141,3 +141,20 @@ def test_a_folder_with_two_ggufs_asks_which(tmp_path):
     (tmp_path / "b.gguf").write_bytes(b"")
     with pytest.raises(UserError, match="holds 2 GGUF files"):
         load_model(str(tmp_path))
+
+
+def test_a_card_of_a_gguf_file(gguf_file, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from qbench.studies import card
+
+    small = replace(card.BUDGETS["quick"], formats=("absmax-fine",), kv_bits=(2,))
+    monkeypatch.setitem(card.BUDGETS, "quick", small)
+    path, _, _ = gguf_file
+    result = card.run_card(
+        card.CardConfig(models=[str(path)], output_path=tmp_path, tokens=64, tolerance=50.0)
+    )
+    (model,) = result["models"]
+    assert model["identity"]["kind"] == "gguf" and model["identity"]["gguf"]["tensor_types"]["Q8_0"] > 0
+    assert model["identity"]["positions"] == "rope" and model["formats"][0]["status"] == "ok"
+    assert "GGUF tensors" in (tmp_path / "card.md").read_text()

@@ -126,3 +126,29 @@ def test_linear_ranges_follow_their_definitions(tokenizer):
     assert ranges["per_layer"]["lm_head"]["lm_head"] and ranges["windows"] == 3
     body = [v for k, v in ranges["per_layer"].items() if k != "lm_head"]
     assert ranges["min_input_int8_sqnr_db"] == min(v["input_int8_sqnr_db"] for v in body)
+
+
+def test_the_per_head_sink_and_the_massive_sites_refine_the_summaries(tokenizer):
+    from qbench.eval.metrics import attention_sink_per_head, massive_activation_sites
+
+    model = trained_like(micro_config())
+    with torch.no_grad():
+        model.transformer.wte.weight[:, 9] = 0.0
+        model.transformer.wpe.weight[0, 9] = 5000.0  # first position, channel 9: massive in every window
+    w = make_windows(tokenizer, Protocol(tokens=32 * 3, window=32), context=32)
+    summary = outlier_metrics(model, w, n_windows=3, attention=True)
+    heads = attention_sink_per_head(model, w, n_windows=3, batch_size=2)  # two batches: sums carry over
+    top1 = torch.tensor(heads["top1_share"], dtype=torch.float64)
+    mass = torch.tensor(heads["mass"], dtype=torch.float64)
+    assert top1.shape == mass.shape == (2, 4)  # layers × heads
+    # every head sees as many queries, so the mean over heads and layers is the summary's share
+    assert top1.mean().item() == pytest.approx(summary["first_token_top1_share"], rel=1e-9)
+    assert mass.mean().item() == pytest.approx(summary["first_token_mass"], rel=1e-9)
+    sites = massive_activation_sites(model, w, tokenizer, n_windows=3, limit=2)
+    counts = massive_activations(model, w, n_windows=3)["layers"]
+    assert [s["count"] for s in sites] == [c["count"] for c in counts]
+    assert [s["channels"] for s in sites] == [c["channels"] for c in counts]
+    first = sites[0]
+    assert first["positions"] == [0] and len(first["sites"]) == 2
+    assert {s["channel"] for s in first["sites"]} == {9} and first["sites"][0]["value"] > 4000
+    assert first["sites"][0]["token"] == tokenizer.decode([int(w.ids[0, 0])])

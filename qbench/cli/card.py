@@ -1,0 +1,122 @@
+"""``qbench card --ckpt X [--ckpt Y …] [--budget quick|standard|full]``: one page per model, from the grid's records.
+
+The study is :mod:`qbench.studies.card` (running and building), the pages :mod:`qbench.studies.card_render`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from qbench.cli.args import add_model_arguments, console
+from qbench.cli.base import SEED_HELP, add_output_argument
+
+NAME = "card"
+HELP = "one page per model: outliers, attention sink, deployable formats, breaking points, KV cache, verdict"
+
+
+def budget_help() -> str:
+    """What each budget measures, from the budgets themselves (``qbench.studies.card`` imports no torch)."""
+    from qbench.studies.card import BUDGETS, FORMATS, KV_KEEP_SINKS
+
+    labels = {f.scheme: f.label for f in FORMATS}
+    quick = BUDGETS["quick"]
+    return (
+        "; ".join(b.describe() for b in BUDGETS.values())
+        + f". Quick's formats: {', '.join(labels[s] for s in quick.formats)}; standard and full: all "
+        f"{len(FORMATS)} ({', '.join(f.label for f in FORMATS)}). The KV rows come plain and with "
+        f"--kv-keep-sinks {KV_KEEP_SINKS}"
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p, tokens=None, many=True)
+    tokens = next(a for a in p._actions if a.dest == "tokens")
+    tokens.help = "token budget: stream tokens scored (default: the budget's)"
+    p.add_argument("--budget", default="quick", choices=("quick", "standard", "full"), help=budget_help())
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=1.0,
+        help="perplexity change (%%) a format may cost: verdict, breaking points, repair target",
+    )
+    p.add_argument(
+        "--kv-scheme",
+        help="the KV rows' KV-cache scheme, NAME[:key=value,…] as run's --kv-scheme (default: the sweep's: kivi, "
+        "with residual 32 on windows ≤ 128 and per-token on windows ≤ 32)",
+    )
+    add_output_argument(
+        p, "card.md/.json/.html and the records they are built from", default="qbench_card", metavar="DIR"
+    )
+    p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
+
+
+def config(args: argparse.Namespace):
+    from qbench.studies.card import CardConfig, validate
+
+    cfg = CardConfig(
+        models=list(args.ckpt),
+        budget=args.budget,
+        output_path=Path(args.output_path),
+        tokens=args.tokens,
+        window=args.window,
+        corpus=args.data,
+        split=args.split,
+        bos=args.bos,
+        batch_size=args.batch_size,
+        tolerance=args.tolerance,
+        kv_scheme=args.kv_scheme,
+        seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
+        trust_remote_code=args.trust_remote_code,
+        allow_unsafe_weights=args.allow_unsafe_weights,
+        command=getattr(args, "command_line", None),
+    )
+    validate(cfg)
+    return cfg
+
+
+def run(args: argparse.Namespace) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from qbench.studies import card as study
+
+    if args.batch_size < 1:
+        from models.errors import UserError
+
+        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
+    cfg = config(args)
+    console.print(
+        f"[bold]qbench card[/] {len(cfg.models)} model(s), budget {cfg.plan.describe()} → {cfg.output_path}/",
+        highlight=False,
+    )
+    counts = {"evaluated": 0, "reused": 0}
+    with Progress(
+        TextColumn("card"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    ) as bar:
+        task = bar.add_task("card", total=None)
+
+        def on_estimate(n: int, seconds: float, model: str) -> None:
+            bar.console.print(
+                f"  {model}: {n} cells before the sensitivity study (which adds one per unit and per repair "
+                f"step); one float evaluation took {seconds:.2f} s, so ~{n * seconds / 60:.1f} min of evaluation "
+                "for the cells not yet on disk, plus quantising each (cells on disk cost nothing)",
+                highlight=False,
+                soft_wrap=True,
+            )
+
+        def on_cell(record: dict, reused: bool) -> None:
+            counts["reused" if reused else "evaluated"] += 1
+            bar.advance(task)
+
+        progress = study.Progress(
+            total=lambda n: bar.update(task, total=n), cell=on_cell, estimate=on_estimate
+        )
+        card = study.run_card(cfg, progress)
+    console.print(f"{counts['evaluated']} cells evaluated, {counts['reused']} reused", highlight=False)
+    for m in card["models"]:
+        console.print(f"[bold]{m['name']}[/]", highlight=False)
+        for line in m["verdict"]["lines"]:
+            console.print(f"  {line}", highlight=False, soft_wrap=True)
+    console.print(f"wrote {cfg.output_path / 'card.md'}, card.json, card.html")

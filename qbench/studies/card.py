@@ -1,0 +1,1258 @@
+"""``qbench card``: one page per model — outliers, attention sink, deployable formats, breaking points, KV cache,
+where it breaks and the repair, and a verdict — built from the harness's records.
+
+    result = run_card(CardConfig(models=["ckpts/vanilla"], budget="quick", output_path=Path("card")))
+    # -> card/card.json, card/card.md, card/card.html (+ the records under card/<model>/)
+
+Two halves:
+
+1. **Running** (:func:`run_card`): every number is a harness cell (``qbench.eval.harness.run_grid``) written under
+   ``output_path`` in the grid's layout, so ``qbench run --output-path DIR`` with the same protocol reuses the
+   card's cells and the card reuses theirs; an interrupted card resumes and a re-run evaluates nothing. The
+   breaking points are ``qbench sweep``'s (``run_sweep``, records in the same folder), the repair is
+   ``qbench sensitivity``'s (cells under ``DIR/sensitivity/<model>/<scheme>/cells``, where
+   ``qbench sensitivity --output-path`` that folder finds them). What no record held — the attention sink per
+   head, where the massive activations sit, the architecture — is one more record per model,
+   ``DIR/<model>/profile.json``, keyed by the float record's identity. The real kernels' speed (``full``
+   budget) is ``DIR/<model>/speed.json`` (``qbench.studies.speed.run_speed``).
+2. **Building** (:func:`build_card`): a pure function from those records to the card's dict — every number the
+   renderers (``qbench.studies.card_render``) show, the verdict included; the renderers compute nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from models.errors import UserError, unknown_choice
+from qbench.eval.metric_registry import BY_KEY
+
+CARD_VERSION = 1
+PROFILE_VERSION = 2  # 2: linear_shapes (the nominal bytes of each format)
+DEFAULT_TOLERANCE = 1.0
+LINEAR_TABLE_ROWS = 12  # linear layers in the card's table, by input crest factor (all are in card.json)
+KV_KEEP_SINKS = 1  # sink protection in the KV rows: the most-attended position per layer kept float
+
+
+@dataclass(frozen=True)
+class Format:
+    """One deployable format's row: a registered scheme (with overrides) at its standard settings."""
+
+    label: str
+    scheme: str
+    note: str = ""
+
+
+HADAMARD_W4A8 = "hadamard-absmax-coarse:w=4,o=none,agran=token,group=none"
+FORMATS: tuple[Format, ...] = (
+    Format("W8A8 per-channel/per-token", "absmax-fine"),
+    Format("W8A8 per-tensor", "absmax-moderate"),
+    Format("W8A8 per-tensor + int8 outputs (coarse)", "absmax-coarse"),
+    Format("int4 per-channel weight-only", "zeropoint-int4"),
+    Format("int4 g128 weight-only", "zeropoint-int4-g128"),
+    Format("W4A8 g32", "absmax-w4a8-g32"),
+    Format("int3 g128 weight-only", "zeropoint-int3-g128"),
+    Format("FP8 E4M3 per-tensor", "fp8-e4m3"),
+    Format("FP8 E4M3 row-wise", "fp8-e4m3-rowwise"),
+    Format("MXFP8", "mxfp8"),
+    Format("MXFP6", "mxfp6"),
+    Format("MXFP4", "mxfp4"),
+    Format("NVFP4", "nvfp4"),
+    Format("LLM.int8", "llm-int8"),
+    Format("NF4", "bnb-nf4"),
+    Format("SmoothQuant W8A8", "smoothquant"),
+    Format(
+        "Hadamard + W4A8",
+        HADAMARD_W4A8,
+        "no Hadamard W4A8 scheme is registered: hadamard-absmax-coarse overridden to int4 weights per channel, "
+        "int8 activations per token, float outputs",
+    ),
+)
+QUICK_FORMATS = (
+    "absmax-fine",
+    "absmax-moderate",
+    "absmax-coarse",
+    "zeropoint-int4",
+    "zeropoint-int4-g128",
+    "absmax-w4a8-g32",
+    "fp8-e4m3",
+    "mxfp4",
+    "nvfp4",
+)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a card measures; ``--help`` and docs/card.md state these."""
+
+    name: str
+    tokens: int
+    formats: tuple[str, ...]  # scheme names of FORMATS, in FORMATS' order
+    kv_bits: tuple[int, ...]
+    sweep_families: tuple[str, ...] = ()
+    sweep_axes: tuple[str, ...] = ()
+    sweep_bits: tuple[int, ...] = ()
+    sensitivity_by: str = "type"
+    speed: bool = False
+
+    def describe(self) -> str:
+        sweep = (
+            f"sweep {'+'.join(self.sweep_families)} axes {','.join(self.sweep_axes)} at bits "
+            f"{','.join(map(str, self.sweep_bits))}"
+            if self.sweep_families
+            else "no sweep"
+        )
+        return (
+            f"{self.name}: {self.tokens:,} tokens, {len(self.formats)} formats, KV cache at "
+            f"{'/'.join(map(str, self.kv_bits))} bits with and without sink protection, {sweep}, sensitivity by "
+            f"{self.sensitivity_by} of the first format over tolerance"
+            + (", real-kernel speed" if self.speed else "")
+        )
+
+
+# Tokens per budget: quick its own (qbench.cli.budgets.CARD_QUICK_TOKENS), standard the demo's (DEMO_TOKENS),
+# full the evaluation budget (EVAL_TOKENS), so full cards share cells with run/grid/sweep at their defaults. Literals
+# here (studies do not import the CLI); tests/qbench/studies/test_card.py keeps them equal.
+QUICK_TOKENS, STANDARD_TOKENS, FULL_TOKENS = 4096, 16384, 32768
+
+
+def _budgets() -> dict[str, Budget]:
+    everything = tuple(f.scheme for f in FORMATS)
+    return {
+        "quick": Budget("quick", QUICK_TOKENS, QUICK_FORMATS, (4, 2)),
+        "standard": Budget(
+            "standard",
+            STANDARD_TOKENS,
+            everything,
+            (8, 4, 3, 2),
+            ("absmax-coarse",),
+            ("w", "a", "o", "all"),
+            (8, 6, 4, 3, 2),
+        ),
+        "full": Budget(
+            "full",
+            FULL_TOKENS,
+            everything,
+            (8, 4, 3, 2),
+            ("absmax-coarse", "absmax-fine"),
+            ("w", "a", "o", "all"),
+            (8, 7, 6, 5, 4, 3, 2),
+            sensitivity_by="layer",
+            speed=True,
+        ),
+    }
+
+
+BUDGETS = _budgets()
+FORMAT_BY_SCHEME = {f.scheme: f for f in FORMATS}
+
+
+def budget(name: str) -> Budget:
+    if name not in BUDGETS:
+        raise unknown_choice("--budget", name, list(BUDGETS))
+    return BUDGETS[name]
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+
+@dataclass
+class CardConfig:
+    models: list[str]
+    budget: str = "quick"
+    output_path: Path = Path("qbench_card")
+    tokens: int | None = None  # None: the budget's
+    window: int | None = None
+    corpus: str = "embedded"
+    split: str | None = None
+    bos: bool = True
+    batch_size: int = 8
+    tolerance: float = DEFAULT_TOLERANCE
+    kv_scheme: str | None = None  # None: the sweep's default_kv_scheme(window)
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+    trust_remote_code: bool = False
+    allow_unsafe_weights: bool = False
+    command: str | None = None
+
+    @property
+    def plan(self) -> Budget:
+        return budget(self.budget)
+
+    def protocol(self) -> Any:
+        from qbench.eval.metrics import Protocol
+
+        return Protocol(
+            corpus=self.corpus,
+            split=self.split,
+            tokens=self.tokens or self.plan.tokens,
+            window=self.window,
+            bos=self.bos,
+            batch_size=self.batch_size,
+        )
+
+
+@dataclass
+class Progress:
+    """What :func:`run_card` tells its caller: ``total(n)`` when the count of cells grows (the sensitivity's
+    units and repair are known only when they start), ``cell(record, reused)`` after each."""
+
+    total: Callable[[int], None] = lambda n: None
+    cell: Callable[[dict[str, Any], bool], None] = lambda r, reused: None
+    estimate: Callable[[int, float, str], None] = lambda n, seconds, model: None
+
+
+def _spec(cfg: CardConfig, model: str, schemes: list[str], kv: Any = None, **kw: Any) -> Any:
+    from qbench.eval.harness import GridSpec
+
+    return GridSpec(
+        models=[model],
+        schemes=schemes,
+        modes=["fake"],
+        protocol=cfg.protocol(),
+        output_path=Path(cfg.output_path),
+        seed=cfg.seed,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        trust_remote_code=cfg.trust_remote_code,
+        allow_unsafe_weights=cfg.allow_unsafe_weights,
+        kv=kv,
+        **kw,
+    )
+
+
+def kv_configs(cfg: CardConfig, window: int) -> list[Any]:
+    """The KV rows: each bit width of the budget, plain and with ``KV_KEEP_SINKS`` sinks kept float."""
+    from qbench.quant.kv import KVConfig
+    from qbench.studies.sweep import default_kv_scheme
+
+    scheme = cfg.kv_scheme or default_kv_scheme(window)
+    return [KVConfig(b, scheme, 0, k) for b in cfg.plan.kv_bits for k in (0, KV_KEEP_SINKS)]
+
+
+def sweep_config(cfg: CardConfig, model: str) -> Any:
+    from qbench.studies.sweep import SweepConfig
+
+    plan = cfg.plan
+    return SweepConfig(
+        models=[model],
+        families=list(plan.sweep_families),
+        axes=list(plan.sweep_axes),
+        bits=list(plan.sweep_bits),
+        tolerance=cfg.tolerance,
+        protocol=cfg.protocol(),
+        output_path=Path(cfg.output_path),
+        seed=cfg.seed,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        trust_remote_code=cfg.trust_remote_code,
+        allow_unsafe_weights=cfg.allow_unsafe_weights,
+    )
+
+
+def validate(cfg: CardConfig) -> None:
+    """Refuse bad options before a model loads."""
+    from qbench.quant.schemes import get_scheme
+
+    plan = cfg.plan
+    if not cfg.tolerance >= 0:
+        raise UserError(f"--tolerance must be a percentage ≥ 0, got {cfg.tolerance}")
+    if cfg.tokens is not None and cfg.tokens < 2:
+        raise UserError(f"--tokens must be at least 2, got {cfg.tokens}")
+    for scheme in plan.formats:
+        get_scheme(scheme)
+    if cfg.kv_scheme is not None:
+        from qbench.quant.kv import KVConfig
+
+        KVConfig(plan.kv_bits[0], cfg.kv_scheme)
+    if plan.sweep_families:
+        from qbench.studies import sweep
+
+        sweep.validate(sweep_config(cfg, cfg.models[0]))
+
+
+def planned_cells(cfg: CardConfig) -> int:
+    """Cells per model before the sensitivity study: the float record, the formats, the KV rows and the sweep's
+    own cells (those not already formats)."""
+    plan = cfg.plan
+    n = 1 + len(plan.formats) + 2 * len(plan.kv_bits)
+    if plan.sweep_families:
+        from qbench.quant.schemes import get_scheme
+        from qbench.studies.sweep import plan as sweep_plan
+
+        cells, _ = sweep_plan(plan.sweep_families, plan.sweep_axes, plan.sweep_bits)
+        formats = {get_scheme(s).name for s in plan.formats}
+        n += len({get_scheme(c.scheme).name for c in cells} - formats)
+    return n
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^\w.+-]+", "_", name)
+
+
+def profile_path(out: Path, model_name: str) -> Path:
+    return Path(out) / model_name / "profile.json"
+
+
+def architecture(lm: Any) -> dict[str, Any]:
+    """What kind of transformer it is: attention kind, norm, positions, tied head, sliding window, sizes."""
+    model = lm.model
+    config = (lm.description.get("config") or {}) if lm.description.get("kind") == "qbench" else None
+    names = {type(m).__name__ for m in model.modules()}
+    modules = dict(model.named_modules())
+    out: dict[str, Any] = {"parameters": lm.description.get("parameters")}
+    if config:
+        out.update(
+            family=config.get("family"),
+            attention=config.get("attn"),
+            norm=config.get("norm"),
+            norm_position=config.get("norm_position"),
+            positions=config.get("pos"),
+            tied_head=bool(config.get("tie_embeddings")),
+            sliding_window=None,
+            layers=config.get("n_layer"),
+            heads=config.get("n_head"),
+            d_model=config.get("d_model"),
+            context=config.get("context"),
+        )
+        return out
+    hf = getattr(model, "config", None)
+    norm = (
+        "rmsnorm"
+        if any("RMSNorm" in n for n in names)
+        else "layernorm"
+        if any("LayerNorm" in n for n in names)
+        else None
+    )
+    rope = any("Rotary" in n for n in names) or hasattr(hf, "rope_theta")
+    learned = any(k.endswith(("wpe", "position_embeddings", "embed_positions")) for k in modules)
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    emb = getattr(model, "get_input_embeddings", lambda: None)()
+    tied = head is not None and emb is not None and head.weight is emb.weight
+    impl = getattr(hf, "_attn_implementation", None)
+    out.update(
+        family=getattr(hf, "model_type", None),
+        attention="softmax1" if impl and "softmax1" in str(impl) else "softmax",
+        norm=norm,
+        norm_position=None,
+        positions="rope" if rope else "learned" if learned else None,
+        tied_head=bool(tied),
+        sliding_window=getattr(hf, "sliding_window", None)
+        if getattr(hf, "use_sliding_window", True)
+        else None,
+        layers=getattr(hf, "num_hidden_layers", None),
+        heads=getattr(hf, "num_attention_heads", None),
+        d_model=getattr(hf, "hidden_size", None),
+        context=getattr(hf, "max_position_embeddings", None),
+    )
+    return out
+
+
+def linear_shapes(model: Any) -> dict[str, list[int]]:
+    """{layer: [out_features, in_features]} of every linear layer (the LM head included)."""
+    from qbench.quant.apply import is_linear, linear_weight
+
+    return {
+        name: list(linear_weight(module)[0].shape)
+        for name, module in model.named_modules()
+        if is_linear(module)
+    }
+
+
+def _scale_bytes(scheme: Mapping[str, Any]) -> tuple[float, float]:
+    """(bytes per scale block, bytes per tensor) a format stores beside its codes: an E8M0 byte per MX block, an
+    E4M3 byte per NVFP4 block plus one float32 per tensor, a float32 otherwise; an asymmetric grid adds a zero
+    point of the weights' own width per block."""
+    fmt = scheme.get("format") or "int"
+    per_block = 1.0 if fmt.startswith("mxfp") or fmt.startswith("nvfp4") else 4.0
+    per_tensor = 4.0 if fmt.startswith("nvfp4") else 0.0
+    if not scheme.get("weight_symmetric", True):
+        per_block += (scheme.get("weight_bits") or 8) / 8
+    return per_block, per_tensor
+
+
+def weight_bytes(
+    scheme: Mapping[str, Any],
+    shapes: Mapping[str, Sequence[int]],
+    heads: set[str],
+    fp_bytes: int,
+    float_size: int,
+) -> int | None:
+    """The model's nominal storage in a format: each quantised layer's weights at ``weight_bits`` plus its scales
+    (:func:`_scale_bytes`; per tensor, per output channel or per group of the weight granularity), everything else
+    as the float model holds it (``fp_bytes`` − the quantised layers' float weights). Nominal: what the format
+    stores, not what fake quantisation holds in memory (float tensors) nor a kernel's padding."""
+    import fnmatch
+
+    bits = scheme.get("weight_bits")
+    if bits is None or not shapes or not fp_bytes:
+        return None
+    exclude = scheme.get("exclude") or []
+    head = bool(scheme.get("quantize_lm_head"))
+    granularity = scheme.get("weight_granularity") or {}
+    per_block, per_tensor = _scale_bytes(scheme)
+    total = float(fp_bytes)
+    for name, (rows, cols) in shapes.items():
+        if (name in heads and not head) or any(fnmatch.fnmatchcase(name, p) for p in exclude):
+            continue
+        kind = granularity.get("kind")
+        if kind == "per_tensor":
+            blocks = 1
+        elif kind == "per_group":
+            blocks = rows * math.ceil(cols / granularity["group_size"])
+        else:
+            blocks = rows
+        total += rows * cols * (bits / 8 - float_size) + blocks * per_block + per_tensor
+    return round(total)
+
+
+def profile_record(evaluation: Any, fp: dict[str, Any], device: str) -> tuple[dict[str, Any], bool]:
+    """The per-head attention sink, the massive activations' sites and the architecture of the float model, on the
+    float record's outlier windows: read from ``<model>/profile.json`` when it was made for this float record
+    (its ``cell_id``), else computed and written atomically. Returns (record, reused)."""
+    from models.io import atomic_write_json
+    from qbench.eval.harness import environment
+    from qbench.eval.metrics import attention_sink_per_head, massive_activation_sites
+
+    path = profile_path(evaluation.spec.output_path, evaluation.name)
+    try:
+        existing = json.loads(path.read_text())
+    except (OSError, ValueError):
+        existing = None
+    if (
+        isinstance(existing, dict)
+        and existing.get("fp_cell_id") == fp["cell_id"]
+        and existing.get("profile_version") == PROFILE_VERSION
+    ):
+        return existing, True
+    lm, windows = evaluation.lm, evaluation.windows
+    n = evaluation.spec.protocol.outlier_windows
+    start = time.perf_counter()
+    record = {
+        "profile_version": PROFILE_VERSION,
+        "fp_cell_id": fp["cell_id"],
+        "model": fp["model"],
+        "protocol": fp["protocol"],
+        "architecture": architecture(lm),
+        "attention_per_head": attention_sink_per_head(lm.model, windows, n, device=device),
+        "massive_sites": massive_activation_sites(lm.model, windows, lm.tokenizer, n, device=device),
+        "linear_shapes": linear_shapes(lm.model),
+        "env": environment(device),
+        "wall_seconds": 0.0,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    record["wall_seconds"] = round(time.perf_counter() - start, 3)
+    atomic_write_json(path, record)
+    return record, False
+
+
+def speed_record(
+    cfg: CardConfig, lm: Any, fp: dict[str, Any], schemes: Sequence[str]
+) -> dict[str, Any] | None:
+    """The real kernels' whole-model prefill speed-up against float32 (``full`` budget): read from
+    ``<model>/speed.json`` when it exists for these weights, else measured with ``run_speed`` (``full`` only)."""
+    from models.io import atomic_write_json
+    from qbench.quant.apply import real_kernel_problem
+    from qbench.quant.schemes import get_scheme
+
+    path = Path(cfg.output_path) / lm.name / "speed.json"
+    try:
+        existing = json.loads(path.read_text())
+        if existing.get("fingerprint") == fp["model"].get("fingerprint"):
+            return existing
+    except (OSError, ValueError, AttributeError):
+        pass
+    if not cfg.plan.speed:
+        return None
+    from qbench.eval.harness import environment
+    from qbench.studies.speed import run_speed
+
+    real = [s for s in schemes if real_kernel_problem(get_scheme(s)) is None]
+    error = None
+    try:
+        records = run_speed(
+            schemes=real,
+            modes=("real",),
+            peers=False,
+            layer=False,
+            generate=False,
+            ckpt=lm.source,
+            model=None,
+            model_tokens=512,
+            repeats=5,
+            device=cfg.device,
+        )
+    except (UserError, RuntimeError, ValueError) as e:  # a model the speed study cannot load: no speed-ups
+        records, error = [], f"{type(e).__name__}: {e}"
+    record = {
+        "fingerprint": fp["model"].get("fingerprint"),
+        "error": error,
+        "what": "whole-model prefill of 512 tokens, real kernels vs float32 (qbench.studies.speed.run_speed)",
+        "records": records,
+        "env": environment(cfg.device),
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    atomic_write_json(path, record)
+    return record
+
+
+def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any]:
+    """Evaluate (or reuse) every cell of the card for each model, then build it and write card.json/.md/.html."""
+    from qbench.eval.adapters import context_length
+    from qbench.eval.harness import ModelEvaluation, cell_record, run_grid
+    from qbench.eval.load import load_model
+
+    progress = progress or Progress()
+    validate(cfg)
+    plan = cfg.plan
+    start = time.perf_counter()
+    per_model: list[dict[str, Any]] = []
+    count = {"n": 0}  # cells announced to the progress bar, over all models
+    names: dict[str, str] = {}
+    for model in cfg.models:
+        lm = load_model(
+            model,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            trust_remote_code=cfg.trust_remote_code,
+            allow_unsafe_weights=cfg.allow_unsafe_weights,
+        )
+        if names.setdefault(lm.name, lm.source) != lm.source:
+            raise UserError(
+                f"two models are both named {lm.name!r} ({names[lm.name]} and {lm.source}): their records would "
+                f"share {Path(cfg.output_path) / lm.name}/; rename one folder"
+            )
+        count["n"] += planned_cells(cfg)
+        progress.total(count["n"])
+        spec = _spec(cfg, model, list(plan.formats))
+        evaluation = ModelEvaluation(spec, model, lm=lm)
+        evaluation.check()
+        fp = evaluation.fp_record()
+        progress.cell(fp, evaluation.fp_reused)
+        progress.estimate(planned_cells(cfg), fp.get("eval_seconds") or 0.0, lm.name)
+        profile, _ = profile_record(evaluation, fp, cfg.device)
+        formats = []
+        for scheme in plan.formats:
+            record, reused = cell_record(spec, evaluation, scheme, "fake")
+            formats.append(record)
+            progress.cell(record, reused)
+        window = cfg.window or context_length(lm.model)
+        kv = []
+        for config in kv_configs(cfg, window):
+            kv_spec = _spec(cfg, model, ["fp"], kv=config)
+            seen: list[bool] = []
+            records = run_grid(kv_spec, lambda r, reused, seen=seen: seen.append(reused), loaded={model: lm})
+            kv.append(records[-1])
+            progress.cell(records[-1], seen[-1])
+        sweep = None
+        if plan.sweep_families:
+            from qbench.studies.sweep import run_sweep
+
+            on_sweep = _new_cells_only(progress, {r["cell_id"] for r in [fp, *formats]})
+            sweep = run_sweep(
+                sweep_config(cfg, model), on_record=on_sweep, command=cfg.command, loaded={model: lm}
+            )
+        sensitivity = None
+        first_bad = next((r for r in formats if r["status"] == "ok" and not _within(r, cfg.tolerance)), None)
+        if first_bad is not None:
+            sensitivity = _sensitivity(cfg, lm, first_bad["scheme"]["name"], progress, count)
+        speed = speed_record(cfg, lm, fp, plan.formats)
+        per_model.append(
+            {
+                "fp": fp,
+                "profile": profile,
+                "formats": formats,
+                "kv": kv,
+                "sweep": sweep,
+                "sensitivity": sensitivity,
+                "speed": speed,
+                "source": lm.source,
+                "paths": _stored_paths(Path(cfg.output_path), [fp, *formats, *kv]),
+            }
+        )
+    sweeps = [m["sweep"] for m in per_model if m["sweep"]]
+    # one run_sweep per model (one model in memory at a time); DIR/sweep.json then holds them all
+    if len(sweeps) > 1:
+        from qbench.studies.sweep import write_outputs
+
+        merged = {
+            **sweeps[-1],
+            "models": {k: v for s in sweeps for k, v in s["models"].items()},
+            "cells": [c for s in sweeps for c in s["cells"]],
+            "breaking_points": [p for s in sweeps for p in s["breaking_points"]],
+        }
+        write_outputs(merged, Path(cfg.output_path))
+    card = build_card(
+        per_model,
+        settings={
+            "budget": plan.name,
+            "budget_contents": plan.describe(),
+            "tolerance_pct": cfg.tolerance,
+            "command": cfg.command,
+            "seed": cfg.seed,
+            "output_path": str(cfg.output_path),
+            "wall_seconds": round(time.perf_counter() - start, 3),
+        },
+    )
+    write_card(card, Path(cfg.output_path))
+    return card
+
+
+def _stored_paths(out: Path, records: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """{cell_id: the record's file relative to ``out``}: the card names the record behind each row."""
+    from qbench.eval.harness import stored_path
+
+    return {r["cell_id"]: str(stored_path(out, r).relative_to(out)) for r in records}
+
+
+def _new_cells_only(progress: Progress, seen: set[str]) -> Callable[[dict[str, Any], bool], None]:
+    """The sweep's ``on_record``: its float record and the cells that are also formats were counted already."""
+
+    def on_record(record: dict[str, Any], reused: bool) -> None:
+        if record["cell_id"] not in seen:
+            seen.add(record["cell_id"])
+            progress.cell(record, reused)
+
+    return on_record
+
+
+def _sensitivity(cfg: CardConfig, lm: Any, scheme: str, progress: Progress, count: dict[str, int]) -> dict:
+    """``qbench sensitivity``'s map and repair of ``scheme`` (by the budget's unit), in
+    ``DIR/sensitivity/<model>/<scheme>/`` with its cells under ``cells/``."""
+    from qbench.studies.sensitivity import sensitivity, write_sensitivity
+
+    out = Path(cfg.output_path) / "sensitivity" / lm.name / _slug(scheme)
+    spec = _spec(cfg, lm.source, [scheme], attention=False)
+    spec.output_path = out / "cells"
+    repairs = {"seen": 0}
+
+    def on_units(n: int) -> None:
+        count["n"] += n + 1  # the units, and the repair's first set (the rest are known one at a time)
+        progress.total(count["n"])
+
+    def on_cell(phase: str, record: dict[str, Any], reused: bool) -> None:
+        if phase == "repair":
+            repairs["seen"] += 1
+            if repairs["seen"] > 1:
+                count["n"] += 1
+                progress.total(count["n"])
+        progress.cell(record, reused)
+
+    result = sensitivity(
+        spec,
+        by=cfg.plan.sensitivity_by,
+        tolerance=cfg.tolerance,
+        on_cell=on_cell,
+        on_units=on_units,
+        lm=lm,
+    )
+    command = cfg.command or "qbench card"
+    write_sensitivity(result, out, command)
+    return {**result, "output": str(out)}
+
+
+def _within(record: Mapping[str, Any], tolerance: float) -> bool:
+    from qbench.studies.sweep import within_tolerance
+
+    return record.get("status") == "ok" and within_tolerance(record["metrics"]["ppl_change_pct"], tolerance)
+
+
+# ----------------------------------------------------------------------------------------------- building
+
+
+def _metric_info(key: str) -> dict[str, str]:
+    m = BY_KEY[key]
+    return {"label": m.label, "definition": m.definition, "unit": m.unit, "better": m.better}
+
+
+def _stat_for(scheme: Mapping[str, Any]) -> str:
+    """Which float statistic explains a format's damage: int8 outputs see the residual stream's max |activation|
+    (``max_abs``), one activation scale per tensor sees the linear inputs' crest factor (``input_crest``), a
+    weight-only format its weights' crest factor (``weight_crest``)."""
+    if scheme.get("out_bits") is not None:
+        return "max_abs"
+    granularity = (scheme.get("act_granularity") or {}).get("kind")
+    if scheme.get("act_bits") is not None and granularity == "per_tensor":
+        return "input_crest"
+    if scheme.get("act_bits") is not None:
+        return "input_kurtosis"
+    return "weight_crest"
+
+
+def _stat_value(key: str, fp: Mapping[str, Any]) -> tuple[float | None, str | None]:
+    """The float record's value of ``key`` (the worst layer for per-layer statistics) and where it is."""
+    if key == "max_abs":
+        per_layer = (fp.get("outliers_per_layer") or {}).get("max_abs") or []
+        where = f"block {per_layer.index(max(per_layer))} output" if per_layer else None
+        return fp["outliers"].get("max_abs"), where
+    layers = {
+        name: v
+        for name, v in ((fp.get("linear_ranges") or {}).get("per_layer") or {}).items()
+        if not v["lm_head"]
+    }
+    values = {name: v.get(key) for name, v in layers.items() if v.get(key) is not None}
+    if not values:
+        return None, None
+    worst = max(values, key=values.get)
+    return values[worst], worst
+
+
+def _change(record: Mapping[str, Any]) -> float | None:
+    return record["metrics"]["ppl_change_pct"] if record.get("status") == "ok" else None
+
+
+def _record_ref(record: Mapping[str, Any], paths: Mapping[str, str] | None) -> str | None:
+    """Where ``record`` is stored, relative to the output path (``run_card`` collects them)."""
+    return (paths or {}).get(record.get("cell_id") or "")
+
+
+def _format_row(
+    record: Mapping[str, Any],
+    fp: Mapping[str, Any],
+    profile: Mapping[str, Any],
+    tolerance: float,
+    speed: Mapping[str, Any] | None,
+    out: Mapping[str, str] | None,
+) -> dict[str, Any]:
+    from qbench.studies.sweep import within_tolerance
+
+    heads = {
+        n for n, v in ((fp.get("linear_ranges") or {}).get("per_layer") or {}).items() if v.get("lm_head")
+    }
+    float_size = 2 if (fp["protocol"].get("dtype") or "float32") in ("bfloat16", "float16") else 4
+    nominal = weight_bytes(
+        record["scheme"], profile.get("linear_shapes") or {}, heads, fp.get("model_bytes") or 0, float_size
+    )
+
+    scheme = record["scheme"]
+    name = scheme["name"]
+    fmt = FORMAT_BY_SCHEME.get(name) or next(
+        (f for f in FORMATS if _canonical(f.scheme) == name), Format(name, name)
+    )
+    change = _change(record)
+    speedup = None
+    if speed:
+        speedup = next(
+            (
+                r.get("speedup")
+                for r in speed.get("records", [])
+                if r.get("kind") == "model"
+                and r.get("scheme") is not None
+                and _canonical(r["scheme"]) == name
+                and r.get("mode") == "real"
+                and not r.get("error")
+            ),
+            None,
+        )
+    return {
+        "label": fmt.label,
+        "scheme": name,
+        "scheme_label": scheme.get("label"),
+        "note": fmt.note,
+        "status": record.get("status"),
+        "error": record.get("error"),
+        "perplexity": record["metrics"]["perplexity"],
+        "ppl_change_pct": change,
+        "within_tolerance": within_tolerance(change, tolerance) if record.get("status") == "ok" else False,
+        "weight_bytes": nominal,
+        "bytes_vs_fp": nominal / fp["model_bytes"] if nominal and fp.get("model_bytes") else None,
+        "weight_bits": scheme.get("weight_bits"),
+        "speedup": speedup,
+        "statistic": _stat_for(scheme),
+        "record": _record_ref(record, out),
+        "cell_id": record.get("cell_id"),
+    }
+
+
+def _canonical(name: str) -> str:
+    try:
+        from qbench.quant.schemes import get_scheme
+
+        return get_scheme(name).name
+    except UserError:
+        return name
+
+
+def _kv_rows(
+    kv: Sequence[Mapping[str, Any]], tolerance: float, out: Mapping[str, str] | None
+) -> dict[str, Any]:
+    from qbench.studies.sweep import breaking_point, within_tolerance
+
+    rows = []
+    for r in kv:
+        block = r.get("kv") or {}
+        change = _change(r)
+        rows.append(
+            {
+                "bits": block.get("bits"),
+                "keep_sinks": block.get("keep_sinks", 0),
+                "label": block.get("label"),
+                "scheme": block.get("scheme"),
+                "perplexity": r["metrics"]["perplexity"],
+                "ppl_change_pct": change,
+                "status": r.get("status"),
+                "within_tolerance": within_tolerance(change, tolerance) if r.get("status") == "ok" else False,
+                "record": _record_ref(r, out),
+            }
+        )
+    points = {}
+    for keep in sorted({row["keep_sinks"] for row in rows}):
+        curve = {row["bits"]: row["ppl_change_pct"] for row in rows if row["keep_sinks"] == keep}
+        points["kv" if not keep else f"kv-keep-sinks{keep}"] = {
+            "bits": breaking_point(curve, tolerance),
+            "lowest_swept": min(curve) if curve else None,
+        }
+    scheme = next((row["scheme"] for row in rows), None)
+    options = next(((r.get("kv") or {}) for r in kv), {})
+    return {"scheme": scheme, "options": options, "rows": rows, "breaking_points": points}
+
+
+def _breaking_points(
+    sweep: Mapping[str, Any] | None, model: str, kv: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    from qbench.studies.sweep import format_breaking_point
+
+    out = []
+    if sweep:
+        curves: dict[tuple[str, str], dict[int, Any]] = {}
+        for c in sweep["cells"]:
+            if c["model"] == model:
+                curves.setdefault((c["family"], c["axis"]), {})[c["bits"]] = {
+                    "ppl_change_pct": c["ppl_change_pct"] if c["status"] == "ok" else None,
+                    "ppl_ratio": c["ppl_ratio"] if c["status"] == "ok" else None,
+                    "status": c["status"],
+                }
+        for p in sweep["breaking_points"]:
+            if p["model"] == model:
+                curve = curves.get((p["family"], p["axis"]), {})
+                out.append(
+                    {
+                        "family": p["family"],
+                        "axis": p["axis"],
+                        "bits": p["bits"],
+                        "text": format_breaking_point(p),
+                        "curve": {str(b): curve[b] for b in sorted(curve, reverse=True)},
+                    }
+                )
+    for axis, p in kv["breaking_points"].items():
+        entry = {"bits": p["bits"], "lowest_swept": p["lowest_swept"]}
+        text = format_breaking_point(entry) if p["lowest_swept"] is not None else "-"
+        curve = {
+            str(row["bits"]): {"ppl_change_pct": row["ppl_change_pct"], "status": row["status"]}
+            for row in kv["rows"]
+            if ("kv" if not row["keep_sinks"] else f"kv-keep-sinks{row['keep_sinks']}") == axis
+        }
+        out.append({"family": "fp", "axis": axis, "bits": p["bits"], "text": text, "curve": curve})
+    return out
+
+
+def _outlier_profile(fp: Mapping[str, Any], profile: Mapping[str, Any]) -> dict[str, Any]:
+    massive = fp.get("massive_activations") or {}
+    sites = {s["layer"]: s for s in profile.get("massive_sites") or []}
+    per_layer = fp.get("outliers_per_layer") or {}
+    layers = []
+    for i, _ in enumerate(per_layer.get("max_abs") or []):
+        m = next((x for x in massive.get("layers", []) if x["layer"] == i), {})
+        s = sites.get(i, {})
+        layers.append(
+            {
+                "layer": i,
+                "kurtosis_first": per_layer["kurtosis_first"][i],
+                "kurtosis_other": per_layer["kurtosis_other"][i],
+                "max_abs": per_layer["max_abs"][i],
+                "max_abs_first": per_layer["max_abs_first"][i],
+                "max_abs_other": per_layer["max_abs_other"][i],
+                "massive_count": m.get("count", 0),
+                "massive_channels": m.get("channels", []),
+                "massive_positions": s.get("positions", []),
+                "massive_position_kinds": m.get("positions", {}),
+                "massive_sites": s.get("sites", []),
+                "median_abs": m.get("median"),
+                "top": m.get("top", []),
+            }
+        )
+    linear = [
+        {
+            "name": name,
+            "lm_head": v["lm_head"],
+            "input_crest": v.get("input_crest"),
+            "input_kurtosis": v.get("input_kurtosis"),
+            "input_absmax": v.get("input_absmax"),
+            "input_int8_sqnr_db": v.get("input_int8_sqnr_db"),
+            "weight_crest": v.get("weight_crest"),
+        }
+        for name, v in ((fp.get("linear_ranges") or {}).get("per_layer") or {}).items()
+    ]
+    o = fp["outliers"]
+    ranked = sorted((x for x in linear if x["input_crest"] is not None), key=lambda x: -x["input_crest"])
+    return {
+        "summary": {
+            "kurtosis_first": o.get("kurtosis_first"),
+            "kurtosis_other": o.get("kurtosis_other"),
+            "max_abs": o.get("max_abs"),
+            "first_token_top1_share": o.get("first_token_top1_share"),
+            "first_token_mass": o.get("first_token_mass"),
+            "massive_total": massive.get("total"),
+            "max_input_crest": (fp.get("linear_ranges") or {}).get("max_input_crest"),
+            "max_weight_crest": (fp.get("linear_ranges") or {}).get("max_weight_crest"),
+        },
+        "massive_threshold": massive.get("threshold"),
+        "windows": o.get("windows"),
+        "layers": layers,
+        "linear": linear,
+        "linear_worst": [
+            x["name"] for x in ranked[:LINEAR_TABLE_ROWS]
+        ],  # the tables' rows; the figure has all
+    }
+
+
+def _sensitivity_section(
+    sens: Mapping[str, Any] | None,
+    fp: Mapping[str, Any],
+    source: str,
+    settings: Mapping[str, Any],
+    k: int = 5,
+) -> dict[str, Any] | None:
+    if not sens:
+        return None
+    r = sens["repair"]
+    p = fp["protocol"]
+    scheme = sens["scheme"]["name"]
+    q = shlex.quote
+    options = [
+        f"--ckpt {q(str(source))}",
+        f"--scheme {q(scheme)}",
+        *(f"--exclude {q(n)}" for n in r["exclude"]),
+        f"--data {q(p['corpus'])}",
+        *([f"--split {p['split']}"] if p.get("split") != "validation" else []),
+        f"--tokens {p['tokens']}",
+        f"--window {p['window']}",
+        *([] if p.get("bos", True) else ["--no-bos"]),
+        *([f"--batch-size {p['batch_size']}"] if p.get("batch_size", 8) != 8 else []),
+        *([f"--dtype {p['dtype']}"] if (p.get("dtype") or "float32") != "float32" else []),
+        f"--seed {settings.get('seed', 0)}",
+        f"--output-path {q(str(settings.get('output_path')))}",
+    ]
+    command = "qbench run " + " ".join(options)
+    return {
+        "scheme": scheme,
+        "by": sens["by"],
+        "output": sens.get("output"),
+        "top": [
+            {
+                key: u.get(key)
+                for key in (
+                    "name",
+                    "ppl",
+                    "ppl_change_pct",
+                    "status",
+                    "input_crest",
+                    "input_kurtosis",
+                    "max_abs",
+                    "weight_crest",
+                )
+            }
+            for u in sens["units"][:k]
+        ],
+        "units": len(sens["units"]),
+        "correlation": sens["correlation"],
+        "repair": {
+            "reached": r["reached"],
+            "exclude": r["exclude"],
+            "count": r["count"],
+            "weight_share_float": r["weight_share_float"],
+            "quantised_ppl_change_pct": r["quantised_ppl_change_pct"],
+            "ppl": r["ppl"],
+            "ppl_change_pct": r["ppl_change_pct"],
+            "tolerance_pct": r["tolerance_pct"],
+        },
+        "command": command,
+    }
+
+
+def _verdict(
+    formats: Sequence[Mapping[str, Any]],
+    outliers: Mapping[str, Any],
+    fp: Mapping[str, Any],
+    sens: Mapping[str, Any] | None,
+    tolerance: float,
+) -> dict[str, Any]:
+    """Generated from the rows: the smallest format within tolerance (fewest model bytes; ties: smaller change),
+    the format to avoid (the largest change, or a failed one) with the float statistic its quantiser is exposed
+    to, and the measured repair."""
+    ok = [f for f in formats if f["within_tolerance"] and f["weight_bytes"]]
+    smallest = min(ok, key=lambda f: (f["weight_bytes"], f["ppl_change_pct"])) if ok else None
+    ran = [f for f in formats if f["status"] in ("ok", "nonfinite")]
+    worst = (
+        max(ran, key=lambda f: math.inf if f["ppl_change_pct"] is None else f["ppl_change_pct"])
+        if ran
+        else None
+    )
+    avoid = None
+    if worst is not None and not worst["within_tolerance"]:
+        key = worst["statistic"]
+        value, where = _stat_value(key, fp)
+        avoid = {
+            "label": worst["label"],
+            "scheme": worst["scheme"],
+            "ppl_change_pct": worst["ppl_change_pct"],
+            "status": worst["status"],
+            "statistic": key,
+            "statistic_label": BY_KEY[key].label,
+            "statistic_definition": BY_KEY[key].definition,
+            "value": value,
+            "where": where,
+        }
+    repair = None
+    if sens:
+        repair = {"scheme": sens["scheme"], **sens["repair"], "command": sens["command"]}
+    lines = []
+    if smallest:
+        lines.append(
+            f"Smallest format within {tolerance:g} %: {smallest['label']} (`{smallest['scheme']}`), "
+            f"{_pct(smallest['ppl_change_pct'])}, {_bytes(smallest['weight_bytes'])}"
+            + (f" ({smallest['bytes_vs_fp']:.0%} of float)" if smallest["bytes_vs_fp"] else "")
+            + "."
+        )
+    else:
+        lines.append(f"No format measured stays within {tolerance:g} %.")
+    if avoid:
+        stat = "-" if avoid["value"] is None else f"{avoid['value']:.3g}"
+        lines.append(
+            f"Avoid {avoid['label']} (`{avoid['scheme']}`): "
+            + ("NaN/inf" if avoid["ppl_change_pct"] is None else _pct(avoid["ppl_change_pct"]))
+            + f"; its quantiser sees {avoid['statistic_label']} = {stat}"
+            + (f" at {avoid['where']}" if avoid["where"] else "")
+            + f" ({avoid['statistic_definition']})."
+        )
+    else:
+        lines.append(f"Every format measured stays within {tolerance:g} %.")
+    if repair:
+        state = "within" if repair["reached"] else "still NOT within"
+        lines.append(
+            f"Repair of `{repair['scheme']}`: keep {repair['count']} unit(s) in float "
+            f"({repair['weight_share_float']:.1%} of the quantised weights): "
+            f"{_pct(repair['quantised_ppl_change_pct'])} → {_pct(repair['ppl_change_pct'])} ({state} tolerance); "
+            f"`{repair['command']}`."
+        )
+    return {
+        "recommended": None
+        if smallest is None
+        else {k: smallest[k] for k in ("label", "scheme", "ppl_change_pct", "weight_bytes", "bytes_vs_fp")},
+        "avoid": avoid,
+        "repair": repair,
+        "lines": lines,
+    }
+
+
+def _pct(x: float | None) -> str:
+    return "NaN" if x is None else f"{x:+.2f} %"
+
+
+def _bytes(n: int | None) -> str:
+    if not n:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The card: a pure function of the records (see the module docstring); ``per_model`` entries hold ``fp``,
+    ``profile``, ``formats``, ``kv`` (records), ``sweep`` (``run_sweep``'s result or None), ``sensitivity``
+    (the study's result or None), ``speed`` (the speed record or None) and ``source`` (what ``--ckpt`` named)."""
+    tolerance = settings["tolerance_pct"]
+    models = []
+    for entry in per_model:
+        fp, profile = entry["fp"], entry["profile"]
+        out = entry.get("paths")
+        p = fp["protocol"]
+        formats = [_format_row(r, fp, profile, tolerance, entry.get("speed"), out) for r in entry["formats"]]
+        kv = _kv_rows(entry["kv"], tolerance, out)
+        outliers = _outlier_profile(fp, profile)
+        sens = _sensitivity_section(entry.get("sensitivity"), fp, entry["source"], settings)
+        models.append(
+            {
+                "name": fp["model"]["name"],
+                "source": entry["source"],
+                "identity": {
+                    "kind": fp["model"].get("kind"),
+                    "path": fp["model"].get("path"),
+                    "fingerprint": fp["model"].get("fingerprint"),
+                    "dtype": fp["model"].get("dtype"),
+                    # a GGUF's weights already lie on its grid (Q8_0, Q4_K…): each cell quantises them again
+                    "gguf": fp["model"].get("gguf"),
+                    **profile["architecture"],
+                },
+                "protocol": {
+                    "corpus": p["corpus"],
+                    "split": p["split"],
+                    "tokens": p["tokens"],
+                    "tokens_scored": p["tokens_scored"],
+                    "window": p["window"],
+                    "windows": p["windows"],
+                    "start_token": "<|endoftext|> (BOS) opens every window"
+                    if p["bos"]
+                    else "none (--no-bos)",
+                    "bos": p["bos"],
+                    "tokenizer_fingerprint": p.get("tokenizer_fingerprint"),
+                    "dtype": p.get("dtype"),
+                    "outlier_windows": p.get("outlier_windows"),
+                    "seed": settings.get("seed"),
+                },
+                "fp": {
+                    "perplexity": fp["metrics"]["perplexity"],
+                    "model_bytes": fp.get("model_bytes"),
+                    "eval_seconds": fp.get("eval_seconds"),
+                    "record": _record_ref(fp, out),
+                    "cell_id": fp.get("cell_id"),
+                },
+                "env": fp.get("env"),
+                "outliers": outliers,
+                "attention": profile["attention_per_head"],
+                "formats": formats,
+                "kv": kv,
+                "breaking_points": _breaking_points(entry.get("sweep"), fp["model"]["name"], kv),
+                "sensitivity": sens,
+                "speed_measured": bool(entry.get("speed")),
+                "verdict": _verdict(formats, outliers, fp, sens, tolerance),
+            }
+        )
+    card = {
+        "card_version": CARD_VERSION,
+        **settings,
+        "metrics": {
+            key: _metric_info(key)
+            for key in (
+                "perplexity",
+                "ppl_change_pct",
+                "kurtosis_first",
+                "kurtosis_other",
+                "max_abs",
+                "first_token_top1_share",
+                "first_token_mass",
+                "input_crest",
+                "input_kurtosis",
+                "input_absmax",
+                "weight_crest",
+            )
+        },
+        "models": models,
+        "comparison": _comparison(models, tolerance) if len(models) > 1 else None,
+        "env": models[0]["env"] if models else None,  # each model's own record says what made it
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    return card
+
+
+def _least(values: Mapping[str, float]) -> str | None:
+    """The one model with the smallest value; None on a tie."""
+    best = min(values.values(), default=None)
+    winners = [k for k, v in values.items() if v == best]
+    return winners[0] if len(winners) == 1 else None
+
+
+def _more_robust_change(values: Mapping[str, float | None], tolerance: float) -> str | None:
+    """The model a perplexity change hurts least: a decrease counts as no damage (noise), a failed or missing cell
+    as the worst; None when every model stays within the tolerance (nothing to choose) or on a tie."""
+    from qbench.studies.sweep import within_tolerance
+
+    if all(within_tolerance(v, tolerance) for v in values.values()):
+        return None
+    return _least({k: math.inf if v is None else max(v, 0.0) for k, v in values.items()})
+
+
+def _comparison(models: Sequence[Mapping[str, Any]], tolerance: float) -> list[dict[str, Any]]:
+    """The same rows side by side. ``more_robust``: for a format or KV row the model with the smaller damage
+    (:func:`_more_robust_change`), for a breaking point the lower one (``none`` is the worst), for a float
+    statistic whose registry direction is ``lower`` the lower value; None when nothing tells them apart."""
+    rows = []
+
+    def row(section: str, label: str, scheme: str | None, values: dict, more_robust: str | None) -> None:
+        rows.append(
+            {"section": section, "row": label, "scheme": scheme, "values": values, "more_robust": more_robust}
+        )
+
+    for scheme in dict.fromkeys(f["scheme"] for m in models for f in m["formats"]):
+        found = {m["name"]: next((f for f in m["formats"] if f["scheme"] == scheme), None) for m in models}
+        values = {k: None if f is None else f["ppl_change_pct"] for k, f in found.items()}
+        label = next(f["label"] for f in found.values() if f is not None)
+        row("formats", label, scheme, values, _more_robust_change(values, tolerance))
+    for bits, keep in dict.fromkeys((r["bits"], r["keep_sinks"]) for m in models for r in m["kv"]["rows"]):
+        values = {
+            m["name"]: next(
+                (
+                    r["ppl_change_pct"]
+                    for r in m["kv"]["rows"]
+                    if (r["bits"], r["keep_sinks"]) == (bits, keep)
+                ),
+                None,
+            )
+            for m in models
+        }
+        label = f"KV {bits} bit" + (f", {keep} sink(s) kept" if keep else "")
+        row("kv", label, None, values, _more_robust_change(values, tolerance))
+    for family, axis in dict.fromkeys((b["family"], b["axis"]) for m in models for b in m["breaking_points"]):
+        found = {
+            m["name"]: next(
+                (x for x in m["breaking_points"] if (x["family"], x["axis"]) == (family, axis)), None
+            )
+            for m in models
+        }
+        bits = {k: math.inf if b is None or b["bits"] is None else b["bits"] for k, b in found.items()}
+        values = {k: None if b is None else b["text"] for k, b in found.items()}
+        row("breaking points", f"break {family} {axis}", None, values, _least(bits))
+    for key in ("kurtosis_first", "kurtosis_other", "max_abs", "first_token_top1_share"):
+        values = {m["name"]: m["outliers"]["summary"].get(key) for m in models}
+        known = {k: v for k, v in values.items() if v is not None}
+        lower = BY_KEY[key].better == "lower" and len(known) == len(values)
+        row("outliers", BY_KEY[key].label, None, values, _least(known) if lower else None)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------- writing
+
+
+def write_card(card: Mapping[str, Any], out: Path) -> dict[str, Path]:
+    """card.json, card.md and card.html (figures inline; PNG copies beside for card.md), each atomically."""
+    from models.io import atomic_write_json, atomic_write_text
+    from qbench.studies import card_render
+
+    out = Path(out)
+    figures = card_render.figures(card)
+    paths = {"json": out / "card.json", "md": out / "card.md", "html": out / "card.html"}
+    from models.io import atomic_write_bytes
+
+    for name, png in figures.items():
+        atomic_write_bytes(out / f"card-{name}.png", png)
+    atomic_write_json(paths["json"], card)
+    atomic_write_text(paths["md"], card_render.markdown(card, {n: f"card-{n}.png" for n in figures}))
+    atomic_write_text(paths["html"], card_render.html(card, figures))
+    return paths
+
+
+def read_card(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    return json.loads((path / "card.json" if path.is_dir() else path).read_text())
+
+
+__all__ = [
+    "BUDGETS",
+    "FORMATS",
+    "Budget",
+    "CardConfig",
+    "Progress",
+    "build_card",
+    "run_card",
+    "write_card",
+]

@@ -1,0 +1,560 @@
+"""The card's renderers: markdown, one self-contained HTML page, and the figures — all from the dict that
+``qbench.studies.card.build_card`` made. They format and draw; they compute no number.
+
+The HTML page has its styles inline and its figures as base64 PNGs, loads nothing from the network, needs no
+JavaScript and prints. Every key number sits in an element with ``data-key`` (its path in card.json, dotted) and
+``data-value`` (the value as JSON), so a test — or a reader — can check the page against card.json.
+"""
+
+from __future__ import annotations
+
+import base64
+import html as _html
+import io
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+# ------------------------------------------------------------------------------------------------- formatting
+
+
+def _pct(x: float | None) -> str:
+    return "NaN" if x is None else f"{x:+.2f} %"
+
+
+def _num(x: Any, spec: str = ".3g") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int | float):
+        return format(x, spec) if abs(x) < 1e4 else f"{x:,.0f}"
+    return str(x)
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _bytes(n: int | None) -> str:
+    if not n:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1024 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(n)
+
+
+def _status(row: Mapping[str, Any]) -> str:
+    if row.get("status") == "ok":
+        return "✓" if row.get("within_tolerance") else "✗"
+    return row.get("status") or "-"
+
+
+# ---------------------------------------------------------------------------------------------------- figures
+
+
+def _png(fig: Any) -> bytes:
+    from qbench.studies.plots import _pyplot
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight", metadata={"Software": None})
+    _pyplot().close(fig)
+    return buf.getvalue()
+
+
+def figures(card: Mapping[str, Any]) -> dict[str, bytes]:
+    """{name: PNG bytes}: per model its outlier profile and attention-sink heatmap; one breaking-point figure."""
+    from qbench.studies.plots import _pyplot
+
+    plt = _pyplot()
+    out: dict[str, bytes] = {}
+    for i, m in enumerate(card["models"]):
+        layers = m["outliers"]["layers"]
+        linear = [x for x in m["outliers"]["linear"] if x["input_crest"] is not None]
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+        xs = [x["layer"] for x in layers]
+        axes[0].plot(xs, [x["kurtosis_first"] for x in layers], "o-", label="first token")
+        axes[0].plot(xs, [x["kurtosis_other"] for x in layers], "s-", label="other tokens")
+        axes[0].axhline(3, color="grey", ls=":", lw=1)
+        axes[0].set(title="raw kurtosis per block output (Gaussian: 3)", xlabel="block", yscale="log")
+        axes[0].legend(fontsize=8)
+        axes[1].plot(xs, [x["max_abs"] for x in layers], "o-", color="C3", label="max |activation|")
+        axes[1].axhline(100, color="grey", ls=":", lw=1)
+        for x in layers:
+            if x["massive_count"]:
+                axes[1].annotate(f"{x['massive_count']} massive", (x["layer"], x["max_abs"]), fontsize=7)
+        axes[1].set(title="max |activation| (dotted: 100)", xlabel="block", yscale="log")
+        for ax in axes[:2]:
+            ax.set_xticks(xs)
+        axes[2].barh(range(len(linear)), [x["input_crest"] for x in linear], color="C2")
+        if len(linear) <= 40:
+            axes[2].set_yticks(range(len(linear)), [x["name"] for x in linear], fontsize=6)
+        else:  # too many to name: the worst few are named beside their bars
+            for k, x in enumerate(linear):
+                if x["name"] in m["outliers"]["linear_worst"][:3]:
+                    axes[2].annotate(x["name"], (x["input_crest"], k), fontsize=6)
+            axes[2].set_ylabel("linear layer (model order)")
+        axes[2].invert_yaxis()
+        axes[2].set(title="linear input crest factor max|x|/RMS", xscale="log")
+        fig.suptitle(f"{m['name']}: outlier profile", fontsize=10)
+        fig.tight_layout()
+        out[f"outliers-{i}"] = _png(fig)
+
+        att = m["attention"]
+        fig, axes = plt.subplots(1, 2, figsize=(9, 0.35 * max(len(att["top1_share"]), 4) + 1.5))
+        for ax, key, title in (
+            (axes[0], "top1_share", "first-token top-1 share"),
+            (axes[1], "mass", "mean weight on key 0"),
+        ):
+            grid = att[key]
+            image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+            ax.set(title=title, xlabel="head", ylabel="layer")
+            ax.set_xticks(range(max((len(r) for r in grid), default=0)))
+            ax.set_yticks(range(len(grid)))
+            for r, row in enumerate(grid):
+                for c, v in enumerate(row):
+                    ax.text(
+                        c, r, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w" if v < 0.6 else "k"
+                    )
+            fig.colorbar(image, ax=ax, fraction=0.046)
+        fig.suptitle(f"{m['name']}: attention sink per layer and head", fontsize=10)
+        fig.tight_layout()
+        out[f"attention-{i}"] = _png(fig)
+
+    curves = [(m["name"], b) for m in card["models"] for b in m["breaking_points"] if b["curve"]]
+    if curves:
+        axes_names = list(dict.fromkeys(f"{b['family']} {b['axis']}" for _, b in curves))
+        fig, panels = plt.subplots(
+            1, len(axes_names), figsize=(3.2 * len(axes_names) + 1, 3.2), squeeze=False
+        )
+        panel = dict(zip(axes_names, panels[0], strict=True))
+        models = list(dict.fromkeys(name for name, _ in curves))
+        for name, b in curves:
+            bits = [int(k) for k in b["curve"]]
+            ys = [v["ppl_change_pct"] for v in b["curve"].values()]
+            ax = panel[f"{b['family']} {b['axis']}"]
+            ax.plot(
+                bits,
+                [math.nan if y is None else y for y in ys],
+                "o-",
+                ms=3,
+                color=f"C{models.index(name)}",
+                label=name,
+            )
+        for title, ax in panel.items():
+            ax.axhline(card["tolerance_pct"], color="grey", ls=":", lw=1)
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("bits")
+            ax.set_yscale("symlog", linthresh=1)
+            ax.invert_xaxis()
+        panels[0][0].set_ylabel(f"perplexity change % (dotted: {card['tolerance_pct']:g} %)")
+        panels[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        out["breaking-points"] = _png(fig)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- markdown
+
+
+def _md_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _sections(
+    card: Mapping[str, Any], m: Mapping[str, Any]
+) -> list[tuple[str, list[str], list[list[str]], str]]:
+    """(title, headers, rows, caption) of one model's tables: the one source both renderers format."""
+    tol = card["tolerance_pct"]
+    ident, p = m["identity"], m["protocol"]
+    identity = [
+        ["model", m["name"]],
+        ["source", str(m["source"])],
+        ["kind", _num(ident.get("kind"))],
+        ["parameters", _num(ident.get("parameters"), ",")],
+        [
+            "layers × heads × width",
+            f"{_num(ident.get('layers'))} × {_num(ident.get('heads'))} × {_num(ident.get('d_model'))}",
+        ],
+        ["attention", _num(ident.get("attention"))],
+        ["norm", f"{_num(ident.get('norm'))} ({_num(ident.get('norm_position'))})"],
+        ["positions", _num(ident.get("positions"))],
+        ["tied LM head", _num(ident.get("tied_head"))],
+        ["sliding window", _num(ident.get("sliding_window"))],
+        ["corpus", f"{p['corpus']}/{p['split']}"],
+        ["tokens scored", f"{p['tokens_scored']:,} (budget {p['tokens']:,})"],
+        ["window", f"{p['window']} ({p['windows']} windows)"],
+        ["start token", p["start_token"]],
+        ["dtype, seed", f"{p.get('dtype')}, {p.get('seed')}"],
+        ["float perplexity", _num(m["fp"]["perplexity"], ".4f")],
+        ["fingerprint", str(ident.get("fingerprint"))[:16]],
+    ]
+    if ident.get("gguf"):
+        types = ", ".join(f"{k} {v}" for k, v in (ident["gguf"].get("tensor_types") or {}).items())
+        identity.append(["GGUF tensors", f"{types} (every cell quantises these dequantised weights again)"])
+    o = m["outliers"]["summary"]
+    outlier_rows = [
+        [
+            str(x["layer"]),
+            _num(x["kurtosis_first"]),
+            _num(x["kurtosis_other"]),
+            _num(x["max_abs"]),
+            str(x["massive_count"]),
+            ", ".join(map(str, x["massive_channels"][:8])) or "-",
+            ", ".join(f"{s['position']}:{s['token']!r}" for s in x["massive_sites"][:4]) or "-",
+        ]
+        for x in m["outliers"]["layers"]
+    ]
+    linear_rows = [
+        [
+            f"`{x['name']}`",
+            _num(x["input_crest"]),
+            _num(x["input_kurtosis"]),
+            _num(x["input_absmax"]),
+            _num(x["weight_crest"]),
+        ]
+        for x in m["outliers"]["linear"]
+        if x["name"] in m["outliers"]["linear_worst"]
+    ]
+    att = m["attention"]
+    heads = max((len(r) for r in att["top1_share"]), default=0)
+    attention_rows = [
+        [
+            str(layer),
+            *(
+                f"{t:.2f} / {w:.2f}"
+                for t, w in zip(att["top1_share"][layer], att["mass"][layer], strict=True)
+            ),
+        ]
+        for layer in range(len(att["top1_share"]))
+    ]
+    speed = m["speed_measured"]
+    format_rows = [
+        [
+            f["label"],
+            f"`{f['scheme']}`",
+            _num(f["perplexity"], ".4f"),
+            _pct(f["ppl_change_pct"]),
+            _status(f),
+            _bytes(f["weight_bytes"]),
+            _share(f["bytes_vs_fp"]),
+            *([_num(f["speedup"], ".2f") + ("×" if f["speedup"] else "")] if speed else []),
+        ]
+        for f in m["formats"]
+    ]
+    notes = " ".join(f"{f['label']}: {f['note']}." for f in m["formats"] if f["note"])
+    kv_rows = [
+        [
+            str(r["bits"]),
+            str(r["keep_sinks"]),
+            r["label"] or "-",
+            _num(r["perplexity"], ".4f"),
+            _pct(r["ppl_change_pct"]),
+            _status(r),
+        ]
+        for r in m["kv"]["rows"]
+    ]
+    bp_rows = [
+        [
+            b["family"],
+            b["axis"],
+            b["text"],
+            "  ".join(f"{k}:{_pct(v['ppl_change_pct'])}" for k, v in b["curve"].items()),
+        ]
+        for b in m["breaking_points"]
+    ]
+    out = [
+        ("Identity and protocol", ["what", "value"], identity, ""),
+        (
+            "Outlier profile per layer",
+            ["block", "κ first", "κ other", "max |act|", "massive", "channels", "sites (position:token)"],
+            outlier_rows,
+            f"Summary: κ first {_num(o['kurtosis_first'])}, κ other {_num(o['kurtosis_other'])}, max |act| "
+            f"{_num(o['max_abs'])}, massive activations {_num(o['massive_total'])} (Sun et al.: |x| > 100 and > 1000 × "
+            f"the layer's median), worst linear input crest {_num(o['max_input_crest'])}.",
+        ),
+        (
+            "Linear layers' inputs",
+            ["layer", "input crest", "input κ", "max |input|", "weight crest"],
+            linear_rows,
+            "",
+        ),
+        (
+            "Attention sink per layer and head",
+            ["layer", *(f"head {h}" for h in range(heads))],
+            attention_rows,
+            f"Each cell: first-token top-1 share / mean weight on key 0, over queries q ≥ 1. All heads: top-1 share "
+            f"{_share(o['first_token_top1_share'])}, mean weight {_num(o['first_token_mass'])}.",
+        ),
+        (
+            "Deployable formats",
+            [
+                "format",
+                "scheme",
+                "ppl",
+                "change",
+                f"≤ {tol:g} %",
+                "bytes",
+                "of float",
+                *(["speed-up"] if speed else []),
+            ],
+            format_rows,
+            "Fake quantisation at each format's standard settings. Bytes: the model's nominal storage in the format "
+            "(quantised weights at their bits with their scales and zero points, the rest in float)."
+            + ("" if speed else " Speed: measured in the full budget only.")
+            + (f" {notes}" if notes else ""),
+        ),
+        (
+            "KV cache",
+            ["bits", "sinks kept", "label", "ppl", "change", f"≤ {tol:g} %"],
+            kv_rows,
+            f"Float weights, KV cache quantised with `{m['kv']['scheme']}`; sinks kept = the most-attended positions "
+            "per layer kept in float (--kv-keep-sinks).",
+        ),
+        (
+            "Breaking points",
+            ["family", "axis", "breaking point", "curve (bits:change)"],
+            bp_rows,
+            f"Lowest width within {tol:g} % there and at every wider width.",
+        ),
+    ]
+    s = m["sensitivity"]
+    if s:
+        unit_rows = [
+            [
+                f"`{u['name']}`",
+                _pct(u["ppl_change_pct"]),
+                _num(u["input_crest"]),
+                _num(u["input_kurtosis"]),
+                _num(u["max_abs"]),
+                _num(u["weight_crest"]),
+            ]
+            for u in s["top"]
+        ]
+        r = s["repair"]
+        out.append(
+            (
+                f"Where it breaks: `{s['scheme']}` by {s['by']}",
+                ["unit", "change alone", "input crest", "input κ", "max |input|", "weight crest"],
+                unit_rows,
+                f"Repair: keep {r['count']} unit(s) in float ({_share(r['weight_share_float'])} of the quantised weights): "
+                f"{_pct(r['quantised_ppl_change_pct'])} → {_pct(r['ppl_change_pct'])} (perplexity {_num(r['ppl'], '.4f')}). "
+                f"Apply: `{s['command']}`",
+            )
+        )
+    return out
+
+
+def markdown(card: Mapping[str, Any], figure_files: Mapping[str, str]) -> str:
+    parts = [f"# qbench card: {', '.join(m['name'] for m in card['models'])}", ""]
+    if card.get("command"):
+        parts += [f"Made by `{card['command']}` (budget {card['budget_contents']}).", ""]
+    for i, m in enumerate(card["models"]):
+        parts += [f"## {m['name']}", "", "**Verdict.** " + " ".join(m["verdict"]["lines"]), ""]
+        for title, headers, rows, caption in _sections(card, m):
+            parts += [f"### {title}", "", _md_table(headers, rows), ""]
+            if caption:
+                parts += [caption, ""]
+            if title.startswith("Outlier") and f"outliers-{i}" in figure_files:
+                parts += [f"![outlier profile]({figure_files[f'outliers-{i}']})", ""]
+            if title.startswith("Attention") and f"attention-{i}" in figure_files:
+                parts += [f"![attention sink]({figure_files[f'attention-{i}']})", ""]
+    if "breaking-points" in figure_files:
+        parts += [
+            "## Breaking-point curves",
+            "",
+            f"![breaking points]({figure_files['breaking-points']})",
+            "",
+        ]
+    if card.get("comparison"):
+        names = [m["name"] for m in card["models"]]
+        rows = [
+            [c["section"], c["row"], *(_cell(c, n) for n in names), c["more_robust"] or "-"]
+            for c in card["comparison"]
+        ]
+        parts += ["## Side by side", "", _md_table(["section", "row", *names, "more robust"], rows), ""]
+    parts += [
+        "## Definitions",
+        "",
+        _md_table(["metric", "unit", "better", "definition"], _definition_rows(card)),
+        "",
+    ]
+    parts += [
+        f"Definitions in full: docs/metrics.md. Versions and commit: card.json (`env`). Created {card['created_utc']}.",
+        "",
+    ]
+    return "\n".join(parts)
+
+
+def _cell(c: Mapping[str, Any], name: str) -> str:
+    v = c["values"].get(name)
+    if c["section"] in ("formats", "kv"):
+        return _pct(v)
+    if c["section"] == "breaking points":
+        return "-" if v is None else str(v)
+    if c["row"] == "1st-token top-1":
+        return _share(v)
+    return _num(v)
+
+
+def _definition_rows(card: Mapping[str, Any]) -> list[list[str]]:
+    return [
+        [f"`{k}` ({v['label']})", v["unit"] or "–", v["better"], v["definition"]]
+        for k, v in card["metrics"].items()
+    ]
+
+
+# ------------------------------------------------------------------------------------------------------- html
+
+_CSS = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;max-width:72em;
+color:#1b1b1b;padding:0 1em}
+h1{font-size:1.6em}h2{border-bottom:2px solid #ccc;margin-top:2em}h3{margin-top:1.5em}
+table{border-collapse:collapse;margin:.5em 0;font-size:.9em}td,th{border:1px solid #ccc;padding:2px 6px;
+text-align:left;vertical-align:top}th{background:#f2f2f2}code{font-size:.95em}
+.ok{color:#176b2c}.bad{color:#a11}.verdict{background:#f6f8e8;border-left:4px solid #8a3;padding:.5em 1em}
+figure{margin:1em 0}figure img{max-width:100%}figcaption{font-size:.85em;color:#555}
+@media print{body{margin:0;max-width:none;font-size:11px}h2{page-break-before:always}h2:first-of-type{
+page-break-before:auto}figure,table{page-break-inside:avoid}}
+"""
+
+
+def _e(text: Any) -> str:
+    return _html.escape(str(text))
+
+
+def _code(text: str) -> str:
+    """Markdown's `code` spans as <code>, the rest escaped."""
+    pieces = str(text).split("`")
+    return "".join(f"<code>{_e(p)}</code>" if i % 2 else _e(p) for i, p in enumerate(pieces))
+
+
+def _v(key: str, value: Any, text: str) -> str:
+    """A key number: its card.json path and exact value beside the shown text."""
+    return f'<span data-key="{_e(key)}" data-value="{_e(json.dumps(value))}">{_e(text)}</span>'
+
+
+def _html_table(headers: list[str], rows: list[list[str]], raw: bool = False) -> str:
+    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{c if raw else _code(c)}</td>" for c in row) + "</tr>" for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _figure(name: str, png: bytes | None, caption: str) -> str:
+    if png is None:
+        return ""
+    data = base64.b64encode(png).decode()
+    return (
+        f'<figure id="fig-{_e(name)}"><img alt="{_e(caption)}" src="data:image/png;base64,{data}">'
+        f"<figcaption>{_e(caption)}</figcaption></figure>"
+    )
+
+
+def _key_rows(m: Mapping[str, Any], i: int) -> dict[str, list[list[str]]]:
+    """The tables whose numbers carry data-key: formats and KV (the verdict's inputs)."""
+    speed = m["speed_measured"]
+    formats = [
+        [
+            _e(f["label"]),
+            f"<code>{_e(f['scheme'])}</code>",
+            _v(f"models.{i}.formats.{j}.perplexity", f["perplexity"], _num(f["perplexity"], ".4f")),
+            _v(f"models.{i}.formats.{j}.ppl_change_pct", f["ppl_change_pct"], _pct(f["ppl_change_pct"])),
+            f'<span class="{"ok" if f["within_tolerance"] else "bad"}">{_e(_status(f))}</span>',
+            _v(f"models.{i}.formats.{j}.weight_bytes", f["weight_bytes"], _bytes(f["weight_bytes"])),
+            _e(_share(f["bytes_vs_fp"])),
+            *([_e(_num(f["speedup"], ".2f"))] if speed else []),
+        ]
+        for j, f in enumerate(m["formats"])
+    ]
+    kv = [
+        [
+            _e(r["bits"]),
+            _e(r["keep_sinks"]),
+            _e(r["label"] or "-"),
+            _v(f"models.{i}.kv.rows.{j}.perplexity", r["perplexity"], _num(r["perplexity"], ".4f")),
+            _v(f"models.{i}.kv.rows.{j}.ppl_change_pct", r["ppl_change_pct"], _pct(r["ppl_change_pct"])),
+            f'<span class="{"ok" if r["within_tolerance"] else "bad"}">{_e(_status(r))}</span>',
+        ]
+        for j, r in enumerate(m["kv"]["rows"])
+    ]
+    return {"Deployable formats": formats, "KV cache": kv}
+
+
+def html(card: Mapping[str, Any], figs: Mapping[str, bytes]) -> str:
+    names = ", ".join(m["name"] for m in card["models"])
+    body = [f"<h1>qbench card: {_e(names)}</h1>"]
+    if card.get("command"):
+        tolerance = _v("tolerance_pct", card["tolerance_pct"], f"{card['tolerance_pct']:g} %")
+        body.append(
+            f"<p>Made by <code>{_e(card['command'])}</code>; budget {_e(card['budget_contents'])}; "
+            f"tolerance {tolerance}.</p>"
+        )
+    for i, m in enumerate(card["models"]):
+        body.append(f'<h2 id="model-{i}">{_e(m["name"])}</h2>')
+        rec = m["verdict"]["recommended"]
+        body.append(
+            '<div class="verdict"><strong>Verdict.</strong> '
+            + " ".join(_code(line) for line in m["verdict"]["lines"])
+            + (" " + _v(f"models.{i}.verdict.recommended.scheme", rec["scheme"], "") if rec else "")
+            + "</div>"
+        )
+        body.append(
+            "<p>Float perplexity "
+            + _v(f"models.{i}.fp.perplexity", m["fp"]["perplexity"], _num(m["fp"]["perplexity"], ".4f"))
+            + "</p>"
+        )
+        keyed = _key_rows(m, i)
+        for title, headers, rows, caption in _sections(card, m):
+            body.append(f"<h3>{_code(title)}</h3>")
+            if title in keyed:
+                body.append(_html_table(headers, keyed[title], raw=True))
+            else:
+                body.append(_html_table(headers, rows))
+            if caption:
+                body.append(f"<p>{_code(caption)}</p>")
+            if title.startswith("Outlier"):
+                body.append(
+                    _figure(
+                        f"outliers-{i}", figs.get(f"outliers-{i}"), f"{m['name']}: outlier profile per layer"
+                    )
+                )
+            if title.startswith("Attention"):
+                body.append(
+                    _figure(
+                        f"attention-{i}",
+                        figs.get(f"attention-{i}"),
+                        f"{m['name']}: attention sink per layer and head",
+                    )
+                )
+    if "breaking-points" in figs:
+        body.append("<h2>Breaking-point curves</h2>")
+        body.append(
+            _figure("breaking-points", figs["breaking-points"], "perplexity change against bit width")
+        )
+    if card.get("comparison"):
+        names_list = [m["name"] for m in card["models"]]
+        rows = [
+            [c["section"], c["row"], *(_cell(c, n) for n in names_list), c["more_robust"] or "-"]
+            for c in card["comparison"]
+        ]
+        body.append("<h2>Side by side</h2>")
+        body.append(_html_table(["section", "row", *names_list, "more robust"], rows))
+    body.append("<h2>Definitions</h2>")
+    body.append(_html_table(["metric", "unit", "better", "definition"], _definition_rows(card)))
+    body.append(
+        f"<p>Definitions in full: docs/metrics.md in the qbench repository. Versions, commit and seed: card.json. Created {_e(card['created_utc'])}.</p>"
+    )
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>qbench card: '
+        f"{_e(names)}</title><style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )

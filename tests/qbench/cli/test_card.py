@@ -1,0 +1,325 @@
+"""``qbench card`` end to end on a micro model: its numbers are the records of the individual commands, a re-run
+evaluates nothing, an interrupted card resumes, the verdict holds when re-run, and the HTML page is self-contained
+and says what card.json says (also in a headless browser, where one is installed)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from models.checkpoint import save_checkpoint
+from qbench.cli import main
+from tests.qbench.conftest import planted_model
+
+TOKENS = "64"  # two windows of the micro model's 32 tokens: every cell takes milliseconds
+TOLERANCE = "0.1"  # the micro model moves by tenths of a percent: a tight tolerance makes formats fail
+
+
+@pytest.fixture(scope="module")
+def planted_ckpt(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("card-cli") / "planted"
+    save_checkpoint(path, planted_model(), tokenizer, provenance={"training": None})
+    return path
+
+
+def card_argv(ckpt: Path, out: Path, tolerance: str = TOLERANCE) -> list[str]:
+    return [
+        "card",
+        "--ckpt",
+        str(ckpt),
+        "--budget",
+        "quick",
+        "--tokens",
+        TOKENS,
+        "--tolerance",
+        tolerance,
+        "--output-path",
+        str(out),
+    ]
+
+
+# The quick budget cut to fewer formats, so that a card takes seconds on a loaded 2-core machine: a paper scheme
+# per kind (per-channel/token, per-tensor with int8 outputs, int4 weight-only) and an FP8 one. The whole quick
+# budget runs in tests/qbench/studies/test_card.py.
+FORMATS = ("absmax-fine", "absmax-coarse", "zeropoint-int4", "fp8-e4m3")
+
+
+@pytest.fixture(autouse=True)
+def _fewer_formats(monkeypatch):
+    from dataclasses import replace
+
+    from qbench.studies import card
+
+    monkeypatch.setitem(card.BUDGETS, "quick", replace(card.BUDGETS["quick"], formats=FORMATS))
+
+
+@pytest.fixture(scope="module")
+def card_dir(planted_ckpt, tmp_path_factory):
+    """One card, shared by the tests that only read it (the cache isolated as the autouse fixture does)."""
+    from dataclasses import replace
+
+    from qbench.studies import card
+
+    out = tmp_path_factory.mktemp("card") / "out"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QBENCH_CACHE", str(tmp_path_factory.getbasetemp() / "qbench-cache"))
+        mp.setitem(card.BUDGETS, "quick", replace(card.BUDGETS["quick"], formats=FORMATS))
+        assert main(card_argv(planted_ckpt, out)) == 0
+    return out
+
+
+def card_of(out: Path) -> dict:
+    return json.loads((out / "card.json").read_text())
+
+
+def test_the_card_writes_its_three_pages_and_its_records(card_dir):
+    for name in ("card.md", "card.json", "card.html"):
+        assert (card_dir / name).stat().st_size > 0, name
+    card = card_of(card_dir)
+    (model,) = card["models"]
+    assert card["budget"] == "quick" and card["tolerance_pct"] == 0.1
+    assert tuple(f["scheme"] for f in model["formats"]) == FORMATS
+    assert len(model["kv"]["rows"]) == 4  # 4 and 2 bits, with and without a sink kept
+    assert model["protocol"]["tokens_scored"] == int(TOKENS) and model["protocol"]["window"] == 32
+    assert model["identity"]["positions"] == "rope" and model["identity"]["norm"] == "rmsnorm"
+    assert len(model["attention"]["top1_share"]) == 2 and len(model["attention"]["top1_share"][0]) == 4
+    assert (card_dir / "planted" / "fp.json").exists() and (card_dir / "planted" / "profile.json").exists()
+    assert card["env"]["git_commit"] is None or isinstance(card["env"]["git_commit"], str)
+    assert card["metrics"]["input_crest"]["definition"]  # read from the metric registry
+    md = (card_dir / "card.md").read_text()
+    assert "## planted" in md and "Verdict" in md and "card-outliers-0.png" in md
+
+
+def test_a_card_row_is_the_record_qbench_run_writes(card_dir, planted_ckpt, tmp_path):
+    model = card_of(card_dir)["models"][0]
+    row = next(f for f in model["formats"] if f["scheme"] == "absmax-coarse")
+    out = tmp_path / "run"
+    argv = ["run", "--ckpt", str(planted_ckpt), "--scheme", "absmax-coarse", "--tokens", TOKENS]
+    assert main([*argv, "--output-path", str(out)]) == 0
+    record = json.loads((out / "planted" / "absmax-coarse__fake.json").read_text())
+    assert record["metrics"]["perplexity"] == row["perplexity"]
+    assert record["metrics"]["ppl_change_pct"] == row["ppl_change_pct"]
+    assert record["cell_id"] == row["cell_id"]  # the same cell: run reuses the card's and the card run's
+    fp = json.loads((out / "planted" / "fp.json").read_text())
+    assert fp["metrics"]["perplexity"] == model["fp"]["perplexity"]
+
+
+def test_the_verdict_and_the_repair_hold_when_re_run(card_dir, planted_ckpt, tmp_path):
+    model = card_of(card_dir)["models"][0]
+    verdict = model["verdict"]
+    assert verdict["lines"] and verdict["avoid"] is not None  # a tolerance of 0.1 % fails some format
+    recommended = verdict["recommended"]
+    assert recommended is not None  # fp8-e4m3 stays within 0.1 % on the micro model
+    out = tmp_path / "recommended"
+    argv = ["run", "--ckpt", str(planted_ckpt), "--scheme", recommended["scheme"], "--tokens", TOKENS]
+    assert main([*argv, "--output-path", str(out)]) == 0
+    (record,) = [json.loads(p.read_text()) for p in out.rglob("*__fake.json")]
+    assert record["metrics"]["ppl_change_pct"] <= float(TOLERANCE)
+    repair = verdict["repair"]
+    assert repair is not None and repair["reached"] and repair["exclude"]
+    command = shlex.split(repair["command"])
+    assert command[:2] == ["qbench", "run"]
+    command[command.index("--output-path") + 1] = str(tmp_path / "repair")
+    assert main(command[1:]) == 0
+    (record,) = [json.loads(p.read_text()) for p in (tmp_path / "repair").rglob("*__fake.json")]
+    assert record["scheme"]["exclude"] == repair["exclude"]
+    assert record["metrics"]["perplexity"] == repair["ppl"]
+    top = model["sensitivity"]["top"][0]
+    assert top["input_crest"] is not None and top["weight_crest"] is not None  # statistics beside each unit
+
+
+def _evaluations(monkeypatch) -> list[str]:
+    """Count every quantised-cell evaluation of the harness."""
+    from qbench.eval import harness
+
+    calls: list[str] = []
+    original = harness.ModelEvaluation.quantised_record
+
+    def counting(self, scheme_name, mode):
+        calls.append(scheme_name)
+        return original(self, scheme_name, mode)
+
+    monkeypatch.setattr(harness.ModelEvaluation, "quantised_record", counting)
+    return calls
+
+
+def test_a_re_run_evaluates_nothing_and_gives_the_same_card(card_dir, planted_ckpt, monkeypatch, capsys):
+    before = card_of(card_dir)
+    calls = _evaluations(monkeypatch)
+    capsys.readouterr()
+    assert main(card_argv(planted_ckpt, card_dir)) == 0
+    assert calls == []
+    assert re.search(r"\b0 cells evaluated, \d+ reused", capsys.readouterr().out)
+    after = card_of(card_dir)
+    for key in ("created_utc", "wall_seconds", "command"):
+        before.pop(key), after.pop(key)
+    assert after == before
+
+
+def test_an_interrupted_card_resumes_where_it_stopped(planted_ckpt, tmp_path, monkeypatch):
+    from qbench.eval import harness
+
+    out = tmp_path / "card"
+    original = harness.ModelEvaluation.quantised_record
+    done: list[str] = []
+
+    def interrupted(self, scheme_name, mode):
+        if len(done) == 3:
+            raise KeyboardInterrupt
+        done.append(scheme_name)
+        return original(self, scheme_name, mode)
+
+    monkeypatch.setattr(harness.ModelEvaluation, "quantised_record", interrupted)
+    assert main(card_argv(planted_ckpt, out, tolerance="5")) == 130
+    assert not (out / "card.json").exists()
+    monkeypatch.setattr(harness.ModelEvaluation, "quantised_record", original)
+    calls = _evaluations(monkeypatch)
+    assert main(card_argv(planted_ckpt, out, tolerance="5")) == 0
+    assert not set(done) & set(calls)  # the three finished cells were reused
+    assert (
+        len(calls) == len(FORMATS) - 3 + 4
+    )  # the other formats, the four KV rows (5 %: no sensitivity study)
+
+
+def test_the_pages_are_written_atomically(card_dir, monkeypatch):
+    import models.io as io
+    from qbench.studies.card import read_card, write_card
+
+    card = read_card(card_dir)
+    written: list[str] = []
+    original = io.atomic_path
+
+    def spy(path):
+        written.append(Path(path).name)
+        return original(path)
+
+    monkeypatch.setattr(io, "atomic_path", spy)
+    before = {p.name for p in card_dir.iterdir()}
+    write_card(card, card_dir)
+    assert {"card.json", "card.md", "card.html"} <= set(written)
+    assert set(written) == {p for p in written if p.startswith("card")}
+    assert {p.name for p in card_dir.iterdir()} == before  # no temp file left behind
+
+
+def _value_at(card: dict, key: str):
+    value = card
+    for part in key.split("."):
+        value = value[int(part)] if isinstance(value, list) else value[part]
+    return value
+
+
+def test_the_html_page_is_self_contained_and_says_what_card_json_says(card_dir):
+    page = (card_dir / "card.html").read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", page, re.I)
+    assert "<script" not in page.lower() and "@import" not in page and "url(" not in page
+    assert page.count('src="data:image/png;base64,') == 3  # outliers, attention, breaking points
+    card = card_of(card_dir)
+    keys = re.findall(r'data-key="([^"]+)" data-value="([^"]*)"', page)
+    assert any(k.endswith("ppl_change_pct") for k, _ in keys) and len(keys) > 20
+    import html
+
+    for key, value in keys:
+        assert json.loads(html.unescape(value)) == _value_at(card, key), key
+
+
+def _browser() -> str | None:
+    return next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+
+
+def test_the_html_page_renders_in_a_headless_browser(card_dir, tmp_path):
+    browser = _browser()
+    if browser is None:
+        pytest.skip(
+            "no chromium on PATH: install chromium (apt-get install chromium) to render card.html headless"
+        )
+    url = (card_dir / "card.html").resolve().as_uri()
+    flags = [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ]
+    shot = tmp_path / "card.png"
+    subprocess.run(
+        [*flags, f"--screenshot={shot}", "--window-size=1200,2400", url], capture_output=True, timeout=120
+    )
+    assert shot.exists() and shot.stat().st_size > 10_000
+    pdf = tmp_path / "card.pdf"  # printable: the print stylesheet lays it out on pages
+    subprocess.run(
+        [*flags, f"--print-to-pdf={pdf}", "--no-pdf-header-footer", url], capture_output=True, timeout=120
+    )
+    assert pdf.exists() and pdf.read_bytes()[:5] == b"%PDF-" and pdf.stat().st_size > 10_000
+    dom = subprocess.run(
+        [*flags, "--enable-logging=stderr", "--v=0", "--dump-dom", url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert console == []
+    for figure in ("fig-outliers-0", "fig-attention-0", "fig-breaking-points"):
+        assert f'id="{figure}"' in dom.stdout, figure
+    card = card_of(card_dir)
+    import html
+
+    keys = re.findall(r'data-key="([^"]+)" data-value="([^"]*)"', dom.stdout)
+    assert len(keys) > 20
+    for key, value in keys:
+        assert json.loads(html.unescape(value)) == _value_at(card, key), key
+
+
+def test_bad_options_are_one_line_errors(planted_ckpt, capsys):
+    assert main(["card", "--ckpt", str(planted_ckpt), "--budget", "huge"]) == 2
+    assert "--budget" in capsys.readouterr().err
+    assert main(["card", "--ckpt", str(planted_ckpt), "--tolerance", "-1"]) == 2
+    assert "tolerance" in capsys.readouterr().err
+
+
+def test_the_card_is_a_function_of_the_records_on_disk(card_dir):
+    """Rebuilt from the record files card.json names (and the sensitivity study's result), the card is the same."""
+    from qbench.studies.card import build_card
+
+    saved = card_of(card_dir)
+    (model,) = saved["models"]
+
+    def read(rel: str) -> dict:
+        return json.loads((card_dir / rel).read_text())
+
+    out = Path(model["sensitivity"]["output"])
+    sensitivity = {**json.loads((out / "sensitivity.json").read_text()), "output": str(out)}
+    records = {
+        "fp": read(model["fp"]["record"]),
+        "profile": read(f"{model['name']}/profile.json"),
+        "formats": [read(f["record"]) for f in model["formats"]],
+        "kv": [read(r["record"]) for r in model["kv"]["rows"]],
+        "sweep": None,
+        "sensitivity": sensitivity,
+        "speed": None,
+        "source": model["source"],
+    }
+    records["paths"] = {r["cell_id"]: rel for r, rel in [(records["fp"], model["fp"]["record"])]}
+    records["paths"].update({f["cell_id"]: f["record"] for f in model["formats"]})
+    records["paths"].update(
+        {r["cell_id"]: row["record"] for r, row in zip(records["kv"], model["kv"]["rows"])}
+    )
+    settings = {
+        k: saved[k] for k in ("budget", "budget_contents", "tolerance_pct", "command", "seed", "output_path")
+    }
+    rebuilt = build_card([records], {**settings, "wall_seconds": saved["wall_seconds"]})
+    rebuilt = json.loads(json.dumps(rebuilt))  # tuples and such as card.json holds them
+    for key in ("created_utc",):
+        rebuilt.pop(key), saved.pop(key)
+    assert rebuilt == saved
+
+
+def test_compare_on_a_card_folder_shows_the_formats_not_the_sensitivity_cells(card_dir, capsys):
+    assert main(["compare", str(card_dir), "--format", "csv"]) == 0
+    table = capsys.readouterr().out
+    assert "absmax-coarse" in table and "float:" not in table and "WARNING" not in table

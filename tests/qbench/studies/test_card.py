@@ -1,0 +1,205 @@
+"""The card study: its budgets, the nominal bytes of a format, the verdict from the rows, the whole quick budget on
+a micro model, and two models side by side (one of them a transformers folder)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from qbench.studies import card
+from qbench.studies.card import BUDGETS, FORMATS, CardConfig, run_card, weight_bytes
+
+
+def test_the_budgets_use_the_named_token_budgets_and_registered_schemes():
+    from qbench.cli.budgets import CARD_QUICK_TOKENS, DEMO_TOKENS, EVAL_TOKENS
+    from qbench.quant.schemes import get_scheme
+
+    assert [b.tokens for b in BUDGETS.values()] == [CARD_QUICK_TOKENS, DEMO_TOKENS, EVAL_TOKENS]
+    order = [f.scheme for f in FORMATS]
+    for b in BUDGETS.values():
+        assert list(b.formats) == [s for s in order if s in b.formats], b.name  # the table's order
+    assert BUDGETS["standard"].formats == BUDGETS["full"].formats == tuple(order)
+    assert set(BUDGETS["quick"].formats) >= {
+        "absmax-fine",
+        "absmax-moderate",
+        "absmax-coarse",
+        "zeropoint-int4",
+    }
+    assert not BUDGETS["quick"].sweep_families and BUDGETS["full"].speed and not BUDGETS["standard"].speed
+    labels = {get_scheme(f.scheme).label for f in FORMATS}
+    assert "W4A8-channel/token-hadamard" in labels and len(labels) == len(FORMATS)
+
+
+def test_the_help_states_every_budget():
+    from qbench.cli.card import budget_help
+
+    text = budget_help()
+    for b in BUDGETS.values():
+        assert b.describe() in text
+    assert all(f.label in text for f in FORMATS)
+
+
+def test_nominal_bytes_count_codes_scales_and_zero_points():
+    shapes = {"a": [64, 256], "b": [32, 64], "lm_head": [100, 32]}
+    fp_bytes = 4 * (64 * 256 + 32 * 64 + 100 * 32) + 1000  # the linears in float32 and 1000 other bytes
+    base = {"weight_symmetric": True, "format": "int", "exclude": []}
+    per_channel = {**base, "weight_bits": 8, "weight_granularity": {"kind": "per_axis", "axis": 0}}
+    head = {"lm_head"}
+    expected = 1000 + 4 * 100 * 32 + (64 * 256 + 32 * 64) + 4 * (64 + 32)  # int8 codes + a float32 per row
+    assert weight_bytes(per_channel, shapes, head, fp_bytes, 4) == expected
+    int4 = {
+        **base,
+        "weight_bits": 4,
+        "weight_symmetric": False,
+        "weight_granularity": {"kind": "per_group", "group_size": 128},
+    }
+    groups = 64 * 2 + 32 * 1
+    expected = 1000 + 4 * 100 * 32 + (64 * 256 + 32 * 64) // 2 + groups * (4 + 0.5)
+    assert weight_bytes(int4, shapes, head, fp_bytes, 4) == round(expected)
+    nvfp4 = {
+        **base,
+        "format": "nvfp4",
+        "weight_bits": 4,
+        "weight_granularity": {"kind": "per_group", "group_size": 16},
+    }
+    expected = 1000 + 4 * 100 * 32 + (64 * 256 + 32 * 64) // 2 + (64 * 16 + 32 * 4) * 1 + 2 * 4
+    assert weight_bytes(nvfp4, shapes, head, fp_bytes, 4) == expected
+    kept = {**per_channel, "exclude": ["b"]}  # an excluded layer stays float
+    assert (
+        weight_bytes(kept, shapes, head, fp_bytes, 4) == 1000 + 4 * (100 * 32 + 32 * 64) + 64 * 256 + 4 * 64
+    )
+    assert weight_bytes({**base, "weight_bits": None}, shapes, head, fp_bytes, 4) is None
+
+
+def _row(label, scheme, change, nbytes, statistic="input_crest", status="ok"):
+    return {
+        "label": label,
+        "scheme": scheme,
+        "ppl_change_pct": change,
+        "within_tolerance": status == "ok" and change <= 1.0,
+        "weight_bytes": nbytes,
+        "bytes_vs_fp": nbytes / 400,
+        "status": status,
+        "statistic": statistic,
+    }
+
+
+def test_the_verdict_is_generated_from_the_rows():
+    fp = {
+        "outliers": {"max_abs": 500.0},
+        "outliers_per_layer": {"max_abs": [3.0, 500.0]},
+        "linear_ranges": {
+            "per_layer": {
+                "h.0.fc": {"lm_head": False, "input_crest": 40.0, "weight_crest": 5.0},
+                "h.1.fc": {"lm_head": False, "input_crest": 90.0, "weight_crest": 7.0},
+                "lm_head": {"lm_head": True, "input_crest": 900.0, "weight_crest": 9.0},
+            }
+        },
+    }
+    rows = [
+        _row("W8A8", "absmax-fine", 0.2, 200),
+        _row("int4", "zeropoint-int4", 0.9, 100, "weight_crest"),
+        _row("coarse", "absmax-coarse", 12.0, 200, "max_abs"),
+        _row("per-tensor", "absmax-moderate", 3.0, 200),
+    ]
+    verdict = card._verdict(rows, {}, fp, None, 1.0)
+    assert verdict["recommended"]["scheme"] == "zeropoint-int4"  # the fewest bytes within 1 %
+    avoid = verdict["avoid"]
+    assert (avoid["scheme"], avoid["statistic"], avoid["value"], avoid["where"]) == (
+        "absmax-coarse",
+        "max_abs",
+        500.0,
+        "block 1 output",
+    )
+    rows[2] = _row("coarse", "absmax-coarse", None, 200, "max_abs", status="nonfinite")
+    assert card._verdict(rows, {}, fp, None, 1.0)["avoid"]["scheme"] == "absmax-coarse"  # NaN is the worst
+    rows = [_row("per-tensor", "absmax-moderate", 3.0, 200)]
+    avoid = card._verdict(rows, {}, fp, None, 1.0)["avoid"]
+    assert (avoid["value"], avoid["where"]) == (90.0, "h.1.fc")  # the worst layer the scheme quantises
+    assert card._verdict(rows, {}, fp, None, 1.0)["recommended"] is None
+
+
+def test_the_whole_quick_budget_runs(ckpt_dir, tmp_path):
+    cfg = CardConfig(models=[str(ckpt_dir)], budget="quick", output_path=tmp_path, tokens=64, tolerance=5.0)
+    counted: list[bool] = []
+    result = run_card(cfg, card.Progress(cell=lambda r, reused: counted.append(reused)))
+    (model,) = result["models"]
+    assert [f["scheme"] for f in model["formats"]] == list(BUDGETS["quick"].formats)
+    assert all(f["status"] == "ok" for f in model["formats"]), [f["error"] for f in model["formats"]]
+    assert len(counted) == card.planned_cells(cfg) == 14 and not any(counted)
+    assert model["identity"]["attention"] == "softmax1" and model["identity"]["tied_head"] is True
+    assert model["sensitivity"] is None  # nothing over 5 %
+    assert (tmp_path / "card.html").exists() and (tmp_path / "card-attention-0.png").exists()
+
+
+def test_two_models_side_by_side(ckpt_dir, hf_llama_dir, tmp_path, monkeypatch):
+    small = replace(BUDGETS["quick"], formats=("absmax-coarse",), kv_bits=(2,))
+    monkeypatch.setitem(BUDGETS, "quick", small)
+    cfg = CardConfig(
+        models=[str(ckpt_dir), str(hf_llama_dir)], output_path=tmp_path, tokens=64, tolerance=50.0
+    )
+    result = run_card(cfg)
+    vanilla, llama = result["models"]
+    assert llama["identity"]["kind"] == "transformers"
+    assert (llama["identity"]["positions"], llama["identity"]["norm"]) == ("rope", "rmsnorm")
+    assert (vanilla["identity"]["positions"], vanilla["identity"]["norm"]) == ("learned", "layernorm")
+    rows = result["comparison"]
+    assert [r["row"] for r in rows if r["section"] == "formats"] == [f["label"] for f in vanilla["formats"]]
+    for r in rows:
+        assert set(r["values"]) == {vanilla["name"], llama["name"]}
+        assert r["more_robust"] in (None, vanilla["name"], llama["name"])
+    coarse = next(r for r in rows if r["scheme"] == "absmax-coarse")
+    changes = {m["name"]: m["formats"][0]["ppl_change_pct"] for m in (vanilla, llama)}
+    assert coarse["values"] == changes
+    assert coarse["more_robust"] is None  # both within 50 %: nothing to choose
+    page = (tmp_path / "card.md").read_text()
+    assert "## Side by side" in page and vanilla["name"] in page and llama["name"] in page
+
+
+@pytest.mark.parametrize("bad", [{"tolerance": -1.0}, {"tokens": 1}, {"budget": "huge"}])
+def test_bad_settings_fail_before_a_model_loads(bad):
+    from models.errors import UserError
+
+    with pytest.raises(UserError):
+        card.validate(CardConfig(models=["does-not-exist"], **bad))
+
+
+def test_the_more_robust_model_is_the_one_damaged_least():
+    pick = card._more_robust_change
+    assert pick({"a": 3.0, "b": 0.5}, 1.0) == "b"
+    assert pick({"a": 0.2, "b": 0.5}, 1.0) is None  # both within the tolerance
+    assert pick({"a": -4.0, "b": 0.0, "c": 2.0}, 1.0) is None  # a decrease is no damage: a and b tie
+    assert pick({"a": None, "b": 30.0}, 1.0) == "b"  # NaN/inf or missing is the worst
+
+
+def test_the_docs_state_the_cells_of_each_budget():
+    from pathlib import Path
+
+    page = (Path(__file__).parents[3] / "docs" / "card.md").read_text()
+    rows = {
+        line.split("|")[1].strip(" `").split("`")[0]: line
+        for line in page.splitlines()
+        if line.startswith("| `")
+    }
+    for name, b in BUDGETS.items():
+        cells = card.planned_cells(CardConfig(models=["m"], budget=name))
+        assert rows[name].rstrip(" |").endswith(f"| {cells}"), (name, cells)
+        assert f"{b.tokens:,}" in rows[name]
+
+
+def test_a_format_row_takes_the_real_kernels_speed_up_from_speed_records():
+    from qbench.quant.schemes import get_scheme
+
+    scheme = {**get_scheme(card.HADAMARD_W4A8).to_dict(), "exclude": []}
+    record = {"scheme": scheme, "status": "ok", "metrics": {"perplexity": 10.1, "ppl_change_pct": 1.0}}
+    fp = {"model_bytes": 1000, "protocol": {"dtype": "float32"}, "linear_ranges": {"per_layer": {}}}
+    speed = {
+        "records": [  # run_speed names a scheme as it was asked for, overrides in the order given
+            {"kind": "model", "scheme": card.HADAMARD_W4A8, "mode": "real", "speedup": 1.7, "error": None},
+            {"kind": "model", "scheme": card.HADAMARD_W4A8, "mode": "fake", "speedup": 0.2, "error": None},
+        ]
+    }
+    row = card._format_row(record, fp, {"linear_shapes": {}}, 1.0, speed, None)
+    assert row["label"] == "Hadamard + W4A8" and row["note"] and row["speedup"] == 1.7
+    assert card._format_row(record, fp, {"linear_shapes": {}}, 1.0, None, None)["speedup"] is None

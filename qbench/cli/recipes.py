@@ -99,5 +99,8 @@ def run(args: argparse.Namespace) -> None:
     if args.estimate:
         console.print(describe_estimate(estimate(cfg, time_one_step(cfg))), highlight=False)
         return
-    table = run_panel(cfg, console, getattr(args, "command_line", "qbench recipes"), on_record=print_record)
+    from qbench.cli.sweep import run_sweep_with_progress
+
+    command = getattr(args, "command_line", "qbench recipes")
+    table = run_panel(cfg, console, command, on_record=print_record, sweep_runner=run_sweep_with_progress)
     console.print(f"wrote {table}")

@@ -307,8 +307,11 @@ def write_report(
     return out / "table.md"
 
 
-def run_panel(cfg: RecipesConfig, console: Any, command: str, on_record: Any = None) -> Path:
-    """The whole study: estimate (printed), train, evaluate, write the table."""
+def run_panel(
+    cfg: RecipesConfig, console: Any, command: str, on_record: Any = None, sweep_runner: Any = None
+) -> Path:
+    """The whole study: estimate (printed), train, evaluate, sweep, write the table. ``sweep_runner(config,
+    command)`` runs the sweep (the command line passes one with a progress view; default: ``run_sweep``)."""
     est = estimate(cfg, time_one_step(cfg))
     console.print(
         f"[bold]qbench recipes[/] {', '.join(cfg.recipes)} ({cfg.description}): {describe_estimate(est)}"
@@ -319,9 +322,10 @@ def run_panel(cfg: RecipesConfig, console: Any, command: str, on_record: Any = N
     timings = {"train": train_s, "eval": time.perf_counter() - start}
     sweep = None
     if cfg.sweep_axes:
-        from qbench.cli.sweep import run_sweep_with_progress
+        from qbench.studies.sweep import run_sweep
 
         start = time.perf_counter()
-        sweep = run_sweep_with_progress(sweep_config(cfg), command)
+        config = sweep_config(cfg)
+        sweep = sweep_runner(config, command) if sweep_runner else run_sweep(config, command=command)
         timings["sweep"] = time.perf_counter() - start
     return write_report(cfg, records, timings, command, est, sweep)

@@ -272,7 +272,8 @@ REAL_KERNELS: tuple[RealKernel, ...] = (
         "W2/W3/W4 weight-only, zeropoint or absmax, per channel/group "
         "(W4 zeropoint → Int4Linear where the group divides the row, else LowBitLinear)",
         "Int4Linear / LowBitLinear",
-        "Int4Linear: CPU fp32 C kernels, CPU bf16 torch int4pack; LowBitLinear: packed codes, dequantise on the fly",
+        "Int4Linear: CPU fp32 C kernels, CPU bf16 torch int4pack; LowBitLinear: CPU fp32 C kernels reading the "
+        "packed codes (≤ 16 rows; above: C dequantise + sgemm); else dequantise on the fly",
         lambda s: not _is_bnb(s) and _is_weight_only_lowbit(s),
         _weight_only_linear,
         (

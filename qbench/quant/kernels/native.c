@@ -18,6 +18,7 @@
 #define W4A8_GEMV qk_avx2_w4a8_gemv
 #define W4A8_GEMM qk_avx2_w4a8_gemm
 #define WEIGHT_ONLY_LINEAR qk_avx2_weight_only_linear
+#define LOWBIT_LINEAR qk_avx2_lowbit_linear
 #else
 /* the portable build has one loop per family, for every row count */
 #define QK_ISA 0
@@ -28,6 +29,7 @@
 #define W4A8_GEMV qk_ref_w4a8_linear
 #define W4A8_GEMM qk_ref_w4a8_linear
 #define WEIGHT_ONLY_LINEAR qk_ref_weight_only_linear
+#define LOWBIT_LINEAR qk_ref_lowbit_linear
 #endif
 
 #ifdef _OPENMP
@@ -129,4 +131,14 @@ int qk_weight_only_linear(const float *x, int64_t m_rows, const uint8_t *w, int 
                           int64_t n_out, int64_t k, int nthreads) {
     return WEIGHT_ONLY_LINEAR(x, m_rows, w, bits4, signed_codes, scale, zero, groups, bias, y, n_out, k,
                               nthreads);
+}
+
+/* y (M, N) = x (M, K) · Ŵᵀ + bias from packed 2-, 3- or 4-bit codes (LowBitLinear's layout, native.h), Ŵ never
+   built: x is zero-padded to the codes' K = groups · g; zero NULL means one zero point zconst for every group
+   (symmetric codes). Every group size and row count has a loop; sums are reassociated (equal to fake mode to
+   float rounding). */
+void qk_lowbit_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *w, int bits, const float *scale,
+                      const uint8_t *zero, int zconst, int64_t groups, const float *bias, float *y, int64_t n_out,
+                      int nthreads) {
+    LOWBIT_LINEAR(x, m_rows, k, w, bits, scale, zero, zconst, groups, bias, y, n_out, nthreads);
 }

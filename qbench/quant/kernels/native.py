@@ -19,6 +19,8 @@ without AVX-512 VNNI, slow at any size), and the int4 kernels want bf16 activati
 - ``qk_weight_only_linear`` (bound per layer in ``paths.py``): x (float32) · Ŵᵀ with Ŵ = s · (q − z) from int4
   nibbles or int8 codes, per output channel or per group, without building Ŵ (sums are reassociated: equal to
   fake mode to float rounding);
+- ``lowbit_linear``: the same for LowBitLinear's packed 2-, 3- and 4-bit codes (any group size, a scalar loop in
+  the portable build); ``lowbit_dequantize``: their Ŵ, bit-identical to ``LowBitLinear.dequantized_weight``;
 - ``dequantize``: Ŵ as float32, bit-identical to ``primitives.dequantize`` (the prefill path: one pass, then
   torch's sgemm, so prefill equals fake mode exactly).
 
@@ -65,6 +67,12 @@ _SIGNATURES = {
     "qk_w4a8_forward_path": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _INT, _INT], _INT),
     "qk_dequantize": ([_PTR, _INT, _INT, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT], None),
     "qk_w4_permute_x": ([_PTR, _I64, _I64, _PTR], None),
+    # packed 2/3/4-bit codes (LowBitLinear): x (M, K), codes, bits, scale, zero, zconst, groups, bias, y, N
+    "qk_lowbit_linear": (
+        [_PTR, _I64, _I64, _PTR, _INT, _PTR, _PTR, _INT, _I64, _PTR, _PTR, _I64, _INT],
+        None,
+    ),
+    "qk_lowbit_dequantize": ([_PTR, _INT, _PTR, _PTR, _INT, _I64, _I64, _I64, _I64, _PTR, _INT], None),
     "qk_weight_only_linear": (
         [_PTR, _I64, _PTR, _INT, _INT, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT],
         _INT,
@@ -244,5 +252,36 @@ def dequantize(codes: Tensor, bits4: bool, scale: Tensor, zero: Tensor | None, i
     _library().qk_dequantize(
         codes.data_ptr(), int(bits4), int(codes.dtype == torch.int8), scale.data_ptr(), _ptr(zero), n,
         in_features, groups, out.data_ptr(), threads(),
+    )  # fmt: skip
+    return out
+
+
+def lowbit_linear(
+    x: Tensor, codes: Tensor, bits: int, scale: Tensor, zero: Tensor | None, zconst: int, bias: Tensor | None
+) -> Tensor:
+    """x (M, K) · Ŵᵀ + b from packed ``bits``-bit codes (``lowbit.pack_bits`` of rows of K = G · g, x zero-padded
+    to K), ``scale`` float32 (N, G), ``zero`` uint8 (N, G) or None (then ``zconst`` for every group)."""
+    _check(x, codes, scale, zero, bias)
+    m, k = x.shape
+    n, groups = scale.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    _library().qk_lowbit_linear(
+        x.data_ptr(), m, k, codes.data_ptr(), bits, scale.data_ptr(), _ptr(zero), zconst, groups, _ptr(bias),
+        y.data_ptr(), n, threads(),
+    )  # fmt: skip
+    return y
+
+
+def lowbit_dequantize(
+    codes: Tensor, bits: int, scale: Tensor, zero: Tensor | None, zconst: int, padded: int, in_features: int
+) -> Tensor:
+    """Ŵ float32 (N, in_features) of packed codes of rows of ``padded`` = G · g channels: equal to
+    ``LowBitLinear.dequantized_weight`` bit for bit."""
+    _check(codes, scale, zero)
+    n, groups = scale.shape
+    out = torch.empty(n, in_features, dtype=torch.float32)
+    _library().qk_lowbit_dequantize(
+        codes.data_ptr(), bits, scale.data_ptr(), _ptr(zero), zconst, n, padded, groups, in_features,
+        out.data_ptr(), threads(),
     )  # fmt: skip
     return out

@@ -121,3 +121,60 @@ void qk_w4_permute_x(const float *x, int64_t m_rows, int64_t k, float *xp) {
                         xp[m * kv + c + h * 32 + i * 8 + e] = x[m * k + c + 2 * j + h];
                     }
 }
+
+/* ------------------------------------------------------------------- packed 2/3/4-bit weight-only */
+
+/* y (M, N) = x (M, K) · Ŵᵀ + bias from packed codes (native.h), K = groups · g the padded row (x zero beyond
+   the layer's inputs): per output channel and row, Σ_g s_g · Σ_{i in g} (u_i − z_g) x_i, each group's sum in
+   channel order, then + bias. Reassociated against F.linear on Ŵ: equal to fake mode to float rounding. */
+void qk_ref_lowbit_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *w, int bits, const float *scale,
+                          const uint8_t *zero, int zconst, int64_t groups, const float *bias, float *y,
+                          int64_t n_out, int nthreads) {
+    int64_t g = k / groups, ldw = lowbit_row_bytes(bits, k);
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
+    for (int64_t n = 0; n < n_out; ++n) {
+        const uint8_t *wr = w + n * ldw, *zr = zero ? zero + n * groups : NULL;
+        for (int64_t m = 0; m < m_rows; ++m) {
+            float total = 0.0f;
+            for (int64_t grp = 0; grp < groups; ++grp)
+                total += scale[n * groups + grp] *
+                         lowbit_span(x + m * k, wr, bits, lowbit_zero(zr, zconst, grp), grp * g, grp * g + g);
+            y[m * n_out + n] = bias ? total + bias[n] : total;
+        }
+    }
+}
+
+/* Ŵ[:, :k_out] = (u − z) · s as float32 (N, k_out) from packed codes of padded rows of K = groups · g —
+   LowBitLinear.dequantized_weight's operations, so F.linear on it equals the layer's torch path bit for bit.
+   Each row is unpacked to bytes first (one pass of shifts), then scaled per group (a loop the compiler
+   vectorises). */
+void qk_lowbit_dequantize(const uint8_t *w, int bits, const float *scale, const uint8_t *zero, int zconst,
+                          int64_t n_out, int64_t k, int64_t groups, int64_t k_out, float *out, int nthreads) {
+    int64_t g = k / groups, ldw = lowbit_row_bytes(bits, k);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        uint8_t *u = malloc((size_t)(k + 8));
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < n_out; ++n) {
+            const uint8_t *wr = w + n * ldw;
+            if (bits == 2)
+                for (int64_t j = 0; j < (k + 3) / 4; ++j)
+                    for (int e = 0; e < 4; ++e) u[4 * j + e] = (wr[j] >> (2 * e)) & 3;
+            else if (bits == 4)
+                for (int64_t j = 0; j < (k + 1) / 2; ++j) u[2 * j] = wr[j] & 15, u[2 * j + 1] = wr[j] >> 4;
+            else
+                for (int64_t j = 0; j < (k + 7) / 8; ++j) {
+                    const uint8_t *b = wr + 3 * j;
+                    uint32_t word = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16;
+                    for (int e = 0; e < 8; ++e) u[8 * j + e] = (word >> (3 * e)) & 7;
+                }
+            float *o = out + n * k_out;
+            for (int64_t grp = 0; grp < groups; ++grp) {
+                const float s = scale[n * groups + grp], z = lowbit_zero(zero ? zero + n * groups : NULL, zconst, grp);
+                int64_t i1 = grp * g + g < k_out ? grp * g + g : k_out;
+                for (int64_t i = grp * g; i < i1; ++i) o[i] = ((float)u[i] - z) * s;
+            }
+        }
+        free(u);
+    }
+}

@@ -4,12 +4,12 @@ Rows = the tokens of one forward call (batch × sequence). :func:`choose` is the
 layers call it, and ``qbench env`` lists what it answers (:func:`describe`), so the listing cannot drift from
 what runs. Paths (:data:`PATHS`):
 
-- ``c-gemv``: C streaming GEMV (W8A8, W4A8: int8 dot products; weight-only: reads the packed codes, never
-  builds Ŵ — equal to fake mode to float rounding);
+- ``c-gemv``: C streaming GEMV (W8A8, W4A8: int8 dot products; weight-only, including LowBitLinear's packed
+  2/3/4-bit codes: reads the codes, never builds Ŵ — equal to fake mode to float rounding);
 - ``c-gemm``: C int16 panel GEMM (W8A8, W4A8; AVX2 builds);
 - ``int-mm``: the C quantiser, ``torch._int_mm`` (oneDNN's int8 GEMM), the C epilogue (W8A8);
-- ``c-dequant``: Ŵ dequantised in one C pass, then torch's float32 GEMM (weight-only int4 / int8; equal to fake
-  mode bit for bit — the same Ŵ and the same ``F.linear``);
+- ``c-dequant``: Ŵ dequantised in one C pass, then torch's float32 GEMM (weight-only int4 / int8 and the packed
+  2/3/4-bit codes of LowBitLinear; equal to fake mode bit for bit — the same Ŵ and the same ``F.linear``);
 - ``torch``: the layer's torch path (any device and dtype).
 
 Default choice on CPU with float32 input and the kernels built: ≤ ``DECODE_ROWS`` rows the GEMV; more rows the
@@ -116,8 +116,10 @@ def offered(kind: str) -> tuple[str, ...]:
 def _offered(kind: str, isa: str | None) -> tuple[str, ...]:
     if kind not in KINDS:
         raise unknown_choice("real layer kind", kind, KINDS)
-    if isa is None or kind == "lowbit":
+    if isa is None:
         return ("torch",)
+    if kind == "lowbit":  # packed 2/3/4-bit: a loop reading the codes in every build (portable: scalar)
+        return ("c-gemv", "c-dequant", "torch")
     avx2 = isa == "AVX2"
     if kind == "w8a8":
         return ("c-gemv", *(("c-gemm",) if avx2 else ()), "int-mm", "torch")
@@ -426,6 +428,61 @@ def weight_only_forward(
             return None
         path = "c-dequant"
         y = F.linear(x2, torch.ops.qbench.dequantize(codes, bits4, scales, zeros, k), bias)
+    _record(owner, path)
+    return y.reshape(*x.shape[:-1], -1)
+
+
+def _lowbit_call(
+    codes: Tensor, bits: int, scales: Tensor, zeros: Tensor | None, zconst: int, bias: Tensor | None, k: int
+) -> Callable[[Tensor], Tensor]:
+    fn = native.library().qk_lowbit_linear
+    n, groups = scales.shape
+    args = (codes.data_ptr(), bits, scales.data_ptr(), _ptr(zeros), zconst, groups, _ptr(bias))
+
+    def call(x2: Tensor) -> Tensor:
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        fn(x2.data_ptr(), x2.shape[0], k, *args, y.data_ptr(), n, native.threads())
+        return y
+
+    call.keep = (codes, scales, zeros, bias)
+    return call
+
+
+def lowbit_forward(
+    owner: object,
+    x: Tensor,
+    codes: Tensor,
+    bits: int,
+    scales: Tensor,
+    zeros: Tensor | None,
+    zconst: int,
+    bias: Tensor | None,
+    group: int,
+) -> Tensor | None:
+    """x · Ŵᵀ + b for a float32 x (…, in) from LowBitLinear's packed codes (rows of ``scales.shape[1] · group``
+    channels, zero codes past ``in``), or None (use the torch path). ``c-gemv`` reads the codes (x zero-padded to
+    whole groups); ``c-dequant`` builds Ŵ once per call, then F.linear — the torch path's very arithmetic."""
+    if not input_ok(x):
+        return None
+    k = x.shape[-1]
+    padded = scales.shape[1] * group
+    x2 = x.reshape(-1, k)
+    path = _path("lowbit", x2.shape[0])
+    if path == "torch" or not stored_ok(codes, scales, zeros, bias):
+        return None
+    if path == "c-gemv":
+        xp = (x2 if padded == k else F.pad(x2, (0, padded - k))).contiguous()
+        if torch.compiler.is_compiling():
+            y = torch.ops.qbench.lowbit_linear(xp, codes, bits, scales, zeros, zconst, bias)
+        else:
+            y = _bound(
+                owner,
+                (codes, scales, zeros, bias),
+                lambda: _lowbit_call(codes, bits, scales, zeros, zconst, bias, padded),
+            )(xp)
+    else:
+        w = torch.ops.qbench.lowbit_dequantize(codes, bits, scales, zeros, zconst, padded, k)
+        y = F.linear(x2, w, bias)
     _record(owner, path)
     return y.reshape(*x.shape[:-1], -1)
 

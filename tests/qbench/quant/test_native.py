@@ -21,8 +21,9 @@ from qbench.quant.granularity import PerAxis, PerGroup
 from qbench.quant.kernels import Int4A8Linear, Int4Linear, Int8Linear, make_real_linear, native, paths
 from qbench.quant.kernels.int4 import pack_int4
 from qbench.quant.kernels.int8 import quantize_activation
+from qbench.quant.kernels.lowbit import LowBitLinear
 from qbench.quant.kernels.w8 import Int8WeightOnlyLinear
-from qbench.quant.primitives import choose_qparams, fake_quantize, quantize
+from qbench.quant.primitives import choose_qparams, fake_quantize, qrange, quantize
 from qbench.quant.schemes import SCHEMES, QuantScheme
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the torch paths run instead")
@@ -134,6 +135,62 @@ def test_weight_only_native_equals_fake(kind, symmetric, group, shape):
             assert torch.equal(got, expected)  # C dequantise + the same F.linear
         else:
             assert rel_err(got, expected) < 1e-5  # reassociated float sums
+
+
+# (bits, symmetric, group): the issue's int2-g64 / int3-g128, absmax int4, ragged groups (40 and 48 do not divide
+# 203: a shorter last group; 40 starts groups off a vector step), per output channel
+LOWBIT = [(2, False, 64), (3, False, 128), (4, True, None), (3, True, 40), (2, False, 48), (2, True, None),
+          (3, False, None), (4, False, 32)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("bits", "symmetric", "group"), LOWBIT)
+@pytest.mark.parametrize("k", [203, 256])
+def test_lowbit_native_equals_fake(bits, symmetric, group, k):
+    """LowBitLinear's C paths: the loop reading the packed codes (≤ 16 rows) equals fake mode to float rounding
+    (rtol 1e-5 of the output scale), the C dequantisation + F.linear (more rows) bit for bit."""
+    torch.manual_seed(11)
+    n = 37
+    weight, bias = torch.randn(n, k) * 0.1, torch.randn(n)
+    granularity = PerAxis(0) if group is None else PerGroup(group)
+    scheme = QuantScheme("t", weight_bits=bits, weight_granularity=granularity, weight_symmetric=symmetric)
+    real = LowBitLinear.from_float(weight, bias, bits, granularity, symmetric)
+    fake = FakeQuantLinear(weight, bias, scheme)
+    zconst = -qrange(bits, True)[0]
+    padded = real.scales.shape[1] * real.group
+    w_hat = native.lowbit_dequantize(real.qweight, bits, real.scales, real.zeros, zconst, padded, k)
+    assert torch.equal(w_hat, real.dequantized_weight())
+    for lead in [*ROWS, (4,), (16,), (3, 7)]:
+        x = torch.randn(*lead, k)
+        with torch.inference_mode():
+            expected = fake(x)
+        got = real(x)
+        rows = x.numel() // k
+        assert real.last_path == ("c-gemv" if rows <= paths.DECODE_ROWS else "c-dequant")
+        if rows > paths.DECODE_ROWS:
+            assert torch.equal(got, expected)
+        else:
+            assert rel_err(got, expected) < 1e-5, lead
+
+
+def test_lowbit_portable_loop_equals_the_vector_loop():
+    """native_ref.c's scalar loop (what a CPU without AVX2 runs) and this build's, on the same packed codes:
+    both reassociate float sums, so they agree to float rounding; the dequantiser is shared."""
+    portable = _portable()
+    torch.manual_seed(12)
+    for bits, symmetric, group in LOWBIT:
+        for m in (1, 5, 17):
+            real = LowBitLinear.from_float(
+                torch.randn(9, 203), None, bits, PerAxis(0) if group is None else PerGroup(group), symmetric
+            )
+            padded = real.scales.shape[1] * real.group
+            x = torch.nn.functional.pad(torch.randn(m, 203), (0, padded - 203))
+            zconst = -qrange(bits, True)[0]
+            want = native.lowbit_linear(x, real.qweight, bits, real.scales, real.zeros, zconst, None)
+            y = torch.empty(m, 9)
+            _call(portable, "qk_lowbit_linear", x, m, padded, real.qweight, bits, real.scales, real.zeros,
+                  zconst, real.scales.shape[1], None, y, 9, 1)  # fmt: skip
+            assert rel_err(y, want) < 1e-5
+            assert rel_err(y, x[:, :203] @ real.dequantized_weight().T) < 1e-5
 
 
 @pytest.mark.parametrize(("k", "group"), [(2048, 128), (63, 63), (96, 32)])

@@ -90,7 +90,7 @@ def test_default_choice_follows_the_cpu(monkeypatch):
         paths.choose("w4", 16) == ("c-gemv" if avx2 else "c-dequant")
         and paths.choose("w8", 17) == "c-dequant"
     )
-    assert paths.choose("lowbit", 1) == "torch"
+    assert paths.choose("lowbit", 1) == "c-gemv" and paths.choose("lowbit", 17) == "c-dequant"
 
 
 def test_the_portable_build_runs_its_one_loop_at_every_row_count(monkeypatch):
@@ -101,6 +101,8 @@ def test_the_portable_build_runs_its_one_loop_at_every_row_count(monkeypatch):
     assert paths.offered("w8a8") == ("c-gemv", "int-mm", "torch")
     assert [paths.choose(k, r) for k in ("w8a8", "w4a8") for r in (1, 512)] == ["c-gemv"] * 4
     assert {paths.choose(k, r) for k in ("w4", "w8") for r in (1, 512)} == {"c-dequant"}
+    # the packed 2/3/4-bit codes have a scalar loop in the portable build too
+    assert [paths.choose("lowbit", r) for r in (1, 512)] == ["c-gemv", "c-dequant"]
     assert paths.describe("w8a8", 512) == "portable C GEMV"
 
 

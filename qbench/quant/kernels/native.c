@@ -19,6 +19,7 @@
 #define W4A8_GEMM qk_avx2_w4a8_gemm
 #define WEIGHT_ONLY_LINEAR qk_avx2_weight_only_linear
 #define LOWBIT_LINEAR qk_avx2_lowbit_linear
+#define LOWBIT_DEQUANTIZE qk_avx2_lowbit_dequantize
 #else
 /* the portable build has one loop per family, for every row count */
 #define QK_ISA 0
@@ -30,6 +31,7 @@
 #define W4A8_GEMM qk_ref_w4a8_linear
 #define WEIGHT_ONLY_LINEAR qk_ref_weight_only_linear
 #define LOWBIT_LINEAR qk_ref_lowbit_linear
+#define LOWBIT_DEQUANTIZE qk_ref_lowbit_dequantize
 #endif
 
 #ifdef _OPENMP
@@ -141,4 +143,11 @@ void qk_lowbit_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *
                       const uint8_t *zero, int zconst, int64_t groups, const float *bias, float *y, int64_t n_out,
                       int nthreads) {
     LOWBIT_LINEAR(x, m_rows, k, w, bits, scale, zero, zconst, groups, bias, y, n_out, nthreads);
+}
+
+/* Ŵ[:, :k_out] (N, k_out) float32 of those packed codes, bit-identical to LowBitLinear.dequantized_weight (the
+   prefill path: then torch's sgemm) */
+void qk_lowbit_dequantize(const uint8_t *w, int bits, const float *scale, const uint8_t *zero, int zconst,
+                          int64_t n_out, int64_t k, int64_t groups, int64_t k_out, float *out, int nthreads) {
+    LOWBIT_DEQUANTIZE(w, bits, scale, zero, zconst, n_out, k, groups, k_out, out, nthreads);
 }

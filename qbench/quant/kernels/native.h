@@ -138,6 +138,9 @@ void qk_w4_permute_x(const float *x, int64_t m_rows, int64_t k, float *xp);
 QK_HIDDEN void qk_ref_lowbit_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *w, int bits,
                                     const float *scale, const uint8_t *zero, int zconst, int64_t groups,
                                     const float *bias, float *y, int64_t n_out, int nthreads);
+QK_HIDDEN void qk_ref_lowbit_dequantize(const uint8_t *w, int bits, const float *scale, const uint8_t *zero,
+                                        int zconst, int64_t n_out, int64_t k, int64_t groups, int64_t k_out,
+                                        float *out, int nthreads);
 
 /* --------------------------------------------------------- native_avx2.c: built when the target has AVX2 */
 #ifdef QK_AVX2
@@ -162,6 +165,9 @@ QK_HIDDEN int qk_avx2_weight_only_linear(const float *x, int64_t m_rows, const u
 QK_HIDDEN void qk_avx2_lowbit_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *w, int bits,
                                      const float *scale, const uint8_t *zero, int zconst, int64_t groups,
                                      const float *bias, float *y, int64_t n_out, int nthreads);
+QK_HIDDEN void qk_avx2_lowbit_dequantize(const uint8_t *w, int bits, const float *scale, const uint8_t *zero,
+                                         int zconst, int64_t n_out, int64_t k, int64_t groups, int64_t k_out,
+                                         float *out, int nthreads);
 #endif
 
 #endif

@@ -853,4 +853,30 @@ void qk_avx2_lowbit_linear(const float *x, int64_t m_rows, int64_t k, const uint
     }
 }
 
+/* Ŵ[:, :k_out] = (u − z) · s, qk_lowbit_dequantize's operations (the table holds float(t) − z, then one multiply:
+   bit for bit the scalar loop), eight weights per shift + permute + multiply; the prefill path's one pass over
+   the codes (the scalar unpack took ~100 ms for 2048 × 8192, a quarter of a 512-row sgemm) */
+void qk_avx2_lowbit_dequantize(const uint8_t *w, int bits, const float *scale, const uint8_t *zero, int zconst,
+                               int64_t n_out, int64_t k, int64_t groups, int64_t k_out, float *out, int nthreads) {
+    int64_t g = k / groups, ldw = lowbit_row_bytes(bits, k);
+    int64_t vend = bits == 3 ? (ldw / 3 - 1) * 8 : k & ~(int64_t)7;
+    vend = vend < k_out ? vend : k_out;
+    const __m256 iota = bits == 2 ? _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3) : _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
+    for (int64_t n = 0; n < n_out; ++n) {
+        const uint8_t *wr = w + n * ldw, *zr = zero ? zero + n * groups : NULL;
+        float *o = out + n * k_out;
+        for (int64_t grp = 0; grp < groups; ++grp) {
+            const float s = scale[n * groups + grp], z = lowbit_zero(zr, zconst, grp);
+            const __m256 table = _mm256_sub_ps(iota, _mm256_set1_ps(z)), svec = _mm256_set1_ps(s);
+            const __m256i zv = _mm256_set1_epi32((int)z);
+            int64_t i0 = grp * g, i1 = i0 + g < k_out ? i0 + g : k_out, c = i0;
+            if (i0 % 8 == 0)
+                for (int64_t c1 = i1 < vend ? i1 : vend; c + 8 <= c1; c += 8)
+                    _mm256_storeu_ps(o + c, _mm256_mul_ps(lowbit8(wr, bits, c, table, zv), svec));
+            for (; c < i1; ++c) o[c] = ((float)lowbit_code(wr, bits, c) - z) * s;
+        }
+    }
+}
+
 #endif

@@ -148,7 +148,7 @@ void qk_ref_lowbit_linear(const float *x, int64_t m_rows, int64_t k, const uint8
    LowBitLinear.dequantized_weight's operations, so F.linear on it equals the layer's torch path bit for bit.
    Each row is unpacked to bytes first (one pass of shifts), then scaled per group (a loop the compiler
    vectorises). */
-void qk_lowbit_dequantize(const uint8_t *w, int bits, const float *scale, const uint8_t *zero, int zconst,
+void qk_ref_lowbit_dequantize(const uint8_t *w, int bits, const float *scale, const uint8_t *zero, int zconst,
                           int64_t n_out, int64_t k, int64_t groups, int64_t k_out, float *out, int nthreads) {
     int64_t g = k / groups, ldw = lowbit_row_bytes(bits, k);
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)

@@ -174,7 +174,7 @@ def test_lowbit_native_equals_fake(bits, symmetric, group, k):
 
 def test_lowbit_portable_loop_equals_the_vector_loop():
     """native_ref.c's scalar loop (what a CPU without AVX2 runs) and this build's, on the same packed codes:
-    both reassociate float sums, so they agree to float rounding; the dequantiser is shared."""
+    both reassociate float sums, so they agree to float rounding; the dequantisers agree bit for bit."""
     portable = _portable()
     torch.manual_seed(12)
     for bits, symmetric, group in LOWBIT:
@@ -191,6 +191,10 @@ def test_lowbit_portable_loop_equals_the_vector_loop():
                   zconst, real.scales.shape[1], None, y, 9, 1)  # fmt: skip
             assert rel_err(y, want) < 1e-5
             assert rel_err(y, x[:, :203] @ real.dequantized_weight().T) < 1e-5
+            w_hat = torch.empty(9, 203)  # the dequantisers: the same float operations, bit for bit
+            _call(portable, "qk_lowbit_dequantize", real.qweight, bits, real.scales, real.zeros, zconst, 9,
+                  padded, real.scales.shape[1], 203, w_hat, 1)  # fmt: skip
+            assert torch.equal(w_hat, real.dequantized_weight())
 
 
 @pytest.mark.parametrize(("k", "group"), [(2048, 128), (63, 63), (96, 32)])

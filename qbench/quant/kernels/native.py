@@ -228,11 +228,14 @@ def weight_only_linear(
     return y if ok else None
 
 
-def scale_output(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None) -> Tensor:
-    """float32 ((acc · s_x) · s_w + b) of an int32 (M, N) accumulator, in one pass."""
+def scale_output(
+    acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None, *, in_place: bool = False
+) -> Tensor:
+    """float32 ((acc · s_x) · s_w + b) of an int32 (M, N) accumulator, in one pass; ``in_place``: written over
+    ``acc``'s bytes and returned as a float32 view of them (acc is consumed: no new output to fault in)."""
     _check(acc, sx, sw, bias)
     m, n = acc.shape
-    y = torch.empty(m, n, dtype=torch.float32)
+    y = acc.view(torch.float32) if in_place else torch.empty(m, n, dtype=torch.float32)
     _library().qk_scale_output(
         acc.data_ptr(), m, n, sx.data_ptr(), sw.data_ptr(), int(sw.numel() > 1), _ptr(bias), y.data_ptr(),
         threads(),

@@ -101,6 +101,16 @@ def test_int8_many_rows_through_int_mm_equal_the_c_kernel(monkeypatch):
     assert torch.equal(real(x), c_kernel)
 
 
+def test_epilogue_in_place_equals_the_allocating_one():
+    """The eager int-mm path writes its floats over _int_mm's int32 output: the same bits as a fresh output."""
+    torch.manual_seed(8)
+    acc = torch.randint(-(2**20), 2**20, (33, 37), dtype=torch.int32)
+    sx, sw, bias = torch.rand(33), torch.rand(37), torch.randn(37)
+    want = native.scale_output(acc, sx, sw, bias)
+    got = native.scale_output(acc, sx, sw, bias, in_place=True)
+    assert got.data_ptr() == acc.data_ptr() and torch.equal(got, want)
+
+
 def _weight_only(kind: str, weight: torch.Tensor, bias: torch.Tensor, group: int | None, symmetric: bool):
     if kind == "int4":
         return Int4Linear.from_float(weight, bias, group)

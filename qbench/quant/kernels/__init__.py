@@ -253,7 +253,8 @@ REAL_KERNELS: tuple[RealKernel, ...] = (
     RealKernel(
         "W4A8 absmax (W per channel or group, A per token/sequence)",
         "Int4A8Linear",
-        "CPU: C int4×int8 GEMV/GEMM (groups of 32 or 64·n; others torch); else F.linear on s_x·q and Ŵ",
+        "CPU: C int4×int8 GEMV/GEMM, torch._int_mm on the codes unpacked to int8 where faster (groups of 32 or "
+        "64·n; others torch); else F.linear on s_x·q and Ŵ",
         lambda s: not _is_bnb(s) and _is_w4a8(s),
         _w4a8_linear,
         (("W4A8 (Int4A8Linear)", "w4a8"),),
@@ -314,6 +315,16 @@ def kernel_paths(rows: tuple[int, ...] = (1, 512)) -> dict[str, str]:
     out = {"cpu instruction set": paths.instruction_set()}
     for name, kind in PATH_LAYERS:
         out[f"path {name}"] = "; ".join(f"{r} row{'s' * (r != 1)}: {paths.describe(kind, r)}" for r in rows)
+    if paths.dispatch_mode() == "rule":
+        out["kernel dispatch"] = f"fixed rule ({paths.DISPATCH_ENV}=rule); the paths above"
+    else:
+        out["kernel dispatch"] = (
+            f"measured per shape class at first use, cached in {paths.cache_file()} "
+            f"({paths.DISPATCH_ENV}=rule: the fixed rule); the paths above until a class is measured"
+        )
+        for key, entry in sorted(paths.measured_choices().items()):
+            times = ", ".join(f"{p} {ms:g} ms" for p, ms in sorted(entry.get("ms", {}).items()))
+            out[f"measured {key}"] = f"{entry.get('path')} ({times})"
     if int4pack_available("cpu"):
         out["path W4 zeropoint weight-only (Int4Linear)"] += "; bf16 input: torch int4pack (bf16 scales)"
     if bnb_available():

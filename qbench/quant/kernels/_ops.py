@@ -15,6 +15,8 @@ Ops (every tensor float32 unless said; the C kernels read contiguous CPU tensors
   W8A8 layer's whole forward (quantise + the GEMV, or the GEMM when ``gemv`` is False);
 - ``w4a8_forward(Tensor x, int rows_per_scale, Tensor w4, Tensor scale, Tensor? bias, bool gemv) -> Tensor``:
   the same for int4 nibbles; the group size must have a loop (``w4a8.kernel_group_ok``), else it raises;
+- ``w4a8_int_mm(Tensor x, int rows_per_scale, Tensor w4, Tensor scale, Tensor? bias) -> Tensor``: the W4A8
+  forward through ``torch._int_mm`` (nibbles unpacked to int8 once per call; one GEMM per channel or group);
 - ``scale_output(Tensor acc, Tensor sx, Tensor sw, Tensor? bias) -> Tensor``: the epilogue of an int32 (M, N);
 - ``weight_only_linear(Tensor x, Tensor codes, bool bits4, Tensor scale, Tensor? zero, Tensor? bias) -> Tensor``:
   x · Ŵᵀ + b reading the codes, where this build and group size have a loop (:func:`weight_only_loop`), else
@@ -50,6 +52,7 @@ OPS = (
     "dequantize",
     "lowbit_linear",
     "lowbit_dequantize",
+    "w4a8_int_mm",
 )
 
 
@@ -146,6 +149,17 @@ def w4a8_forward(
     if y is None:
         raise ValueError(f"qbench::w4a8_forward: no loop for {scale.shape[1]} groups of a {x.shape[1]}-row")
     return y
+
+
+def _w4a8_int_mm_fake(
+    x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias: Tensor | None
+) -> Tensor:
+    return _rows_out(x, w4.shape[0])
+
+
+@_op(_w4a8_int_mm_fake)
+def w4a8_int_mm(x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    return native.w4a8_int_mm(x.contiguous(), rows_per_scale, w4.contiguous(), scale.contiguous(), _c(bias))
 
 
 # ------------------------------------------------------------------------------------------ weight-only

@@ -14,6 +14,9 @@ without AVX-512 VNNI, slow at any size), and the int4 kernels want bf16 activati
 - ``qk_w8a8_forward`` (bound per layer in ``paths.py``): ``quantize_rows`` + ``w8a8_linear`` in one foreign call;
 - ``w4a8_forward``: the same for int4 weights (nibbles, per channel or per group) × int8 activations — exact
   integer group sums (``maddubs`` of the nibble with the code at decode, the int16 panel GEMM above 16 rows);
+- ``w4a8_int_mm``: the W4A8 prefill through ``torch._int_mm`` — the nibbles unpacked to an int8 (N, K) panel once
+  per call (``qk_w4_unpack_i8``), one ``_int_mm`` per channel or per group (``qk_w4a8_fold`` folds each group's
+  exact sums in the C loops' order): bit for bit the C GEMM;
 - ``scale_output``: that epilogue alone, after ``torch._int_mm`` (the prefill path on CPUs where oneDNN's
   int8 GEMM is faster);
 - ``qk_weight_only_linear`` (bound per layer in ``paths.py``): x (float32) · Ŵᵀ with Ŵ = s · (q − z) from int4
@@ -73,6 +76,8 @@ _SIGNATURES = {
         None,
     ),
     "qk_lowbit_dequantize": ([_PTR, _INT, _PTR, _PTR, _INT, _I64, _I64, _I64, _I64, _PTR, _INT], None),
+    "qk_w4_unpack_i8": ([_PTR, _I64, _I64, _PTR, _INT], None),
+    "qk_w4a8_fold": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _INT, _INT], None),
     "qk_weight_only_linear": (
         [_PTR, _I64, _PTR, _INT, _INT, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT],
         _INT,
@@ -288,3 +293,28 @@ def lowbit_dequantize(
         out.data_ptr(), threads(),
     )  # fmt: skip
     return out
+
+
+def w4a8_int_mm(x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    """The W4A8 linear (as :func:`w4a8_forward`) with oneDNN's int8 GEMM: float32 (M, N), bit for bit the C loops.
+
+    Per output channel one ``_int_mm`` over all of K and W8A8's epilogue; per group one ``_int_mm`` per group
+    (folding groups into one GEMM would mix scales inside an int32 sum) and the scaled sums added in group order."""
+    _check(x, w4, scale, bias)
+    m, k = x.shape
+    n, groups = scale.shape
+    q, sx = quantize_rows(x, rows_per_scale)
+    w8 = torch.empty(n, k, dtype=torch.int8)
+    lib = _library()
+    lib.qk_w4_unpack_i8(w4.data_ptr(), n, k, w8.data_ptr(), threads())
+    if groups == 1:
+        return scale_output(torch._int_mm(q, w8.t()), sx, scale.reshape(-1), bias, in_place=True)
+    g = k // groups
+    t = torch.empty(m, n, dtype=torch.float32)
+    for grp in range(groups):
+        acc = torch._int_mm(q[:, grp * g : grp * g + g].contiguous(), w8[:, grp * g : grp * g + g].t())
+        lib.qk_w4a8_fold(
+            acc.data_ptr(), m, n, scale.data_ptr(), groups, grp, sx.data_ptr(), _ptr(bias), t.data_ptr(),
+            int(grp == groups - 1), threads(),
+        )  # fmt: skip
+    return t

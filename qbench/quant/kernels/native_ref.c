@@ -186,3 +186,40 @@ void qk_ref_lowbit_dequantize(const uint8_t *w, int bits, const float *scale, co
         free(u);
     }
 }
+
+/* ------------------------------------------------------------------- W4A8 prefill through an int8 GEMM */
+
+/* int8 (N, K) codes c = nibble − 8 of the w4 layout: the weight panel the int-mm path hands oneDNN's int8 GEMM,
+   unpacked once per call (a byte loop the compiler vectorises) */
+void qk_w4_unpack_i8(const uint8_t *w, int64_t n_out, int64_t k, int8_t *out, int nthreads) {
+    int64_t ldw = (k + 1) / 2;
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
+    for (int64_t n = 0; n < n_out; ++n) {
+        const uint8_t *wr = w + n * ldw;
+        int8_t *o = out + n * k;
+        for (int64_t j = 0; j < k / 2; ++j) {
+            o[2 * j] = (int8_t)((wr[j] & 15) - 8);
+            o[2 * j + 1] = (int8_t)((wr[j] >> 4) - 8);
+        }
+        if (k % 2) o[k - 1] = (int8_t)((wr[k / 2] & 15) - 8);
+    }
+}
+
+/* One group's exact int32 sums A_g (M, N) folded into t (M, N) as the C loops do (w4a8_epilogue's order):
+   t = 0 then t += s_g · A_g group by group; after the last group y = t · s_x + b, written into t. */
+void qk_w4a8_fold(const int32_t *acc, int64_t rows, int64_t n_out, const float *scale, int64_t groups, int64_t grp,
+                  const float *sx, const float *bias, float *t, int last, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
+    for (int64_t m = 0; m < rows; ++m) {
+        const int32_t *a = acc + m * n_out;
+        float *tr = t + m * n_out;
+        for (int64_t n = 0; n < n_out; ++n) {
+            float v = (grp == 0 ? 0.0f : tr[n]) + scale[n * groups + grp] * (float)a[n];
+            if (last) {
+                v = v * sx[m];
+                v = bias ? v + bias[n] : v;
+            }
+            tr[n] = v;
+        }
+    }
+}

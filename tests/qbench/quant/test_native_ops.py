@@ -39,6 +39,7 @@ OP = {
     ("c-gemv", "w4"): "weight_only_linear",
     ("c-gemv", "lowbit"): "lowbit_linear",
     ("c-dequant", "lowbit"): "lowbit_dequantize",
+    ("int-mm", "w4a8"): "w4a8_int_mm",
 }
 
 
@@ -91,6 +92,7 @@ def _op_samples():
         # 3-bit codes: 8 in 3 bytes, rows of k = 2 groups of 64
         "lowbit_linear": (x, w3, 3, scale, zero, 3, bias),
         "lowbit_dequantize": (w3, 3, scale, None, 3, k, k - 5),
+        "w4a8_int_mm": (x, 1, w4, scale, bias),
     }
 
 

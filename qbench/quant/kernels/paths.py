@@ -225,6 +225,13 @@ def class_key(kind: str, rows: int, shape: Shape) -> str:
 
 
 _CHOICES: dict[str, dict[str, dict]] = {}  # cache file -> class key -> {"path", "ms"}
+_GENERATION = [0]  # bumped by reset_measured: the layers' remembered answers are stale
+
+
+def reset_measured() -> None:
+    """Forget every measured choice this process knows (the cache file stays): the next call reads it again."""
+    _CHOICES.clear()
+    _GENERATION[0] += 1
 
 
 def _read(file: Path) -> dict[str, dict]:
@@ -386,15 +393,26 @@ def _path(
     """``choose`` for this call; first measures the call's class when nothing is known for it (``run``: the
     layer's forward on this input, which :func:`_measure` runs once per candidate path)."""
     if not torch.compiler.is_compiling():
-        if (
-            run is not None
-            and shape is not None
-            and forced() is None
-            and dispatch_mode() == "measure"
-            and measured(kind, rows, shape) is None
-        ):
-            _measure(owner, kind, rows, shape, run)
-        return choose(kind, rows, shape)
+        if owner is None or shape is None or forced() is not None or dispatch_mode() != "measure":
+            return choose(kind, rows, shape)
+        # the answer per layer and class, kept on the layer: looking the class up in the shared table (building
+        # its key and the cache file's path) cost ~30 µs a call, as much as a small layer's whole decode step
+        memo = owner.__dict__.setdefault("_dispatch_memo", {})
+        row_class = 1 if rows <= 1 else (2 if rows <= DECODE_ROWS else 3)
+        key = (
+            kind,
+            row_class,
+            native.threads(),
+            _GENERATION[0],
+            os.environ.get("QBENCH_CACHE"),
+            machine_key(),
+        )
+        path = memo.get(key)
+        if path is None:
+            if run is not None and measured(kind, rows, shape) is None:
+                _measure(owner, kind, rows, shape, run)
+            path = memo[key] = choose(kind, rows, shape)
+        return path
     k, n, groups = shape if shape is not None else (0, 0, 1)
     # rows may be symbolic (dynamic shapes): the comparison becomes a guard, the choice a constant per branch
     if rows > DECODE_ROWS:

@@ -169,9 +169,9 @@ def measuring(monkeypatch, tmp_path):
     """The measured dispatch (the default outside the test suite) with an empty cache folder."""
     monkeypatch.setenv(paths.DISPATCH_ENV, "measure")
     monkeypatch.setenv("QBENCH_CACHE", str(tmp_path))
-    paths._CHOICES.clear()
+    paths.reset_measured()
     yield tmp_path
-    paths._CHOICES.clear()
+    paths.reset_measured()
 
 
 @pytest.mark.skipif(not native.available(), reason="no C kernels: nothing to measure")
@@ -195,7 +195,7 @@ def test_measured_choice_is_offered_cached_and_read_back(case, measuring, monkey
     for key, entry in data["choices"].items():
         assert key.startswith(case.kind + "/") and entry["path"] == min(entry["ms"], key=entry["ms"].get)
         assert set(entry["ms"]) <= set(paths.offered(case.kind)) - {"torch"}
-    paths._CHOICES.clear()
+    paths.reset_measured()
 
     def no_timing(*args):
         raise AssertionError("measured again")

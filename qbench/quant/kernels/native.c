@@ -1,7 +1,7 @@
 /* The exported entry points of qbench's real-kernel CPU library (native.py binds them; native.h describes the
    layouts and the file split). Each one picks its loops here, once, from the build's instruction set: the
-   AVX2 functions of native_avx2.c when the compiler targets AVX2 + FMA, else the portable ones of
-   native_ref.c. The choice is made by the compile flags (-march=native on the machine that runs it), so the
+   AVX2 functions of native_avx2.c when the compiler targets AVX2 + FMA (and the W4A8 GEMM of native_avx512.c
+   when it targets AVX-512 VNNI too), else the portable ones of native_ref.c. The choice is made by the compile flags (-march=native on the machine that runs it), so the
    tables below are the only place that knows which ISA exists; the functions hold no ISA conditionals. */
 #include "native.h"
 
@@ -16,7 +16,12 @@
 #define W8A8_GEMV qk_avx2_w8a8_gemv
 #define W8A8_GEMM qk_avx2_w8a8_gemm
 #define W4A8_GEMV qk_avx2_w4a8_gemv
+/* the W4A8 prefill at VNNI's int8 rate (native_avx512.c); every other loop stays AVX2 */
+#if defined(QK_AVX512VNNI)
+#define W4A8_GEMM qk_avx512_w4a8_gemm
+#else
 #define W4A8_GEMM qk_avx2_w4a8_gemm
+#endif
 #define WEIGHT_ONLY_LINEAR qk_avx2_weight_only_linear
 #define LOWBIT_LINEAR qk_avx2_lowbit_linear
 #define LOWBIT_DEQUANTIZE qk_avx2_lowbit_dequantize

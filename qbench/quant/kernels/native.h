@@ -3,7 +3,8 @@
    Files (the ggml-quants layering): native_ref.c holds the portable scalar loops and is always compiled — it is
    the definition, what a CPU without AVX2 runs and what the vector loops are tested against; native_avx2.c
    holds one function per AVX2 + FMA loop and compiles to nothing unless the build targets AVX2 (build.py's
-   -march=native); native.c exports the entry points and picks one of the two at build time, from the compile
+   -march=native); native_avx512.c (the W4A8 GEMM with AVX-512 VNNI's vpdpbusd) compiles to nothing unless the
+   target has AVX-512 VNNI; native.c exports the entry points and picks among them at build time, from the compile
    flags (the -march=native build is for the machine that runs it, so nothing is left to choose at run time).
    Shared here: the scalar pieces both files use (epilogues, tails), so both compute them identically.
 
@@ -27,6 +28,9 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define QK_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QK_AVX512VNNI 1 /* native_avx512.c: int8 dot products four to a lane (vpdpbusd) */
+#endif
 #endif
 
 /* between the files of one library, never looked up by native.py */
@@ -168,6 +172,13 @@ QK_HIDDEN void qk_avx2_lowbit_linear(const float *x, int64_t m_rows, int64_t k, 
 QK_HIDDEN void qk_avx2_lowbit_dequantize(const uint8_t *w, int bits, const float *scale, const uint8_t *zero,
                                          int zconst, int64_t n_out, int64_t k, int64_t groups, int64_t k_out,
                                          float *out, int nthreads);
+#endif
+
+/* ------------------------------------------------- native_avx512.c: built when the target has AVX-512 VNNI */
+#ifdef QK_AVX512VNNI
+QK_HIDDEN void qk_avx512_w4a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const uint8_t *w,
+                                   const float *scale, int64_t groups, const float *bias, float *y,
+                                   int64_t n_out, int64_t k, int nthreads);
 #endif
 
 #endif

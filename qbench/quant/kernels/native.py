@@ -87,7 +87,7 @@ _SIGNATURES = {
 
 BUILD_FLAGS = kernel_build.FLAG_CASCADE  # first that compiles
 # one library: the entry points (dispatch), the portable loops, the AVX2 loops (empty unless the target has AVX2)
-NATIVE_SOURCES = ("native.c", "native_ref.c", "native_avx2.c")
+NATIVE_SOURCES = ("native.c", "native_ref.c", "native_avx2.c", "native_avx512.c")
 
 
 @functools.cache

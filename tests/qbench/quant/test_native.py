@@ -352,6 +352,23 @@ def test_portable_loops_equal_the_vector_loops():
         assert torch.equal(out, native.dequantize(codes, True, scale, zero, k))
 
 
+def test_w4a8_gemm_equal_across_avx2_and_vnni_builds():
+    """The W4A8 GEMM of an AVX2-only build (native_avx2.c's int16 panels) and of this build (native_avx512.c's
+    vpdpbusd where the CPU has AVX-512 VNNI) give the same bits, per channel and per group."""
+    avx2 = native.build(["-mavx2", "-mfma", "-fopenmp"]) or native.build(["-mavx2", "-mfma"])
+    if avx2 is None or avx2.qk_isa() != 1:
+        pytest.skip("the compiler does not build AVX2 here")
+    torch.manual_seed(13)
+    for m, k, n, group in [(20, 130, 9, None), (17, 256, 70, 64), (40, 512, 65, 32), (7, 384, 64, 128)]:
+        layer = Int4A8Linear.from_float(torch.randn(n, k), torch.randn(n), group)
+        x = torch.randn(m, k) * 3
+        args = (x, m, k, 1, layer.qweight, layer.scales, layer.scales.shape[1], layer.bias)
+        want, y = torch.empty(m, n), torch.empty(m, n)
+        assert _call(native.library(), "qk_w4a8_forward_path", *args, want, n, 1, 0)
+        assert _call(avx2, "qk_w4a8_forward_path", *args, y, n, 1, 0)
+        assert torch.equal(y, want), (m, k, n, group)
+
+
 def test_portable_build_declines_weight_only_and_layers_dequantise():
     """native_ref.c has no loop reading weight-only codes: the entry point declines and paths.py dequantises."""
     portable = _portable()

@@ -117,11 +117,12 @@ static inline float lowbit_zero(const uint8_t *zr, int zconst, int64_t grp) {
     return zr ? (float)zr[grp] : (float)zconst;
 }
 
-/* Σ_{i in [from, to)} (u_i − z) x_i in channel order: the scalar definition of one group's partial sum */
-static inline float lowbit_span(const float *x, const uint8_t *wr, int bits, float z, int64_t from, int64_t to) {
-    float s = 0.0f;
-    for (int64_t i = from; i < to; ++i) s += ((float)lowbit_code(wr, bits, i) - z) * x[i];
-    return s;
+/* Σ_{i in [from, to)} ŵ_i x_i with ŵ_i = (u_i − z) · s (fake mode's weight, bit for bit), in channel order */
+static inline float lowbit_span(const float *x, const uint8_t *wr, int bits, float z, float s, int64_t from,
+                                int64_t to) {
+    float t = 0.0f;
+    for (int64_t i = from; i < to; ++i) t += (((float)lowbit_code(wr, bits, i) - z) * s) * x[i];
+    return t;
 }
 
 /* ------------------------------------------------------------------ native_ref.c: portable, always built */

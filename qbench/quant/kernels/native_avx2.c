@@ -746,7 +746,8 @@ int qk_avx2_weight_only_linear(const float *x, int64_t m_rows, const uint8_t *w,
    reordering. Up to LB_MB activation rows share each unpacked vector; each group's sum is scaled once. */
 #define LB_MB 4
 
-/* (u − z) as float for the 8 codes at channel c (c % 8 == 0) of a packed row, for the vector loop: 2-bit reads
+/* table[u] for the 8 codes at channel c (c % 8 == 0) of a packed row (2/3-bit), or (u − z) as float (4-bit):
+   for the vector loops. 2-bit reads
    2 bytes, 3-bit 4 bytes (one past the unit: the caller keeps the row's last unit for the scalar tail),
    4-bit 4 bytes */
 static inline __m256 lowbit8(const uint8_t *wr, int bits, int64_t c, __m256 table, __m256i zv) {
@@ -784,17 +785,19 @@ static inline __attribute__((always_inline)) void lowbit_rows(const float *x, in
     /* the last whole vector step: 3-bit loads 4 bytes per 3-byte unit, so the row's last unit runs scalar */
     int64_t vend = bits == 3 ? (ldw / 3 - 1) * 8 : k & ~(int64_t)7;
     const __m256 iota = bits == 2 ? _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3) : _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 tot[LB_MB];
+    __m256 acc[LB_MB][4];
     float extra[LB_MB];
-    for (int i = 0; i < LB_MB; ++i) tot[i] = _mm256_setzero_ps(), extra[i] = 0.0f;
+    for (int i = 0; i < LB_MB; ++i) {
+        extra[i] = 0.0f;
+        for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_ps();
+    }
     for (int64_t grp = 0; grp < groups; ++grp) {
-        const float z = lowbit_zero(zr, zconst, grp);
-        const __m256 table = _mm256_sub_ps(iota, _mm256_set1_ps(z)), svec = _mm256_set1_ps(sr[grp]);
+        const float z = lowbit_zero(zr, zconst, grp), s = sr[grp];
+        /* the table holds ŵ = (t − z) · s itself (fake mode's weights, bit for bit), so no group needs its own
+           accumulators or a reduction: at g = 64 those cost as much as the products */
+        const __m256 svec = _mm256_set1_ps(s), table = _mm256_mul_ps(_mm256_sub_ps(iota, _mm256_set1_ps(z)), svec);
         const __m256i zv = _mm256_set1_epi32((int)z);
         int64_t i0 = grp * g, i1 = i0 + g, c = i0;
-        __m256 acc[LB_MB][4];
-        for (int i = 0; i < LB_MB; ++i)
-            for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_ps();
         if (i0 % 8 == 0) { /* groups that start on a vector step (all but odd group sizes) */
             int64_t c1 = i1 < vend ? i1 : vend;
             for (; c + 32 <= c1; c += 32) {
@@ -802,8 +805,10 @@ static inline __attribute__((always_inline)) void lowbit_rows(const float *x, in
                 if (bits == 2) {
                     lowbit2_16(wr, c, table, f);
                     lowbit2_16(wr, c + 16, table, f + 2);
-                } else {
+                } else if (bits == 3) {
                     for (int v = 0; v < 4; ++v) f[v] = lowbit8(wr, bits, c + 8 * v, table, zv);
+                } else {
+                    for (int v = 0; v < 4; ++v) f[v] = _mm256_mul_ps(lowbit8(wr, bits, c + 8 * v, table, zv), svec);
                 }
                 for (int i = 0; i < mb; ++i)
                     for (int v = 0; v < 4; ++v)
@@ -811,20 +816,18 @@ static inline __attribute__((always_inline)) void lowbit_rows(const float *x, in
             }
             for (; c + 8 <= c1; c += 8) {
                 __m256 f = lowbit8(wr, bits, c, table, zv);
+                f = bits == 4 ? _mm256_mul_ps(f, svec) : f;
                 for (int i = 0; i < mb; ++i) acc[i][0] = _mm256_fmadd_ps(f, _mm256_loadu_ps(x + i * ldx + c), acc[i][0]);
             }
         }
-        for (int i = 0; i < mb; ++i) {
-            __m256 a = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3]));
-            tot[i] = _mm256_fmadd_ps(a, svec, tot[i]);
-            if (c < i1) extra[i] += lowbit_span(x + i * ldx, wr, bits, z, c, i1) * sr[grp];
-        }
+        for (int i = 0; i < mb && c < i1; ++i) extra[i] += lowbit_span(x + i * ldx, wr, bits, z, s, c, i1);
     }
     for (int i = 0; i < mb; ++i) {
-        float lanes[8], s = 0.0f;
-        _mm256_storeu_ps(lanes, tot[i]);
-        for (int j = 0; j < 8; ++j) s += lanes[j];
-        out[i] = s + extra[i];
+        float lanes[8], t = 0.0f;
+        __m256 a = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3]));
+        _mm256_storeu_ps(lanes, a);
+        for (int j = 0; j < 8; ++j) t += lanes[j];
+        out[i] = t + extra[i];
     }
 }
 

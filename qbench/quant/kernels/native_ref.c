@@ -133,8 +133,9 @@ void qk_w4_permute_x(const float *x, int64_t m_rows, int64_t k, float *xp) {
 /* ------------------------------------------------------------------- packed 2/3/4-bit weight-only */
 
 /* y (M, N) = x (M, K) · Ŵᵀ + bias from packed codes (native.h), K = groups · g the padded row (x zero beyond
-   the layer's inputs): per output channel and row, Σ_g s_g · Σ_{i in g} (u_i − z_g) x_i, each group's sum in
-   channel order, then + bias. Reassociated against F.linear on Ŵ: equal to fake mode to float rounding. */
+   the layer's inputs): per output channel and row, Σ_i ŵ_i x_i in channel order with ŵ_i = (u_i − z_g) · s_g
+   (fake mode's weights bit for bit), then + bias. The sum's order is not F.linear's: equal to fake mode to
+   float rounding. */
 void qk_ref_lowbit_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *w, int bits, const float *scale,
                           const uint8_t *zero, int zconst, int64_t groups, const float *bias, float *y,
                           int64_t n_out, int nthreads) {
@@ -145,8 +146,8 @@ void qk_ref_lowbit_linear(const float *x, int64_t m_rows, int64_t k, const uint8
         for (int64_t m = 0; m < m_rows; ++m) {
             float total = 0.0f;
             for (int64_t grp = 0; grp < groups; ++grp)
-                total += scale[n * groups + grp] *
-                         lowbit_span(x + m * k, wr, bits, lowbit_zero(zr, zconst, grp), grp * g, grp * g + g);
+                total += lowbit_span(x + m * k, wr, bits, lowbit_zero(zr, zconst, grp), scale[n * groups + grp],
+                                     grp * g, grp * g + g);
             y[m * n_out + n] = bias ? total + bias[n] : total;
         }
     }

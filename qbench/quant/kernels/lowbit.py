@@ -2,7 +2,7 @@
 
 The real backend of the grouped weight-only schemes that :class:`~.int4.Int4Linear` does not cover: int3, int2, and
 symmetric (absmax) int4. Float32 CPU input runs the C kernels (``paths.lowbit_forward``): up to 16 rows a loop
-that reads the packed codes and never builds Ŵ (decode is bound by turning codes into floats: 2.4–2.8× fp32
+that reads the packed codes and never builds Ŵ (decode is bound by turning codes into floats: ~3× fp32
 ``F.linear`` at 2048 → 8192, one thread; equal to fake mode to float rounding), more rows one C
 dequantisation per call, then ``F.linear`` (bit for bit fake mode). Elsewhere (CUDA, bf16, autograd) each call
 rebuilds the float weight in torch and runs ``F.linear``.

@@ -49,6 +49,12 @@ int qk_isa(void) { return QK_ISA; } /* 1: AVX2 + FMA, 0: portable C */
 
 int qk_openmp(void) { return QK_OPENMP; }
 
+#ifdef QK_AVX512VNNI
+int qk_avx512_vnni(void) { return 1; } /* the W4A8 GEMM is native_avx512.c's */
+#else
+int qk_avx512_vnni(void) { return 0; }
+#endif
+
 /* Per block of `rows_per_scale` consecutive rows (1: per token; T: per sequence):
    s = max(max|x| / 127, FLT_MIN), q = clamp(round(x / s), -127, 127) — int8.py's quantize_activation. */
 void qk_quantize_rows(const float *x, int64_t rows, int64_t k, int64_t rows_per_scale, int8_t *q, float *sx) {

@@ -32,7 +32,8 @@ Build: on first use, like every kernel of qbench (``build.py``: one compiler loo
 of :data:`NATIVE_SOURCES` into one library. ``-march=native`` decides the instruction set at build time, on the
 machine that runs it: with AVX2 + FMA ``native.c`` calls the loops of ``native_avx2.c``, else those of
 ``native_ref.c`` (the ggml-quants layering: one portable reference, one file per instruction set, no ISA test
-inside a function); :func:`isa` says which. The torch custom ops over these wrappers are in ``_ops.py``.
+inside a function); :func:`isa` says which. With AVX-512 VNNI the W4A8 GEMM comes from ``native_avx512.c``
+(:func:`vnni`). The torch custom ops over these wrappers are in ``_ops.py``.
 Without a compiler, or with ``QBENCH_NATIVE=0`` in the environment (the older ``QBENCH_NATIVE_KERNELS=0`` too; or
 :func:`set_enabled(False) <set_enabled>`), :func:`available` is False and the layers use their torch paths
 (``torch._int_mm``, dequantise + ``F.linear``).
@@ -60,6 +61,7 @@ _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
     "qk_isa": ([], _INT),
     "qk_openmp": ([], _INT),
+    "qk_avx512_vnni": ([], _INT),
     "qk_quantize_rows": ([_PTR, _I64, _I64, _I64, _PTR, _PTR], None),
     "qk_scale_output": ([_PTR, _I64, _I64, _PTR, _PTR, _INT, _PTR, _PTR, _INT], None),
     "qk_w8a8_linear": ([_PTR, _PTR, _I64, _PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _INT], None),
@@ -134,6 +136,12 @@ def isa() -> str | None:
     """The instruction set the loops were compiled for ("AVX2" or "C"), None when not built."""
     lib = _library()
     return None if lib is None else _isa_of(lib)
+
+
+def vnni() -> bool:
+    """Whether the W4A8 GEMM was built with AVX-512 VNNI (``native_avx512.c``); the other loops stay AVX2."""
+    lib = _library()
+    return lib is not None and bool(lib.qk_avx512_vnni())
 
 
 @functools.cache

@@ -306,10 +306,10 @@ def describe(kind: str, rows: int) -> str:
     c = "portable C" if native.isa() == "C" else f"C {native.isa()}"
     return {
         "c-gemv": f"{c} GEMV" if kind in ("w8a8", "w4a8") else f"{c} kernel reading the codes (no Ŵ)",
-        "c-gemm": f"{c} int16 GEMM",
+        "c-gemm": "C AVX-512 VNNI GEMM" if kind == "w4a8" and native.vnni() else f"{c} int16 GEMM",
         "int-mm": "C quantiser + torch._int_mm + C epilogue"
         if kind == "w8a8"
-        else "int4 unpacked to int8 + torch._int_mm (per channel; per group the C int16 GEMM)",
+        else "int4 unpacked to int8 + torch._int_mm (per channel; per group the C GEMM)",
         "c-dequant": "C dequantise + torch sgemm",
         "torch": "torch (dequantise + F.linear)" if kind != "w8a8" else "torch._int_mm (torch quantiser)",
     }[path]
@@ -332,6 +332,8 @@ def instruction_set() -> str:
     """The CPU's vector extensions that decide a path here, and what the C kernels were built for."""
     have = [f for f in ISA_FLAGS if f in cpu_flags()]
     built = f"C kernels built for {native.isa()}" if native.available() else "C kernels off"
+    if native.available() and native.vnni():
+        built += " (the W4A8 GEMM for AVX-512 VNNI)"
     return f"{' '.join(have) or 'no AVX2'}; {built}"
 
 

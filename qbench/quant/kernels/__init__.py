@@ -281,7 +281,7 @@ REAL_KERNELS: tuple[RealKernel, ...] = (
             ("W4 zeropoint weight-only (Int4Linear)", "w4"),
             ("W2/W3/W4-absmax weight-only (LowBitLinear)", "lowbit"),
         ),
-        native=("Int4Linear",),
+        native=("Int4Linear", "LowBitLinear"),
     ),
 )
 

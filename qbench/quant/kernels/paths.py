@@ -164,12 +164,21 @@ def choose(kind: str, rows: int, shape: Shape | None = None) -> str:
 def rule(kind: str, rows: int, shape: Shape | None = None) -> str:
     """The fixed dispatch (``QBENCH_DISPATCH=rule``, and every class not measured yet): ≤ 16 rows the GEMV; more
     rows the GEMM (weight-only: ``c-dequant``), except on CPUs with AVX-512 VNNI or AMX, where W8A8 and per-channel
-    W4A8 take ``torch._int_mm``."""
+    W4A8 take ``torch._int_mm`` — W4A8 only when its GEMM was not built for AVX-512 VNNI."""
     paths = offered(kind)
     if rows <= DECODE_ROWS:
         return paths[0]
     per_channel = shape is None or shape[2] == 1  # per-group W4A8 needs one _int_mm per group: the C GEMM
-    if kind in ("w8a8", "w4a8") and int_mm_preferred() and per_channel and "int-mm" in paths:
+    # W4A8 with the AVX-512 VNNI GEMM: as fast as _int_mm per channel at one thread, and its dynamic schedule
+    # held up where oneDNN's static split halved on a busy second core
+    vnni_w4a8 = kind == "w4a8" and native.available() and native.vnni() and "c-gemm" in paths
+    if (
+        kind in ("w8a8", "w4a8")
+        and int_mm_preferred()
+        and per_channel
+        and "int-mm" in paths
+        and not vnni_w4a8
+    ):
         return "int-mm"
     big = "c-gemm" if kind in ("w8a8", "w4a8") else "c-dequant"
     return big if big in paths else paths[0]  # the portable build: its one loop takes every row count

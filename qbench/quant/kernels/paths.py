@@ -291,7 +291,10 @@ def _measure(owner: object, kind: str, rows: int, shape: Shape, run: Callable[[]
             for i in range(MEASURE_RUNS):
                 owner.__dict__.pop("last_path", None)
                 start = time.perf_counter()
-                y = run()
+                try:
+                    y = run()
+                except (RuntimeError, ValueError):  # a path that cannot run this call is no candidate
+                    y = None
                 took = time.perf_counter() - start
                 spent += took
                 if y is None or owner.__dict__.get("last_path") != path:

@@ -19,8 +19,10 @@
 /* the W4A8 prefill at VNNI's int8 rate (native_avx512.c); every other loop stays AVX2 */
 #if defined(QK_AVX512VNNI)
 #define W4A8_GEMM qk_avx512_w4a8_gemm
+#define QK_VNNI 1
 #else
 #define W4A8_GEMM qk_avx2_w4a8_gemm
+#define QK_VNNI 0
 #endif
 #define WEIGHT_ONLY_LINEAR qk_avx2_weight_only_linear
 #define LOWBIT_LINEAR qk_avx2_lowbit_linear
@@ -28,6 +30,7 @@
 #else
 /* the portable build has one loop per family, for every row count */
 #define QK_ISA 0
+#define QK_VNNI 0
 #define ABSMAX_F32(x, n) qk_ref_absmax_f32(x, 0, n, 0.0f)
 #define QUANTIZE_ROW(x, n, s, q) qk_ref_quantize_row(x, 0, n, s, q)
 #define W8A8_GEMV qk_ref_w8a8_linear
@@ -49,11 +52,7 @@ int qk_isa(void) { return QK_ISA; } /* 1: AVX2 + FMA, 0: portable C */
 
 int qk_openmp(void) { return QK_OPENMP; }
 
-#ifdef QK_AVX512VNNI
-int qk_avx512_vnni(void) { return 1; } /* the W4A8 GEMM is native_avx512.c's */
-#else
-int qk_avx512_vnni(void) { return 0; }
-#endif
+int qk_avx512_vnni(void) { return QK_VNNI; } /* 1: the W4A8 GEMM is native_avx512.c's */
 
 /* Per block of `rows_per_scale` consecutive rows (1: per token; T: per sequence):
    s = max(max|x| / 127, FLT_MIN), q = clamp(round(x / s), -127, 127) — int8.py's quantize_activation. */

@@ -25,6 +25,13 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("QBENCH_CACHE", str(tmp_path_factory.getbasetemp() / "qbench-cache"))
 
 
+@pytest.fixture(autouse=True)
+def _fixed_kernel_dispatch(monkeypatch):
+    """The real layers take the fixed kernel rule (``paths.rule``), not timings of a busy machine, so a test
+    knows which path runs; the measured dispatch has its own tests (test_paths.py)."""
+    monkeypatch.setenv("QBENCH_DISPATCH", "rule")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     if not torch.cuda.is_available():

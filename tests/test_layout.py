@@ -194,9 +194,15 @@ def test_kernel_sources_are_package_data_and_one_function_per_isa():
         for p in KERNELS.glob("native*.[ch]")
     }
     assert isa_tests == {
-        "native.h": ["#if defined(__AVX2__) && defined(__FMA__)", "#ifdef QK_AVX2"],  # the macro; prototypes
-        "native.c": ["#if defined(QK_AVX2)"],  # the dispatch table
+        "native.h": [  # the macros; prototypes
+            "#if defined(__AVX2__) && defined(__FMA__)",
+            "#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)",
+            "#ifdef QK_AVX2",
+            "#ifdef QK_AVX512VNNI",
+        ],
+        "native.c": ["#if defined(QK_AVX2)", "#if defined(QK_AVX512VNNI)"],  # the dispatch table
         "native_avx2.c": ["#ifdef QK_AVX2"],  # the whole file
+        "native_avx512.c": ["#ifdef QK_AVX512VNNI"],  # the whole file
         "native_ref.c": [],
     }, isa_tests
     assert "_mm" not in (KERNELS / "native_ref.c").read_text()

@@ -15,11 +15,17 @@ Ops (every tensor float32 unless said; the C kernels read contiguous CPU tensors
   W8A8 layer's whole forward (quantise + the GEMV, or the GEMM when ``gemv`` is False);
 - ``w4a8_forward(Tensor x, int rows_per_scale, Tensor w4, Tensor scale, Tensor? bias, bool gemv) -> Tensor``:
   the same for int4 nibbles; the group size must have a loop (``w4a8.kernel_group_ok``), else it raises;
+- ``w4a8_int_mm(Tensor x, int rows_per_scale, Tensor w4, Tensor scale, Tensor? bias) -> Tensor``: the W4A8
+  forward through ``torch._int_mm`` (nibbles unpacked to int8 once per call; one GEMM per channel or group);
 - ``scale_output(Tensor acc, Tensor sx, Tensor sw, Tensor? bias) -> Tensor``: the epilogue of an int32 (M, N);
 - ``weight_only_linear(Tensor x, Tensor codes, bool bits4, Tensor scale, Tensor? zero, Tensor? bias) -> Tensor``:
   x · Ŵᵀ + b reading the codes, where this build and group size have a loop (:func:`weight_only_loop`), else
   raises;
-- ``dequantize(Tensor codes, bool bits4, Tensor scale, Tensor? zero, int in_features) -> Tensor``: Ŵ (N, K).
+- ``dequantize(Tensor codes, bool bits4, Tensor scale, Tensor? zero, int in_features) -> Tensor``: Ŵ (N, K);
+- ``lowbit_linear(Tensor x, Tensor codes, int bits, Tensor scale, Tensor? zero, int zconst, Tensor? bias)
+  -> Tensor``: x · Ŵᵀ + b from LowBitLinear's packed 2/3/4-bit codes (x zero-padded to whole groups);
+- ``lowbit_dequantize(Tensor codes, int bits, Tensor scale, Tensor? zero, int zconst, int padded,
+  int in_features) -> Tensor``: their Ŵ (N, in_features).
 
 Registration happens once, on the first import of this module (``paths.py`` imports it, itself imported only
 when a real layer is built): nothing here is imported by ``qbench --help``. A second definition of the same op
@@ -44,6 +50,9 @@ OPS = (
     "scale_output",
     "weight_only_linear",
     "dequantize",
+    "lowbit_linear",
+    "lowbit_dequantize",
+    "w4a8_int_mm",
 )
 
 
@@ -142,6 +151,17 @@ def w4a8_forward(
     return y
 
 
+def _w4a8_int_mm_fake(
+    x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias: Tensor | None
+) -> Tensor:
+    return _rows_out(x, w4.shape[0])
+
+
+@_op(_w4a8_int_mm_fake)
+def w4a8_int_mm(x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    return native.w4a8_int_mm(x.contiguous(), rows_per_scale, w4.contiguous(), scale.contiguous(), _c(bias))
+
+
 # ------------------------------------------------------------------------------------------ weight-only
 
 
@@ -178,3 +198,36 @@ def _dequantize_fake(
 @_op(_dequantize_fake)
 def dequantize(codes: Tensor, bits4: bool, scale: Tensor, zero: Tensor | None, in_features: int) -> Tensor:
     return native.dequantize(codes.contiguous(), bits4, scale.contiguous(), _c(zero), in_features)
+
+
+# ------------------------------------------------------------------------------- packed 2/3/4-bit codes
+
+
+def _lowbit_linear_fake(
+    x: Tensor, codes: Tensor, bits: int, scale: Tensor, zero: Tensor | None, zconst: int, bias: Tensor | None
+) -> Tensor:
+    return _rows_out(x, codes.shape[0])
+
+
+@_op(_lowbit_linear_fake)
+def lowbit_linear(
+    x: Tensor, codes: Tensor, bits: int, scale: Tensor, zero: Tensor | None, zconst: int, bias: Tensor | None
+) -> Tensor:
+    return native.lowbit_linear(
+        x.contiguous(), codes.contiguous(), bits, scale.contiguous(), _c(zero), zconst, _c(bias)
+    )
+
+
+def _lowbit_dequantize_fake(
+    codes: Tensor, bits: int, scale: Tensor, zero: Tensor | None, zconst: int, padded: int, in_features: int
+) -> Tensor:
+    return codes.new_empty(codes.shape[0], in_features, dtype=torch.float32)
+
+
+@_op(_lowbit_dequantize_fake)
+def lowbit_dequantize(
+    codes: Tensor, bits: int, scale: Tensor, zero: Tensor | None, zconst: int, padded: int, in_features: int
+) -> Tensor:
+    return native.lowbit_dequantize(
+        codes.contiguous(), bits, scale.contiguous(), _c(zero), zconst, padded, in_features
+    )

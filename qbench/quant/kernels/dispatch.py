@@ -121,6 +121,16 @@ def kernel_paths(rows: tuple[int, ...] = (1, 512)) -> dict[str, str]:
     out = {"cpu instruction set": paths.instruction_set()}
     for name, kind in PATH_LAYERS:
         out[f"path {name}"] = "; ".join(f"{r} row{'s' * (r != 1)}: {paths.describe(kind, r)}" for r in rows)
+    if paths.dispatch_mode() == "rule":
+        out["kernel dispatch"] = f"fixed rule ({paths.DISPATCH_ENV}=rule); the paths above"
+    else:
+        out["kernel dispatch"] = (
+            f"measured per shape class at first use, cached in {paths.cache_file()} "
+            f"({paths.DISPATCH_ENV}=rule: the fixed rule); the paths above until a class is measured"
+        )
+        for key, entry in sorted(paths.measured_choices().items()):
+            times = ", ".join(f"{p} {ms:g} ms" for p, ms in sorted(entry.get("ms", {}).items()))
+            out[f"measured {key}"] = f"{entry.get('path')} ({times})"
     if int4pack_available("cpu"):
         out["path W4 zeropoint weight-only (Int4Linear)"] += "; bf16 input: torch int4pack (bf16 scales)"
     if bnb_available():

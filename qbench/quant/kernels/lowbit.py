@@ -1,8 +1,11 @@
 """Real weight-only 2-, 3- and 4-bit linear: packed codes, per-channel or per-group scales, dequantised on the fly.
 
 The real backend of the grouped weight-only schemes that :class:`~.int4.Int4Linear` does not cover: int3, int2, and
-symmetric (absmax) int4. Like Int4Linear's portable path it saves memory, not time: each call rebuilds the float
-weight and runs ``F.linear``.
+symmetric (absmax) int4. Float32 CPU input runs the C kernels (``paths.lowbit_forward``): up to 16 rows a loop
+that reads the packed codes and never builds Ŵ (decode is bound by turning codes into floats: ~3× fp32
+``F.linear`` at 2048 → 8192, one thread; equal to fake mode to float rounding), more rows one C
+dequantisation per call, then ``F.linear`` (bit for bit fake mode). Elsewhere (CUDA, bf16, autograd) each call
+rebuilds the float weight in torch and runs ``F.linear``.
 
 Storage for an (out, in) weight, b bits, groups of g input channels (per output channel: g = in):
 
@@ -30,6 +33,7 @@ from torch import Tensor, nn
 from models.errors import UserError
 from qbench.quant.fake import pad_to_groups, transform_input, transform_weight
 from qbench.quant.granularity import Granularity, PerAxis, PerGroup
+from qbench.quant.kernels import paths
 from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.kernels.registry import PACKED_BITS  # the registry's predicates read it too
 from qbench.quant.primitives import choose_qparams, qrange, quantize
@@ -150,6 +154,14 @@ class LowBitLinear(RealLinear):
 
     def _forward(self, x: Tensor) -> Tensor:
         x = transform_input(x, self.input_scale, self.rotation)
+        # float32 CPU input: the C kernels (paths.py) — a loop reading the packed codes up to 16 rows, one C
+        # dequantisation per call then F.linear above; else the torch path below
+        zconst = -qrange(self.bits, True)[0]  # the zero point of symmetric codes (u = q + qmax)
+        y = paths.lowbit_forward(
+            self, x, self.qweight, self.bits, self.scales, self.zeros, zconst, self.bias, self.group
+        )
+        if y is not None:
+            return y
         w = self.dequantized_weight().to(x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 

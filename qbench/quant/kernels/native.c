@@ -1,7 +1,7 @@
 /* The exported entry points of qbench's real-kernel CPU library (native.py binds them; native.h describes the
    layouts and the file split). Each one picks its loops here, once, from the build's instruction set: the
-   AVX2 functions of native_avx2.c when the compiler targets AVX2 + FMA, else the portable ones of
-   native_ref.c. The choice is made by the compile flags (-march=native on the machine that runs it), so the
+   AVX2 functions of native_avx2.c when the compiler targets AVX2 + FMA (and the W4A8 GEMM of native_avx512.c
+   when it targets AVX-512 VNNI too), else the portable ones of native_ref.c. The choice is made by the compile flags (-march=native on the machine that runs it), so the
    tables below are the only place that knows which ISA exists; the functions hold no ISA conditionals. */
 #include "native.h"
 
@@ -16,11 +16,21 @@
 #define W8A8_GEMV qk_avx2_w8a8_gemv
 #define W8A8_GEMM qk_avx2_w8a8_gemm
 #define W4A8_GEMV qk_avx2_w4a8_gemv
+/* the W4A8 prefill at VNNI's int8 rate (native_avx512.c); every other loop stays AVX2 */
+#if defined(QK_AVX512VNNI)
+#define W4A8_GEMM qk_avx512_w4a8_gemm
+#define QK_VNNI 1
+#else
 #define W4A8_GEMM qk_avx2_w4a8_gemm
+#define QK_VNNI 0
+#endif
 #define WEIGHT_ONLY_LINEAR qk_avx2_weight_only_linear
+#define LOWBIT_LINEAR qk_avx2_lowbit_linear
+#define LOWBIT_DEQUANTIZE qk_avx2_lowbit_dequantize
 #else
 /* the portable build has one loop per family, for every row count */
 #define QK_ISA 0
+#define QK_VNNI 0
 #define ABSMAX_F32(x, n) qk_ref_absmax_f32(x, 0, n, 0.0f)
 #define QUANTIZE_ROW(x, n, s, q) qk_ref_quantize_row(x, 0, n, s, q)
 #define W8A8_GEMV qk_ref_w8a8_linear
@@ -28,6 +38,8 @@
 #define W4A8_GEMV qk_ref_w4a8_linear
 #define W4A8_GEMM qk_ref_w4a8_linear
 #define WEIGHT_ONLY_LINEAR qk_ref_weight_only_linear
+#define LOWBIT_LINEAR qk_ref_lowbit_linear
+#define LOWBIT_DEQUANTIZE qk_ref_lowbit_dequantize
 #endif
 
 #ifdef _OPENMP
@@ -39,6 +51,8 @@
 int qk_isa(void) { return QK_ISA; } /* 1: AVX2 + FMA, 0: portable C */
 
 int qk_openmp(void) { return QK_OPENMP; }
+
+int qk_avx512_vnni(void) { return QK_VNNI; } /* 1: the W4A8 GEMM is native_avx512.c's */
 
 /* Per block of `rows_per_scale` consecutive rows (1: per token; T: per sequence):
    s = max(max|x| / 127, FLT_MIN), q = clamp(round(x / s), -127, 127) — int8.py's quantize_activation. */
@@ -129,4 +143,21 @@ int qk_weight_only_linear(const float *x, int64_t m_rows, const uint8_t *w, int 
                           int64_t n_out, int64_t k, int nthreads) {
     return WEIGHT_ONLY_LINEAR(x, m_rows, w, bits4, signed_codes, scale, zero, groups, bias, y, n_out, k,
                               nthreads);
+}
+
+/* y (M, N) = x (M, K) · Ŵᵀ + bias from packed 2-, 3- or 4-bit codes (LowBitLinear's layout, native.h), Ŵ never
+   built: x is zero-padded to the codes' K = groups · g; zero NULL means one zero point zconst for every group
+   (symmetric codes). Every group size and row count has a loop; sums are reassociated (equal to fake mode to
+   float rounding). */
+void qk_lowbit_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *w, int bits, const float *scale,
+                      const uint8_t *zero, int zconst, int64_t groups, const float *bias, float *y, int64_t n_out,
+                      int nthreads) {
+    LOWBIT_LINEAR(x, m_rows, k, w, bits, scale, zero, zconst, groups, bias, y, n_out, nthreads);
+}
+
+/* Ŵ[:, :k_out] (N, k_out) float32 of those packed codes, bit-identical to LowBitLinear.dequantized_weight (the
+   prefill path: then torch's sgemm) */
+void qk_lowbit_dequantize(const uint8_t *w, int bits, const float *scale, const uint8_t *zero, int zconst,
+                          int64_t n_out, int64_t k, int64_t groups, int64_t k_out, float *out, int nthreads) {
+    LOWBIT_DEQUANTIZE(w, bits, scale, zero, zconst, n_out, k, groups, k_out, out, nthreads);
 }

@@ -3,7 +3,8 @@
    Files (the ggml-quants layering): native_ref.c holds the portable scalar loops and is always compiled — it is
    the definition, what a CPU without AVX2 runs and what the vector loops are tested against; native_avx2.c
    holds one function per AVX2 + FMA loop and compiles to nothing unless the build targets AVX2 (build.py's
-   -march=native); native.c exports the entry points and picks one of the two at build time, from the compile
+   -march=native); native_avx512.c (the W4A8 GEMM with AVX-512 VNNI's vpdpbusd) compiles to nothing unless the
+   target has AVX-512 VNNI; native.c exports the entry points and picks among them at build time, from the compile
    flags (the -march=native build is for the machine that runs it, so nothing is left to choose at run time).
    Shared here: the scalar pieces both files use (epilogues, tails), so both compute them identically.
 
@@ -27,6 +28,9 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define QK_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QK_AVX512VNNI 1 /* native_avx512.c: int8 dot products four to a lane (vpdpbusd) */
+#endif
 #endif
 
 /* between the files of one library, never looked up by native.py */
@@ -89,6 +93,38 @@ static inline float wo_tail(const float *x, const uint8_t *wr, int bits4, int si
     return total;
 }
 
+
+/* ---------------------------------------------------------------- packed 2/3/4-bit codes (lowbit.py's layout)
+   Unsigned codes u in [0, 2^b − 1] packed along the input dim, little-endian within a unit: b = 2: 4 codes a
+   byte (code i at bits 2i); b = 3: 8 codes in 3 bytes (a 24-bit word, code i at bits 3i); b = 4: 2 codes a
+   byte (low nibble first). A row of K codes (K = groups · g, LowBitLinear's zero-padded row) takes
+   lowbit_row_bytes(b, K) bytes. Ŵ = (u − z) · s with one (s, z) per group; symmetric codes have no zero
+   tensor and one zero point for all (zconst = qmax). */
+static inline int64_t lowbit_row_bytes(int bits, int64_t k) {
+    int64_t per = bits == 3 ? 8 : 8 / bits, bytes = bits == 3 ? 3 : 1;
+    return (k + per - 1) / per * bytes;
+}
+
+static inline int lowbit_code(const uint8_t *wr, int bits, int64_t i) {
+    if (bits == 2) return (wr[i >> 2] >> ((i & 3) * 2)) & 3;
+    if (bits == 4) return (wr[i >> 1] >> ((i & 1) * 4)) & 15;
+    const uint8_t *u = wr + 3 * (i >> 3);
+    uint32_t word = (uint32_t)u[0] | (uint32_t)u[1] << 8 | (uint32_t)u[2] << 16;
+    return (int)(word >> (3 * (i & 7))) & 7;
+}
+
+static inline float lowbit_zero(const uint8_t *zr, int zconst, int64_t grp) {
+    return zr ? (float)zr[grp] : (float)zconst;
+}
+
+/* Σ_{i in [from, to)} ŵ_i x_i with ŵ_i = (u_i − z) · s (fake mode's weight, bit for bit), in channel order */
+static inline float lowbit_span(const float *x, const uint8_t *wr, int bits, float z, float s, int64_t from,
+                                int64_t to) {
+    float t = 0.0f;
+    for (int64_t i = from; i < to; ++i) t += (((float)lowbit_code(wr, bits, i) - z) * s) * x[i];
+    return t;
+}
+
 /* ------------------------------------------------------------------ native_ref.c: portable, always built */
 /* The row helpers continue a vector loop: they start at element `from` (a running max `m` for absmax). */
 QK_HIDDEN float qk_ref_absmax_f32(const float *x, int64_t from, int64_t n, float m);
@@ -104,6 +140,12 @@ QK_HIDDEN int qk_ref_weight_only_linear(const float *x, int64_t m_rows, const ui
                                         int64_t groups, const float *bias, float *y, int64_t n_out, int64_t k,
                                         int nthreads);
 void qk_w4_permute_x(const float *x, int64_t m_rows, int64_t k, float *xp);
+QK_HIDDEN void qk_ref_lowbit_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *w, int bits,
+                                    const float *scale, const uint8_t *zero, int zconst, int64_t groups,
+                                    const float *bias, float *y, int64_t n_out, int nthreads);
+QK_HIDDEN void qk_ref_lowbit_dequantize(const uint8_t *w, int bits, const float *scale, const uint8_t *zero,
+                                        int zconst, int64_t n_out, int64_t k, int64_t groups, int64_t k_out,
+                                        float *out, int nthreads);
 
 /* --------------------------------------------------------- native_avx2.c: built when the target has AVX2 */
 #ifdef QK_AVX2
@@ -125,6 +167,19 @@ QK_HIDDEN int qk_avx2_weight_only_linear(const float *x, int64_t m_rows, const u
                                          int signed_codes, const float *scale, const uint8_t *zero,
                                          int64_t groups, const float *bias, float *y, int64_t n_out, int64_t k,
                                          int nthreads);
+QK_HIDDEN void qk_avx2_lowbit_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *w, int bits,
+                                     const float *scale, const uint8_t *zero, int zconst, int64_t groups,
+                                     const float *bias, float *y, int64_t n_out, int nthreads);
+QK_HIDDEN void qk_avx2_lowbit_dequantize(const uint8_t *w, int bits, const float *scale, const uint8_t *zero,
+                                         int zconst, int64_t n_out, int64_t k, int64_t groups, int64_t k_out,
+                                         float *out, int nthreads);
+#endif
+
+/* ------------------------------------------------- native_avx512.c: built when the target has AVX-512 VNNI */
+#ifdef QK_AVX512VNNI
+QK_HIDDEN void qk_avx512_w4a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const uint8_t *w,
+                                   const float *scale, int64_t groups, const float *bias, float *y,
+                                   int64_t n_out, int64_t k, int nthreads);
 #endif
 
 #endif

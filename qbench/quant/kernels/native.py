@@ -14,11 +14,16 @@ without AVX-512 VNNI, slow at any size), and the int4 kernels want bf16 activati
 - ``qk_w8a8_forward`` (bound per layer in ``paths.py``): ``quantize_rows`` + ``w8a8_linear`` in one foreign call;
 - ``w4a8_forward``: the same for int4 weights (nibbles, per channel or per group) × int8 activations — exact
   integer group sums (``maddubs`` of the nibble with the code at decode, the int16 panel GEMM above 16 rows);
+- ``w4a8_int_mm``: the W4A8 prefill through ``torch._int_mm`` — the nibbles unpacked to an int8 (N, K) panel once
+  per call (``qk_w4_unpack_i8``), one ``_int_mm`` per channel or per group (``qk_w4a8_fold`` folds each group's
+  exact sums in the C loops' order): bit for bit the C GEMM;
 - ``scale_output``: that epilogue alone, after ``torch._int_mm`` (the prefill path on CPUs where oneDNN's
   int8 GEMM is faster);
 - ``qk_weight_only_linear`` (bound per layer in ``paths.py``): x (float32) · Ŵᵀ with Ŵ = s · (q − z) from int4
   nibbles or int8 codes, per output channel or per group, without building Ŵ (sums are reassociated: equal to
   fake mode to float rounding);
+- ``lowbit_linear``: the same for LowBitLinear's packed 2-, 3- and 4-bit codes (any group size, a scalar loop in
+  the portable build); ``lowbit_dequantize``: their Ŵ, bit-identical to ``LowBitLinear.dequantized_weight``;
 - ``dequantize``: Ŵ as float32, bit-identical to ``primitives.dequantize`` (the prefill path: one pass, then
   torch's sgemm, so prefill equals fake mode exactly).
 
@@ -27,7 +32,8 @@ Build: on first use, like every kernel of qbench (``build.py``: one compiler loo
 of :data:`NATIVE_SOURCES` into one library. ``-march=native`` decides the instruction set at build time, on the
 machine that runs it: with AVX2 + FMA ``native.c`` calls the loops of ``native_avx2.c``, else those of
 ``native_ref.c`` (the ggml-quants layering: one portable reference, one file per instruction set, no ISA test
-inside a function); :func:`isa` says which. The torch custom ops over these wrappers are in ``_ops.py``.
+inside a function); :func:`isa` says which. With AVX-512 VNNI the W4A8 GEMM comes from ``native_avx512.c``
+(:func:`vnni`). The torch custom ops over these wrappers are in ``_ops.py``.
 Without a compiler, or with ``QBENCH_NATIVE=0`` in the environment (the older ``QBENCH_NATIVE_KERNELS=0`` too; or
 :func:`set_enabled(False) <set_enabled>`), :func:`available` is False and the layers use their torch paths
 (``torch._int_mm``, dequantise + ``F.linear``).
@@ -55,6 +61,7 @@ _I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
     "qk_isa": ([], _INT),
     "qk_openmp": ([], _INT),
+    "qk_avx512_vnni": ([], _INT),
     "qk_quantize_rows": ([_PTR, _I64, _I64, _I64, _PTR, _PTR], None),
     "qk_scale_output": ([_PTR, _I64, _I64, _PTR, _PTR, _INT, _PTR, _PTR, _INT], None),
     "qk_w8a8_linear": ([_PTR, _PTR, _I64, _PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _INT], None),
@@ -65,6 +72,14 @@ _SIGNATURES = {
     "qk_w4a8_forward_path": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _INT, _INT], _INT),
     "qk_dequantize": ([_PTR, _INT, _INT, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT], None),
     "qk_w4_permute_x": ([_PTR, _I64, _I64, _PTR], None),
+    # packed 2/3/4-bit codes (LowBitLinear): x (M, K), codes, bits, scale, zero, zconst, groups, bias, y, N
+    "qk_lowbit_linear": (
+        [_PTR, _I64, _I64, _PTR, _INT, _PTR, _PTR, _INT, _I64, _PTR, _PTR, _I64, _INT],
+        None,
+    ),
+    "qk_lowbit_dequantize": ([_PTR, _INT, _PTR, _PTR, _INT, _I64, _I64, _I64, _I64, _PTR, _INT], None),
+    "qk_w4_unpack_i8": ([_PTR, _I64, _I64, _PTR, _INT], None),
+    "qk_w4a8_fold": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _INT, _INT], None),
     "qk_weight_only_linear": (
         [_PTR, _I64, _PTR, _INT, _INT, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT],
         _INT,
@@ -74,7 +89,7 @@ _SIGNATURES = {
 
 BUILD_FLAGS = kernel_build.FLAG_CASCADE  # first that compiles
 # one library: the entry points (dispatch), the portable loops, the AVX2 loops (empty unless the target has AVX2)
-NATIVE_SOURCES = ("native.c", "native_ref.c", "native_avx2.c")
+NATIVE_SOURCES = ("native.c", "native_ref.c", "native_avx2.c", "native_avx512.c")
 
 
 @functools.cache
@@ -121,6 +136,12 @@ def isa() -> str | None:
     """The instruction set the loops were compiled for ("AVX2" or "C"), None when not built."""
     lib = _library()
     return None if lib is None else _isa_of(lib)
+
+
+def vnni() -> bool:
+    """Whether the W4A8 GEMM was built with AVX-512 VNNI (``native_avx512.c``); the other loops stay AVX2."""
+    lib = _library()
+    return lib is not None and bool(lib.qk_avx512_vnni())
 
 
 @functools.cache
@@ -220,11 +241,14 @@ def weight_only_linear(
     return y if ok else None
 
 
-def scale_output(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None) -> Tensor:
-    """float32 ((acc · s_x) · s_w + b) of an int32 (M, N) accumulator, in one pass."""
+def scale_output(
+    acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None, *, in_place: bool = False
+) -> Tensor:
+    """float32 ((acc · s_x) · s_w + b) of an int32 (M, N) accumulator, in one pass; ``in_place``: written over
+    ``acc``'s bytes and returned as a float32 view of them (acc is consumed: no new output to fault in)."""
     _check(acc, sx, sw, bias)
     m, n = acc.shape
-    y = torch.empty(m, n, dtype=torch.float32)
+    y = acc.view(torch.float32) if in_place else torch.empty(m, n, dtype=torch.float32)
     _library().qk_scale_output(
         acc.data_ptr(), m, n, sx.data_ptr(), sw.data_ptr(), int(sw.numel() > 1), _ptr(bias), y.data_ptr(),
         threads(),
@@ -246,3 +270,59 @@ def dequantize(codes: Tensor, bits4: bool, scale: Tensor, zero: Tensor | None, i
         in_features, groups, out.data_ptr(), threads(),
     )  # fmt: skip
     return out
+
+
+def lowbit_linear(
+    x: Tensor, codes: Tensor, bits: int, scale: Tensor, zero: Tensor | None, zconst: int, bias: Tensor | None
+) -> Tensor:
+    """x (M, K) · Ŵᵀ + b from packed ``bits``-bit codes (``lowbit.pack_bits`` of rows of K = G · g, x zero-padded
+    to K), ``scale`` float32 (N, G), ``zero`` uint8 (N, G) or None (then ``zconst`` for every group)."""
+    _check(x, codes, scale, zero, bias)
+    m, k = x.shape
+    n, groups = scale.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    _library().qk_lowbit_linear(
+        x.data_ptr(), m, k, codes.data_ptr(), bits, scale.data_ptr(), _ptr(zero), zconst, groups, _ptr(bias),
+        y.data_ptr(), n, threads(),
+    )  # fmt: skip
+    return y
+
+
+def lowbit_dequantize(
+    codes: Tensor, bits: int, scale: Tensor, zero: Tensor | None, zconst: int, padded: int, in_features: int
+) -> Tensor:
+    """Ŵ float32 (N, in_features) of packed codes of rows of ``padded`` = G · g channels: equal to
+    ``LowBitLinear.dequantized_weight`` bit for bit."""
+    _check(codes, scale, zero)
+    n, groups = scale.shape
+    out = torch.empty(n, in_features, dtype=torch.float32)
+    _library().qk_lowbit_dequantize(
+        codes.data_ptr(), bits, scale.data_ptr(), _ptr(zero), zconst, n, padded, groups, in_features,
+        out.data_ptr(), threads(),
+    )  # fmt: skip
+    return out
+
+
+def w4a8_int_mm(x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    """The W4A8 linear (as :func:`w4a8_forward`) with oneDNN's int8 GEMM: float32 (M, N), bit for bit the C loops.
+
+    Per output channel one ``_int_mm`` over all of K and W8A8's epilogue; per group one ``_int_mm`` per group
+    (folding groups into one GEMM would mix scales inside an int32 sum) and the scaled sums added in group order."""
+    _check(x, w4, scale, bias)
+    m, k = x.shape
+    n, groups = scale.shape
+    q, sx = quantize_rows(x, rows_per_scale)
+    w8 = torch.empty(n, k, dtype=torch.int8)
+    lib = _library()
+    lib.qk_w4_unpack_i8(w4.data_ptr(), n, k, w8.data_ptr(), threads())
+    if groups == 1:
+        return scale_output(torch._int_mm(q, w8.t()), sx, scale.reshape(-1), bias, in_place=True)
+    g = k // groups
+    t = torch.empty(m, n, dtype=torch.float32)
+    for grp in range(groups):
+        acc = torch._int_mm(q[:, grp * g : grp * g + g].contiguous(), w8[:, grp * g : grp * g + g].t())
+        lib.qk_w4a8_fold(
+            acc.data_ptr(), m, n, scale.data_ptr(), groups, grp, sx.data_ptr(), _ptr(bias), t.data_ptr(),
+            int(grp == groups - 1), threads(),
+        )  # fmt: skip
+    return t

@@ -735,4 +735,151 @@ int qk_avx2_weight_only_linear(const float *x, int64_t m_rows, const uint8_t *w,
     return 1;
 }
 
+/* ------------------------------------------------------------------- packed 2/3/4-bit weight-only */
+
+/* Decode with fp32 activations reads 1/16 (int2) or 3/32 (int3) of fp32's weight bytes, so the loop is bound by
+   turning codes into floats, not by memory: a 32-bit word of codes is broadcast to eight lanes, one variable
+   shift (srlv) brings code e of each lane to its low bits, and one permute (vpermps: it reads only an index's
+   low three bits, so no mask) looks the code up in an 8-entry table of float(t − z), built once per group —
+   three vector ops per eight weights before the FMA, exact (u − z is a small integer). 4-bit codes have 16
+   values, too many for one permute: mask, subtract z, convert. Channel order is kept, so x needs no
+   reordering. Up to LB_MB activation rows share each unpacked vector; each group's sum is scaled once. */
+#define LB_MB 4
+
+/* table[u] for the 8 codes at channel c (c % 8 == 0) of a packed row (2/3-bit), or (u − z) as float (4-bit):
+   for the vector loops. 2-bit reads
+   2 bytes, 3-bit 4 bytes (one past the unit: the caller keeps the row's last unit for the scalar tail),
+   4-bit 4 bytes */
+static inline __m256 lowbit8(const uint8_t *wr, int bits, int64_t c, __m256 table, __m256i zv) {
+    if (bits == 2) {
+        uint16_t v;
+        memcpy(&v, wr + c / 4, 2);
+        __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+        return _mm256_permutevar8x32_ps(table, idx);
+    }
+    uint32_t v;
+    memcpy(&v, wr + (bits == 3 ? 3 * (c / 8) : c / 2), 4);
+    if (bits == 3) {
+        __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32((int)v), _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21));
+        return _mm256_permutevar8x32_ps(table, idx);
+    }
+    __m256i u = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)v), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                 _mm256_set1_epi32(15));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(u, zv));
+}
+
+/* 2-bit, 16 codes at c (c % 16 == 0) from one 32-bit word: two shifts of one broadcast */
+static inline void lowbit2_16(const uint8_t *wr, int64_t c, __m256 table, __m256 f[2]) {
+    uint32_t v;
+    memcpy(&v, wr + c / 4, 4);
+    __m256i b = _mm256_set1_epi32((int)v);
+    f[0] = _mm256_permutevar8x32_ps(table, _mm256_srlv_epi32(b, _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)));
+    f[1] = _mm256_permutevar8x32_ps(table, _mm256_srlv_epi32(b, _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30)));
+}
+
+static inline __attribute__((always_inline)) void lowbit_rows(const float *x, int64_t ldx, const int mb,
+                                                               const uint8_t *wr, int bits, const float *sr,
+                                                               const uint8_t *zr, int zconst, int64_t groups,
+                                                               int64_t k, int64_t ldw, float *out) {
+    int64_t g = k / groups;
+    /* the last whole vector step: 3-bit loads 4 bytes per 3-byte unit, so the row's last unit runs scalar */
+    int64_t vend = bits == 3 ? (ldw / 3 - 1) * 8 : k & ~(int64_t)7;
+    const __m256 iota = bits == 2 ? _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3) : _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 acc[LB_MB][4];
+    float extra[LB_MB];
+    for (int i = 0; i < LB_MB; ++i) {
+        extra[i] = 0.0f;
+        for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_ps();
+    }
+    for (int64_t grp = 0; grp < groups; ++grp) {
+        const float z = lowbit_zero(zr, zconst, grp), s = sr[grp];
+        /* the table holds ŵ = (t − z) · s itself (fake mode's weights, bit for bit), so no group needs its own
+           accumulators or a reduction: at g = 64 those cost as much as the products */
+        const __m256 svec = _mm256_set1_ps(s), table = _mm256_mul_ps(_mm256_sub_ps(iota, _mm256_set1_ps(z)), svec);
+        const __m256i zv = _mm256_set1_epi32((int)z);
+        int64_t i0 = grp * g, i1 = i0 + g, c = i0;
+        if (i0 % 8 == 0) { /* groups that start on a vector step (all but odd group sizes) */
+            int64_t c1 = i1 < vend ? i1 : vend;
+            for (; c + 32 <= c1; c += 32) {
+                __m256 f[4];
+                if (bits == 2) {
+                    lowbit2_16(wr, c, table, f);
+                    lowbit2_16(wr, c + 16, table, f + 2);
+                } else if (bits == 3) {
+                    for (int v = 0; v < 4; ++v) f[v] = lowbit8(wr, bits, c + 8 * v, table, zv);
+                } else {
+                    for (int v = 0; v < 4; ++v) f[v] = _mm256_mul_ps(lowbit8(wr, bits, c + 8 * v, table, zv), svec);
+                }
+                for (int i = 0; i < mb; ++i)
+                    for (int v = 0; v < 4; ++v)
+                        acc[i][v] = _mm256_fmadd_ps(f[v], _mm256_loadu_ps(x + i * ldx + c + 8 * v), acc[i][v]);
+            }
+            for (; c + 8 <= c1; c += 8) {
+                __m256 f = lowbit8(wr, bits, c, table, zv);
+                f = bits == 4 ? _mm256_mul_ps(f, svec) : f;
+                for (int i = 0; i < mb; ++i) acc[i][0] = _mm256_fmadd_ps(f, _mm256_loadu_ps(x + i * ldx + c), acc[i][0]);
+            }
+        }
+        for (int i = 0; i < mb && c < i1; ++i) extra[i] += lowbit_span(x + i * ldx, wr, bits, z, s, c, i1);
+    }
+    for (int i = 0; i < mb; ++i) {
+        float lanes[8], t = 0.0f;
+        __m256 a = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]), _mm256_add_ps(acc[i][2], acc[i][3]));
+        _mm256_storeu_ps(lanes, a);
+        for (int j = 0; j < 8; ++j) t += lanes[j];
+        out[i] = t + extra[i];
+    }
+}
+
+void qk_avx2_lowbit_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *w, int bits, const float *scale,
+                           const uint8_t *zero, int zconst, int64_t groups, const float *bias, float *y,
+                           int64_t n_out, int nthreads) {
+    int64_t ldw = lowbit_row_bytes(bits, k);
+    /* dynamic chunks of 64 channels: a thread that loses its core (a busy machine) holds up only its chunk */
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(dynamic, 64)
+    for (int64_t n = 0; n < n_out; ++n) {
+        const uint8_t *wr = w + n * ldw, *zr = zero ? zero + n * groups : NULL;
+        const float *sr = scale + n * groups;
+        if (n + 4 < n_out) _mm_prefetch((const char *)(wr + 4 * ldw), _MM_HINT_T0);
+        for (int64_t m = 0; m < m_rows; m += LB_MB) {
+            float out[LB_MB];
+            int64_t mb = m_rows - m < LB_MB ? m_rows - m : LB_MB;
+            const float *xm = x + m * k;
+            switch (mb) {
+            case 1: lowbit_rows(xm, k, 1, wr, bits, sr, zr, zconst, groups, k, ldw, out); break;
+            case 2: lowbit_rows(xm, k, 2, wr, bits, sr, zr, zconst, groups, k, ldw, out); break;
+            case 3: lowbit_rows(xm, k, 3, wr, bits, sr, zr, zconst, groups, k, ldw, out); break;
+            default: lowbit_rows(xm, k, 4, wr, bits, sr, zr, zconst, groups, k, ldw, out); break;
+            }
+            for (int64_t i = 0; i < mb; ++i) y[(m + i) * n_out + n] = bias ? out[i] + bias[n] : out[i];
+        }
+    }
+}
+
+/* Ŵ[:, :k_out] = (u − z) · s, qk_lowbit_dequantize's operations (the table holds float(t) − z, then one multiply:
+   bit for bit the scalar loop), eight weights per shift + permute + multiply; the prefill path's one pass over
+   the codes (the scalar unpack took ~100 ms for 2048 × 8192, a quarter of a 512-row sgemm) */
+void qk_avx2_lowbit_dequantize(const uint8_t *w, int bits, const float *scale, const uint8_t *zero, int zconst,
+                               int64_t n_out, int64_t k, int64_t groups, int64_t k_out, float *out, int nthreads) {
+    int64_t g = k / groups, ldw = lowbit_row_bytes(bits, k);
+    int64_t vend = bits == 3 ? (ldw / 3 - 1) * 8 : k & ~(int64_t)7;
+    vend = vend < k_out ? vend : k_out;
+    const __m256 iota = bits == 2 ? _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3) : _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
+    for (int64_t n = 0; n < n_out; ++n) {
+        const uint8_t *wr = w + n * ldw, *zr = zero ? zero + n * groups : NULL;
+        float *o = out + n * k_out;
+        for (int64_t grp = 0; grp < groups; ++grp) {
+            const float s = scale[n * groups + grp], z = lowbit_zero(zr, zconst, grp);
+            const __m256 table = _mm256_sub_ps(iota, _mm256_set1_ps(z)), svec = _mm256_set1_ps(s);
+            const __m256i zv = _mm256_set1_epi32((int)z);
+            int64_t i0 = grp * g, i1 = i0 + g < k_out ? i0 + g : k_out, c = i0;
+            if (i0 % 8 == 0)
+                for (int64_t c1 = i1 < vend ? i1 : vend; c + 8 <= c1; c += 8)
+                    _mm256_storeu_ps(o + c, _mm256_mul_ps(lowbit8(wr, bits, c, table, zv), svec));
+            for (; c < i1; ++c) o[c] = ((float)lowbit_code(wr, bits, c) - z) * s;
+        }
+    }
+}
+
 #endif

@@ -27,12 +27,20 @@ void qk_ref_quantize_row(const float *x, int64_t from, int64_t n, float s, int8_
 
 /* ------------------------------------------------------------------------------------------- epilogue */
 
+/* y may be acc itself (the eager int-mm path writes the floats over the int32 accumulator: no fresh 8 MB output
+   whose page faults cost as much as the epilogue — 1.6 ms of a 512 × 4096 call): each element is read before
+   its own bytes are written, and the store goes through memcpy, so the int32 / float aliasing is defined. */
 void qk_scale_output(const int32_t *acc, int64_t rows, int64_t n_out, const float *sx, const float *sw,
-                     int per_channel, const float *bias, float *y, int nthreads) {
+                     int per_channel, const float *bias, void *y, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
-    for (int64_t m = 0; m < rows; ++m)
-        for (int64_t n = 0; n < n_out; ++n)
-            y[m * n_out + n] = epilogue(acc[m * n_out + n], sx[m], sw, per_channel, bias, n);
+    for (int64_t m = 0; m < rows; ++m) {
+        const int32_t *a = acc + m * n_out;
+        char *out = (char *)y + (size_t)(m * n_out) * sizeof(float);
+        for (int64_t n = 0; n < n_out; ++n) {
+            float v = epilogue(a[n], sx[m], sw, per_channel, bias, n);
+            memcpy(out + n * sizeof(float), &v, sizeof(float));
+        }
+    }
 }
 
 /* ------------------------------------------------------------------------------------------------ W8A8 */
@@ -120,4 +128,99 @@ void qk_w4_permute_x(const float *x, int64_t m_rows, int64_t k, float *xp) {
                         int j = (e < 4 ? 4 * i + e : 16 + 4 * i + e - 4);
                         xp[m * kv + c + h * 32 + i * 8 + e] = x[m * k + c + 2 * j + h];
                     }
+}
+
+/* ------------------------------------------------------------------- packed 2/3/4-bit weight-only */
+
+/* y (M, N) = x (M, K) · Ŵᵀ + bias from packed codes (native.h), K = groups · g the padded row (x zero beyond
+   the layer's inputs): per output channel and row, Σ_i ŵ_i x_i in channel order with ŵ_i = (u_i − z_g) · s_g
+   (fake mode's weights bit for bit), then + bias. The sum's order is not F.linear's: equal to fake mode to
+   float rounding. */
+void qk_ref_lowbit_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *w, int bits, const float *scale,
+                          const uint8_t *zero, int zconst, int64_t groups, const float *bias, float *y,
+                          int64_t n_out, int nthreads) {
+    int64_t g = k / groups, ldw = lowbit_row_bytes(bits, k);
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
+    for (int64_t n = 0; n < n_out; ++n) {
+        const uint8_t *wr = w + n * ldw, *zr = zero ? zero + n * groups : NULL;
+        for (int64_t m = 0; m < m_rows; ++m) {
+            float total = 0.0f;
+            for (int64_t grp = 0; grp < groups; ++grp)
+                total += lowbit_span(x + m * k, wr, bits, lowbit_zero(zr, zconst, grp), scale[n * groups + grp],
+                                     grp * g, grp * g + g);
+            y[m * n_out + n] = bias ? total + bias[n] : total;
+        }
+    }
+}
+
+/* Ŵ[:, :k_out] = (u − z) · s as float32 (N, k_out) from packed codes of padded rows of K = groups · g —
+   LowBitLinear.dequantized_weight's operations, so F.linear on it equals the layer's torch path bit for bit.
+   Each row is unpacked to bytes first (one pass of shifts), then scaled per group (a loop the compiler
+   vectorises). */
+void qk_ref_lowbit_dequantize(const uint8_t *w, int bits, const float *scale, const uint8_t *zero, int zconst,
+                          int64_t n_out, int64_t k, int64_t groups, int64_t k_out, float *out, int nthreads) {
+    int64_t g = k / groups, ldw = lowbit_row_bytes(bits, k);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        uint8_t *u = malloc((size_t)(k + 8));
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < n_out; ++n) {
+            const uint8_t *wr = w + n * ldw;
+            if (bits == 2)
+                for (int64_t j = 0; j < (k + 3) / 4; ++j)
+                    for (int e = 0; e < 4; ++e) u[4 * j + e] = (wr[j] >> (2 * e)) & 3;
+            else if (bits == 4)
+                for (int64_t j = 0; j < (k + 1) / 2; ++j) u[2 * j] = wr[j] & 15, u[2 * j + 1] = wr[j] >> 4;
+            else
+                for (int64_t j = 0; j < (k + 7) / 8; ++j) {
+                    const uint8_t *b = wr + 3 * j;
+                    uint32_t word = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16;
+                    for (int e = 0; e < 8; ++e) u[8 * j + e] = (word >> (3 * e)) & 7;
+                }
+            float *o = out + n * k_out;
+            for (int64_t grp = 0; grp < groups; ++grp) {
+                const float s = scale[n * groups + grp], z = lowbit_zero(zero ? zero + n * groups : NULL, zconst, grp);
+                int64_t i1 = grp * g + g < k_out ? grp * g + g : k_out;
+                for (int64_t i = grp * g; i < i1; ++i) o[i] = ((float)u[i] - z) * s;
+            }
+        }
+        free(u);
+    }
+}
+
+/* ------------------------------------------------------------------- W4A8 prefill through an int8 GEMM */
+
+/* int8 (N, K) codes c = nibble − 8 of the w4 layout: the weight panel the int-mm path hands oneDNN's int8 GEMM,
+   unpacked once per call (a byte loop the compiler vectorises) */
+void qk_w4_unpack_i8(const uint8_t *w, int64_t n_out, int64_t k, int8_t *out, int nthreads) {
+    int64_t ldw = (k + 1) / 2;
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
+    for (int64_t n = 0; n < n_out; ++n) {
+        const uint8_t *wr = w + n * ldw;
+        int8_t *o = out + n * k;
+        for (int64_t j = 0; j < k / 2; ++j) {
+            o[2 * j] = (int8_t)((wr[j] & 15) - 8);
+            o[2 * j + 1] = (int8_t)((wr[j] >> 4) - 8);
+        }
+        if (k % 2) o[k - 1] = (int8_t)((wr[k / 2] & 15) - 8);
+    }
+}
+
+/* One group's exact int32 sums A_g (M, N) folded into t (M, N) as the C loops do (w4a8_epilogue's order):
+   t = 0 then t += s_g · A_g group by group; after the last group y = t · s_x + b, written into t. */
+void qk_w4a8_fold(const int32_t *acc, int64_t rows, int64_t n_out, const float *scale, int64_t groups, int64_t grp,
+                  const float *sx, const float *bias, float *t, int last, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
+    for (int64_t m = 0; m < rows; ++m) {
+        const int32_t *a = acc + m * n_out;
+        float *tr = t + m * n_out;
+        for (int64_t n = 0; n < n_out; ++n) {
+            float v = (grp == 0 ? 0.0f : tr[n]) + scale[n * groups + grp] * (float)a[n];
+            if (last) {
+                v = v * sx[m];
+                v = bias ? v + bias[n] : v;
+            }
+            tr[n] = v;
+        }
+    }
 }

@@ -4,17 +4,23 @@ Rows = the tokens of one forward call (batch × sequence). :func:`choose` is the
 layers call it, and ``qbench env`` lists what it answers (:func:`describe`), so the listing cannot drift from
 what runs. Paths (:data:`PATHS`):
 
-- ``c-gemv``: C streaming GEMV (W8A8, W4A8: int8 dot products; weight-only: reads the packed codes, never
-  builds Ŵ — equal to fake mode to float rounding);
+- ``c-gemv``: C streaming GEMV (W8A8, W4A8: int8 dot products; weight-only, including LowBitLinear's packed
+  2/3/4-bit codes: reads the codes, never builds Ŵ — equal to fake mode to float rounding);
 - ``c-gemm``: C int16 panel GEMM (W8A8, W4A8; AVX2 builds);
-- ``int-mm``: the C quantiser, ``torch._int_mm`` (oneDNN's int8 GEMM), the C epilogue (W8A8);
-- ``c-dequant``: Ŵ dequantised in one C pass, then torch's float32 GEMM (weight-only int4 / int8; equal to fake
-  mode bit for bit — the same Ŵ and the same ``F.linear``);
+- ``int-mm``: the C quantiser, ``torch._int_mm`` (oneDNN's int8 GEMM), the C epilogue written over
+  ``_int_mm``'s int32 output (W8A8; eager: within ~8 % of ``_int_mm`` alone at 512 × 1024 → 4096); W4A8: the
+  nibbles unpacked to an int8 panel once per call, one ``_int_mm`` per channel or per group (bit for bit the
+  C GEMM);
+- ``c-dequant``: Ŵ dequantised in one C pass, then torch's float32 GEMM (weight-only int4 / int8 and the packed
+  2/3/4-bit codes of LowBitLinear; equal to fake mode bit for bit — the same Ŵ and the same ``F.linear``);
 - ``torch``: the layer's torch path (any device and dtype).
 
-Default choice on CPU with float32 input and the kernels built: ≤ ``DECODE_ROWS`` rows the GEMV; more rows the
-GEMM (weight-only: ``c-dequant``), except W8A8 on CPUs with AVX-512 VNNI or AMX, where ``torch._int_mm`` is
-faster (AVX2-only CPUs have no fast ``_int_mm``: 0.01–0.07× float32 measured on AMD EPYC Zen 3).
+Default choice on CPU with float32 input and the kernels built: measured, per shape class, at a layer's first
+forward (:func:`_measure`; cached on disk per machine). ``QBENCH_DISPATCH=rule`` (and a class not measured
+yet, e.g. while tracing) takes the fixed rule (:func:`rule`): ≤ ``DECODE_ROWS`` rows the GEMV; more rows the
+GEMM (weight-only: ``c-dequant``), except W8A8 and per-channel W4A8 on CPUs with AVX-512 VNNI or AMX, where
+``torch._int_mm`` is faster (AVX2-only CPUs have no fast ``_int_mm``: 0.01–0.07× float32 measured on AMD EPYC
+Zen 3).
 
 Everything else returns None from the ``*_forward`` functions and the layer runs its torch path: CUDA, input
 other than float32, autograd, a stored tensor in a dtype the C kernel does not read (a float32 pointer must
@@ -38,8 +44,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import json
 import os
+import tempfile
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +61,10 @@ from qbench.quant.kernels import _ops, native
 
 DECODE_ROWS = 16
 FORCE_ENV = "QBENCH_FORCE_PATH"
+DISPATCH_ENV = "QBENCH_DISPATCH"  # "rule": the fixed rule below; anything else (default): measured per class
+MEASURE_BUDGET_S = 0.005  # per shape class: repeat a candidate only while the class has spent less than this
+MEASURE_RUNS = 5  # at most, per candidate
+Shape = tuple[int, int, int]  # a layer's (in_features, out_features, weight groups)
 PATHS = ("c-gemv", "c-gemm", "int-mm", "c-dequant", "torch")
 KINDS = ("w8a8", "w4a8", "w4", "w8", "lowbit")
 # the dtypes the C kernels read through their pointers: float32 scales / bias / input, int8 or uint8 codes
@@ -116,31 +131,185 @@ def offered(kind: str) -> tuple[str, ...]:
 def _offered(kind: str, isa: str | None) -> tuple[str, ...]:
     if kind not in KINDS:
         raise unknown_choice("real layer kind", kind, KINDS)
-    if isa is None or kind == "lowbit":
+    if isa is None:
         return ("torch",)
+    if kind == "lowbit":  # packed 2/3/4-bit: a loop reading the codes in every build (portable: scalar)
+        return ("c-gemv", "c-dequant", "torch")
     avx2 = isa == "AVX2"
     if kind == "w8a8":
         return ("c-gemv", *(("c-gemm",) if avx2 else ()), "int-mm", "torch")
     if kind == "w4a8":
-        return ("c-gemv", *(("c-gemm",) if avx2 else ()), "torch")
+        return ("c-gemv", *(("c-gemm",) if avx2 else ()), "int-mm", "torch")
     # weight-only: the GEMV that reads codes exists in AVX2 builds only (the portable build dequantises)
     return (*(("c-gemv",) if avx2 else ()), "c-dequant", "torch")
 
 
-def choose(kind: str, rows: int) -> str:
+def choose(kind: str, rows: int, shape: Shape | None = None) -> str:
     """The path a layer of ``kind`` (:data:`KINDS`) takes for ``rows`` rows of float32 CPU input — what it runs.
 
-    A kernel may still decline at run time (a group size without a loop: the layer records the path it took)."""
+    Order: a forced path (:func:`force`, ``QBENCH_FORCE_PATH``); the measured choice for the layer's ``shape``
+    class (:func:`measured`; not with ``QBENCH_DISPATCH=rule``); else the fixed rule (:func:`rule`). A kernel may
+    still decline at run time (a group size without a loop: the layer records the path it took)."""
     paths = offered(kind)
     want = forced()
     if want in paths:
         return want
+    if shape is not None and dispatch_mode() == "measure":
+        got = measured(kind, rows, shape)
+        if got in paths:
+            return got
+    return rule(kind, rows, shape)
+
+
+def rule(kind: str, rows: int, shape: Shape | None = None) -> str:
+    """The fixed dispatch (``QBENCH_DISPATCH=rule``, and every class not measured yet): ≤ 16 rows the GEMV; more
+    rows the GEMM (weight-only: ``c-dequant``), except on CPUs with AVX-512 VNNI or AMX, where W8A8 and per-channel
+    W4A8 take ``torch._int_mm`` — W4A8 only when its GEMM was not built for AVX-512 VNNI."""
+    paths = offered(kind)
     if rows <= DECODE_ROWS:
         return paths[0]
-    if kind == "w8a8" and int_mm_preferred():
+    per_channel = shape is None or shape[2] == 1  # per-group W4A8 needs one _int_mm per group: the C GEMM
+    # W4A8 with the AVX-512 VNNI GEMM: as fast as _int_mm per channel at one thread, and its dynamic schedule
+    # held up where oneDNN's static split halved on a busy second core
+    vnni_w4a8 = kind == "w4a8" and native.available() and native.vnni() and "c-gemm" in paths
+    if (
+        kind in ("w8a8", "w4a8")
+        and int_mm_preferred()
+        and per_channel
+        and "int-mm" in paths
+        and not vnni_w4a8
+    ):
         return "int-mm"
     big = "c-gemm" if kind in ("w8a8", "w4a8") else "c-dequant"
     return big if big in paths else paths[0]  # the portable build: its one loop takes every row count
+
+
+# ------------------------------------------------------------------------- dispatch by measurement
+# Which path is fastest depends on the CPU (VNNI, AMX, AVX2 only), the thread count and the layer's size, and a
+# fixed rule got it wrong by up to 20× (measured on an AMX Xeon). So at a layer's first forward per process, for its shape class
+# (kind, rows 1 / ≤ 16 / > 16, the weight's size rounded up to a power of two, per channel or per group, threads)
+# every C path it offers is run on that very input and timed (a warm-up run, repeats while the class has spent
+# under MEASURE_BUDGET_S), and the fastest is kept — in memory and in a JSON file under the cache folder
+# ($QBENCH_CACHE, else ~/.cache/qbench: dispatch/<machine>.json, <machine> a hash of the CPU model, its flags
+# and the torch version), so later processes on the same machine read it instead of timing. Every candidate
+# meets the layer's contract (the integer paths are bit-identical), so the choice changes speed, not results.
+
+
+def dispatch_mode() -> str:
+    """ "rule" when ``QBENCH_DISPATCH=rule``, else "measure"."""
+    return "rule" if os.environ.get(DISPATCH_ENV, "").lower() == "rule" else "measure"
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("unknown" where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("model name")), "")
+    except OSError:
+        line = ""
+    return line.partition(":")[2].strip() or "unknown"
+
+
+@functools.cache
+def machine_key() -> str:
+    """The measured choices' cache key: CPU model, its flags, the torch version."""
+    text = "|".join((cpu_model(), " ".join(sorted(cpu_flags())), torch.__version__))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def cache_file() -> Path:
+    """Where the measured choices of this machine live."""
+    root = Path(os.environ.get("QBENCH_CACHE") or Path.home() / ".cache" / "qbench").expanduser()
+    return root / "dispatch" / f"{machine_key()}.json"
+
+
+def class_key(kind: str, rows: int, shape: Shape) -> str:
+    """The shape class of a call: what one measurement stands for."""
+    k, n, groups = shape
+    row_class = "1" if rows <= 1 else ("le16" if rows <= DECODE_ROWS else "gt16")
+    size = max(1, k * n - 1).bit_length()  # weight elements, rounded up to a power of two
+    gran = "group" if groups > 1 else "channel"
+    return f"{kind}/rows-{row_class}/w-2^{size}/{gran}/threads-{native.threads()}"
+
+
+_CHOICES: dict[str, dict[str, dict]] = {}  # cache file -> class key -> {"path", "ms"}
+_GENERATION = [0]  # bumped by reset_measured: the layers' remembered answers are stale
+
+
+def reset_measured() -> None:
+    """Forget every measured choice this process knows (the cache file stays): the next call reads it again."""
+    _CHOICES.clear()
+    _GENERATION[0] += 1
+
+
+def _read(file: Path) -> dict[str, dict]:
+    try:
+        data = json.loads(file.read_text())
+        return dict(data.get("choices", {})) if data.get("machine") == machine_key() else {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def measured_choices() -> dict[str, dict]:
+    """Every measured choice known here (this process's and the cache file's): class key -> {path, ms}."""
+    file = str(cache_file())
+    if file not in _CHOICES:
+        _CHOICES[file] = _read(Path(file))
+    return _CHOICES[file]
+
+
+def measured(kind: str, rows: int, shape: Shape) -> str | None:
+    """The measured path for this call's class, None when it was not measured yet."""
+    entry = measured_choices().get(class_key(kind, rows, shape))
+    return None if entry is None else entry.get("path")
+
+
+def _save(key: str, entry: dict) -> None:
+    """Add one choice to memory and to the cache file (merged with what other processes wrote; atomic rename)."""
+    measured_choices()[key] = entry
+    file = cache_file()
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        choices = {**_read(file), key: entry}
+        data = {"machine": machine_key(), "cpu": cpu_model(), "torch": torch.__version__, "choices": choices}
+        with tempfile.NamedTemporaryFile("w", dir=file.parent, suffix=".tmp", delete=False) as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(f.name, file)
+    except OSError:
+        pass  # a read-only cache folder: the choice holds for this process
+
+
+def _measure(owner: object, kind: str, rows: int, shape: Shape, run: Callable[[], Tensor | None]) -> None:
+    """Time every C path ``kind`` offers on this call (``run`` is the layer's forward, run under :func:`force`)
+    and save the fastest for the class. A path that declines or falls back is not a candidate."""
+    times: dict[str, float] = {}
+    spent = 0.0
+    for path in (p for p in offered(kind) if p != "torch"):
+        best = float("inf")
+        with force(path):
+            for i in range(MEASURE_RUNS):
+                owner.__dict__.pop("last_path", None)
+                start = time.perf_counter()
+                try:
+                    y = run()
+                except (RuntimeError, ValueError):  # a path that cannot run this call is no candidate
+                    y = None
+                took = time.perf_counter() - start
+                spent += took
+                if y is None or owner.__dict__.get("last_path") != path:
+                    break
+                best = min(best, took) if i else took  # the warm-up counts only when nothing follows it
+                if i and spent > MEASURE_BUDGET_S:
+                    break
+        if best < float("inf"):
+            times[path] = best
+    if times:
+        fastest = min(times, key=times.__getitem__)
+        _save(
+            class_key(kind, rows, shape),
+            {"path": fastest, "ms": {p: round(t * 1e3, 4) for p, t in times.items()}},
+        )
 
 
 def describe(kind: str, rows: int) -> str:
@@ -149,8 +318,10 @@ def describe(kind: str, rows: int) -> str:
     c = "portable C" if native.isa() == "C" else f"C {native.isa()}"
     return {
         "c-gemv": f"{c} GEMV" if kind in ("w8a8", "w4a8") else f"{c} kernel reading the codes (no Ŵ)",
-        "c-gemm": f"{c} int16 GEMM",
-        "int-mm": "C quantiser + torch._int_mm + C epilogue",
+        "c-gemm": "C AVX-512 VNNI GEMM" if kind == "w4a8" and native.vnni() else f"{c} int16 GEMM",
+        "int-mm": "C quantiser + torch._int_mm + C epilogue"
+        if kind == "w8a8"
+        else "int4 unpacked to int8 + torch._int_mm (per channel; per group the C GEMM)",
         "c-dequant": "C dequantise + torch sgemm",
         "torch": "torch (dequantise + F.linear)" if kind != "w8a8" else "torch._int_mm (torch quantiser)",
     }[path]
@@ -173,6 +344,8 @@ def instruction_set() -> str:
     """The CPU's vector extensions that decide a path here, and what the C kernels were built for."""
     have = [f for f in ISA_FLAGS if f in cpu_flags()]
     built = f"C kernels built for {native.isa()}" if native.available() else "C kernels off"
+    if native.available() and native.vnni():
+        built += " (the W4A8 GEMM for AVX-512 VNNI)"
     return f"{' '.join(have) or 'no AVX2'}; {built}"
 
 
@@ -213,8 +386,10 @@ def _native_ready() -> bool:
 
 
 @torch.compiler.assume_constant_result
-def _traced_choice(kind: str, many_rows: bool) -> str:
-    return choose(kind, DECODE_ROWS + 1 if many_rows else 1)  # choose reads rows only as ≤ DECODE_ROWS or not
+def _traced_choice(kind: str, many_rows: bool, k: int, n: int, groups: int) -> str:
+    # choose reads rows only by class: 1, ≤ DECODE_ROWS or more (a traced graph takes what is measured, else the
+    # rule; it never measures)
+    return choose(kind, DECODE_ROWS + 1 if many_rows else 1, (k, n, groups))
 
 
 @torch.compiler.assume_constant_result
@@ -222,11 +397,41 @@ def _traced_weight_only_loop(bits4: bool, in_features: int, groups: int) -> bool
     return _ops.weight_only_loop(bits4, in_features, groups)
 
 
-def _path(kind: str, rows: int) -> str:
+def _path(
+    kind: str,
+    rows: int,
+    owner: object = None,
+    shape: Shape | None = None,
+    run: Callable[[], Tensor | None] | None = None,
+) -> str:
+    """``choose`` for this call; first measures the call's class when nothing is known for it (``run``: the
+    layer's forward on this input, which :func:`_measure` runs once per candidate path)."""
     if not torch.compiler.is_compiling():
-        return choose(kind, rows)
+        if owner is None or shape is None or forced() is not None or dispatch_mode() != "measure":
+            return choose(kind, rows, shape)
+        # the answer per layer and class, kept on the layer: looking the class up in the shared table (building
+        # its key and the cache file's path) cost ~30 µs a call, as much as a small layer's whole decode step
+        memo = owner.__dict__.setdefault("_dispatch_memo", {})
+        row_class = 1 if rows <= 1 else (2 if rows <= DECODE_ROWS else 3)
+        key = (
+            kind,
+            row_class,
+            native.threads(),
+            _GENERATION[0],
+            os.environ.get("QBENCH_CACHE"),
+            machine_key(),
+        )
+        path = memo.get(key)
+        if path is None:
+            if run is not None and measured(kind, rows, shape) is None:
+                _measure(owner, kind, rows, shape, run)
+            path = memo[key] = choose(kind, rows, shape)
+        return path
+    k, n, groups = shape if shape is not None else (0, 0, 1)
     # rows may be symbolic (dynamic shapes): the comparison becomes a guard, the choice a constant per branch
-    return _traced_choice(kind, True) if rows > DECODE_ROWS else _traced_choice(kind, False)
+    if rows > DECODE_ROWS:
+        return _traced_choice(kind, True, k, n, groups)
+    return _traced_choice(kind, False, k, n, groups)
 
 
 class _Bound:
@@ -294,7 +499,10 @@ def int8_forward(
     if not input_ok(x3):
         return None
     B, T, K = x3.shape
-    path = _path("w8a8", B * T)
+    path = _path(
+        "w8a8", B * T, owner, (K, w_t.shape[1], 1),
+        lambda: int8_forward(owner, x3, w_t, w_scale, bias, per_token, input_scale),
+    )  # fmt: skip
     if path == "torch":
         return None
     if input_scale is not None:
@@ -304,10 +512,17 @@ def int8_forward(
     if path == "int-mm":
         if not stored_ok(w_t.t(), w_scale, bias):
             return None
-        q, sx = torch.ops.qbench.quantize_rows(x2, rows_per_scale)
+        if torch.compiler.is_compiling():
+            q, sx = torch.ops.qbench.quantize_rows(x2, rows_per_scale)
+            acc = torch._int_mm(q, w_t)
+            return torch.ops.qbench.scale_output(acc, sx, w_scale.reshape(-1), bias).reshape(B, T, -1)
+        # eager: the ctypes wrappers (no op dispatch), the epilogue written over _int_mm's own int32 output
+        q, sx = native.quantize_rows(x2, rows_per_scale)
         acc = torch._int_mm(q, w_t)
         _record(owner, path)
-        return torch.ops.qbench.scale_output(acc, sx, w_scale.reshape(-1), bias).reshape(B, T, -1)
+        return native.scale_output(acc, sx, w_scale.reshape(-1).contiguous(), bias, in_place=True).reshape(
+            B, T, -1
+        )
     w = w_t.t()  # (N, K): the C kernels' row-major layout — a contiguous (K, N) w_t is not (torch path then)
     if torch.compiler.is_compiling():
         if not stored_ok(w, w_scale, bias):
@@ -351,10 +566,23 @@ def w4a8_forward(
         return None
     k = x.shape[-1]
     rows = x.numel() // k
-    path = _path("w4a8", rows)
+    path = _path(
+        "w4a8", rows, owner, (k, *scales.shape), lambda: w4a8_forward(owner, x, w4, scales, bias, per_token)
+    )
     if path == "torch":
         return None
     rows_per_scale = 1 if per_token else (rows if x.dim() <= 2 else rows // x.shape[0])
+    if path == "int-mm":  # the nibbles unpacked to int8 once per call, then oneDNN's int8 GEMM (native.py)
+        if not stored_ok(w4, scales, bias):
+            return None
+        x2 = x.reshape(rows, k).contiguous()
+        if torch.compiler.is_compiling():
+            return torch.ops.qbench.w4a8_int_mm(x2, rows_per_scale, w4, scales, bias).reshape(
+                *x.shape[:-1], -1
+            )
+        y = native.w4a8_int_mm(x2, rows_per_scale, w4, scales, bias)
+        _record(owner, path)
+        return y.reshape(*x.shape[:-1], -1)
     if torch.compiler.is_compiling():  # the layer checked the group size (w4a8.kernel_group_ok)
         if not stored_ok(w4, scales, bias):
             return None
@@ -402,7 +630,10 @@ def weight_only_forward(
         return None
     k = x.shape[-1]
     x2 = x.reshape(-1, k).contiguous()
-    path = _path("w4" if bits4 else "w8", x2.shape[0])
+    path = _path(
+        "w4" if bits4 else "w8", x2.shape[0], owner, (k, *scales.shape),
+        lambda: weight_only_forward(owner, x, codes, bits4, scales, zeros, bias),
+    )  # fmt: skip
     if path == "torch":
         return None
     y = None
@@ -426,6 +657,64 @@ def weight_only_forward(
             return None
         path = "c-dequant"
         y = F.linear(x2, torch.ops.qbench.dequantize(codes, bits4, scales, zeros, k), bias)
+    _record(owner, path)
+    return y.reshape(*x.shape[:-1], -1)
+
+
+def _lowbit_call(
+    codes: Tensor, bits: int, scales: Tensor, zeros: Tensor | None, zconst: int, bias: Tensor | None, k: int
+) -> Callable[[Tensor], Tensor]:
+    fn = native.library().qk_lowbit_linear
+    n, groups = scales.shape
+    args = (codes.data_ptr(), bits, scales.data_ptr(), _ptr(zeros), zconst, groups, _ptr(bias))
+
+    def call(x2: Tensor) -> Tensor:
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        fn(x2.data_ptr(), x2.shape[0], k, *args, y.data_ptr(), n, native.threads())
+        return y
+
+    call.keep = (codes, scales, zeros, bias)
+    return call
+
+
+def lowbit_forward(
+    owner: object,
+    x: Tensor,
+    codes: Tensor,
+    bits: int,
+    scales: Tensor,
+    zeros: Tensor | None,
+    zconst: int,
+    bias: Tensor | None,
+    group: int,
+) -> Tensor | None:
+    """x · Ŵᵀ + b for a float32 x (…, in) from LowBitLinear's packed codes (rows of ``scales.shape[1] · group``
+    channels, zero codes past ``in``), or None (use the torch path). ``c-gemv`` reads the codes (x zero-padded to
+    whole groups); ``c-dequant`` builds Ŵ once per call, then F.linear — the torch path's very arithmetic."""
+    if not input_ok(x):
+        return None
+    k = x.shape[-1]
+    padded = scales.shape[1] * group
+    x2 = x.reshape(-1, k)
+    path = _path(
+        "lowbit", x2.shape[0], owner, (padded, *scales.shape),
+        lambda: lowbit_forward(owner, x, codes, bits, scales, zeros, zconst, bias, group),
+    )  # fmt: skip
+    if path == "torch" or not stored_ok(codes, scales, zeros, bias):
+        return None
+    if path == "c-gemv":
+        xp = (x2 if padded == k else F.pad(x2, (0, padded - k))).contiguous()
+        if torch.compiler.is_compiling():
+            y = torch.ops.qbench.lowbit_linear(xp, codes, bits, scales, zeros, zconst, bias)
+        else:
+            y = _bound(
+                owner,
+                (codes, scales, zeros, bias),
+                lambda: _lowbit_call(codes, bits, scales, zeros, zconst, bias, padded),
+            )(xp)
+    else:
+        w = torch.ops.qbench.lowbit_dequantize(codes, bits, scales, zeros, zconst, padded, k)
+        y = F.linear(x2, w, bias)
     _record(owner, path)
     return y.reshape(*x.shape[:-1], -1)
 

@@ -116,7 +116,8 @@ REAL_KERNELS: tuple[RealKernel, ...] = (
     RealKernel(
         "W4A8 absmax (W per channel or group, A per token/sequence)",
         "Int4A8Linear",
-        "CPU: C int4×int8 GEMV/GEMM (groups of 32 or 64·n; others torch); else F.linear on s_x·q and Ŵ",
+        "CPU: C int4×int8 GEMV/GEMM, torch._int_mm on the codes unpacked to int8 where faster (groups of 32 or "
+        "64·n; others torch); else F.linear on s_x·q and Ŵ",
         lambda s: not _is_bnb(s) and _is_w4a8(s),
         "_w4a8_linear",
         (("W4A8 (Int4A8Linear)", "w4a8"),),
@@ -135,14 +136,15 @@ REAL_KERNELS: tuple[RealKernel, ...] = (
         "W2/W3/W4 weight-only, zeropoint or absmax, per channel/group "
         "(W4 zeropoint → Int4Linear where the group divides the row, else LowBitLinear)",
         "Int4Linear / LowBitLinear",
-        "Int4Linear: CPU fp32 C kernels, CPU bf16 torch int4pack; LowBitLinear: packed codes, dequantise on the fly",
+        "Int4Linear: CPU fp32 C kernels, CPU bf16 torch int4pack; LowBitLinear: CPU fp32 C kernels reading the "
+        "packed codes (≤ 16 rows; above: C dequantise + sgemm); else dequantise on the fly",
         lambda s: not _is_bnb(s) and _is_weight_only_lowbit(s),
         "_weight_only_linear",
         (
             ("W4 zeropoint weight-only (Int4Linear)", "w4"),
             ("W2/W3/W4-absmax weight-only (LowBitLinear)", "lowbit"),
         ),
-        native=("Int4Linear",),
+        native=("Int4Linear", "LowBitLinear"),
     ),
 )
 

@@ -40,7 +40,13 @@ def test_no_real_kernel_for_float_formats_and_a_one_line_error_names_the_registr
 
 def test_env_and_speed_lists_come_from_the_registry():
     assert [kind for _, kind in PATH_LAYERS] == ["w8a8", "w4a8", "w8", "w4", "lowbit"]
-    assert set(NATIVE_LAYERS) == {"Int8Linear", "Int4A8Linear", "Int8WeightOnlyLinear", "Int4Linear"}
+    assert set(NATIVE_LAYERS) == {
+        "Int8Linear",
+        "Int4A8Linear",
+        "Int8WeightOnlyLinear",
+        "Int4Linear",
+        "LowBitLinear",
+    }
     assert len({k.layer for k in REAL_KERNELS}) == len(REAL_KERNELS)
 
 

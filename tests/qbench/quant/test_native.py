@@ -21,8 +21,9 @@ from qbench.quant.granularity import PerAxis, PerGroup
 from qbench.quant.kernels import Int4A8Linear, Int4Linear, Int8Linear, make_real_linear, native, paths
 from qbench.quant.kernels.int4 import pack_int4
 from qbench.quant.kernels.int8 import quantize_activation
+from qbench.quant.kernels.lowbit import LowBitLinear
 from qbench.quant.kernels.w8 import Int8WeightOnlyLinear
-from qbench.quant.primitives import choose_qparams, fake_quantize, quantize
+from qbench.quant.primitives import choose_qparams, fake_quantize, qrange, quantize
 from qbench.quant.schemes import SCHEMES, QuantScheme
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the torch paths run instead")
@@ -100,6 +101,16 @@ def test_int8_many_rows_through_int_mm_equal_the_c_kernel(monkeypatch):
     assert torch.equal(real(x), c_kernel)
 
 
+def test_epilogue_in_place_equals_the_allocating_one():
+    """The eager int-mm path writes its floats over _int_mm's int32 output: the same bits as a fresh output."""
+    torch.manual_seed(8)
+    acc = torch.randint(-(2**20), 2**20, (33, 37), dtype=torch.int32)
+    sx, sw, bias = torch.rand(33), torch.rand(37), torch.randn(37)
+    want = native.scale_output(acc, sx, sw, bias)
+    got = native.scale_output(acc, sx, sw, bias, in_place=True)
+    assert got.data_ptr() == acc.data_ptr() and torch.equal(got, want)
+
+
 def _weight_only(kind: str, weight: torch.Tensor, bias: torch.Tensor, group: int | None, symmetric: bool):
     if kind == "int4":
         return Int4Linear.from_float(weight, bias, group)
@@ -134,6 +145,66 @@ def test_weight_only_native_equals_fake(kind, symmetric, group, shape):
             assert torch.equal(got, expected)  # C dequantise + the same F.linear
         else:
             assert rel_err(got, expected) < 1e-5  # reassociated float sums
+
+
+# (bits, symmetric, group): the issue's int2-g64 / int3-g128, absmax int4, ragged groups (40 and 48 do not divide
+# 203: a shorter last group; 40 starts groups off a vector step), per output channel
+LOWBIT = [(2, False, 64), (3, False, 128), (4, True, None), (3, True, 40), (2, False, 48), (2, True, None),
+          (3, False, None), (4, False, 32)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("bits", "symmetric", "group"), LOWBIT)
+@pytest.mark.parametrize("k", [203, 256])
+def test_lowbit_native_equals_fake(bits, symmetric, group, k):
+    """LowBitLinear's C paths: the loop reading the packed codes (≤ 16 rows) equals fake mode to float rounding
+    (rtol 1e-5 of the output scale), the C dequantisation + F.linear (more rows) bit for bit."""
+    torch.manual_seed(11)
+    n = 37
+    weight, bias = torch.randn(n, k) * 0.1, torch.randn(n)
+    granularity = PerAxis(0) if group is None else PerGroup(group)
+    scheme = QuantScheme("t", weight_bits=bits, weight_granularity=granularity, weight_symmetric=symmetric)
+    real = LowBitLinear.from_float(weight, bias, bits, granularity, symmetric)
+    fake = FakeQuantLinear(weight, bias, scheme)
+    zconst = -qrange(bits, True)[0]
+    padded = real.scales.shape[1] * real.group
+    w_hat = native.lowbit_dequantize(real.qweight, bits, real.scales, real.zeros, zconst, padded, k)
+    assert torch.equal(w_hat, real.dequantized_weight())
+    for lead in [*ROWS, (4,), (16,), (3, 7)]:
+        x = torch.randn(*lead, k)
+        with torch.inference_mode():
+            expected = fake(x)
+        got = real(x)
+        rows = x.numel() // k
+        assert real.last_path == ("c-gemv" if rows <= paths.DECODE_ROWS else "c-dequant")
+        if rows > paths.DECODE_ROWS:
+            assert torch.equal(got, expected)
+        else:
+            assert rel_err(got, expected) < 1e-5, lead
+
+
+def test_lowbit_portable_loop_equals_the_vector_loop():
+    """native_ref.c's scalar loop (what a CPU without AVX2 runs) and this build's, on the same packed codes:
+    both reassociate float sums, so they agree to float rounding; the dequantisers agree bit for bit."""
+    portable = _portable()
+    torch.manual_seed(12)
+    for bits, symmetric, group in LOWBIT:
+        for m in (1, 5, 17):
+            real = LowBitLinear.from_float(
+                torch.randn(9, 203), None, bits, PerAxis(0) if group is None else PerGroup(group), symmetric
+            )
+            padded = real.scales.shape[1] * real.group
+            x = torch.nn.functional.pad(torch.randn(m, 203), (0, padded - 203))
+            zconst = -qrange(bits, True)[0]
+            want = native.lowbit_linear(x, real.qweight, bits, real.scales, real.zeros, zconst, None)
+            y = torch.empty(m, 9)
+            _call(portable, "qk_lowbit_linear", x, m, padded, real.qweight, bits, real.scales, real.zeros,
+                  zconst, real.scales.shape[1], None, y, 9, 1)  # fmt: skip
+            assert rel_err(y, want) < 1e-5
+            assert rel_err(y, x[:, :203] @ real.dequantized_weight().T) < 1e-5
+            w_hat = torch.empty(9, 203)  # the dequantisers: the same float operations, bit for bit
+            _call(portable, "qk_lowbit_dequantize", real.qweight, bits, real.scales, real.zeros, zconst, 9,
+                  padded, real.scales.shape[1], 203, w_hat, 1)  # fmt: skip
+            assert torch.equal(w_hat, real.dequantized_weight())
 
 
 @pytest.mark.parametrize(("k", "group"), [(2048, 128), (63, 63), (96, 32)])
@@ -279,6 +350,23 @@ def test_portable_loops_equal_the_vector_loops():
         out = torch.empty(n, k)
         _call(portable, "qk_dequantize", codes, 1, 0, scale, zero, n, k, groups, out, 1)
         assert torch.equal(out, native.dequantize(codes, True, scale, zero, k))
+
+
+def test_w4a8_gemm_equal_across_avx2_and_vnni_builds():
+    """The W4A8 GEMM of an AVX2-only build (native_avx2.c's int16 panels) and of this build (native_avx512.c's
+    vpdpbusd where the CPU has AVX-512 VNNI) give the same bits, per channel and per group."""
+    avx2 = native.build(["-mavx2", "-mfma", "-fopenmp"]) or native.build(["-mavx2", "-mfma"])
+    if avx2 is None or avx2.qk_isa() != 1:
+        pytest.skip("the compiler does not build AVX2 here")
+    torch.manual_seed(13)
+    for m, k, n, group in [(20, 130, 9, None), (17, 256, 70, 64), (40, 512, 65, 32), (7, 384, 64, 128)]:
+        layer = Int4A8Linear.from_float(torch.randn(n, k), torch.randn(n), group)
+        x = torch.randn(m, k) * 3
+        args = (x, m, k, 1, layer.qweight, layer.scales, layer.scales.shape[1], layer.bias)
+        want, y = torch.empty(m, n), torch.empty(m, n)
+        assert _call(native.library(), "qk_w4a8_forward_path", *args, want, n, 1, 0)
+        assert _call(avx2, "qk_w4a8_forward_path", *args, y, n, 1, 0)
+        assert torch.equal(y, want), (m, k, n, group)
 
 
 def test_portable_build_declines_weight_only_and_layers_dequantise():

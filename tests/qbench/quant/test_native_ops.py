@@ -29,6 +29,7 @@ CASES = [
     ("absmax-fine:w=4,group=32", "w4a8"),  # W4A8 groups of 32: the g = 32 loops
     ("absmax-fine:a=none", "w8"),  # W8 weight-only
     ("zeropoint-int4", "w4"),  # W4 zeropoint weight-only (Int4Linear)
+    ("zeropoint-int3-g128", "lowbit"),  # packed 3-bit codes (LowBitLinear)
 ]
 # the op each path puts in the graph
 OP = {
@@ -36,6 +37,9 @@ OP = {
     "c-dequant": "dequantize",
     ("c-gemv", "w8"): "weight_only_linear",
     ("c-gemv", "w4"): "weight_only_linear",
+    ("c-gemv", "lowbit"): "lowbit_linear",
+    ("c-dequant", "lowbit"): "lowbit_dequantize",
+    ("int-mm", "w4a8"): "w4a8_int_mm",
 }
 
 
@@ -63,7 +67,7 @@ def test_real_model_compiles_fullgraph_and_equals_eager(scheme, kind):
             eager, out = (getattr(t, "logits", t) for t in (model(ids), compiled(ids)))
         assert torch.equal(out, eager), shape
         path = paths.choose(kind, shape[0] * shape[1])
-        expected.add("qbench." + (OP.get(path) or OP.get((path, kind)) or f"{kind}_forward"))
+        expected.add("qbench." + (OP.get((path, kind)) or OP.get(path) or f"{kind}_forward"))
     assert expected <= seen, (expected, sorted(t for t in seen if t.startswith("qbench.")))
 
 
@@ -75,6 +79,7 @@ def _op_samples():
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     sx, sw, bias = torch.rand(m), torch.rand(n), torch.randn(n)
     w4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    w3 = torch.randint(0, 256, (n, k * 3 // 8), dtype=torch.uint8)
     scale, zero = torch.rand(n, 2), torch.randint(0, 16, (n, 2), dtype=torch.uint8)
     return {
         "quantize_rows": (x, 1),
@@ -84,6 +89,10 @@ def _op_samples():
         "scale_output": (q.int()[:, :n].contiguous(), sx, sw, bias),
         "weight_only_linear": (x, w4, True, scale, zero, bias),
         "dequantize": (w4, True, scale, zero, k),
+        # 3-bit codes: 8 in 3 bytes, rows of k = 2 groups of 64
+        "lowbit_linear": (x, w3, 3, scale, zero, 3, bias),
+        "lowbit_dequantize": (w3, 3, scale, None, 3, k, k - 5),
+        "w4a8_int_mm": (x, 1, w4, scale, bias),
     }
 
 

@@ -9,6 +9,7 @@ with ``FakeQuantLinear``; the integer paths (W8A8 all four, W4A8 per channel) mu
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -62,7 +63,9 @@ def test_every_offered_path_equals_fake_mode(case, rows):
     elif case.kind == "w4a8" and not isinstance(case.scheme.weight_granularity, PerGroup):
         # per channel the C loops' int32 sums are exact; per group of 32 the decode loop adds the scaled group
         # sums in another float order (equal to rounding, checked above)
-        integer = ("c-gemv", "c-gemm")
+        integer = ("c-gemv", "c-gemm", "int-mm")
+    elif case.kind == "w4a8":  # per group: _int_mm per group folds the sums in the C GEMM's order
+        integer = ("c-gemm", "int-mm")
     same = [p for p in integer if p in outputs]
     for path in same[1:]:
         assert torch.equal(outputs[path], outputs[same[0]]), f"{case.id}: {path} != {same[0]} at {rows} rows"
@@ -74,7 +77,9 @@ def test_layers_take_the_path_choose_names(case, rows):
     """What ``qbench env`` lists (``paths.choose``) is what the layer runs, unforced."""
     real, _ = build(case)
     _, taken = _forward(real, inputs(rows, case.in_features), None)
-    assert taken == paths.choose(case.kind, rows)
+    scales = getattr(real, "scales", None)  # per-group W4A8 takes the C GEMM where per channel takes _int_mm
+    groups = scales.shape[1] if scales is not None and scales.dim() == 2 else 1
+    assert taken == paths.choose(case.kind, rows, (case.in_features, case.out_features, groups))
 
 
 def test_default_choice_follows_the_cpu(monkeypatch):
@@ -90,7 +95,7 @@ def test_default_choice_follows_the_cpu(monkeypatch):
         paths.choose("w4", 16) == ("c-gemv" if avx2 else "c-dequant")
         and paths.choose("w8", 17) == "c-dequant"
     )
-    assert paths.choose("lowbit", 1) == "torch"
+    assert paths.choose("lowbit", 1) == "c-gemv" and paths.choose("lowbit", 17) == "c-dequant"
 
 
 def test_the_portable_build_runs_its_one_loop_at_every_row_count(monkeypatch):
@@ -101,6 +106,8 @@ def test_the_portable_build_runs_its_one_loop_at_every_row_count(monkeypatch):
     assert paths.offered("w8a8") == ("c-gemv", "int-mm", "torch")
     assert [paths.choose(k, r) for k in ("w8a8", "w4a8") for r in (1, 512)] == ["c-gemv"] * 4
     assert {paths.choose(k, r) for k in ("w4", "w8") for r in (1, 512)} == {"c-dequant"}
+    # the packed 2/3/4-bit codes have a scalar loop in the portable build too
+    assert [paths.choose("lowbit", r) for r in (1, 512)] == ["c-gemv", "c-dequant"]
     assert paths.describe("w8a8", 512) == "portable C GEMV"
 
 
@@ -148,3 +155,83 @@ def test_qbench_env_prints_the_paths(capsys):
     out = " ".join(capsys.readouterr().out.split())  # the table wraps long cells
     assert "instruction set" in out and "Int8Linear" in out and "LowBitLinear" in out
     assert "1 row:" in out and "rows:" in out
+
+
+# ------------------------------------------------------------------------------ dispatch by measurement
+
+MEASURED_CASES = [
+    c for c in CASES if c.id in ("w8a8-channel-token", "w4a8-g32", "int3-g128", "w8-zp-channel")
+]
+
+
+@pytest.fixture
+def measuring(monkeypatch, tmp_path):
+    """The measured dispatch (the default outside the test suite) with an empty cache folder."""
+    monkeypatch.setenv(paths.DISPATCH_ENV, "measure")
+    monkeypatch.setenv("QBENCH_CACHE", str(tmp_path))
+    paths.reset_measured()
+    yield tmp_path
+    paths.reset_measured()
+
+
+@pytest.mark.skipif(not native.available(), reason="no C kernels: nothing to measure")
+@pytest.mark.parametrize("case", MEASURED_CASES, ids=[c.id for c in MEASURED_CASES])
+def test_measured_choice_is_offered_cached_and_read_back(case, measuring, monkeypatch):
+    """First use times the C paths per shape class and keeps the fastest (one of those offered, never torch); the
+    choices go to the cache file; a fresh process (memory cleared) reads them back without timing anything."""
+    real, fake = build(case)
+    taken = {}
+    for rows in (1, 5, 17):
+        x = inputs(rows, case.in_features)
+        y, taken[rows] = _forward(real, x, None)
+        assert taken[rows] in paths.offered(case.kind) and taken[rows] != "torch"
+        with torch.inference_mode():
+            assert rel_err(y, fake(x)) <= max(_bound(case, taken[rows]), FLOAT_ROUNDING)
+    file = paths.cache_file()
+    assert file.parent == measuring / "dispatch" and file.stem == paths.machine_key()
+    data = json.loads(file.read_text())
+    assert data["cpu"] == paths.cpu_model() and data["torch"] == torch.__version__
+    assert len(data["choices"]) == 3  # rows 1, ≤ 16, > 16: three classes
+    for key, entry in data["choices"].items():
+        assert key.startswith(case.kind + "/") and entry["path"] == min(entry["ms"], key=entry["ms"].get)
+        assert set(entry["ms"]) <= set(paths.offered(case.kind)) - {"torch"}
+    paths.reset_measured()
+
+    def no_timing(*args):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(paths, "_measure", no_timing)
+    for rows in (1, 5, 17):
+        assert _forward(real, inputs(rows, case.in_features), None)[1] == taken[rows]
+    assert _forward(real, inputs(1, case.in_features), "torch")[1] == "torch"  # a forced path still wins
+    monkeypatch.setenv(paths.DISPATCH_ENV, "rule")  # the fixed rule, whatever was measured
+    shape = (case.in_features, case.out_features, getattr(real, "scales", torch.ones(1, 1)).shape[-1])
+    assert _forward(real, inputs(17, case.in_features), None)[1] == paths.rule(case.kind, 17, shape)
+
+
+def test_measured_dispatch_survives_a_broken_cache_file(measuring):
+    case = MEASURED_CASES[0]
+    file = paths.cache_file()
+    file.parent.mkdir(parents=True)
+    file.write_text("{not json")
+    real, _ = build(case)
+    _, taken = _forward(real, inputs(1, case.in_features), None)
+    assert taken in paths.offered(case.kind)
+    assert json.loads(file.read_text())["choices"]  # rewritten whole (atomic rename), the bad content gone
+    assert not list(file.parent.glob("*.tmp"))
+
+
+@pytest.mark.skipif(not native.available(), reason="no C kernels: nothing to measure")
+def test_qbench_env_prints_the_measured_choices(measuring, capsys):
+    from qbench.cli import main
+
+    case = MEASURED_CASES[0]
+    real, _ = build(case)
+    _, taken = _forward(real, inputs(1, case.in_features), None)
+    listing = kernel_paths()
+    assert str(paths.cache_file()) in listing["kernel dispatch"]
+    (key,) = [k for k in listing if k.startswith("measured w8a8/rows-1/")]
+    assert listing[key].startswith(taken + " (")
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out  # the table wraps long cells: the listing's keys are checked above
+    assert "measured" in out and "kernel dispatch" in out

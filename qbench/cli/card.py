@@ -77,16 +77,12 @@ def config(args: argparse.Namespace):
     return cfg
 
 
-def run(args: argparse.Namespace) -> None:
+def run_card_with_progress(cfg) -> dict:
+    """``run_card`` with one progress bar over all cells and the cost line per model (``qbench demo`` uses it)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from qbench.studies import card as study
 
-    if args.batch_size < 1:
-        from models.errors import UserError
-
-        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
-    cfg = config(args)
     console.print(
         f"[bold]qbench card[/] {len(cfg.models)} model(s), budget {cfg.plan.describe()} → {cfg.output_path}/",
         highlight=False,
@@ -120,3 +116,12 @@ def run(args: argparse.Namespace) -> None:
         for line in m["verdict"]["lines"]:
             console.print(f"  {line}", highlight=False, soft_wrap=True)
     console.print(f"wrote {cfg.output_path / 'card.md'}, card.json, card.html")
+    return card
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.batch_size < 1:
+        from models.errors import UserError
+
+        raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
+    run_card_with_progress(config(args))

@@ -36,6 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_output_argument(p, "results folder (default: results/demo; --long: results/demo-long)", metavar="DIR")
     p.add_argument("--seed", type=int, default=0, help="training and evaluation seed")
     p.add_argument("--no-sweep", action="store_true", help="skip the bit-width sweep (8→2 bits, KV cache)")
+    p.add_argument(
+        "--no-card",
+        action="store_true",
+        help="skip the card of the two models (qbench card --budget quick on the demo's records)",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -77,10 +82,17 @@ def run(args: argparse.Namespace) -> None:
 
         result = run_sweep_with_progress(demo.sweep_config(cfg), args.command_line)
         timings["sweep"] = time.perf_counter() - start
-    table = demo.write_report(cfg, records, timings, args.command_line, result)
+    card = None
+    if not args.no_card:
+        from qbench.cli.card import run_card_with_progress
+
+        start = time.perf_counter()
+        card = run_card_with_progress(demo.card_config(cfg, args.command_line))
+        timings["card"] = time.perf_counter() - start
+    table = demo.write_report(cfg, records, timings, args.command_line, result, card is not None)
     print_wide(rich_table(records, title="qbench demo"))
     if result is not None:
         console.print(sweep_table(result), highlight=False, soft_wrap=True)
-    words = {"train": "training", "eval": "evaluation", "sweep": "bit-width sweep"}
+    words = {"train": "training", "eval": "evaluation", "sweep": "bit-width sweep", "card": "card"}
     spent = ", ".join(f"{words[k]} {v:.0f} s" for k, v in timings.items())
     console.print(f"wrote {table} and plots beside it ({spent})")

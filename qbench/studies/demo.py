@@ -145,12 +145,29 @@ def sweep_config(cfg: DemoConfig) -> Any:
     )
 
 
+def card_config(cfg: DemoConfig, command: str | None = None) -> Any:
+    """The card of the two models (``qbench card --budget quick``) on the demo's own protocol and folder, so it
+    reuses the grid's cells (the float models and the paper's four) and adds only the formats and KV rows."""
+    from qbench.studies.card import CardConfig
+
+    return CardConfig(
+        models=[str(cfg.ckpt_root / r) for r in RECIPES],
+        budget="quick",
+        output_path=cfg.output_path,
+        tokens=cfg.eval_tokens,
+        kv_scheme=cfg.sweep_kv_scheme,
+        seed=cfg.seed,
+        command=command,
+    )
+
+
 def write_report(
     cfg: DemoConfig,
     records: list[dict],
     timings: dict[str, float],
     command: str,
     sweep: dict[str, Any] | None = None,
+    card: bool = False,
 ) -> Path:
     """table.md (the comparison, the command that made it, machine and timings, the sweep's breaking points),
     curves JSON and PNGs."""
@@ -170,6 +187,7 @@ def write_report(
 
     machine = f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}"
     sweep_time = f", bit-width sweep {timings['sweep']:.0f} s" if "sweep" in timings else ""
+    sweep_time += f", card {timings['card']:.0f} s" if "card" in timings else ""
     text = (
         f"# qbench demo\n\nMade by `{command}` ({cfg.description}) on {machine} "
         f"({time.strftime('%Y-%m-%d', time.gmtime())}); training {timings['train']:.0f} s, "
@@ -183,6 +201,11 @@ def write_report(
             "\n## Below 8 bits: the bit-width sweep\n\n"
             f"{sweep_table(sweep)}\n\n{sweep_caption(sweep)} Records, `sweep.json` and `sweep.md` in `sweep/`."
             "\n\n![sweep](sweep/sweep.png)\n"
+        )
+    if card:
+        text += (
+            "\n## The card\n\nThe two models' robustness profile, one page: [card.md](card.md), "
+            "[card.html](card.html) (self-contained), every number in `card.json`.\n"
         )
     atomic_write_text(out / "table.md", text)
     return out / "table.md"

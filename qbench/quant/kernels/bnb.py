@@ -253,3 +253,12 @@ def bnb_nf4_linear(
         # ragged last block); other shapes must take its generic dequantise-and-matmul path
         layer.support_avx512bf16_for_cpu = False
     return BnbLinear(layer.to(weight.device), f"nf4 (blocks of {blocksize})")
+
+
+def build_bnb(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
+    """The registry's builder for bitsandbytes' schemes (``registry.REAL_KERNELS``)."""
+    if input_scale is not None or rotation is not None:
+        raise UserError(f"scheme {scheme.name!r}: bitsandbytes layers take no input scale or rotation")
+    if scheme.method == "llm-int8":
+        return bnb_int8_linear(weight, bias, threshold=float(scheme.param("threshold")))
+    return bnb_nf4_linear(weight, bias, blocksize=int(scheme.param("blocksize")))

@@ -4,10 +4,13 @@ Every C kernel of qbench is a ``.c`` file in this folder, shipped as package dat
 (``fake_quant.c``: the fused fake-quantisation rows of ``qbench::fake_quantize``; ``native.c`` + ``native_ref.c``
 + ``native_avx2.c``, sharing ``native.h``: the real layers' int8/int4 GEMV and GEMM, one library).
 :func:`load` compiles a library on first use with the system C compiler (``$CC``, else ``cc``/``gcc``) — ``-O3
--march=native -fopenmp``, then without ``-march=native``, then without OpenMP, when a flag is refused — into a
-temporary file that is deleted once loaded. Never cached on disk, so a binary built for one CPU never runs on
-another; ``-march=native`` decides the instruction set on the machine that runs it. Threads: OpenMP in every
-kernel, with ``torch.get_num_threads()`` threads passed by the caller.
+-march=native -fopenmp``, then without ``-march=native``, then without OpenMP, when a flag is refused. The
+library is cached on disk (``$QBENCH_CACHE/kernels/``, else ``~/.cache/qbench/kernels/``; written atomically)
+under a hash of the sources, headers, flags, the compiler's version **and this CPU's model and flags**, so every
+later process loads it in milliseconds, and a binary built for one CPU never runs on another
+(``-march=native`` decides the instruction set on the machine that runs it). A compile that fails or takes longer
+than :data:`COMPILE_TIMEOUT_S` gives None — the callers' torch paths, which compute the same results — with a
+warning. Threads: OpenMP in every kernel, with ``torch.get_num_threads()`` threads passed by the caller.
 
 ``QBENCH_NATIVE=0`` in the environment switches every compiled kernel off (the torch paths run); the older
 ``QBENCH_NATIVE_KERNELS=0`` (real layers) and ``QBENCH_FAST_FAKE_QUANT=0`` (fake quantisation) still work.
@@ -16,14 +19,22 @@ kernel, with ``torch.get_num_threads()`` threads passed by the caller.
 from __future__ import annotations
 
 import ctypes
+import functools
+import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from collections.abc import Sequence
 from importlib import resources
+from pathlib import Path
 
 ENV = "QBENCH_NATIVE"
+COMPILE_TIMEOUT_S = (
+    600  # a loaded 2-core machine needs minutes for the native library; then the torch paths run
+)
 # Flags every kernel needs: IEEE arithmetic in the written order (no FMA contraction, no errno), a shared object.
 BASE_FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-shared", "-fPIC")
 # Tried in order until one compiles: some compilers or CPUs refuse -march=native, some lack OpenMP.
@@ -40,30 +51,79 @@ def compiler() -> str | None:
     return next((c for c in (os.environ.get("CC"), "cc", "gcc") if c and shutil.which(c)), None)
 
 
+@functools.cache
+def cpu_identity() -> str:
+    """This CPU's model name and feature flags (Linux ``/proc/cpuinfo``; elsewhere the platform's words)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")]
+    return "\n".join(dict.fromkeys(keep))  # the first core's lines: every core repeats them
+
+
+@functools.cache
+def compiler_version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("QBENCH_CACHE") or Path.home() / ".cache" / "qbench").expanduser() / "kernels"
+
+
 def compile_source(
     name: str | Sequence[str], extra_flags: Sequence[str], flags: Sequence[str] = BASE_FLAGS
 ) -> ctypes.CDLL | None:
     """The package's C file ``name`` (e.g. ``"fake_quant.c"``), or several compiled into one library (e.g.
-    ``native.NATIVE_SOURCES``), built with ``flags`` + ``extra_flags`` and loaded, or None when there is no
-    compiler or it refuses the flags. The package's headers (``*.h``) sit next to the sources."""
+    ``native.NATIVE_SOURCES``), built with ``flags`` + ``extra_flags`` and loaded — from the disk cache when this
+    CPU, compiler and source already built it (module docstring) — or None when there is no compiler, it refuses
+    the flags, or it times out. The package's headers (``*.h``) sit next to the sources."""
     cc = compiler()
     if cc is None:
         return None
     names = (name,) if isinstance(name, str) else tuple(name)
     package = resources.files("qbench.quant.kernels")
-    headers = [p.name for p in package.iterdir() if p.name.endswith(".h")]
+    headers = sorted(p.name for p in package.iterdir() if p.name.endswith(".h"))
+    texts = {file: package.joinpath(file).read_text() for file in (*names, *headers)}
+    command = [*flags, *extra_flags]
+    key = hashlib.sha256(
+        "\0".join([*command, cc, compiler_version(cc), cpu_identity(), *texts, *texts.values()]).encode()
+    ).hexdigest()[:24]
+    cached = cache_dir() / f"{names[0].removesuffix('.c')}-{key}.so"
+    if cached.is_file():
+        try:
+            return ctypes.CDLL(str(cached))
+        except OSError:  # a damaged file: build it again below
+            pass
     with tempfile.TemporaryDirectory(prefix="qbench-kernel-") as tmp:
-        for file in (*names, *headers):
-            with open(os.path.join(tmp, file), "w") as f:
-                f.write(package.joinpath(file).read_text())
-        lib = os.path.join(tmp, names[0].replace(".c", ".so"))
+        for file, text in texts.items():
+            Path(tmp, file).write_text(text)
+        lib = os.path.join(tmp, cached.name)
         sources = [os.path.join(tmp, n) for n in names]
-        done = subprocess.run(
-            [cc, *flags, *extra_flags, "-o", lib, *sources], capture_output=True, timeout=120
-        )
+        try:
+            done = subprocess.run(
+                [cc, *command, "-o", lib, *sources], capture_output=True, timeout=COMPILE_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            warnings.warn(
+                f"compiling {', '.join(names)} took over {COMPILE_TIMEOUT_S} s; the torch paths run instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
         if done.returncode != 0:
             return None
-        return ctypes.CDLL(lib)  # loaded: the file may go
+        try:  # into the cache atomically: a temporary name in the cache folder, then a rename
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            part = cached.with_name(f".{cached.name}.{os.getpid()}.part")
+            shutil.copyfile(lib, part)
+            os.replace(part, cached)
+            return ctypes.CDLL(str(cached))
+        except OSError:  # a read-only home: load the fresh build from the temporary folder
+            return ctypes.CDLL(lib)
 
 
 def load(name: str | Sequence[str], flags: Sequence[str] = BASE_FLAGS) -> ctypes.CDLL | None:

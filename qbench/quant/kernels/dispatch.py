@@ -1,18 +1,17 @@
-"""Building real layers: :func:`make_real_linear` and one builder per :data:`~.registry.REAL_KERNELS` entry;
+"""Building real layers: :func:`make_real_linear` calls the builder of the first :data:`~.registry.REAL_KERNELS` entry;
 what each layer runs on this machine (:func:`kernel_paths`, :func:`available_backends`) for ``qbench env``."""
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 from torch import Tensor, nn
 
 from models.errors import UserError
-from qbench.quant.granularity import PerGroup, PerToken
-from qbench.quant.kernels.int4 import Int4Linear, int4pack_available
-from qbench.quant.kernels.int8 import Int8Linear, int_mm_available
-from qbench.quant.kernels.lowbit import LowBitLinear
-from qbench.quant.kernels.registry import PATH_LAYERS, REAL_KERNELS, _per_out_channel, real_kernel_for
-from qbench.quant.kernels.w4a8 import Int4A8Linear
+from qbench.quant.kernels.int4 import int4pack_available
+from qbench.quant.kernels.int8 import int_mm_available
+from qbench.quant.kernels.registry import PATH_LAYERS, REAL_KERNELS, real_kernel_for
 from qbench.quant.schemes import QuantScheme
 
 
@@ -44,72 +43,9 @@ def make_real_linear(
             f"scheme {scheme.name!r} ({scheme.label}) has no real kernel; real kernels exist for: "
             f"{'; '.join(k.covers for k in REAL_KERNELS)}. Run it with mode='fake'"
         )
-    return globals()[kernel.builder](weight, bias, scheme, input_scale, rotation, act_static, out_static)
-
-
-def _w8a8_linear(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
-    return Int8Linear.from_float(
-        weight,
-        bias,
-        weight_granularity="per_channel" if _per_out_channel(scheme) else "per_tensor",
-        act="per_token" if isinstance(scheme.act_granularity, PerToken) else "per_tensor",
-        out_quant=scheme.out_bits is not None,
-        input_scale=input_scale,
-        rotation=rotation,
-        static_act_scale=None if act_static is None else act_static.scale,
-        static_out_scale=None if out_static is None else out_static.scale,
-    )
-
-
-def _w4a8_linear(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
-    g = scheme.weight_granularity_for(weight.shape[1])  # a group ≥ the row is per channel
-    group = g.group_size if isinstance(g, PerGroup) else None
-    return Int4A8Linear.from_float(
-        weight,
-        bias,
-        group,
-        act="per_token" if isinstance(scheme.act_granularity, PerToken) else "per_tensor",
-        input_scale=input_scale,
-        rotation=rotation,
-    )
-
-
-def _w8_weight_only_linear(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
-    from qbench.quant.kernels.w8 import Int8WeightOnlyLinear
-
-    g = scheme.weight_granularity_for(weight.shape[1])
-    group = g.group_size if isinstance(g, PerGroup) else None
-    return Int8WeightOnlyLinear.from_float(
-        weight, bias, group, scheme.weight_symmetric, input_scale=input_scale, rotation=rotation
-    )
-
-
-def _weight_only_linear(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
-    """Asymmetric int4 -> Int4Linear (torch's int4 kernel with bf16); int2/int3, symmetric int4 and a group that
-    does not divide the row (a shorter last group) -> LowBitLinear."""
-    g = scheme.weight_granularity_for(weight.shape[1])  # a group ≥ the row is per channel
-    group = g.group_size if isinstance(g, PerGroup) else None
-    if scheme.weight_bits == 4 and not scheme.weight_symmetric and not weight.shape[1] % (group or 1):
-        return Int4Linear.from_float(weight, bias, group, input_scale=input_scale, rotation=rotation)
-    return LowBitLinear.from_float(
-        weight,
-        bias,
-        scheme.weight_bits,
-        g,
-        scheme.weight_symmetric,
-        input_scale=input_scale,
-        rotation=rotation,
-    )
-
-
-def _bnb_linear(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
-    from qbench.quant.kernels.bnb import bnb_int8_linear, bnb_nf4_linear
-
-    if input_scale is not None or rotation is not None:
-        raise UserError(f"scheme {scheme.name!r}: bitsandbytes layers take no input scale or rotation")
-    if scheme.method == "llm-int8":
-        return bnb_int8_linear(weight, bias, threshold=float(scheme.param("threshold")))
-    return bnb_nf4_linear(weight, bias, blocksize=int(scheme.param("blocksize")))
+    module, function = kernel.builder.split(":")
+    build = getattr(importlib.import_module(module), function)
+    return build(weight, bias, scheme, input_scale, rotation, act_static, out_static)
 
 
 def kernel_paths(rows: tuple[int, ...] = (1, 512)) -> dict[str, str]:

@@ -8,8 +8,8 @@ compiler vectorises, at ≥ 80 % of a plain copy's bandwidth (4096×4096 fp32, o
 Exactness: the arithmetic is the primitive's, in the same order (``fake_quant.c`` says how), so results equal
 ``primitives.fake_quantize`` as values. NaN/inf are detected from the bit patterns, and the caller raises.
 
-Built like every kernel of qbench (``build.py``: one compiler lookup, never cached, ``QBENCH_NATIVE=0`` switches it
-off); without a compiler the op keeps the torch path. Rows are split across ``torch.get_num_threads()`` OpenMP
+Built like every kernel of qbench (``build.py``: one compiler lookup, one disk cache keyed by CPU and source,
+``QBENCH_NATIVE=0`` switches it off); without a compiler the op keeps the torch path. Rows are split across ``torch.get_num_threads()`` OpenMP
 threads, at least 16 rows each (fewer rows: one thread).
 """
 

@@ -49,9 +49,10 @@ from torch import Tensor, nn
 
 from models.errors import UserError, unknown_choice
 from qbench.quant.fake import transform_input, transform_weight
-from qbench.quant.granularity import PerAxis, PerTensor
+from qbench.quant.granularity import PerAxis, PerTensor, PerToken
 from qbench.quant.kernels import paths
 from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
+from qbench.quant.kernels.registry import per_out_channel
 from qbench.quant.primitives import TINY, choose_qparams, quantize
 
 QMAX = 127
@@ -355,3 +356,18 @@ def int_mm_available(device: str = "cpu") -> bool:
         return bool((torch._int_mm(a, a) == 32).all())
     except (RuntimeError, NotImplementedError):
         return False
+
+
+def build_w8a8(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
+    """The registry's builder for W8A8 schemes (``registry.REAL_KERNELS``)."""
+    return Int8Linear.from_float(
+        weight,
+        bias,
+        weight_granularity="per_channel" if per_out_channel(scheme) else "per_tensor",
+        act="per_token" if isinstance(scheme.act_granularity, PerToken) else "per_tensor",
+        out_quant=scheme.out_bits is not None,
+        input_scale=input_scale,
+        rotation=rotation,
+        static_act_scale=None if act_static is None else act_static.scale,
+        static_out_scale=None if out_static is None else out_static.scale,
+    )

@@ -172,3 +172,23 @@ class LowBitLinear(RealLinear):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"int{self.bits} {kind} {gran}, packed, {self.nbytes() / 2**20:.2f} MiB"
         )
+
+
+def build_weight_only(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
+    """The registry's builder for W2/W3/W4 weight-only schemes: asymmetric int4 -> Int4Linear (torch's int4 kernel with bf16); int2/int3, symmetric int4 and a group that
+    does not divide the row (a shorter last group) -> LowBitLinear."""
+    g = scheme.weight_granularity_for(weight.shape[1])  # a group ≥ the row is per channel
+    group = g.group_size if isinstance(g, PerGroup) else None
+    if scheme.weight_bits == 4 and not scheme.weight_symmetric and not weight.shape[1] % (group or 1):
+        from qbench.quant.kernels.int4 import Int4Linear
+
+        return Int4Linear.from_float(weight, bias, group, input_scale=input_scale, rotation=rotation)
+    return LowBitLinear.from_float(
+        weight,
+        bias,
+        scheme.weight_bits,
+        g,
+        scheme.weight_symmetric,
+        input_scale=input_scale,
+        rotation=rotation,
+    )

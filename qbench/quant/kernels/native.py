@@ -28,7 +28,8 @@ without AVX-512 VNNI, slow at any size), and the int4 kernels want bf16 activati
   torch's sgemm, so prefill equals fake mode exactly).
 
 Build: on first use, like every kernel of qbench (``build.py``: one compiler lookup, ``-O3 -march=native
--fopenmp`` and fallbacks, never cached, so a binary built for one CPU never runs on another), the three files
+-fopenmp`` and fallbacks, cached on disk per CPU, compiler and source, so a binary built for one CPU never runs
+on another), the three files
 of :data:`NATIVE_SOURCES` into one library. ``-march=native`` decides the instruction set at build time, on the
 machine that runs it: with AVX2 + FMA ``native.c`` calls the loops of ``native_avx2.c``, else those of
 ``native_ref.c`` (the ggml-quants layering: one portable reference, one file per instruction set, no ISA test

@@ -5,7 +5,7 @@ scheme, the name of its builder); the first entry whose predicate holds builds t
 (``dispatch.make_real_linear``). ``qbench ls schemes`` (its real-kernel column), ``qbench env``, ``qbench speed``
 and the table in docs/schemes.md (:func:`kernels_table`; a test keeps the page equal to it) read it. The
 predicates look only at a scheme's fields, so listing schemes imports no torch. Adding an integer format with a
-real kernel: write the layer (on :class:`~.base.RealLinear`) and its kernel, its builder in ``dispatch.py``, and
+real kernel: write the kernel, the layer (on :class:`~.base.RealLinear`) with its builder in the same file, and
 one entry here; test it against fake mode.
 """
 
@@ -20,7 +20,7 @@ from qbench.quant.schemes import QuantScheme
 PACKED_BITS = (2, 3, 4)  # the weight-only widths LowBitLinear packs (lowbit.py)
 
 
-def _per_out_channel(scheme: QuantScheme) -> bool:
+def per_out_channel(scheme: QuantScheme) -> bool:
     return isinstance(scheme.weight_granularity, PerAxis) and scheme.weight_granularity.axis in (0, -2)
 
 
@@ -28,7 +28,7 @@ def _is_w8a8(scheme: QuantScheme) -> bool:
     weight_ok = (
         scheme.weight_bits == 8
         and scheme.weight_symmetric
-        and (_per_out_channel(scheme) or isinstance(scheme.weight_granularity, PerTensor))
+        and (per_out_channel(scheme) or isinstance(scheme.weight_granularity, PerTensor))
     )
     act_ok = (
         scheme.act_bits == 8
@@ -47,7 +47,7 @@ def _is_w4a8(scheme: QuantScheme) -> bool:
         not scheme.static
         and scheme.weight_bits == 4
         and scheme.weight_symmetric
-        and (_per_out_channel(scheme) or isinstance(scheme.weight_granularity, PerGroup))
+        and (per_out_channel(scheme) or isinstance(scheme.weight_granularity, PerGroup))
         and scheme.act_bits == 8
         and scheme.act_symmetric
         and isinstance(scheme.act_granularity, PerToken | PerTensor)
@@ -61,7 +61,7 @@ def _is_w8_weight_only(scheme: QuantScheme) -> bool:
         scheme.weight_bits == 8
         and scheme.act_bits is None
         and scheme.out_bits is None
-        and (_per_out_channel(scheme) or isinstance(scheme.weight_granularity, PerGroup))
+        and (per_out_channel(scheme) or isinstance(scheme.weight_granularity, PerGroup))
     )
 
 
@@ -71,7 +71,7 @@ def _is_weight_only_lowbit(scheme: QuantScheme) -> bool:
         scheme.weight_bits in PACKED_BITS
         and scheme.act_bits is None
         and scheme.out_bits is None
-        and (_per_out_channel(scheme) or isinstance(scheme.weight_granularity, PerGroup))
+        and (per_out_channel(scheme) or isinstance(scheme.weight_granularity, PerGroup))
     )
 
 
@@ -86,7 +86,7 @@ class RealKernel:
     layer: str  # its class name, as records' ``backend`` names it
     kernels: str  # what computes it, per device
     applies: Callable[[QuantScheme], bool]
-    builder: str  # the function in ``dispatch.py`` that builds the layer (imported only when one is built)
+    builder: str  # ``module:function`` building the layer, beside it in its layer file (imported when one is built)
     paths: tuple[tuple[str, str], ...] = ()  # (label, kind in ``paths.choose``) for ``qbench env``
     native: tuple[str, ...] = ()  # its layer classes that compiled C kernels serve on the CPU
 
@@ -102,14 +102,14 @@ REAL_KERNELS: tuple[RealKernel, ...] = (
         "BnbLinear",
         "bitsandbytes Linear8bitLt / Linear4bit (nf4), CPU and CUDA",
         _is_bnb,
-        "_bnb_linear",
+        "qbench.quant.kernels.bnb:build_bnb",
     ),
     RealKernel(
         "W8A8 absmax (W per channel/tensor, A per token/sequence or static per tensor, optional O8 per sequence)",
         "Int8Linear",
         "CPU: C int8 GEMV/GEMM, torch._int_mm where faster; CUDA: torch._int_mm",
         lambda s: not _is_bnb(s) and _is_w8a8(s),
-        "_w8a8_linear",
+        "qbench.quant.kernels.int8:build_w8a8",
         (("W8A8 (Int8Linear)", "w8a8"),),
         native=("Int8Linear",),
     ),
@@ -119,7 +119,7 @@ REAL_KERNELS: tuple[RealKernel, ...] = (
         "CPU: C int4×int8 GEMV/GEMM, torch._int_mm on the codes unpacked to int8 where faster (groups of 32 or "
         "64·n; others torch); else F.linear on s_x·q and Ŵ",
         lambda s: not _is_bnb(s) and _is_w4a8(s),
-        "_w4a8_linear",
+        "qbench.quant.kernels.w4a8:build_w4a8",
         (("W4A8 (Int4A8Linear)", "w4a8"),),
         native=("Int4A8Linear",),
     ),
@@ -128,7 +128,7 @@ REAL_KERNELS: tuple[RealKernel, ...] = (
         "Int8WeightOnlyLinear",
         "CPU fp32: C kernels reading the codes; else dequantise on the fly",
         lambda s: not _is_bnb(s) and _is_w8_weight_only(s),
-        "_w8_weight_only_linear",
+        "qbench.quant.kernels.w8:build_w8_weight_only",
         (("W8 weight-only (Int8WeightOnlyLinear)", "w8"),),
         native=("Int8WeightOnlyLinear",),
     ),
@@ -139,7 +139,7 @@ REAL_KERNELS: tuple[RealKernel, ...] = (
         "Int4Linear: CPU fp32 C kernels, CPU bf16 torch int4pack; LowBitLinear: CPU fp32 C kernels reading the "
         "packed codes (≤ 16 rows; above: C dequantise + sgemm); else dequantise on the fly",
         lambda s: not _is_bnb(s) and _is_weight_only_lowbit(s),
-        "_weight_only_linear",
+        "qbench.quant.kernels.lowbit:build_weight_only",
         (
             ("W4 zeropoint weight-only (Int4Linear)", "w4"),
             ("W2/W3/W4-absmax weight-only (LowBitLinear)", "lowbit"),

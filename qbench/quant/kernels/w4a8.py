@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from models.errors import UserError, unknown_choice
 from qbench.quant.fake import pad_to_groups, transform_input, transform_weight
-from qbench.quant.granularity import PerAxis, PerGroup
+from qbench.quant.granularity import PerAxis, PerGroup, PerToken
 from qbench.quant.kernels import paths
 from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.kernels.int4 import pack_int4, unpack_int4
@@ -159,3 +159,17 @@ class Int4A8Linear(RealLinear):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"W int4 absmax {gran}, A int8 absmax {act}, {self.nbytes() / 2**20:.2f} MiB"
         )
+
+
+def build_w4a8(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
+    """The registry's builder for W4A8 schemes (``registry.REAL_KERNELS``)."""
+    g = scheme.weight_granularity_for(weight.shape[1])  # a group ≥ the row is per channel
+    group = g.group_size if isinstance(g, PerGroup) else None
+    return Int4A8Linear.from_float(
+        weight,
+        bias,
+        group,
+        act="per_token" if isinstance(scheme.act_granularity, PerToken) else "per_tensor",
+        input_scale=input_scale,
+        rotation=rotation,
+    )

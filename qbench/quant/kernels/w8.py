@@ -103,3 +103,12 @@ class Int8WeightOnlyLinear(RealLinear):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"W int8 {kind} {gran}, float activations, {self.nbytes() / 2**20:.2f} MiB"
         )
+
+
+def build_w8_weight_only(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
+    """The registry's builder for W8 weight-only schemes (``registry.REAL_KERNELS``)."""
+    g = scheme.weight_granularity_for(weight.shape[1])
+    group = g.group_size if isinstance(g, PerGroup) else None
+    return Int8WeightOnlyLinear.from_float(
+        weight, bias, group, scheme.weight_symmetric, input_scale=input_scale, rotation=rotation
+    )

@@ -249,6 +249,33 @@ def test_no_compiler_means_torch_path(monkeypatch):
         native._library.cache_clear()  # the next use rebuilds with the real compiler
 
 
+def test_the_library_is_built_once_per_cpu_and_source_then_loaded_from_the_cache(monkeypatch, tmp_path):
+    """A second build of the same sources on the same CPU loads the cached library without the compiler; another
+    CPU (its model and flags are part of the key) builds its own; a compile that times out gives None."""
+    import subprocess
+
+    from qbench.quant.kernels import build
+
+    monkeypatch.setenv("QBENCH_CACHE", str(tmp_path))
+    assert build.compile_source("fake_quant.c", []) is not None
+    (cached,) = (tmp_path / "kernels").glob("fake_quant-*.so")
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("the compiler ran although the library is cached")
+
+    monkeypatch.setattr(build.subprocess, "run", no_compiler)
+    assert build.compile_source("fake_quant.c", []) is not None
+    monkeypatch.setattr(build, "cpu_identity", lambda: "another CPU")
+
+    def too_slow(*args, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], build.COMPILE_TIMEOUT_S)
+
+    monkeypatch.setattr(build.subprocess, "run", too_slow)
+    with pytest.warns(RuntimeWarning, match="torch paths run instead"):
+        assert build.compile_source("fake_quant.c", []) is None
+    assert list((tmp_path / "kernels").glob("*.so")) == [cached]
+
+
 @pytest.mark.parametrize("variable", ["QBENCH_NATIVE", "QBENCH_NATIVE_KERNELS"])
 def test_environment_variable_switches_off(variable):
     """One switch for every compiled kernel (QBENCH_NATIVE=0); the older name still works for the real layers."""

@@ -31,18 +31,35 @@ def test_demo_end_to_end_on_a_tiny_budget_and_rerun_reuses_everything(tmp_path, 
     assert len(sweep["cells"]) == 2 * (4 * 7 + 2 * 5)  # bits 8-2; the KV cache offers 8, 6, 4, 3, 2
     assert "## Below 8 bits" in table and re.search(r"\| paper +\| fp +\| kv-keep1 +\|", table)
     assert (out / "sweep" / "sweep.png").exists()
+    # the demo ends with the card of its two models, built on the grid's own records
+    card = json.loads((out / "card.json").read_text())
+    assert [m["name"] for m in card["models"]] == ["vanilla", "paper"]
+    assert (out / "card.html").exists() and "[card.html](card.html)" in table
+    fp = json.loads(next((out / "paper").glob("fp*.json")).read_text())
+    assert card["models"][1]["protocol"]["tokens_scored"] == fp["protocol"]["tokens_scored"]
     capsys.readouterr()
     assert main(argv) == 0
     out_text = capsys.readouterr().out
     assert out_text.count("(reused)") == 2 + 16  # the float baselines, then every cell
     assert "0 cells evaluated, 70 reused" in out_text  # the sweep: 2 x (25 absmax-coarse + 10 KV) cells
+    assert out_text.count("0 cells evaluated") == 2  # ... and the card
 
 
 @pytest.mark.slow
 def test_demo_long_trains_the_llama_style_prefix_of_the_long_schedule(tmp_path, capsys):
     import json
 
-    argv = ["demo", "--long", "--steps", "2", "--tokens", "254", "--ckpt-root", str(tmp_path / "ckpts")]
+    argv = [
+        "demo",
+        "--long",
+        "--steps",
+        "2",
+        "--tokens",
+        "254",
+        "--ckpt-root",
+        str(tmp_path / "ckpts"),
+        "--no-card",
+    ]
     assert main([*argv, "--output-path", str(tmp_path / "results")]) == 0
     for recipe, norm in (("vanilla", "rmsnorm"), ("paper", "rmsnorm_single")):
         state = json.loads((tmp_path / "ckpts" / recipe / "trainer_state.json").read_text())

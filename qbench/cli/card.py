@@ -84,7 +84,8 @@ def run_card_with_progress(cfg) -> dict:
     from qbench.studies import card as study
 
     console.print(
-        f"[bold]qbench card[/] {len(cfg.models)} model(s), budget {cfg.plan.describe()} → {cfg.output_path}/",
+        f"[bold]qbench card[/] {len(cfg.models)} model(s), budget {cfg.plan.describe()}"
+        f"{f' (scoring {cfg.tokens:,} tokens: --tokens)' if cfg.tokens else ''} → {cfg.output_path}/",
         highlight=False,
     )
     counts = {"evaluated": 0, "reused": 0}

@@ -606,7 +606,8 @@ def sweep_caption(sweep: Mapping[str, Any]) -> str:
         f"{p['tokens_scored']:,} tokens, window {p['window']}, fake quantisation. Axis w / a / o: only the "
         "family's weights / input activations / outputs at that width, the rest at the family's own bits; "
         "all: every tensor the family quantises; kv: the float model with a quantised KV cache (kv-keepK: "
-        f"positions < K kept in float). Breaking point: the lowest width with change ≤ {sweep['tolerance_pct']:g} % "
+        "positions < K kept in float; kv-sinksK: the K most-attended positions of the float pass kept in float; "
+        f"(name): the KV-cache scheme). Breaking point: the lowest width with change ≤ {sweep['tolerance_pct']:g} % "
         "there and at every wider width; ≤b: nothing failed down to the lowest width swept; none: the widest "
         f"failed.{timing}"
     )

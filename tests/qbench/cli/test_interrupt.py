@@ -58,8 +58,8 @@ def test_an_interrupted_import_exits_only_the_cli(argv, orig_argv, exits, monkey
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process is a POSIX signal")
 def test_ctrl_c_while_a_command_imports_torch_prints_one_line(tmp_path):
-    """A real SIGINT while ``qbench ls schemes`` imports torch (start-up imports none; commands import it on first
-    use, for seconds). A stand-in torch, first on the path, says when its import has begun and then blocks, so the
+    """A real SIGINT while ``qbench env`` imports torch (start-up imports none, nor does ``ls``; commands import it
+    on first use, for seconds). A stand-in torch, first on the path, says when its import has begun and then blocks, so the
     signal lands inside that import on any machine, however fast."""
     started = tmp_path / "torch-import-started"
     (tmp_path / "torch").mkdir()
@@ -67,7 +67,7 @@ def test_ctrl_c_while_a_command_imports_torch_prints_one_line(tmp_path):
         f"import pathlib, time\npathlib.Path({str(started)!r}).touch()\ntime.sleep(120)\n"
     )
     child = subprocess.Popen(
-        [sys.executable, "-m", "qbench", "ls", "schemes"],
+        [sys.executable, "-m", "qbench", "env"],
         cwd=tmp_path,  # first on the path: the stand-in torch
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stderr=subprocess.PIPE,

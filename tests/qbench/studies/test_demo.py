@@ -21,10 +21,19 @@ def test_demo_end_to_end_on_a_tiny_budget_and_rerun_reuses_everything(tmp_path, 
     ]
     assert main(argv) == 0
     out = tmp_path / "results"
-    assert {p.name for p in out.glob("*.png")} == {"emergence.png", "per_layer.png"}
+    assert {"emergence.png", "per_layer.png"} <= {p.name for p in out.glob("*.png")}  # + the card's figures
     table = (out / "table.md").read_text()
     assert "Made by `qbench demo --steps 2" in table and "| vanilla" in table and "| paper" in table
-    assert len(list(out.glob("*/*__*.json"))) == 2 * 4 * 2  # models x paper schemes x fake/real
+    paper = ("absmax-fine", "absmax-moderate", "absmax-coarse", "zeropoint-int4")
+    grid = [
+        out / m / f"{s}__{mode}.json"
+        for m in ("vanilla", "paper")
+        for s in paper
+        for mode in ("fake", "real")
+    ]
+    assert all(
+        p.exists() for p in grid
+    )  # models x paper schemes x fake/real (the card adds its own cells beside)
     sweep = json.loads((out / "sweep" / "sweep.json").read_text())  # the bit-width sweep, below 8 bits
     curves = {(p["model"], p["family"], p["axis"]) for p in sweep["breaking_points"]}
     assert len(curves) == 2 * 6  # models x (absmax-coarse w, a, o, all; fp kv, kv-keep1)

@@ -129,12 +129,13 @@ def evaluate(cfg: DemoConfig, on_record: Any = None) -> list[dict]:
     return run_grid(spec, on_record=on_record)
 
 
-def sweep_config(cfg: DemoConfig) -> Any:
-    """The demo's bit-width sweep (module docstring, step 3) on the evaluation grid's windows and baselines."""
+def sweep_config(cfg: Any, recipes: tuple[str, ...] = RECIPES) -> Any:
+    """The demo's bit-width sweep (module docstring, step 3) of ``recipes`` on the evaluation grid's windows and
+    baselines; ``cfg`` is a :class:`DemoConfig` or anything with its sweep fields (``qbench recipes``' config)."""
     from qbench.studies.sweep import SweepConfig
 
     return SweepConfig(
-        models=[str(cfg.ckpt_root / r) for r in RECIPES],
+        models=[str(cfg.ckpt_root / r) for r in recipes],
         axes=list(cfg.sweep_axes),
         kv_keep_first=list(cfg.sweep_keep_first),
         kv_granularity=cfg.sweep_kv_scheme,

@@ -252,19 +252,9 @@ def evaluate(cfg: RecipesConfig, on_record: Any = None) -> list[dict]:
 def sweep_config(cfg: RecipesConfig) -> Any:
     """The demo's bit-width sweep (weights, activations, outputs, all, the KV cache) over the panel, on the grid's
     windows and float baselines: the breaking points of every recipe."""
-    from qbench.eval.metrics import Protocol
-    from qbench.studies.sweep import SweepConfig
+    from qbench.studies import demo
 
-    return SweepConfig(
-        models=[str(cfg.ckpt_root / r) for r in cfg.recipes],
-        axes=list(cfg.sweep_axes),
-        kv_keep_first=list(cfg.sweep_keep_first),
-        kv_granularity=cfg.sweep_kv_scheme,
-        protocol=Protocol(tokens=cfg.eval_tokens),
-        output_path=cfg.output_path / "sweep",
-        baseline_path=cfg.output_path,
-        seed=cfg.seed,
-    )
+    return demo.sweep_config(cfg, cfg.recipes)
 
 
 def write_report(

@@ -204,9 +204,9 @@ def plan(
 
 def _fixed_kv_bits(scheme: str) -> bool:
     """Whether a KV-cache scheme stores 8 bits only (the FP8 caches)."""
-    from qbench.quant.kvschemes import FP8_ELEMENTS, KV_SCHEMES
+    from qbench.quant.kvschemes import FP8_ELEMENTS, parse_kv_scheme
 
-    return KV_SCHEMES.canonical(scheme.split(":", 1)[0].strip()) in FP8_ELEMENTS
+    return parse_kv_scheme(scheme)["scheme"] in FP8_ELEMENTS
 
 
 # -------------------------------------------------------------------------------------------- breaking point

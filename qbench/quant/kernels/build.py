@@ -71,7 +71,9 @@ def compiler_version(cc: str) -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("QBENCH_CACHE") or Path.home() / ".cache" / "qbench").expanduser() / "kernels"
+    from trainers.documents import cache_root  # the project's one cache root ($QBENCH_CACHE, ~/.cache/qbench)
+
+    return cache_root() / "kernels"
 
 
 def compile_source(

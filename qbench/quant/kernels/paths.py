@@ -220,8 +220,9 @@ def machine_key() -> str:
 
 def cache_file() -> Path:
     """Where the measured choices of this machine live."""
-    root = Path(os.environ.get("QBENCH_CACHE") or Path.home() / ".cache" / "qbench").expanduser()
-    return root / "dispatch" / f"{machine_key()}.json"
+    from trainers.documents import cache_root
+
+    return cache_root() / "dispatch" / f"{machine_key()}.json"
 
 
 def class_key(kind: str, rows: int, shape: Shape) -> str:

@@ -43,6 +43,7 @@ from qbench.eval.metrics import (
     perplexity,
     protocol_record,
 )
+from qbench.eval.prefix import BlockPrefix
 from qbench.quant.apply import MODES
 from qbench.quant.kv import KVConfig
 from qbench.quant.primitives import NonFiniteError
@@ -188,6 +189,8 @@ class CellResult:
     linear: dict[str, Any] | None = None  # float record only
     # fp8 scale=calib: what calibration found (KV_CALIBRATION_MEASURED)
     kv_calibration: dict[str, Any] | None = None
+    # decoder blocks whose float output was replayed rather than recomputed (qbench.eval.prefix); 0: none
+    replayed_blocks: int = 0
 
 
 NAN_PPL = {"perplexity": float("nan"), "nll": float("nan"), "tokens": 0}
@@ -292,10 +295,18 @@ def _finite(x: float) -> float | None:
 class ModelEvaluation:
     """One model of the grid: loaded lazily, its windows and float baseline computed once."""
 
-    def __init__(self, spec: GridSpec, model_spec: str, lm: LoadedModel | None = None) -> None:
-        """``lm``: the model already loaded from ``model_spec`` (else it is loaded on first use)."""
+    def __init__(
+        self,
+        spec: GridSpec,
+        model_spec: str,
+        lm: LoadedModel | None = None,
+        prefix: BlockPrefix | None = None,
+    ) -> None:
+        """``lm``: the model already loaded from ``model_spec`` (else it is loaded on first use). ``prefix``: the
+        float model's block outputs to replay in front of the first block a cell changes (per-unit studies)."""
         self.spec, self.model_spec = spec, model_spec
         self._lm = lm
+        self.prefix = prefix
         self._windows: Windows | None = None
         self._fp: dict[str, Any] | None = None
         self._protocol: dict[str, Any] | None = None
@@ -489,6 +500,8 @@ class ModelEvaluation:
             "eval_seconds": round(r.eval_seconds, 3),
             "tokens_per_second": round(ppl["tokens"] / r.eval_seconds, 1) if r.eval_seconds > 0 else None,
             "model_bytes": r.model_bytes,
+            # how the number was computed, not what it is: the same perplexity either way (qbench.eval.prefix)
+            "replayed_blocks": r.replayed_blocks,
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         record["cell_id"] = cell_identity(record)
@@ -536,8 +549,14 @@ class ModelEvaluation:
                 )
             )
         eval_start = time.perf_counter()
+        batch_size, replayed = self.spec.protocol.batch_size, 0
         try:
-            ppl = perplexity(qmodel, self.windows, self.spec.protocol.batch_size, self.spec.device)
+            if self.prefix is not None:
+                replayed = self.prefix.first_changed_block(qmodel)
+                with self.prefix.replay(qmodel, replayed, self.windows.ids, batch_size, self.spec.device):
+                    ppl = perplexity(qmodel, self.windows, batch_size, self.spec.device)
+            else:
+                ppl = perplexity(qmodel, self.windows, batch_size, self.spec.device)
         except NonFiniteError as e:  # NaN/inf reached a quantiser: the cell failed, the grid goes on
             return self.record(
                 replace(
@@ -559,6 +578,7 @@ class ModelEvaluation:
                 wall_seconds=time.perf_counter() - start,
                 eval_seconds=eval_seconds,
                 model_bytes=_model_bytes(qmodel),
+                replayed_blocks=replayed,
             )
         )
 
@@ -689,17 +709,23 @@ def run_grid(
     spec: GridSpec,
     on_record: Callable[[dict[str, Any], bool], None] | None = None,
     loaded: dict[str, LoadedModel] | None = None,
+    prefix: BlockPrefix | None = None,
 ) -> list[dict]:
     """Evaluate every (model, scheme, mode) cell not already on disk; returns all records (fp ones first).
 
     ``on_record(record, reused)`` is called after each cell, for progress display. ``loaded``: models already
     in memory, by their entry in ``spec.models`` (callers that run many small grids on one model load it once).
+    ``prefix``: for a grid of one model, the float block outputs its cells replay (``qbench.eval.prefix``).
     """
+    if prefix is not None and len(spec.models) != 1:
+        raise ValueError(
+            "a replayed prefix belongs to one model: run_grid(prefix=...) takes a grid of one model"
+        )
 
     records: list[dict] = []
     sources: dict[str, str] = {}
     for model_spec in spec.models:
-        evaluation = ModelEvaluation(spec, model_spec, lm=(loaded or {}).get(model_spec))
+        evaluation = ModelEvaluation(spec, model_spec, lm=(loaded or {}).get(model_spec), prefix=prefix)
         if sources.setdefault(evaluation.name, evaluation.lm.source) != evaluation.lm.source:
             raise UserError(
                 f"two models are both named {evaluation.name!r} ({sources[evaluation.name]} and "

@@ -347,6 +347,11 @@ class KVSchemeQuantizer:
     def __repr__(self) -> str:
         return f"KVSchemeQuantizer({self.config.label})"
 
+    def computation_key(self) -> tuple[Any, ...]:
+        """What decides this quantiser's output (its config and calibrated scales), not its counters or the
+        state of the pass now running: two quantisers with equal keys quantise alike (``qbench.eval.prefix``)."""
+        return (self.config, self.kv_scales)
+
     @property
     def reads_one_version(self) -> bool:
         """True when no query ever reads a written position in float unless it is kept (every scheme but

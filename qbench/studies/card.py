@@ -630,7 +630,8 @@ def _sensitivity(cfg: CardConfig, lm: Any, scheme: str, progress: Progress, coun
     from qbench.studies.sensitivity import sensitivity, write_sensitivity
 
     out = Path(cfg.output_path) / "sensitivity" / lm.name / _slug(scheme)
-    spec = _spec(cfg, lm.source, [scheme], attention=False)
+    # the card's own float record (same protocol and statistics): the study does not evaluate the float model again
+    spec = _spec(cfg, lm.source, [scheme], baseline_path=Path(cfg.output_path))
     spec.output_path = out / "cells"
     repairs = {"seen": 0}
 

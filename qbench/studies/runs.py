@@ -74,6 +74,10 @@ def _start(run: TrainRun, threads: int | None, nproc_per_node: int) -> tuple[sub
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
+    # glibc returns every freed large tensor to the OS and page-faults it back in on the next step; keeping the
+    # heap makes a tiny-preset step ~7 % faster here (1,513 -> 1,612 tokens/s, one thread, AMD EPYC Zen 4)
+    env.setdefault("MALLOC_MMAP_MAX_", "0")
+    env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 40))
     log = open(run.out.parent / f"{run.out.name}.train.log", "a")  # noqa: SIM115 (closed when the run ends)
     return subprocess.Popen(run.command(nproc_per_node), env=env, stdout=log, stderr=log), log
 

@@ -17,6 +17,8 @@
    Spearman's rank correlation of each statistic with the damage: does it predict where quantisation hurts?
    With a quantised KV cache (``GridSpec.kv``) every cell has it, the units' changes include the cache's, and
    ``kv_only_ppl_change_pct`` is the cache's alone (every layer float).
+   A unit in block b replays the float model's output of block b-1 instead of recomputing blocks 0..b-1
+   (``qbench.eval.prefix``; the same perplexity to the last bit, found by comparison, never assumed).
 4. Repair: from the fully quantised model, while its change exceeds ``tolerance`` %, keep the next most
    sensitive unit in float and evaluate again; once within, try dropping each kept unit, least sensitive first,
    keeping a drop when the measured change stays within. Every step is a measured cell, so the reported
@@ -40,6 +42,7 @@ from models.io import atomic_write_json, atomic_write_text
 from qbench.eval.harness import GridSpec, environment, run_grid
 from qbench.eval.load import LoadedModel, load_model
 from qbench.eval.metric_registry import UNIT_STATISTICS
+from qbench.eval.prefix import BlockPrefix
 from qbench.studies.sensitivity_options import BY
 from qbench.studies.sweep import format_change, within_tolerance
 
@@ -166,6 +169,7 @@ class _Study:
     lm: LoadedModel
     targets: list[str]
     on_cell: OnCell | None = None
+    prefix: BlockPrefix | None = None  # the float model's block outputs, replayed (qbench.eval.prefix)
 
     def cell(self, key: str, exclude: Sequence[str], phase: str) -> dict[str, Any]:
         """The record of the model quantised except ``exclude``, in ``cells/<key>/`` (reused when finished)."""
@@ -173,11 +177,14 @@ class _Study:
             self.spec,
             exclude=tuple(exclude),
             output_path=self.spec.output_path / key,
-            baseline_path=self.spec.output_path,
+            # the float record: the caller's (a card's, shared with its other cells) or the cells folder's
+            baseline_path=self.spec.baseline_path or self.spec.output_path,
             allow_empty=True,  # the KV-only cell and a repair that keeps every unit quantise no layer, by design
         )
         seen: list[bool] = []
-        records = run_grid(spec, lambda r, reused: seen.append(reused), loaded={spec.models[0]: self.lm})
+        records = run_grid(
+            spec, lambda r, reused: seen.append(reused), loaded={spec.models[0]: self.lm}, prefix=self.prefix
+        )
         record = records[-1]
         if record.get("status") == "unsupported":
             raise UserError(f"scheme {record['scheme']['name']!r} cannot run here: {record['error']}")
@@ -302,6 +309,7 @@ def sensitivity(
     on_cell: OnCell | None = None,
     on_units: Callable[[int], None] | None = None,
     lm: LoadedModel | None = None,
+    replay: bool = True,
 ) -> dict[str, Any]:
     """The sensitivity map and the verified repair of ``spec``'s one model under its one scheme and mode.
 
@@ -309,6 +317,10 @@ def sensitivity(
     is evaluated (for a progress bar); ``on_cell(phase, record, reused)`` after each cell, with the phases of
     :data:`PHASES`: exactly n "unit" calls, then one "kv" call with a quantised KV cache, then one "repair" call
     per distinct set the repair measures (``timing.cells`` states all three counts).
+
+    ``replay``: a cell whose first changed decoder block is b starts from the float model's stored output of
+    block b-1 (``qbench.eval.prefix``: the same perplexity, blocks 0..b-1 not recomputed); off, every cell runs
+    the whole model (for measuring what the replay saves).
     """
     from qbench.quant.apply import select_layers
 
@@ -327,7 +339,9 @@ def sensitivity(
         trust_remote_code=spec.trust_remote_code,
         allow_unsafe_weights=spec.allow_unsafe_weights,
     )
-    study = _Study(spec, lm, list(select_layers(lm.model, scheme)), on_cell)
+    study = _Study(
+        spec, lm, list(select_layers(lm.model, scheme)), on_cell, _prefix(spec, lm) if replay else None
+    )
     units = units_of(lm.model, study.targets, by)
     if not units:
         raise UserError(f"scheme {scheme.name!r} quantises no layer of {lm.name}: nothing to map")
@@ -366,6 +380,8 @@ def sensitivity(
             "seconds_per_unit": sum(cell_seconds) / len(cell_seconds) if cell_seconds else None,
             "units_wall_seconds": round(units_wall, 3),
             "wall_seconds": round(time.perf_counter() - start, 3),
+            # cells this call evaluated that replayed the float prefix, and the decoder blocks they skipped
+            "replay": dict(study.prefix.stats) if study.prefix is not None else None,
             "note": "seconds_per_unit: mean over the unit cells of quantise + evaluate, as measured when each "
             "cell was made; the wall times are this call's (reused cells cost almost nothing)",
         },
@@ -373,6 +389,20 @@ def sensitivity(
         "seed": spec.seed,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def _prefix(spec: GridSpec, lm: LoadedModel) -> BlockPrefix | None:
+    """The reference the unit cells replay: the float model, with the study's KV cache when it has one. None
+    for an fp8 cache with calibrated scales: each cell calibrates its own, so no float prefix is shared."""
+    from qbench.eval.harness import kv_calibrated
+
+    if spec.kv is None:
+        return BlockPrefix(lm.model)
+    if kv_calibrated(spec.kv):
+        return None
+    from qbench.quant.kv import apply_kv
+
+    return BlockPrefix(apply_kv(lm.model, spec.kv))
 
 
 def _read_fp(spec: GridSpec, lm: LoadedModel) -> dict[str, Any]:
@@ -483,4 +513,11 @@ def _cells_text(timing: dict[str, Any]) -> str:
     if not cells:
         return ""
     kv = f" + {cells['kv']} KV-only" if cells["kv"] else ""
-    return f" Cells measured: {cells['units']} units{kv} + {cells['repair']} repair = {sum(cells.values())}."
+    replay = timing.get("replay") or {}
+    replayed = (
+        f" {replay['replayed']} of them started from the float model's stored block outputs "
+        f"({replay['blocks_skipped']} decoder blocks not recomputed)."
+        if replay.get("replayed")
+        else ""
+    )
+    return f" Cells measured: {cells['units']} units{kv} + {cells['repair']} repair = {sum(cells.values())}.{replayed}"

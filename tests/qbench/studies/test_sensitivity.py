@@ -131,6 +131,19 @@ def test_the_planted_layer_ranks_first_and_the_repair_keeps_it(planted_ckpt, tmp
     assert grid[1][-1] == pytest.approx(first["ppl_change_pct"])
 
 
+def test_replaying_the_float_prefix_changes_no_number(planted_ckpt, tmp_path):
+    """Block 1's units start from block 0's stored float output: the same perplexities as a full pass each."""
+    replayed = sensitivity(_spec(planted_ckpt, tmp_path / "a"), tolerance=0.1)
+    plain = sensitivity(_spec(planted_ckpt, tmp_path / "b"), tolerance=0.1, replay=False)
+    key = lambda r: {u["name"]: (u["ppl"], u["ppl_change_pct"]) for u in r["units"]}  # noqa: E731
+    assert key(replayed) == key(plain) and replayed["repair"] == plain["repair"]
+    # 7 layers in block 1 replayed block 0; the repair's sets start in block 0 or 1
+    stats = replayed["timing"]["replay"]
+    assert stats["replayed"] >= 7 and stats["captures"] >= 1 and plain["timing"]["replay"] is None
+    cell = json.loads(next((tmp_path / "a").glob("unit-transformer.h.1.mlp.down_proj/**/*.json")).read_text())
+    assert cell["replayed_blocks"] == 1
+
+
 def test_by_type_finds_the_module_type(planted_ckpt, tmp_path):
     result = sensitivity(_spec(planted_ckpt, tmp_path / "cells"), by="type", tolerance=0.1)
     assert len(result["units"]) == 7 and result["units"][0]["name"] == "*.mlp.down_proj"

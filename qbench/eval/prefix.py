@@ -1,0 +1,305 @@
+"""Replay the float model's hidden states in front of the first quantised block.
+
+A per-unit study (``qbench sensitivity --by layer|block``, the card's repair map) quantises one unit at a time and
+evaluates the whole model each time. When the unit sits in decoder block ``b``, blocks ``0 .. b-1`` of the
+quantised copy compute exactly what the float model computes: same weights, same inputs, same kernels, same
+batches. :class:`BlockPrefix` computes the float model's output of block ``b-1`` once per evaluation batch, keeps
+it, and makes the copy's blocks ``0 .. b-1`` hand it over instead of recomputing it, so a unit in block ``b`` costs
+the blocks ``≥ b`` and the head. The perplexity is the same number to the last bit (tests compare it with the
+plain evaluation on our models and on transformers' GPT-2 and Llama).
+
+Nothing is assumed about where a scheme changes the model: :meth:`BlockPrefix.first_changed_block` compares the
+copy with the reference module by module (types, parameters, buffers, hooks, plain attributes) and returns the
+first block that differs; anything outside the blocks that differs (a quantised head, a rotated embedding) means
+no replay at all. Units are studied in model order, so the stored states advance block by block: over a whole
+study the reference costs about one float forward pass, and memory holds one block's input for the windows.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from qbench.eval.adapters import decoder_layers, logits
+
+# Attributes every module has that are compared structurally (or not at all) rather than by value.
+_STRUCTURAL = frozenset(
+    {
+        "_parameters",
+        "_buffers",
+        "_modules",
+        "_non_persistent_buffers_set",
+        "_forward_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs",
+        "_backward_hooks",
+        "_backward_pre_hooks",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+        "_is_full_backward_hook",
+        "training",
+        # a label quantize() puts on the copy it returns (what was applied); no forward pass reads it
+        "qbench_scheme",
+    }
+)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+class _Stop(Exception):
+    """Raised from a hook once the wanted block output is captured: the rest of the forward pass is not needed."""
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return (
+            isinstance(a, Tensor)
+            and isinstance(b, Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.device == b.device
+            and bool(torch.equal(a, b))
+        )
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same_value, a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    if a is b:
+        return True
+    key = getattr(type(a), "computation_key", None)
+    if callable(key) and type(a) is type(b):  # a stateful helper that names what decides its output
+        return _same_value(a.computation_key(), b.computation_key())
+    if isinstance(a, functools.partial) and isinstance(b, functools.partial):  # deepcopy makes a new one
+        return (
+            _same_value(a.func, b.func)
+            and _same_value(a.args, b.args)
+            and _same_value(a.keywords, b.keywords)
+        )
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except (
+        Exception
+    ):  # an object without a usable equality: count it as a difference (no replay, never wrong)
+        return False
+
+
+def same_module(a: nn.Module, b: nn.Module) -> bool:
+    """Whether ``a`` and ``b`` compute the same function: the same module tree (names and types), equal parameters
+    and buffers, the same number of hooks, no per-instance ``forward``, and equal plain attributes. Conservative:
+    an attribute it cannot compare counts as a difference."""
+    mods_a, mods_b = dict(a.named_modules()), dict(b.named_modules())
+    if mods_a.keys() != mods_b.keys():
+        return False
+    for name, ma in mods_a.items():
+        mb = mods_b[name]
+        if type(ma) is not type(mb):
+            return False
+        for hooks in _HOOKS:
+            if len(getattr(ma, hooks, {})) != len(getattr(mb, hooks, {})):
+                return False
+        if ma._parameters.keys() != mb._parameters.keys() or ma._buffers.keys() != mb._buffers.keys():
+            return False
+        if not all(_same_value(ma._parameters[k], mb._parameters[k]) for k in ma._parameters):
+            return False
+        if not all(_same_value(ma._buffers[k], mb._buffers[k]) for k in ma._buffers):
+            return False
+        attrs_a = {k: v for k, v in vars(ma).items() if k not in _STRUCTURAL}
+        attrs_b = {k: v for k, v in vars(mb).items() if k not in _STRUCTURAL}
+        if attrs_a.keys() != attrs_b.keys() or "forward" in attrs_a:
+            return False
+        if not all(_same_value(attrs_a[k], attrs_b[k]) for k in attrs_a):
+            return False
+    return True
+
+
+def _hidden_input(args: tuple, kwargs: dict[str, Any]) -> Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _fingerprint(x: Tensor) -> tuple[tuple[int, ...], float]:
+    """(shape, float64 sum) of a block's input: a replayed batch must be the batch that was stored."""
+    return tuple(x.shape), float(x.detach().double().sum())
+
+
+@dataclass
+class _Stored:
+    block: int  # the outputs are those of block ``block - 1`` (the input of block ``block``)
+    outputs: list[Any]  # per evaluation batch, the block's raw return value
+    fingerprints: list[tuple[tuple[int, ...], float]]  # per batch, of block 0's input (the embeddings)
+
+
+@dataclass
+class BlockPrefix:
+    """The float reference's block outputs, replayed into quantised copies (module docstring).
+
+    ``reference``: the model every studied copy equals outside the quantised unit — the float model, with the
+    study's KV-cache quantisation applied when it has one.
+    """
+
+    reference: nn.Module
+    stats: dict[str, int] = field(default_factory=lambda: {"replayed": 0, "blocks_skipped": 0, "captures": 0})
+    _ids: Tensor | None = None
+    _batch_size: int | None = None
+    _stored: _Stored | None = None
+
+    def first_changed_block(self, model: nn.Module) -> int:
+        """The first decoder block of ``model`` that differs from the reference (``len(blocks)`` when none does);
+        0 when anything outside the blocks differs, or the two do not have the same blocks."""
+        ref_blocks, blocks = decoder_layers(self.reference), decoder_layers(model)
+        if len(ref_blocks) != len(blocks):
+            return 0
+        inside = {id(m) for blk in blocks for m in blk.modules()}
+        ref_inside = {id(m) for blk in ref_blocks for m in blk.modules()}
+        outside = {n: m for n, m in model.named_modules() if id(m) not in inside}
+        ref_outside = {n: m for n, m in self.reference.named_modules() if id(m) not in ref_inside}
+        if outside.keys() != ref_outside.keys():
+            return 0
+        for name, module in outside.items():  # the module itself only: its blocks are compared below
+            if not _same_shallow(module, ref_outside[name], inside, ref_inside):
+                return 0
+        for i, (blk, ref) in enumerate(zip(blocks, ref_blocks, strict=True)):
+            if not same_module(blk, ref):
+                return i
+        return len(blocks)
+
+    @torch.no_grad()
+    def _advance(self, block: int, ids: Tensor, batch_size: int, device: str) -> _Stored:
+        """The reference's outputs of block ``block - 1`` for every batch: from the stored block when it lies
+        before ``block`` (only the blocks in between run), else from the embeddings."""
+        same_windows = (
+            self._ids is not None and self._batch_size == batch_size and torch.equal(self._ids, ids)
+        )
+        if not same_windows:
+            self._ids, self._batch_size, self._stored = ids, batch_size, None
+        stored = self._stored
+        if stored is not None and stored.block == block:
+            return stored
+        start = stored if stored is not None and stored.block < block else None
+        target = decoder_layers(self.reference)[block - 1]
+        outputs: list[Any] = []
+        fingerprints: list[tuple[tuple[int, ...], float]] = []
+        captured: list[Any] = []
+
+        def capture(_m: nn.Module, _args: tuple, output: Any) -> None:
+            captured.append(_detach(output))
+            raise _Stop
+
+        def first(_m: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+            if start is None:
+                fingerprints.append(_fingerprint(_hidden_input(args, kwargs)))
+
+        hooks = [
+            target.register_forward_hook(capture),
+            decoder_layers(self.reference)[0].register_forward_pre_hook(first, with_kwargs=True),
+        ]
+        try:
+            for n, begin in enumerate(range(0, len(ids), batch_size)):
+                captured.clear()
+                try:
+                    with _replaying(self.reference, start, batch=n) if start is not None else _nothing():
+                        logits(self.reference, ids[begin : begin + batch_size].to(device))
+                except _Stop:
+                    pass
+                if not captured:
+                    raise RuntimeError(f"block {block - 1} did not run in the reference forward pass")
+                outputs.append(captured[0])
+        finally:
+            for h in hooks:
+                h.remove()
+        self.stats["captures"] += 1
+        self._stored = _Stored(block, outputs, start.fingerprints if start is not None else fingerprints)
+        return self._stored
+
+    @contextmanager
+    def replay(
+        self, model: nn.Module, block: int, ids: Tensor, batch_size: int, device: str
+    ) -> Iterator[None]:
+        """Within the block, ``model``'s forward passes over ``ids`` in batches of ``batch_size`` (in order, as
+        ``qbench.eval.metrics.perplexity`` makes them) skip blocks ``0 .. block-1`` and start from the stored
+        float states. Every batch is checked against the stored one, and all must be consumed."""
+        if block <= 0:
+            yield
+            return
+        stored = self._advance(block, ids, batch_size, device)
+        with _replaying(model, stored) as calls:
+            yield
+        if calls["n"] != len(stored.outputs):
+            raise RuntimeError(f"replayed {calls['n']} of {len(stored.outputs)} stored batches")
+        self.stats["replayed"] += 1
+        self.stats["blocks_skipped"] += block
+
+
+def _same_shallow(a: nn.Module, b: nn.Module, inside: set[int], ref_inside: set[int]) -> bool:
+    """``same_module`` of one module outside the blocks, without descending into its children (they are compared
+    on their own, and the blocks under the decoder's ModuleList by :meth:`first_changed_block`)."""
+    if type(a) is not type(b):
+        return False
+    for hooks in _HOOKS:
+        if len(getattr(a, hooks, {})) != len(getattr(b, hooks, {})):
+            return False
+    if a._parameters.keys() != b._parameters.keys() or a._buffers.keys() != b._buffers.keys():
+        return False
+    if not all(_same_value(a._parameters[k], b._parameters[k]) for k in a._parameters):
+        return False
+    if not all(_same_value(a._buffers[k], b._buffers[k]) for k in a._buffers):
+        return False
+    if a._modules.keys() != b._modules.keys():
+        return False
+    attrs_a = {k: v for k, v in vars(a).items() if k not in _STRUCTURAL}
+    attrs_b = {k: v for k, v in vars(b).items() if k not in _STRUCTURAL}
+    if attrs_a.keys() != attrs_b.keys() or "forward" in attrs_a:
+        return False
+    # the config object of a transformers model compares by value; anything else plain by _same_value
+    return all(_same_value(attrs_a[k], attrs_b[k]) for k in attrs_a)
+
+
+def _detach(output: Any) -> Any:
+    if isinstance(output, Tensor):
+        return output.detach()
+    if isinstance(output, tuple):
+        return tuple(_detach(o) for o in output)
+    return output
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+@contextmanager
+def _replaying(model: nn.Module, stored: _Stored, batch: int | None = None) -> Iterator[dict[str, int]]:
+    """Blocks ``0 .. stored.block-1`` of ``model`` return the stored output of the current batch. The batch is
+    ``batch`` when given, else counted by the calls of block 0 (one per forward pass)."""
+    blocks = decoder_layers(model)[: stored.block]
+    calls = {"n": 0 if batch is None else batch, "current": -1}
+
+    def head(*args: Any, **kwargs: Any) -> Any:  # block 0: find this batch, check it is the stored one
+        index = calls["n"]
+        if index >= len(stored.outputs):
+            raise RuntimeError(f"more forward passes than the {len(stored.outputs)} stored batches")
+        if _fingerprint(_hidden_input(args, kwargs)) != stored.fingerprints[index]:
+            raise RuntimeError(f"batch {index} is not the batch whose hidden states were stored")
+        calls["current"] = index
+        if batch is None:
+            calls["n"] += 1
+        return stored.outputs[index]
+
+    def rest(*_args: Any, **_kwargs: Any) -> Any:  # blocks 1 .. b-1: their work is in the stored output
+        return stored.outputs[calls["current"]]
+
+    for i, blk in enumerate(blocks):
+        blk.forward = head if i == 0 else rest
+    try:
+        yield calls
+    finally:
+        for blk in blocks:
+            del blk.forward

@@ -26,9 +26,14 @@ PAPER_TOKENS = 262144
 # ``speed``: tokens per timed forward, the prefill shape of a kernel timing (not a perplexity budget).
 TIMING_TOKENS = 512
 
-# ``card --budget quick``: the fewest tokens a card scores (``qbench.studies.card.BUDGETS``; standard and full
-# take the demo's and the evaluation budget), so a first look at a model takes minutes.
+# ``card --budget quick``: the fewest tokens a card scores (``qbench.studies.card.BUDGETS``; full takes the
+# evaluation budget), so a first look at a model takes minutes.
 CARD_QUICK_TOKENS = 4096
+
+# ``card --budget standard``: every format, the KV rows at four widths and a sweep (~50 cells on one model) in about
+# 25 minutes for a 124 M-parameter model on 2 CPU cores (measured: results/cards/gpt2-130m-random-standard/); at the
+# demo's 16,384 tokens the same card would take about twice that.
+CARD_STANDARD_TOKENS = 8192
 
 BUDGETS = {
     "evaluation": EVAL_TOKENS,
@@ -37,4 +42,5 @@ BUDGETS = {
     "paper reproduction": PAPER_TOKENS,
     "timing": TIMING_TOKENS,
     "card quick": CARD_QUICK_TOKENS,
+    "card standard": CARD_STANDARD_TOKENS,
 }

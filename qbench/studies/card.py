@@ -117,10 +117,11 @@ class Budget:
         )
 
 
-# Tokens per budget: quick its own (qbench.cli.budgets.CARD_QUICK_TOKENS), standard the demo's (DEMO_TOKENS),
-# full the evaluation budget (EVAL_TOKENS), so full cards share cells with run/grid/sweep at their defaults. Literals
+# Tokens per budget: quick and standard their own (qbench.cli.budgets.CARD_QUICK_TOKENS, CARD_STANDARD_TOKENS:
+# sized for a 135 M model on 2 CPU cores, 10 and 30 minutes), full the evaluation budget (EVAL_TOKENS), so full
+# cards share cells with run/grid/sweep at their defaults. Literals
 # here (studies do not import the CLI); tests/qbench/studies/test_card.py keeps them equal.
-QUICK_TOKENS, STANDARD_TOKENS, FULL_TOKENS = 4096, 16384, 32768
+QUICK_TOKENS, STANDARD_TOKENS, FULL_TOKENS = 4096, 8192, 32768
 
 
 def _budgets() -> dict[str, Budget]:

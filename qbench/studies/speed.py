@@ -17,10 +17,10 @@ What is measured:
 - ``bandwidth``: fake quantisation of the layer's (out, in) weight per output channel — the eager primitive and
   the fused custom op — against a plain copy of the same tensor, as GB/s (bytes read + written / time).
 - ``model``: whole-model **prefill** — a ``models`` preset (default ``small``) or any ``--ckpt`` (qbench or
-  transformers) on ``model_tokens`` tokens (default 512), fp32 vs each scheme × mode; ``weight_bytes`` counts
+  transformers) on ``model_tokens`` tokens (default 512), fp32 and a bf16 copy vs each scheme × mode; ``weight_bytes`` counts
   every parameter and buffer.
 - ``generate``: whole-model **generation** — greedy decoding of ``new_tokens`` tokens (default 128) after a
-  16-token prompt, batch 1, with a KV cache, fp32 vs each scheme in real mode; ``tokens_per_s`` per record.
+  16-token prompt, batch 1, with a KV cache, fp32 and bf16 vs each scheme in real mode; ``tokens_per_s`` per record.
   Our own ``Transformer`` generates with its own cache (``models.KVCache`` through ``Transformer.generate``),
   or with ``generate_via="transformers"`` through its exported transformers twin (``models.hf.to_hf_model``:
   same weights, same function, the path of a user who converts the checkpoint) — quantised the same way; a
@@ -403,6 +403,12 @@ def _is_transformers(model: nn.Module) -> bool:
     )
 
 
+def _bf16(model: nn.Module) -> nn.Module:
+    """A bfloat16 copy: the float baseline a deployment would compare with (AMX/AVX512-BF16 GEMMs where the CPU
+    has them, a conversion on every matmul where it does not), beside fp32 in the same run."""
+    return copy.deepcopy(model).to(torch.bfloat16)
+
+
 def _prefill(model: nn.Module, ids: Tensor) -> Callable[[], Any]:
     kwargs = {"use_cache": False} if _is_transformers(model) else {}
 
@@ -429,7 +435,10 @@ def _model_records(
     ids = torch.randint(0, vocab, (batch, min(tokens, context)), device=common["device"])
     fp32 = Candidate("model", f"{name} fp32", _prefill(model, ids), backend="torch")
     fp32.weight_bytes = partial(model_bytes, model)
-    candidates = [fp32, *_scheme_candidates("model", model, ids, schemes, modes, ids, runner=_prefill)]
+    model16 = _bf16(model)
+    bf16 = Candidate("model", f"{name} bf16", _prefill(model16, ids), backend="torch")
+    bf16.weight_bytes = partial(model_bytes, model16)
+    candidates = [fp32, bf16, *_scheme_candidates("model", model, ids, schemes, modes, ids, runner=_prefill)]
     extra = {**common, "model": name, "model_tokens": ids.numel()}
     return _measure(candidates, repeats, fp32.name, extra)
 
@@ -486,7 +495,10 @@ def _generate_records(
     calibration = torch.randint(0, vocab, (2, PROMPT_TOKENS * 4), device=common["device"])
     fp32 = Candidate("generate", f"{name} fp32", partial(greedy_generate, gen_model, prompt, new_tokens))
     fp32.backend, fp32.weight_bytes = "torch", partial(model_bytes, gen_model)
-    candidates = [fp32]
+    gen16 = _bf16(gen_model)
+    bf16 = Candidate("generate", f"{name} bf16", partial(greedy_generate, gen16, prompt, new_tokens))
+    bf16.backend, bf16.weight_bytes = "torch", partial(model_bytes, gen16)
+    candidates = [fp32, bf16]
     for scheme in schemes:
         c = Candidate("generate", f"{scheme} [real]", None, scheme, "real", "real")
         try:

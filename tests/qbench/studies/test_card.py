@@ -12,10 +12,10 @@ from qbench.studies.card import BUDGETS, FORMATS, CardConfig, run_card, weight_b
 
 
 def test_the_budgets_use_the_named_token_budgets_and_registered_schemes():
-    from qbench.cli.budgets import CARD_QUICK_TOKENS, DEMO_TOKENS, EVAL_TOKENS
+    from qbench.cli.budgets import CARD_QUICK_TOKENS, CARD_STANDARD_TOKENS, EVAL_TOKENS
     from qbench.quant.schemes import get_scheme
 
-    assert [b.tokens for b in BUDGETS.values()] == [CARD_QUICK_TOKENS, DEMO_TOKENS, EVAL_TOKENS]
+    assert [b.tokens for b in BUDGETS.values()] == [CARD_QUICK_TOKENS, CARD_STANDARD_TOKENS, EVAL_TOKENS]
     order = [f.scheme for f in FORMATS]
     for b in BUDGETS.values():
         assert list(b.formats) == [s for s in order if s in b.formats], b.name  # the table's order

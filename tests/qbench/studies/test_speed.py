@@ -79,6 +79,7 @@ def test_layer_records(records):
 def test_model_records(records):
     model = by_name(records, "model")
     assert model["tiny fp32"]["speedup"] == 1.0
+    assert model["tiny bf16"]["error"] is None and model["tiny bf16"]["bytes_vs_fp32"] == 0.5
     real = model["absmax-fine [real]"]
     assert real["error"] is None and 0.3 < real["bytes_vs_fp32"] < 1.0  # embeddings stay float
 
@@ -86,6 +87,7 @@ def test_model_records(records):
 def test_generate_records(records):
     gen = by_name(records, "generate")
     assert gen["tiny fp32"]["speedup"] == 1.0 and gen["tiny fp32"]["tokens_per_s"] > 0
+    assert gen["tiny bf16"]["error"] is None and gen["tiny bf16"]["tokens_per_s"] > 0
     for name in ("absmax-fine [real]", "zeropoint-int4 [real]", "absmax-w4a8 [real]"):
         assert gen[name]["error"] is None and gen[name]["tokens_per_s"] > 0, name
         assert gen[name]["via"] == "qbench models.KVCache" and gen[name]["new_tokens"] == 4

@@ -191,8 +191,9 @@ def write_report(
     sweep_time += f", card {timings['card']:.0f} s" if "card" in timings else ""
     text = (
         f"# qbench demo\n\nMade by `{command}` ({cfg.description}) on {machine} "
-        f"({time.strftime('%Y-%m-%d', time.gmtime())}); training {timings['train']:.0f} s, "
-        f"evaluation {timings['eval']:.0f} s{sweep_time}.\n\n{render(records, 'md')}\n"
+        f"({time.strftime('%Y-%m-%d', time.gmtime())}); this call took: training {timings['train']:.0f} s, "
+        f"evaluation {timings['eval']:.0f} s{sweep_time} (finished training runs and cells are reused, so a "
+        f"re-run's times are not the cost from scratch).\n\n{render(records, 'md')}\n"
         "![emergence](emergence.png)\n\n![per layer](per_layer.png)\n"
     )
     if sweep is not None:

@@ -257,6 +257,31 @@ def sweep_config(cfg: RecipesConfig) -> Any:
     return demo.sweep_config(cfg, cfg.recipes)
 
 
+def training_table(records: list[dict]) -> str:
+    """One row per model of the float records: optimiser, tokens, wall time, tokens/s and final validation loss of
+    its training run (``model.provenance.training``); '-' where a checkpoint carries no training record."""
+    from tabulate import tabulate
+
+    rows = []
+    for r in records:
+        if r.get("mode") != "float":
+            continue
+        training = ((r.get("model") or {}).get("provenance") or {}).get("training") or {}
+        summary = training.get("summary") or {}
+        rows.append(
+            [
+                r["model"]["name"],
+                training.get("optimizer", "-"),
+                f"{summary['tokens']:,}" if summary.get("tokens") else "-",
+                f"{summary['wall_s']:.0f}" if summary.get("wall_s") else "-",
+                f"{summary['tokens_per_s']:,.0f}" if summary.get("tokens_per_s") else "-",
+                f"{summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "-",
+            ]
+        )
+    headers = ["model", "optimiser", "training tokens", "wall s", "tokens/s", "val loss"]
+    return tabulate(rows, headers, tablefmt="github")
+
+
 def write_report(
     cfg: RecipesConfig,
     records: list[dict],
@@ -283,7 +308,9 @@ def write_report(
         f"# qbench recipes: training-time remedies\n\nMade by `{command}` ({cfg.description}) on {machine} "
         f"({time.strftime('%Y-%m-%d', time.gmtime())}); {describe_estimate(est)}. Training "
         f"{timings['train']:.0f} s, evaluation {timings['eval']:.0f} s{sweep_time}.\n\n{legend}\n\n"
-        f"{render(records, 'md')}\n![emergence](emergence.png)\n"
+        f"{render(records, 'md')}\n## Training runs\n\n{training_table(records)}\n\n"
+        "Each run's own figures, from its checkpoint's provenance (`training.summary`): runs train two at a time, one "
+        "thread each, so a run's wall time depends on what shared the cores with it.\n\n![emergence](emergence.png)\n"
     )
     if sweep is not None:
         from qbench.studies.sweep import sweep_caption, sweep_table

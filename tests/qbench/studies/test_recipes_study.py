@@ -64,6 +64,10 @@ def test_panel_trains_resumes_and_writes_one_table(micro_panel, monkeypatch, tmp
     assert "| vanilla" in text and "| osp" in text
     assert "`osp`: Outlier-Safe Pre-Training" in text and "FLOP" in text
     assert "## Breaking points" in text and "| osp" in text.split("## Breaking points")[1]
+    # each run's own training figures, from its checkpoint's provenance
+    training = text.split("## Training runs")[1].split("\n\n")[1]
+    osp_row = training.split("| osp ")[1].split("\n")[0]
+    assert "| vanilla " in training and "muon" in osp_row and "adamw" in training.split("| vanilla ")[1]
     cfg = json.loads((micro_panel.ckpt_root / "osp" / "config.json").read_text())
     assert cfg["model"]["emb_proj"]  # trained with the projection, evaluated merged
     records = [json.loads(p.read_text()) for p in micro_panel.output_path.glob("*/*.json")]

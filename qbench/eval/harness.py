@@ -552,7 +552,12 @@ class ModelEvaluation:
         batch_size, replayed = self.spec.protocol.batch_size, 0
         try:
             if self.prefix is not None:
-                replayed = self.prefix.first_changed_block(qmodel)
+                try:
+                    replayed = self.prefix.first_changed_block(qmodel)
+                except (
+                    UserError
+                ):  # a layout whose blocks cannot be found: evaluate it whole, as without a prefix
+                    replayed = 0
                 with self.prefix.replay(qmodel, replayed, self.windows.ids, batch_size, self.spec.device):
                     ppl = perplexity(qmodel, self.windows, batch_size, self.spec.device)
             else:

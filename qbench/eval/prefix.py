@@ -18,7 +18,7 @@ study the reference costs about one float forward pass, and memory holds one blo
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +47,6 @@ _STRUCTURAL = frozenset(
         "_load_state_dict_pre_hooks",
         "_load_state_dict_post_hooks",
         "_is_full_backward_hook",
-        "training",
         # a label quantize() puts on the copy it returns (what was applied); no forward pass reads it
         "qbench_scheme",
     }
@@ -55,7 +54,7 @@ _STRUCTURAL = frozenset(
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
-class _Stop(Exception):
+class _Stop(BaseException):  # not an Exception: no ``except Exception`` in model code may swallow it
     """Raised from a hook once the wanted block output is captured: the rest of the forward pass is not needed."""
 
 
@@ -126,8 +125,11 @@ def _hidden_input(args: tuple, kwargs: dict[str, Any]) -> Tensor:
 
 
 def _fingerprint(x: Tensor) -> tuple[tuple[int, ...], float]:
-    """(shape, float64 sum) of a block's input: a replayed batch must be the batch that was stored."""
-    return tuple(x.shape), float(x.detach().double().sum())
+    """(shape, position-weighted float64 sum of the per-token sums) of a block's input: a replayed batch must be
+    the batch that was stored, in the same order (a plain sum would not see windows swapped within a batch)."""
+    per_token = x.detach().sum(-1, dtype=torch.float64)
+    weights = torch.arange(1, per_token.numel() + 1, device=x.device, dtype=torch.float64).view_as(per_token)
+    return tuple(x.shape), float((per_token * weights).sum())
 
 
 @dataclass
@@ -145,23 +147,40 @@ class BlockPrefix:
     study's KV-cache quantisation applied when it has one.
     """
 
-    reference: nn.Module
+    reference: nn.Module | Callable[[], nn.Module]  # or a factory, called on first use
     stats: dict[str, int] = field(default_factory=lambda: {"replayed": 0, "blocks_skipped": 0, "captures": 0})
     _ids: Tensor | None = None
     _batch_size: int | None = None
     _stored: _Stored | None = None
+    _model: nn.Module | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        """The reference, built on first use from a factory: a study builds it after its float record, whose
+        statistics pass may leave hooks on the float model (transformers' output capturing) that copies inherit."""
+        if self._model is None:
+            self._model = self.reference if isinstance(self.reference, nn.Module) else self.reference()
+        return self._model
+
+    def release(self) -> None:
+        """Drop the stored block outputs (one block's hidden states for every window)."""
+        self._stored = self._ids = None
 
     def first_changed_block(self, model: nn.Module) -> int:
         """The first decoder block of ``model`` that differs from the reference (``len(blocks)`` when none does);
         0 when anything outside the blocks differs, or the two do not have the same blocks."""
-        ref_blocks, blocks = decoder_layers(self.reference), decoder_layers(model)
+        ref_blocks, blocks = decoder_layers(self.model), decoder_layers(model)
         if len(ref_blocks) != len(blocks):
             return 0
         inside = {id(m) for blk in blocks for m in blk.modules()}
         ref_inside = {id(m) for blk in ref_blocks for m in blk.modules()}
         outside = {n: m for n, m in model.named_modules() if id(m) not in inside}
-        ref_outside = {n: m for n, m in self.reference.named_modules() if id(m) not in ref_inside}
+        ref_outside = {n: m for n, m in self.model.named_modules() if id(m) not in ref_inside}
         if outside.keys() != ref_outside.keys():
+            return 0
+        # a hook outside the blocks may run passes of its own (the KV sink finder's float pre-pass): those would go
+        # through the replayed blocks, so such a model always runs whole
+        if any(len(getattr(m, h, {})) for d in (outside, ref_outside) for m in d.values() for h in _HOOKS):
             return 0
         for name, module in outside.items():  # the module itself only: its blocks are compared below
             if not _same_shallow(module, ref_outside[name], inside, ref_inside):
@@ -184,7 +203,7 @@ class BlockPrefix:
         if stored is not None and stored.block == block:
             return stored
         start = stored if stored is not None and stored.block < block else None
-        target = decoder_layers(self.reference)[block - 1]
+        target = decoder_layers(self.model)[block - 1]
         outputs: list[Any] = []
         fingerprints: list[tuple[tuple[int, ...], float]] = []
         captured: list[Any] = []
@@ -199,14 +218,14 @@ class BlockPrefix:
 
         hooks = [
             target.register_forward_hook(capture),
-            decoder_layers(self.reference)[0].register_forward_pre_hook(first, with_kwargs=True),
+            decoder_layers(self.model)[0].register_forward_pre_hook(first, with_kwargs=True),
         ]
         try:
             for n, begin in enumerate(range(0, len(ids), batch_size)):
                 captured.clear()
                 try:
-                    with _replaying(self.reference, start, batch=n) if start is not None else _nothing():
-                        logits(self.reference, ids[begin : begin + batch_size].to(device))
+                    with _replaying(self.model, start, batch=n) if start is not None else _nothing():
+                        logits(self.model, ids[begin : begin + batch_size].to(device))
                 except _Stop:
                     pass
                 if not captured:
@@ -262,6 +281,14 @@ def _same_shallow(a: nn.Module, b: nn.Module, inside: set[int], ref_inside: set[
     return all(_same_value(attrs_a[k], attrs_b[k]) for k in attrs_a)
 
 
+def _clone(output: Any) -> Any:
+    if isinstance(output, Tensor):
+        return output.clone()
+    if isinstance(output, tuple):
+        return tuple(_clone(o) for o in output)
+    return output
+
+
 def _detach(output: Any) -> Any:
     if isinstance(output, Tensor):
         return output.detach()
@@ -276,11 +303,11 @@ def _nothing() -> Iterator[None]:
 
 
 @contextmanager
-def _replaying(model: nn.Module, stored: _Stored, batch: int | None = None) -> Iterator[dict[str, int]]:
+def _replaying(model: nn.Module, stored: _Stored, batch: int | None = None) -> Iterator[dict[str, Any]]:
     """Blocks ``0 .. stored.block-1`` of ``model`` return the stored output of the current batch. The batch is
     ``batch`` when given, else counted by the calls of block 0 (one per forward pass)."""
     blocks = decoder_layers(model)[: stored.block]
-    calls = {"n": 0 if batch is None else batch, "current": -1}
+    calls: dict[str, Any] = {"n": 0 if batch is None else batch, "output": None}
 
     def head(*args: Any, **kwargs: Any) -> Any:  # block 0: find this batch, check it is the stored one
         index = calls["n"]
@@ -288,13 +315,14 @@ def _replaying(model: nn.Module, stored: _Stored, batch: int | None = None) -> I
             raise RuntimeError(f"more forward passes than the {len(stored.outputs)} stored batches")
         if _fingerprint(_hidden_input(args, kwargs)) != stored.fingerprints[index]:
             raise RuntimeError(f"batch {index} is not the batch whose hidden states were stored")
-        calls["current"] = index
         if batch is None:
             calls["n"] += 1
-        return stored.outputs[index]
+        # a copy per pass: a block that wrote into its input in place must not change what later cells read
+        calls["output"] = _clone(stored.outputs[index])
+        return calls["output"]
 
     def rest(*_args: Any, **_kwargs: Any) -> Any:  # blocks 1 .. b-1: their work is in the stored output
-        return stored.outputs[calls["current"]]
+        return calls["output"]
 
     for i, blk in enumerate(blocks):
         blk.forward = head if i == 0 else rest

@@ -353,6 +353,8 @@ def sensitivity(
     per_layer = _per_layer_statistics(study, fp)
     entries = [_entry(u, r, unit_statistics(u, per_layer)) for u, r in zip(units, records, strict=True)]
     ranked = sorted(entries, key=lambda e: -damage(e))  # stable: model order among equal damage
+    if study.prefix is not None:
+        study.prefix.release()  # the repair quantises many units at once: its sets start in block 0 or close
     units_wall = time.perf_counter() - start
     cell_seconds = [e["seconds"] for e in entries if e["seconds"] is not None]
     return {
@@ -392,17 +394,19 @@ def sensitivity(
 
 
 def _prefix(spec: GridSpec, lm: LoadedModel) -> BlockPrefix | None:
-    """The reference the unit cells replay: the float model, with the study's KV cache when it has one. None
-    for an fp8 cache with calibrated scales: each cell calibrates its own, so no float prefix is shared."""
+    """The reference the unit cells replay: the float model, with the study's KV cache when it has one (built
+    when first needed, after the float record). None for an fp8 cache with calibrated scales (each cell calibrates
+    its own) and for a cache that keeps its sinks in float (the sink finder runs a float pass of its own)."""
     from qbench.eval.harness import kv_calibrated
 
     if spec.kv is None:
         return BlockPrefix(lm.model)
-    if kv_calibrated(spec.kv):
+    if kv_calibrated(spec.kv) or spec.kv.keep_sinks:
         return None
     from qbench.quant.kv import apply_kv
 
-    return BlockPrefix(apply_kv(lm.model, spec.kv))
+    kv = spec.kv
+    return BlockPrefix(lambda: apply_kv(lm.model, kv))
 
 
 def _read_fp(spec: GridSpec, lm: LoadedModel) -> dict[str, Any]:

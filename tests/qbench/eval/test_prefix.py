@@ -108,6 +108,20 @@ def test_a_change_outside_the_blocks_means_no_replay():
     assert BlockPrefix(model).first_changed_block(head) == 0
 
 
+def test_a_hook_outside_the_blocks_means_no_replay_and_the_reference_may_be_built_late():
+    """A hook on the model may run passes of its own (the KV sink finder's float pre-pass) through the replayed
+    blocks; and a reference built by a factory is built once, on first use."""
+    model = build(micro_config("llama", n_layer=3), seed=0).eval()
+    built = []
+    prefix = BlockPrefix(lambda: built.append(1) or model)
+    assert not built
+    copy = quantised_in(model, 2)
+    assert prefix.first_changed_block(copy) == 2 and prefix.first_changed_block(copy) == 2 and built == [1]
+    handle = copy.register_forward_pre_hook(lambda *args: None)
+    assert prefix.first_changed_block(copy) == 0
+    handle.remove()
+
+
 def test_same_module_sees_weights_hooks_and_patched_forwards():
     a = build(micro_config("gpt2"), seed=0).eval()
     b = build(micro_config("gpt2"), seed=0).eval()
@@ -132,6 +146,12 @@ def test_replaying_other_batches_fails_loudly():
     qmodel = quantised_in(model, 2)
     with pytest.raises(RuntimeError, match="not the batch"), prefix.replay(qmodel, 2, w.ids, 2, "cpu"):
         perplexity(qmodel, Windows(w.ids.flip(0), w.targets, 60, 60, False, 12), 2)
+    swapped = w.ids.clone()
+    swapped[[0, 1]] = swapped[
+        [1, 0]
+    ]  # two windows swapped inside the first batch: same plain sum, other order
+    with pytest.raises(RuntimeError, match="not the batch"), prefix.replay(qmodel, 2, w.ids, 2, "cpu"):
+        perplexity(qmodel, Windows(swapped, w.targets, 60, 60, False, 12), 2)
     with pytest.raises(RuntimeError, match="replayed 1 of 3"), prefix.replay(qmodel, 2, w.ids, 2, "cpu"):
         perplexity(qmodel, Windows(w.ids[:2], w.targets[:2], 24, 24, False, 12), 2)
     for blk in decoder_layers(qmodel):  # a failed replay restores the blocks

@@ -144,6 +144,17 @@ def test_replaying_the_float_prefix_changes_no_number(planted_ckpt, tmp_path):
     assert cell["replayed_blocks"] == 1
 
 
+def test_a_cache_that_keeps_its_sinks_runs_whole_models(planted_ckpt, tmp_path):
+    """The sink finder runs a float pass of its own through the blocks: no replay, and the study completes."""
+    from dataclasses import replace
+
+    from qbench.quant.kv import KVConfig
+
+    spec = replace(_spec(planted_ckpt, tmp_path / "cells"), kv=KVConfig(4, "kivi:group=8,residual=8", 0, 1))
+    result = sensitivity(spec, by="block", tolerance=100.0)
+    assert result["timing"]["replay"] is None and len(result["units"]) == 2
+
+
 def test_by_type_finds_the_module_type(planted_ckpt, tmp_path):
     result = sensitivity(_spec(planted_ckpt, tmp_path / "cells"), by="type", tolerance=0.1)
     assert len(result["units"]) == 7 and result["units"][0]["name"] == "*.mlp.down_proj"
@@ -174,3 +185,5 @@ def test_a_quantised_kv_cache_is_in_every_cell_and_measured_alone(planted_ckpt, 
     record = json.loads(next((tmp_path / "cells" / "kv-only").rglob("*.json")).read_text())
     assert record["kv"]["bits"] == 4 and len(record["scheme"]["exclude"]) == 14  # every layer float
     assert result["units"][0]["name"] == "transformer.h.1.*"
+    # block 1's cell and the KV-only cell start from the float model's stored states (with the cache applied)
+    assert result["timing"]["replay"]["replayed"] == 2

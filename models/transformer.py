@@ -123,8 +123,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self._qkv(x))
         if rope is not None:  # (B, nh, T, hs)
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if getattr(self.kv_transform, "streaming", False):
-            return self.c_proj(self._read_quantised_cache(q, k, v, kv).transpose(1, 2).reshape(B, T, C))
+        if getattr(self.kv_transform, "streaming", False):  # the gate applies as on every other path
+            return self._project(self._read_quantised_cache(q, k, v, kv), x)
         if self.kv_transform is not None:
             k, v = self.kv_transform(k, v)
         if kv is not None:

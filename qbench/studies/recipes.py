@@ -306,8 +306,9 @@ def write_report(
     sweep_time = f", bit-width sweep {timings['sweep']:.0f} s" if "sweep" in timings else ""
     text = (
         f"# qbench recipes: training-time remedies\n\nMade by `{command}` ({cfg.description}) on {machine} "
-        f"({time.strftime('%Y-%m-%d', time.gmtime())}); {describe_estimate(est)}. Training "
-        f"{timings['train']:.0f} s, evaluation {timings['eval']:.0f} s{sweep_time}.\n\n{legend}\n\n"
+        f"({time.strftime('%Y-%m-%d', time.gmtime())}); {describe_estimate(est)}. This call took: training "
+        f"{timings['train']:.0f} s, evaluation {timings['eval']:.0f} s{sweep_time} (finished runs and cells are "
+        f"reused; each run's own training time is in the table below).\n\n{legend}\n\n"
         f"{render(records, 'md')}\n## Training runs\n\n{training_table(records)}\n\n"
         "Each run's own figures, from its checkpoint's provenance (`training.summary`): runs train two at a time, one "
         "thread each, so a run's wall time depends on what shared the cores with it.\n\n![emergence](emergence.png)\n"

@@ -280,6 +280,9 @@ def ours():
         "llama": trained_like(micro_config("llama")),
         "llama-softmax1": trained_like(micro_config("llama", attn="softmax1")),
         "gpt2-sink": trained_like(micro_config("gpt2", attn="sink")),
+        # gated attention: the quantised cache's path must apply the gate as the float path does
+        "llama-gate": trained_like(micro_config("llama", gate="elementwise")),
+        "gpt2-gate-head": trained_like(micro_config("gpt2", gate="headwise")),
     }
     with torch.no_grad():
         for block in models["gpt2-sink"].transformer.h:

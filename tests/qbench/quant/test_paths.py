@@ -193,7 +193,8 @@ def test_measured_choice_is_offered_cached_and_read_back(case, measuring, monkey
     assert data["cpu"] == paths.cpu_model() and data["torch"] == torch.__version__
     assert len(data["choices"]) == 3  # rows 1, ≤ 16, > 16: three classes
     for key, entry in data["choices"].items():
-        assert key.startswith(case.kind + "/") and entry["path"] == min(entry["ms"], key=entry["ms"].get)
+        # the kept path is the fastest (a tie after rounding to 0.1 µs may name either of the tied paths)
+        assert key.startswith(case.kind + "/") and entry["ms"][entry["path"]] == min(entry["ms"].values())
         assert set(entry["ms"]) <= set(paths.offered(case.kind)) - {"torch"}
     paths.reset_measured()
 

@@ -73,6 +73,9 @@ def test_ctrl_c_while_a_command_imports_torch_prints_one_line(tmp_path):
         stderr=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        # a test run started in the background (`cmd &` in a script) ignores SIGINT, and children inherit that:
+        # Python then installs no KeyboardInterrupt handler. A user's terminal delivers it; so does this child.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 60
     while not started.exists() and child.poll() is None and time.monotonic() < deadline:

@@ -22,6 +22,7 @@ import math
 import platform
 import time
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -549,18 +550,14 @@ class ModelEvaluation:
                 )
             )
         eval_start = time.perf_counter()
-        batch_size, replayed = self.spec.protocol.batch_size, 0
+        batch_size = self.spec.protocol.batch_size
+        replayed = self.prefix.first_changed_block(qmodel) if self.prefix is not None else 0
         try:
-            if self.prefix is not None:
-                try:
-                    replayed = self.prefix.first_changed_block(qmodel)
-                except (
-                    UserError
-                ):  # a layout whose blocks cannot be found: evaluate it whole, as without a prefix
-                    replayed = 0
-                with self.prefix.replay(qmodel, replayed, self.windows.ids, batch_size, self.spec.device):
-                    ppl = perplexity(qmodel, self.windows, batch_size, self.spec.device)
-            else:
+            with (
+                self.prefix.replay(qmodel, replayed, self.windows.ids, batch_size, self.spec.device)
+                if replayed
+                else nullcontext()
+            ):
                 ppl = perplexity(qmodel, self.windows, batch_size, self.spec.device)
         except NonFiniteError as e:  # NaN/inf reached a quantiser: the cell failed, the grid goes on
             return self.record(

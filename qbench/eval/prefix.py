@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from models.errors import UserError
 from qbench.eval.adapters import decoder_layers, logits
 
 # Attributes every module has that are compared structurally (or not at all) rather than by value.
@@ -85,10 +86,29 @@ def _same_value(a: Any, b: Any) -> bool:
         )
     try:
         return type(a) is type(b) and bool(a == b)
-    except (
-        Exception
-    ):  # an object without a usable equality: count it as a difference (no replay, never wrong)
+    except Exception:  # an object without a usable equality: a difference (no replay, never a wrong one)
         return False
+
+
+def _same_node(a: nn.Module, b: nn.Module) -> bool:
+    """One module against another, not descending into its children (only their names): type, hook counts,
+    parameters and buffers by value, no per-instance ``forward``, plain attributes by value (a transformers
+    config compares by value)."""
+    if type(a) is not type(b) or a._modules.keys() != b._modules.keys():
+        return False
+    if any(len(getattr(a, h, {})) != len(getattr(b, h, {})) for h in _HOOKS):
+        return False
+    if a._parameters.keys() != b._parameters.keys() or a._buffers.keys() != b._buffers.keys():
+        return False
+    if not all(_same_value(a._parameters[k], b._parameters[k]) for k in a._parameters):
+        return False
+    if not all(_same_value(a._buffers[k], b._buffers[k]) for k in a._buffers):
+        return False
+    attrs_a = {k: v for k, v in vars(a).items() if k not in _STRUCTURAL}
+    attrs_b = {k: v for k, v in vars(b).items() if k not in _STRUCTURAL}
+    if attrs_a.keys() != attrs_b.keys() or "forward" in attrs_a:
+        return False
+    return all(_same_value(attrs_a[k], attrs_b[k]) for k in attrs_a)
 
 
 def same_module(a: nn.Module, b: nn.Module) -> bool:
@@ -96,28 +116,7 @@ def same_module(a: nn.Module, b: nn.Module) -> bool:
     and buffers, the same number of hooks, no per-instance ``forward``, and equal plain attributes. Conservative:
     an attribute it cannot compare counts as a difference."""
     mods_a, mods_b = dict(a.named_modules()), dict(b.named_modules())
-    if mods_a.keys() != mods_b.keys():
-        return False
-    for name, ma in mods_a.items():
-        mb = mods_b[name]
-        if type(ma) is not type(mb):
-            return False
-        for hooks in _HOOKS:
-            if len(getattr(ma, hooks, {})) != len(getattr(mb, hooks, {})):
-                return False
-        if ma._parameters.keys() != mb._parameters.keys() or ma._buffers.keys() != mb._buffers.keys():
-            return False
-        if not all(_same_value(ma._parameters[k], mb._parameters[k]) for k in ma._parameters):
-            return False
-        if not all(_same_value(ma._buffers[k], mb._buffers[k]) for k in ma._buffers):
-            return False
-        attrs_a = {k: v for k, v in vars(ma).items() if k not in _STRUCTURAL}
-        attrs_b = {k: v for k, v in vars(mb).items() if k not in _STRUCTURAL}
-        if attrs_a.keys() != attrs_b.keys() or "forward" in attrs_a:
-            return False
-        if not all(_same_value(attrs_a[k], attrs_b[k]) for k in attrs_a):
-            return False
-    return True
+    return mods_a.keys() == mods_b.keys() and all(_same_node(m, mods_b[name]) for name, m in mods_a.items())
 
 
 def _hidden_input(args: tuple, kwargs: dict[str, Any]) -> Tensor:
@@ -168,8 +167,12 @@ class BlockPrefix:
 
     def first_changed_block(self, model: nn.Module) -> int:
         """The first decoder block of ``model`` that differs from the reference (``len(blocks)`` when none does);
-        0 when anything outside the blocks differs, or the two do not have the same blocks."""
-        ref_blocks, blocks = decoder_layers(self.model), decoder_layers(model)
+        0 when anything outside the blocks differs, the two do not have the same blocks, or a layout's blocks cannot
+        be found (it is evaluated whole, as without a prefix)."""
+        try:
+            ref_blocks, blocks = decoder_layers(self.model), decoder_layers(model)
+        except UserError:
+            return 0
         if len(ref_blocks) != len(blocks):
             return 0
         inside = {id(m) for blk in blocks for m in blk.modules()}
@@ -183,7 +186,7 @@ class BlockPrefix:
         if any(len(getattr(m, h, {})) for d in (outside, ref_outside) for m in d.values() for h in _HOOKS):
             return 0
         for name, module in outside.items():  # the module itself only: its blocks are compared below
-            if not _same_shallow(module, ref_outside[name], inside, ref_inside):
+            if not _same_node(module, ref_outside[name]):
                 return 0
         for i, (blk, ref) in enumerate(zip(blocks, ref_blocks, strict=True)):
             if not same_module(blk, ref):
@@ -209,7 +212,7 @@ class BlockPrefix:
         captured: list[Any] = []
 
         def capture(_m: nn.Module, _args: tuple, output: Any) -> None:
-            captured.append(_detach(output))
+            captured.append(_map_tensors(Tensor.detach, output))
             raise _Stop
 
         def first(_m: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -224,7 +227,7 @@ class BlockPrefix:
             for n, begin in enumerate(range(0, len(ids), batch_size)):
                 captured.clear()
                 try:
-                    with _replaying(self.model, start, batch=n) if start is not None else _nothing():
+                    with _replaying(self.model, start, batch=n) if start is not None else nullcontext():
                         logits(self.model, ids[begin : begin + batch_size].to(device))
                 except _Stop:
                     pass
@@ -257,49 +260,13 @@ class BlockPrefix:
         self.stats["blocks_skipped"] += block
 
 
-def _same_shallow(a: nn.Module, b: nn.Module, inside: set[int], ref_inside: set[int]) -> bool:
-    """``same_module`` of one module outside the blocks, without descending into its children (they are compared
-    on their own, and the blocks under the decoder's ModuleList by :meth:`first_changed_block`)."""
-    if type(a) is not type(b):
-        return False
-    for hooks in _HOOKS:
-        if len(getattr(a, hooks, {})) != len(getattr(b, hooks, {})):
-            return False
-    if a._parameters.keys() != b._parameters.keys() or a._buffers.keys() != b._buffers.keys():
-        return False
-    if not all(_same_value(a._parameters[k], b._parameters[k]) for k in a._parameters):
-        return False
-    if not all(_same_value(a._buffers[k], b._buffers[k]) for k in a._buffers):
-        return False
-    if a._modules.keys() != b._modules.keys():
-        return False
-    attrs_a = {k: v for k, v in vars(a).items() if k not in _STRUCTURAL}
-    attrs_b = {k: v for k, v in vars(b).items() if k not in _STRUCTURAL}
-    if attrs_a.keys() != attrs_b.keys() or "forward" in attrs_a:
-        return False
-    # the config object of a transformers model compares by value; anything else plain by _same_value
-    return all(_same_value(attrs_a[k], attrs_b[k]) for k in attrs_a)
-
-
-def _clone(output: Any) -> Any:
+def _map_tensors(fn: Callable[[Tensor], Tensor], output: Any) -> Any:
+    """``fn`` on a block's return value: a tensor, or a tuple of tensors and other things."""
     if isinstance(output, Tensor):
-        return output.clone()
+        return fn(output)
     if isinstance(output, tuple):
-        return tuple(_clone(o) for o in output)
+        return tuple(_map_tensors(fn, o) for o in output)
     return output
-
-
-def _detach(output: Any) -> Any:
-    if isinstance(output, Tensor):
-        return output.detach()
-    if isinstance(output, tuple):
-        return tuple(_detach(o) for o in output)
-    return output
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 @contextmanager
@@ -318,7 +285,7 @@ def _replaying(model: nn.Module, stored: _Stored, batch: int | None = None) -> I
         if batch is None:
             calls["n"] += 1
         # a copy per pass: a block that wrote into its input in place must not change what later cells read
-        calls["output"] = _clone(stored.outputs[index])
+        calls["output"] = _map_tensors(Tensor.clone, stored.outputs[index])
         return calls["output"]
 
     def rest(*_args: Any, **_kwargs: Any) -> Any:  # blocks 1 .. b-1: their work is in the stored output

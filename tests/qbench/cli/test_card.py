@@ -132,6 +132,8 @@ def test_the_verdict_and_the_repair_hold_when_re_run(card_dir, planted_ckpt, tmp
     assert record["metrics"]["perplexity"] == repair["ppl"]
     top = model["sensitivity"]["top"][0]
     assert top["input_crest"] is not None and top["weight_crest"] is not None  # statistics beside each unit
+    # the study read the card's float record: its cells folder holds none of its own
+    assert not list((Path(model["sensitivity"]["output"]) / "cells").rglob("fp*.json"))
 
 
 def _evaluations(monkeypatch) -> list[str]:

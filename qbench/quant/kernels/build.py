@@ -128,6 +128,17 @@ def compile_source(
             return ctypes.CDLL(lib)
 
 
+@functools.cache
+def source_digest(names: tuple[str, ...]) -> str:
+    """A digest of the C files ``names`` and the package's headers: what changes when a kernel's code does (the
+    measured dispatch keys its cached choices on it, so a new kernel is measured again, not judged by the old
+    one's times)."""
+    package = resources.files("qbench.quant.kernels")
+    headers = sorted(p.name for p in package.iterdir() if p.name.endswith(".h"))
+    texts = [package.joinpath(file).read_text() for file in (*names, *headers)]
+    return hashlib.sha256("\0".join([*names, *headers, *texts]).encode()).hexdigest()[:16]
+
+
 def load(name: str | Sequence[str], flags: Sequence[str] = BASE_FLAGS) -> ctypes.CDLL | None:
     """``name`` built with the first of :data:`FLAG_CASCADE` that compiles (None: none does)."""
     return next(

@@ -58,6 +58,7 @@ from torch import Tensor
 
 from models.errors import UserError, unknown_choice
 from qbench.quant.kernels import _ops, native
+from qbench.quant.kernels.build import source_digest
 
 DECODE_ROWS = 16
 FORCE_ENV = "QBENCH_FORCE_PATH"
@@ -213,8 +214,10 @@ def cpu_model() -> str:
 
 @functools.cache
 def machine_key() -> str:
-    """The measured choices' cache key: CPU model, its flags, the torch version."""
-    text = "|".join((cpu_model(), " ".join(sorted(cpu_flags())), torch.__version__))
+    """The measured choices' cache key: CPU model, its flags, the torch version and the C kernels' sources (a
+    changed kernel is measured again rather than judged by its predecessor's times)."""
+    sources = source_digest(native.NATIVE_SOURCES)
+    text = "|".join((cpu_model(), " ".join(sorted(cpu_flags())), torch.__version__, sources))
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 

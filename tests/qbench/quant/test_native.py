@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from models.errors import UserError
 from qbench.quant.fake import FakeQuantLinear
@@ -24,7 +25,7 @@ from qbench.quant.kernels.int8 import quantize_activation
 from qbench.quant.kernels.lowbit import LowBitLinear
 from qbench.quant.kernels.w8 import Int8WeightOnlyLinear
 from qbench.quant.primitives import choose_qparams, fake_quantize, qrange, quantize
-from qbench.quant.schemes import SCHEMES, QuantScheme
+from qbench.quant.schemes import SCHEMES, QuantScheme, get_scheme
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the torch paths run instead")
 
@@ -377,6 +378,37 @@ def test_portable_loops_equal_the_vector_loops():
         out = torch.empty(n, k)
         _call(portable, "qk_dequantize", codes, 1, 0, scale, zero, n, k, groups, out, 1)
         assert torch.equal(out, native.dequantize(codes, True, scale, zero, k))
+
+
+@pytest.mark.parametrize(
+    "m, k, n, group",
+    [
+        (1, 64, 5, 32),  # one row: a row tile of zero-padded rows, 5 channels (no whole 4-channel block)
+        (16, 96, 67, 32),  # 67 channels: 16 whole 4-channel blocks, then 3 scalar ones, a second panel of 3
+        (17, 1030, 9, None),  # per channel, K not a multiple of 4 (the panel's tail steps)
+        (17, 200, 70, 64),  # the last group completed with zero channels (200 = 3·64 + 8)
+        (512, 256, 130, 32),  # prefill rows, 3 panels, rows a multiple of neither the tile (3) nor 6
+        (40, 384, 64, 128),
+    ],
+)
+def test_w4a8_gemm_entry_equals_the_portable_build_and_fake_mode(m, k, n, group):
+    """This build's W4A8 GEMM entry (native_avx512.c's vpdpbusd tiles where the CPU has AVX-512 VNNI, else
+    native_avx2.c's int16 panels) at row counts, widths and groups that exercise every tail of its tiling and its
+    panel unpacking: bit-identical to native_ref.c, and equal to fake mode to float rounding."""
+    portable = _portable()
+    torch.manual_seed(m * 7 + n)
+    weight, bias = torch.randn(n, k) * 0.05, torch.randn(n)
+    layer = Int4A8Linear.from_float(weight, bias, group)
+    kp = layer.padded_features
+    x = F.pad(torch.randn(m, k) * 3, (0, kp - k))
+    args = (x, m, kp, 1, layer.qweight, layer.scales, layer.scales.shape[1], layer.bias)
+    want, y = torch.empty(m, n), torch.empty(m, n)
+    assert _call(portable, "qk_w4a8_forward_path", *args, want, n, 1, 0)
+    assert _call(native.library(), "qk_w4a8_forward_path", *args, y, n, 1, 0)
+    assert torch.equal(y, want)
+    scheme = get_scheme("absmax-fine:w=4" + ("" if group is None else f",group={group}"))
+    with torch.inference_mode():
+        assert rel_err(y, FakeQuantLinear(weight, bias, scheme)(x[:, :k])) < 1e-5
 
 
 def test_w4a8_gemm_equal_across_avx2_and_vnni_builds():

@@ -236,3 +236,20 @@ def test_qbench_env_prints_the_measured_choices(measuring, capsys):
     assert main(["env"]) == 0
     out = capsys.readouterr().out  # the table wraps long cells: the listing's keys are checked above
     assert "measured" in out and "kernel dispatch" in out
+
+
+def test_the_measured_choices_are_keyed_on_the_kernels_sources(monkeypatch):
+    """A changed kernel is measured again: the cache key moves when the C sources do (a new kernel judged by its
+    predecessor's times would keep a path that is no longer the fastest)."""
+    from qbench.quant.kernels import build
+
+    before = paths.machine_key()
+    monkeypatch.setattr(paths, "source_digest", lambda names: "another kernel")
+    paths.machine_key.cache_clear()
+    try:
+        assert paths.machine_key() != before
+    finally:
+        monkeypatch.undo()
+        paths.machine_key.cache_clear()
+    assert paths.machine_key() == before == paths.machine_key()
+    assert build.source_digest(native.NATIVE_SOURCES) == build.source_digest(native.NATIVE_SOURCES)

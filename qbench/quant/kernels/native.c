@@ -1,6 +1,6 @@
 /* The exported entry points of qbench's real-kernel CPU library (native.py binds them; native.h describes the
    layouts and the file split). Each one picks its loops here, once, from the build's instruction set: the
-   AVX2 functions of native_avx2.c when the compiler targets AVX2 + FMA (and the W4A8 GEMM of native_avx512.c
+   AVX2 functions of native_avx2.c when the compiler targets AVX2 + FMA (and the W8A8 and W4A8 GEMMs of native_avx512.c
    when it targets AVX-512 VNNI too), else the portable ones of native_ref.c. The choice is made by the compile flags (-march=native on the machine that runs it), so the
    tables below are the only place that knows which ISA exists; the functions hold no ISA conditionals. */
 #include "native.h"
@@ -14,13 +14,14 @@
 #define ABSMAX_F32(x, n) qk_avx2_absmax_f32(x, n)
 #define QUANTIZE_ROW(x, n, s, q) qk_avx2_quantize_row(x, n, s, q)
 #define W8A8_GEMV qk_avx2_w8a8_gemv
-#define W8A8_GEMM qk_avx2_w8a8_gemm
 #define W4A8_GEMV qk_avx2_w4a8_gemv
-/* the W4A8 prefill at VNNI's int8 rate (native_avx512.c); every other loop stays AVX2 */
+/* the W8A8 and W4A8 prefill at VNNI's int8 rate (native_avx512.c); every other loop stays AVX2 */
 #if defined(QK_AVX512VNNI)
+#define W8A8_GEMM qk_avx512_w8a8_gemm
 #define W4A8_GEMM qk_avx512_w4a8_gemm
 #define QK_VNNI 1
 #else
+#define W8A8_GEMM qk_avx2_w8a8_gemm
 #define W4A8_GEMM qk_avx2_w4a8_gemm
 #define QK_VNNI 0
 #endif
@@ -52,7 +53,7 @@ int qk_isa(void) { return QK_ISA; } /* 1: AVX2 + FMA, 0: portable C */
 
 int qk_openmp(void) { return QK_OPENMP; }
 
-int qk_avx512_vnni(void) { return QK_VNNI; } /* 1: the W4A8 GEMM is native_avx512.c's */
+int qk_avx512_vnni(void) { return QK_VNNI; } /* 1: the W8A8 and W4A8 GEMMs are native_avx512.c's */
 
 /* Per block of `rows_per_scale` consecutive rows (1: per token; T: per sequence):
    s = max(max|x| / 127, FLT_MIN), q = clamp(round(x / s), -127, 127) — int8.py's quantize_activation. */

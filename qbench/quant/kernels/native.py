@@ -29,11 +29,11 @@ without AVX-512 VNNI, slow at any size), and the int4 kernels want bf16 activati
 
 Build: on first use, like every kernel of qbench (``build.py``: one compiler lookup, ``-O3 -march=native
 -fopenmp`` and fallbacks, cached on disk per CPU, compiler and source, so a binary built for one CPU never runs
-on another), the three files
+on another), the files
 of :data:`NATIVE_SOURCES` into one library. ``-march=native`` decides the instruction set at build time, on the
 machine that runs it: with AVX2 + FMA ``native.c`` calls the loops of ``native_avx2.c``, else those of
 ``native_ref.c`` (the ggml-quants layering: one portable reference, one file per instruction set, no ISA test
-inside a function); :func:`isa` says which. With AVX-512 VNNI the W4A8 GEMM comes from ``native_avx512.c``
+inside a function); :func:`isa` says which. With AVX-512 VNNI the W8A8 and W4A8 GEMMs come from ``native_avx512.c``
 (:func:`vnni`). The torch custom ops over these wrappers are in ``_ops.py``.
 Without a compiler, or with ``QBENCH_NATIVE=0`` in the environment (the older ``QBENCH_NATIVE_KERNELS=0`` too; or
 :func:`set_enabled(False) <set_enabled>`), :func:`available` is False and the layers use their torch paths
@@ -140,7 +140,7 @@ def isa() -> str | None:
 
 
 def vnni() -> bool:
-    """Whether the W4A8 GEMM was built with AVX-512 VNNI (``native_avx512.c``); the other loops stay AVX2."""
+    """Whether the W8A8 and W4A8 GEMMs were built with AVX-512 VNNI (``native_avx512.c``); the rest stays AVX2."""
     lib = _library()
     return lib is not None and bool(lib.qk_avx512_vnni())
 

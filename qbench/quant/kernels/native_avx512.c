@@ -73,24 +73,53 @@ static void vnni_pack(const uint8_t *w, int64_t n_out, int64_t k, int64_t n0, in
     }
 }
 
-static inline __attribute__((always_inline)) void vnni_tile(const int8_t *a, int64_t lda, const int mr,
-                                                             const uint32_t *panel, int64_t steps,
-                                                             int32_t out[V_MR][V_NC]) {
+/* The activation codes in row tiles (the GEMM's A packing): ap[(tile · steps + s) · rows + i] = the four codes of
+   row tile · rows + i at k = 4s … 4s + 3, zero past M and K, so a tile's broadcasts at step s read one contiguous
+   run (with rows in separate streams the addresses of six rows took six registers and GCC spilled a pointer in
+   the inner loop); xs[m · groups + grp] = Σ q of row m over group grp (zero past M), the correction's operand. */
+static void vnni_pack_rows(const int8_t *q, int64_t m_rows, int64_t k, int64_t groups, int64_t rows, int32_t *ap,
+                           int32_t *xs) {
+    int64_t steps = (k + 3) / 4, tiles = (m_rows + rows - 1) / rows, g = k / groups;
+    for (int64_t t = 0; t < tiles; ++t)
+        for (int64_t i = 0; i < rows; ++i) {
+            int64_t m = t * rows + i;
+            int32_t *dst = ap + t * steps * rows + i;
+            if (m >= m_rows) {
+                for (int64_t s = 0; s < steps; ++s) dst[s * rows] = 0;
+                for (int64_t grp = 0; grp < groups; ++grp) xs[m * groups + grp] = 0;
+                continue;
+            }
+            const int8_t *qr = q + m * k;
+            int64_t s = 0;
+            for (; 4 * s + 4 <= k; ++s) memcpy(dst + s * rows, qr + 4 * s, 4);
+            if (s < steps) {
+                int8_t four[4] = {0, 0, 0, 0};
+                memcpy(four, qr + 4 * s, (size_t)(k - 4 * s));
+                memcpy(dst + s * rows, four, 4);
+            }
+            for (int64_t grp = 0; grp < groups; ++grp) {
+                int32_t sum = 0;
+                for (int64_t c = grp * g; c < grp * g + g; ++c) sum += qr[c];
+                xs[m * groups + grp] = sum;
+            }
+        }
+}
+
+/* One V_MR × 64 integer tile over `steps` steps of packed rows (vnni_pack_rows with rows = V_MR) */
+static inline void vnni_tile(const int32_t *ap, const uint32_t *panel, int64_t steps, int32_t out[V_MR][V_NC]) {
     __m512i acc[V_MR][4];
     for (int i = 0; i < V_MR; ++i)
         for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_si512();
     for (int64_t s = 0; s < steps; ++s) {
         __m512i b[4];
-        for (int v = 0; v < 4; ++v) b[v] = _mm512_loadu_si512((const void *)(panel + s * V_NC + 16 * v));
-        for (int i = 0; i < mr; ++i) {
-            int32_t four;
-            memcpy(&four, a + i * lda + 4 * s, 4);
-            __m512i x = _mm512_set1_epi32(four);
+        for (int v = 0; v < 4; ++v) b[v] = _mm512_load_si512((const void *)(panel + s * V_NC + 16 * v));
+        for (int i = 0; i < V_MR; ++i) {
+            __m512i x = _mm512_set1_epi32(ap[s * V_MR + i]);
             for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], b[v], x);
         }
     }
-    for (int i = 0; i < mr; ++i)
-        for (int v = 0; v < 4; ++v) _mm512_storeu_si512((void *)(out[i] + 16 * v), acc[i][v]);
+    for (int i = 0; i < V_MR; ++i)
+        for (int v = 0; v < 4; ++v) _mm512_store_si512((void *)(out[i] + 16 * v), acc[i][v]);
 }
 
 /* Per group (groups > 1): VG_ROWS rows × 64 channels over every group of K. The integer tile of one group (12
@@ -110,9 +139,7 @@ static inline __attribute__((always_inline)) void vnni_tile(const int8_t *a, int
     __m512i c##i##0 = k##i, c##i##1 = k##i, c##i##2 = k##i, c##i##3 = k##i;
 #define VG_DOT(i)                                                                                                  \
     {                                                                                                              \
-        int32_t four;                                                                                              \
-        memcpy(&four, ag + (i) * lda + 4 * s, 4);                                                                  \
-        const __m512i x = _mm512_set1_epi32(four);                                                                 \
+        const __m512i x = _mm512_set1_epi32(ag[s * VG_ROWS + (i)]);                                                \
         c##i##0 = _mm512_dpbusd_epi32(c##i##0, b0, x);                                                             \
         c##i##1 = _mm512_dpbusd_epi32(c##i##1, b1, x);                                                             \
         c##i##2 = _mm512_dpbusd_epi32(c##i##2, b2, x);                                                             \
@@ -125,7 +152,7 @@ static inline __attribute__((always_inline)) void vnni_tile(const int8_t *a, int
 #define VG_T(i) __m512 t##i##0 = _mm512_setzero_ps(), t##i##1 = t##i##0, t##i##2 = t##i##0, t##i##3 = t##i##0;
 #define VG_OUT(i) _mm512_store_ps(t[i], t##i##0); _mm512_store_ps(t[i] + 16, t##i##1); _mm512_store_ps(t[i] + 32, t##i##2); _mm512_store_ps(t[i] + 48, t##i##3);
 
-static void vnni_group_rows(const int8_t *a, int64_t lda, int64_t mr, const uint32_t *panel, int64_t groups,
+static void vnni_group_rows(const int32_t *ap, int64_t mr, const uint32_t *panel, int64_t groups,
                             int64_t gsteps, const int32_t *xs, const float *sct, const float *sx, const float *bias,
                             int64_t n0, int64_t nc, float *y, int64_t ldy) {
     float t[VG_ROWS][V_NC] __attribute__((aligned(64)));
@@ -133,7 +160,7 @@ static void vnni_group_rows(const int8_t *a, int64_t lda, int64_t mr, const uint
     for (int64_t grp = 0; grp < groups; ++grp) {
         VG_INIT(0) VG_INIT(1) VG_INIT(2)
         const uint32_t *pg = panel + grp * gsteps * V_NC;
-        const int8_t *ag = a + grp * gsteps * 4;
+        const int32_t *ag = ap + grp * gsteps * VG_ROWS;
 #pragma GCC unroll 8
         for (int64_t s = 0; s < gsteps; ++s) {
             const __m512i b0 = _mm512_load_si512((const void *)(pg + s * V_NC)),
@@ -162,73 +189,131 @@ static void vnni_group_rows(const int8_t *a, int64_t lda, int64_t mr, const uint
     }
 }
 
-void qk_avx512_w4a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const uint8_t *w, const float *scale,
-                         int64_t groups, const float *bias, float *y, int64_t n_out, int64_t k, int nthreads) {
-    int64_t g = k / groups, k4 = (k + 3) & ~(int64_t)3; /* g: K, 32 or 64·n (then K = groups · g, × 32) */
-    int64_t n_panels = (n_out + V_NC - 1) / V_NC;
-    int64_t m_pad = (m_rows + VG_ROWS - 1) / VG_ROWS * VG_ROWS; /* zero rows complete the last row tile */
-    int8_t *a = malloc((size_t)(m_pad * k4));
-    int32_t *xs = malloc((size_t)(m_pad * groups) * sizeof(int32_t)); /* Σ q per row and group */
-    memset(a + m_rows * k4, 0, (size_t)((m_pad - m_rows) * k4));
-    memset(xs + m_rows * groups, 0, (size_t)((m_pad - m_rows) * groups) * sizeof(int32_t));
-    for (int64_t m = 0; m < m_rows; ++m) {
-        memcpy(a + m * k4, q + m * k, (size_t)k);
-        memset(a + m * k4 + k, 0, (size_t)(k4 - k));
-        for (int64_t grp = 0; grp < groups; ++grp) {
-            int32_t t = 0;
-            for (int64_t i = grp * g; i < grp * g + g; ++i) t += q[m * k + i];
-            xs[m * groups + grp] = t;
+/* The tile's rows of the output: y[i, n0 …] for i < mr, from the tile's exact sums minus 128·Σq (W8A8) or
+   8·Σq (W4A8 per channel), epilogue()'s operations and order ((float)acc · s_x) · s_w + b, 16 lanes at a time */
+static inline void vnni_store_rows(int32_t acc[V_MR][V_NC], int64_t mr, const int32_t *xs, uint32_t offset,
+                                   const float *sx, const float *sw, int per_channel, const float *bias, int64_t n0,
+                                   int64_t nc, float *y, int64_t ldy) {
+    __mmask16 tail[4];
+    for (int v = 0; v < 4; ++v) {
+        int64_t left = nc - 16 * v;
+        tail[v] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+    }
+    for (int64_t i = 0; i < mr; ++i) { /* int32 wraps like vpdpbusd: exact whenever the true sum fits */
+        const __m512i corr = _mm512_set1_epi32((int32_t)(offset * (uint32_t)xs[i]));
+        const __m512 vsx = _mm512_set1_ps(sx[i]), vsw0 = _mm512_set1_ps(sw[0]);
+        for (int v = 0; v < 4; ++v) {
+            __m512i c = _mm512_sub_epi32(_mm512_load_si512((const void *)(acc[i] + 16 * v)), corr);
+            __m512 o = _mm512_mul_ps(_mm512_cvtepi32_ps(c), vsx);
+            o = _mm512_mul_ps(o, per_channel ? _mm512_maskz_loadu_ps(tail[v], sw + n0 + 16 * v) : vsw0);
+            if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(tail[v], bias + n0 + 16 * v));
+            _mm512_mask_storeu_ps(y + i * ldy + n0 + 16 * v, tail[v], o);
         }
     }
-    if (groups > 1) {
+}
+
+void qk_avx512_w4a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const uint8_t *w, const float *scale,
+                         int64_t groups, const float *bias, float *y, int64_t n_out, int64_t k, int nthreads) {
+    /* g: K, 32 or 64·n (then K = groups · g, a multiple of 32); per channel K may be anything (steps: ⌈K/4⌉) */
+    int64_t g = k / groups, steps = (k + 3) / 4, n_panels = (n_out + V_NC - 1) / V_NC;
+    int64_t rows = groups > 1 ? VG_ROWS : V_MR, m_pad = (m_rows + rows - 1) / rows * rows;
+    int32_t *ap = malloc((size_t)(m_pad * steps) * sizeof(int32_t));
+    int32_t *xs = malloc((size_t)(m_pad * groups) * sizeof(int32_t));
+    vnni_pack_rows(q, m_rows, k, groups, rows, ap, xs);
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-        {
-            uint32_t *panel = aligned_alloc(64, (size_t)(k / 4) * V_NC * sizeof(uint32_t));
-            float *sct = malloc((size_t)(groups * V_NC) * sizeof(float));
+    {
+        uint32_t *panel = aligned_alloc(64, (size_t)steps * V_NC * sizeof(uint32_t));
+        float *sct = groups > 1 ? malloc((size_t)(groups * V_NC) * sizeof(float)) : NULL;
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < n_panels; ++t) {
-                int64_t n0 = t * V_NC, nc = n_out - n0 < V_NC ? n_out - n0 : V_NC;
-                vnni_pack(w, n_out, k, n0, 0, k, panel); /* k = groups · g, a multiple of 32 */
+        for (int64_t t = 0; t < n_panels; ++t) {
+            int64_t n0 = t * V_NC, nc = n_out - n0 < V_NC ? n_out - n0 : V_NC;
+            vnni_pack(w, n_out, k, n0, 0, 4 * steps, panel);
+            if (groups > 1) { /* sct: the panel's scales, group-major */
                 for (int64_t grp = 0; grp < groups; ++grp)
                     for (int64_t j = 0; j < V_NC; ++j) sct[grp * V_NC + j] = j < nc ? scale[(n0 + j) * groups + grp] : 0.0f;
                 for (int64_t m = 0; m < m_rows; m += VG_ROWS)
-                    vnni_group_rows(a + m * k4, k4, m_rows - m < VG_ROWS ? m_rows - m : VG_ROWS, panel, groups,
+                    vnni_group_rows(ap + m * steps, m_rows - m < VG_ROWS ? m_rows - m : VG_ROWS, panel, groups,
                                     g / 4, xs + m * groups, sct, sx + m, bias, n0, nc, y + m * n_out, n_out);
-            }
-            free(panel);
-            free(sct);
-        }
-    } else { /* per output channel: one integer tile over all of K, then W8A8's epilogue, (acc · s_x) · s_n + b */
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-        {
-            uint32_t *panel = aligned_alloc(64, (size_t)(k4 / 4) * V_NC * sizeof(uint32_t));
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < n_panels; ++t) {
-                int64_t n0 = t * V_NC, nc = n_out - n0 < V_NC ? n_out - n0 : V_NC, steps = k4 / 4;
-                vnni_pack(w, n_out, k, n0, 0, k4, panel);
+            } else { /* per output channel: one integer tile over all of K, then W8A8's epilogue */
                 for (int64_t m = 0; m < m_rows; m += V_MR) {
-                    int32_t acc[V_MR][V_NC];
-                    int64_t mr = m_rows - m < V_MR ? m_rows - m : V_MR;
-                    const int8_t *am = a + m * k4;
-                    switch (mr) {
-                    case 1: vnni_tile(am, k4, 1, panel, steps, acc); break;
-                    case 2: vnni_tile(am, k4, 2, panel, steps, acc); break;
-                    case 3: vnni_tile(am, k4, 3, panel, steps, acc); break;
-                    case 4: vnni_tile(am, k4, 4, panel, steps, acc); break;
-                    case 5: vnni_tile(am, k4, 5, panel, steps, acc); break;
-                    default: vnni_tile(am, k4, 6, panel, steps, acc); break;
-                    }
-                    for (int64_t i = 0; i < mr; ++i) {
-                        const int32_t corr = 8 * xs[m + i];
-                        for (int64_t j = 0; j < nc; ++j)
-                            y[(m + i) * n_out + n0 + j] = epilogue(acc[i][j] - corr, sx[m + i], scale, 1, bias, n0 + j);
-                    }
+                    int32_t acc[V_MR][V_NC] __attribute__((aligned(64)));
+                    vnni_tile(ap + m * steps, panel, steps, acc);
+                    vnni_store_rows(acc, m_rows - m < V_MR ? m_rows - m : V_MR, xs + m, 8, sx + m, scale, 1, bias,
+                                    n0, nc, y + m * n_out, n_out);
                 }
             }
-            free(panel);
+        }
+        free(panel);
+        free(sct);
+    }
+    free(ap);
+    free(xs);
+}
+
+/* ------------------------------------------------------------------------ W8A8 prefill, int8 dot products
+
+   The same tile as W4A8's per-channel GEMM (vnni_tile: 6 rows × 64 channels in 24 registers), on int8 weights:
+   vpdpbusd takes its unsigned operand from the weight, stored +128 (w ^ 0x80, in [1, 255] because absmax codes
+   are never −128), so Σ w·q = Σ (w + 128)·q − 128·Σ q with Σ q per row once per call; int32 arithmetic wraps
+   exactly, so the result is exact whenever the true sum fits in int32, as for every other path. The epilogue
+   runs on the tile while it is in cache — epilogue()'s operations and order, 16 lanes at a time — where
+   torch._int_mm writes an (M, N) int32 matrix that a second pass reads back. Per call the weight is transposed
+   into 64-channel panels (4 channels × 4 steps of 4 bytes a block), ~5 % of the GEMM at 512 rows. */
+static void vnni_pack_i8(const int8_t *w, int64_t n_out, int64_t k, int64_t n0, int64_t steps, uint32_t *panel) {
+    const __m128i flip = _mm_set1_epi8((char)0x80);
+    int64_t vec_steps = k / 16 * 4, j = 0; /* whole 16-byte loads inside every row */
+    for (; j + 4 <= V_NC && n0 + j + 4 <= n_out; j += 4) {
+        const int8_t *r0 = w + (n0 + j) * k, *r1 = r0 + k, *r2 = r1 + k, *r3 = r2 + k;
+        for (int64_t s = 0; s < vec_steps; s += 4) {
+            __m128i v0 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(r0 + 4 * s)), flip);
+            __m128i v1 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(r1 + 4 * s)), flip);
+            __m128i v2 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(r2 + 4 * s)), flip);
+            __m128i v3 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(r3 + 4 * s)), flip);
+            __m128i t0 = _mm_unpacklo_epi32(v0, v1), t1 = _mm_unpacklo_epi32(v2, v3);
+            __m128i t2 = _mm_unpackhi_epi32(v0, v1), t3 = _mm_unpackhi_epi32(v2, v3);
+            uint32_t *d = panel + s * V_NC + j;
+            _mm_storeu_si128((__m128i *)d, _mm_unpacklo_epi64(t0, t1));
+            _mm_storeu_si128((__m128i *)(d + V_NC), _mm_unpackhi_epi64(t0, t1));
+            _mm_storeu_si128((__m128i *)(d + 2 * V_NC), _mm_unpacklo_epi64(t2, t3));
+            _mm_storeu_si128((__m128i *)(d + 3 * V_NC), _mm_unpackhi_epi64(t2, t3));
         }
     }
-    free(a);
+    for (int64_t jj = 0; jj < V_NC; ++jj) { /* the channels and steps the blocks left: byte by byte */
+        int64_t n = n0 + jj;
+        for (int64_t s = jj < j ? vec_steps : 0; s < steps; ++s) {
+            uint32_t v = 0;
+            for (int e = 0; e < 4 && n < n_out; ++e) {
+                int64_t i = 4 * s + e;
+                v |= (uint32_t)(i < k ? (uint8_t)(w[n * k + i] ^ 0x80) : 0x80) << (8 * e);
+            }
+            panel[s * V_NC + jj] = v;
+        }
+    }
+}
+
+void qk_avx512_w8a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const int8_t *w, const float *sw,
+                         int per_channel, const float *bias, float *y, int64_t n_out, int64_t k, int nthreads) {
+    int64_t steps = (k + 3) / 4, n_panels = (n_out + V_NC - 1) / V_NC, m_pad = (m_rows + V_MR - 1) / V_MR * V_MR;
+    int32_t *ap = malloc((size_t)(m_pad * steps) * sizeof(int32_t));
+    int32_t *xs = malloc((size_t)m_pad * sizeof(int32_t));
+    vnni_pack_rows(q, m_rows, k, 1, V_MR, ap, xs);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        uint32_t *panel = aligned_alloc(64, (size_t)steps * V_NC * sizeof(uint32_t));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < n_panels; ++t) {
+            int64_t n0 = t * V_NC, nc = n_out - n0 < V_NC ? n_out - n0 : V_NC;
+            vnni_pack_i8(w, n_out, k, n0, steps, panel);
+            for (int64_t m = 0; m < m_rows; m += V_MR) {
+                int32_t acc[V_MR][V_NC] __attribute__((aligned(64)));
+                vnni_tile(ap + m * steps, panel, steps, acc);
+                vnni_store_rows(acc, m_rows - m < V_MR ? m_rows - m : V_MR, xs + m, 128, sx + m, sw, per_channel,
+                                bias, n0, nc, y + m * n_out, n_out);
+            }
+        }
+        free(panel);
+    }
+    free(ap);
     free(xs);
 }
 

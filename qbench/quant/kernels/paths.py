@@ -6,7 +6,8 @@ what runs. Paths (:data:`PATHS`):
 
 - ``c-gemv``: C streaming GEMV (W8A8, W4A8: int8 dot products; weight-only, including LowBitLinear's packed
   2/3/4-bit codes: reads the codes, never builds Ŵ — equal to fake mode to float rounding);
-- ``c-gemm``: C int16 panel GEMM (W8A8, W4A8; AVX2 builds);
+- ``c-gemm``: C GEMM (W8A8, W4A8): int16 panels in AVX2 builds; vpdpbusd tiles with the quantiser before and the
+  epilogue on each tile where the build targets AVX-512 VNNI (``native_avx512.c``);
 - ``int-mm``: the C quantiser, ``torch._int_mm`` (oneDNN's int8 GEMM), the C epilogue written over
   ``_int_mm``'s int32 output (W8A8; eager: within ~8 % of ``_int_mm`` alone at 512 × 1024 → 4096); W4A8: the
   nibbles unpacked to an int8 panel once per call, one ``_int_mm`` per channel or per group (bit for bit the
@@ -191,8 +192,8 @@ def rule(kind: str, rows: int, shape: Shape | None = None) -> str:
 # (kind, rows 1 / ≤ 16 / > 16, the weight's size rounded up to a power of two, per channel or per group, threads)
 # every C path it offers is run on that very input and timed (a warm-up run, repeats while the class has spent
 # under MEASURE_BUDGET_S), and the fastest is kept — in memory and in a JSON file under the cache folder
-# ($QBENCH_CACHE, else ~/.cache/qbench: dispatch/<machine>.json, <machine> a hash of the CPU model, its flags
-# and the torch version), so later processes on the same machine read it instead of timing. Every candidate
+# ($QBENCH_CACHE, else ~/.cache/qbench: dispatch/<machine>.json, <machine> a hash of the CPU model, its flags,
+# the torch version and the C kernels' sources), so later processes on the same machine read it instead of timing. Every candidate
 # meets the layer's contract (the integer paths are bit-identical), so the choice changes speed, not results.
 
 
@@ -322,7 +323,7 @@ def describe(kind: str, rows: int) -> str:
     c = "portable C" if native.isa() == "C" else f"C {native.isa()}"
     return {
         "c-gemv": f"{c} GEMV" if kind in ("w8a8", "w4a8") else f"{c} kernel reading the codes (no Ŵ)",
-        "c-gemm": "C AVX-512 VNNI GEMM" if kind == "w4a8" and native.vnni() else f"{c} int16 GEMM",
+        "c-gemm": "C AVX-512 VNNI GEMM" if kind in ("w8a8", "w4a8") and native.vnni() else f"{c} int16 GEMM",
         "int-mm": "C quantiser + torch._int_mm + C epilogue"
         if kind == "w8a8"
         else "int4 unpacked to int8 + torch._int_mm (per channel; per group the C GEMM)",
@@ -349,7 +350,7 @@ def instruction_set() -> str:
     have = [f for f in ISA_FLAGS if f in cpu_flags()]
     built = f"C kernels built for {native.isa()}" if native.available() else "C kernels off"
     if native.available() and native.vnni():
-        built += " (the W4A8 GEMM for AVX-512 VNNI)"
+        built += " (the W8A8 and W4A8 GEMMs for AVX-512 VNNI)"
     return f"{' '.join(have) or 'no AVX2'}; {built}"
 
 

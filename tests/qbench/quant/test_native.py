@@ -411,6 +411,30 @@ def test_w4a8_gemm_entry_equals_the_portable_build_and_fake_mode(m, k, n, group)
         assert rel_err(y, FakeQuantLinear(weight, bias, scheme)(x[:, :k])) < 1e-5
 
 
+@pytest.mark.parametrize("m, k, n", [(1, 63, 5), (16, 1030, 67), (17, 256, 64), (512, 200, 130)])
+@pytest.mark.parametrize("per_channel", [1, 0])
+def test_w8a8_gemm_entry_equals_the_portable_build(m, k, n, per_channel):
+    """This build's W8A8 GEMM entry (vpdpbusd on weights stored +128 where the CPU has AVX-512 VNNI, int16 panels
+    on AVX2) bit for bit against native_ref.c, with codes at ±127 (the largest sums and the −128·Σq correction)
+    and K, N, M off every tile edge."""
+    portable = _portable()
+    torch.manual_seed(m + k + n)
+    q = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    q[0], w[0] = 127, -127  # extreme row and channel
+    sw, bias = torch.rand(n if per_channel else 1), torch.randn(n)
+    x = q.float() * torch.rand(m, 1)  # rows whose absmax is 127 quantise back to q
+    want, y = torch.empty(m, n), torch.empty(m, n)
+    args = (x, m, k, 1, w, sw, per_channel, bias)
+    _call(portable, "qk_w8a8_forward_path", *args, want, n, 1, 0)
+    for threads in (1, 2):  # the GEMM entry at every row count (1 and 16 rows included)
+        _call(native.library(), "qk_w8a8_forward_path", *args, y, n, threads, 0)
+        assert torch.equal(y, want)
+    qx, sx = native.quantize_rows(x)
+    exact = (qx.double() @ w.double().T) * sx.double()[:, None] * sw.double() + bias.double()
+    assert rel_err(y.double(), exact) < 1e-5
+
+
 def test_w4a8_gemm_equal_across_avx2_and_vnni_builds():
     """The W4A8 GEMM of an AVX2-only build (native_avx2.c's int16 panels) and of this build (native_avx512.c's
     vpdpbusd where the CPU has AVX-512 VNNI) give the same bits, per channel and per group."""

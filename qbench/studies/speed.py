@@ -137,7 +137,8 @@ def _backend_of(model: nn.Module, mode: str) -> str:
     from qbench.quant.kernels import NATIVE_LAYERS, native
 
     if native.available() and set(names) & set(NATIVE_LAYERS):
-        return f"{'+'.join(names)}, C {native.isa()}"
+        vnni = " + AVX-512 VNNI" if native.vnni() else ""  # the int8 GEMMs' build (qbench env: which path runs)
+        return f"{'+'.join(names)}, C {native.isa()}{vnni}"
     return "+".join(names) or "real"
 
 
@@ -665,7 +666,9 @@ def cpu_name() -> str:
 def _native_isa() -> str | None:
     from qbench.quant.kernels import native
 
-    return native.isa() if native.available() else None
+    if not native.available():
+        return None
+    return f"{native.isa()} + AVX-512 VNNI" if native.vnni() else native.isa()
 
 
 # ---------------------------------------------------------------------------------------------- table

@@ -493,59 +493,91 @@ void qk_avx2_w4a8_gemv(const int8_t *q, const float *sx, int64_t m_rows, const u
     free(xsum);
 }
 
+/* Per group (groups > 1): GM_MR rows × 32 channels over every group of K, the whole-K panel packed once per call
+   and panel. The integer tile of one group (12 registers) is folded straight from its registers into a float
+   tile t of 3 × 32 that stays in L1 (t += s_g · A_g, the reference's order, then y = t · s_x + b); AVX2's 16
+   registers hold no more. Before, each group's tile went through an int32 array and the float accumulators of
+   every row through an M × 32 array in L2, group by group: at g = 32 0.69–0.75 of the W8A8 C GEMM's speed
+   (512 × 1024 → 4096, one thread, an AVX2 build on AMD Zen 4), now 0.85–0.99. The empty asm statement keeps
+   GCC from spilling the tile (it did in native_avx512.c's twin). */
+#define GA_ACC(i) __m256i c##i##0 = _mm256_setzero_si256(), c##i##1 = c##i##0, c##i##2 = c##i##0, c##i##3 = c##i##0;
+#define GA_DOT(i)                                                                                                  \
+    {                                                                                                              \
+        int32_t pair;                                                                                              \
+        memcpy(&pair, a + (i) * lda + 2 * p, 4);                                                                   \
+        const __m256i av = _mm256_set1_epi32(pair);                                                                \
+        c##i##0 = _mm256_add_epi32(c##i##0, _mm256_madd_epi16(av, _mm256_load_si256((const __m256i *)(pp))));      \
+        c##i##1 = _mm256_add_epi32(c##i##1, _mm256_madd_epi16(av, _mm256_load_si256((const __m256i *)(pp + 8))));  \
+        c##i##2 = _mm256_add_epi32(c##i##2, _mm256_madd_epi16(av, _mm256_load_si256((const __m256i *)(pp + 16)))); \
+        c##i##3 = _mm256_add_epi32(c##i##3, _mm256_madd_epi16(av, _mm256_load_si256((const __m256i *)(pp + 24)))); \
+    }
+#define GA_FOLD1(i, v)                                                                                             \
+    _mm256_store_ps(t[i] + 8 * (v), _mm256_add_ps(_mm256_load_ps(t[i] + 8 * (v)),                                  \
+                                                  _mm256_mul_ps(_mm256_loadu_ps(sg + 8 * (v)), _mm256_cvtepi32_ps(c##i##v))));
+#define GA_FOLD(i) GA_FOLD1(i, 0) GA_FOLD1(i, 1) GA_FOLD1(i, 2) GA_FOLD1(i, 3)
+#define GA_KEEP(i) "+x"(c##i##0), "+x"(c##i##1), "+x"(c##i##2), "+x"(c##i##3)
+
+static void w4a8_group_rows(const int16_t *a0, int64_t lda, int64_t mr, const int32_t *panel, int64_t groups,
+                            int64_t gp, const float *sct, const float *sx, const float *bias, int64_t n0, int64_t nc,
+                            float *y, int64_t ldy) {
+    float t[GM_MR][GM_NC] __attribute__((aligned(32)));
+    memset(t, 0, sizeof t);
+    for (int64_t grp = 0; grp < groups; ++grp) {
+        GA_ACC(0) GA_ACC(1) GA_ACC(2)
+        const int16_t *a = a0 + 2 * grp * gp;
+        for (int64_t p = 0; p < gp; ++p) {
+            const int32_t *pp = panel + (grp * gp + p) * GM_NC;
+            GA_DOT(0) GA_DOT(1) GA_DOT(2)
+        }
+        __asm__("" : GA_KEEP(0), GA_KEEP(1), GA_KEEP(2));
+        const float *sg = sct + grp * GM_NC;
+        GA_FOLD(0) GA_FOLD(1) GA_FOLD(2)
+    }
+    for (int64_t i = 0; i < mr; ++i)
+        for (int64_t j = 0; j < nc; ++j) {
+            float v = t[i][j] * sx[i];
+            y[i * ldy + n0 + j] = bias ? v + bias[n0 + j] : v;
+        }
+}
+
 void qk_avx2_w4a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const uint8_t *w, const float *scale,
                        int64_t groups, const float *bias, float *y, int64_t n_out, int64_t k, int nthreads) {
     int64_t pairs = (k + 1) / 2, lda = 2 * pairs, n_panels = (n_out + GM_NC - 1) / GM_NC;
     int64_t gp = groups == 1 ? pairs : (k / groups) / 2; /* pairs per group (g is even) */
-    int16_t *a = malloc((size_t)(m_rows * lda) * sizeof(int16_t));
-    for (int64_t m = 0; m < m_rows; ++m) {
+    int64_t m_pad = (m_rows + GM_MR - 1) / GM_MR * GM_MR; /* zero rows complete the last row tile (per group) */
+    int16_t *a = calloc((size_t)(m_pad * lda), sizeof(int16_t));
+    for (int64_t m = 0; m < m_rows; ++m)
         for (int64_t i = 0; i < k; ++i) a[m * lda + i] = q[m * k + i];
-        if (lda > k) a[m * lda + k] = 0;
-    }
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        int32_t *panel = aligned_alloc(32, (size_t)gp * GM_NC * sizeof(int32_t));
-        float *facc = groups > 1 ? malloc((size_t)(m_rows * GM_NC) * sizeof(float)) : NULL;
+        int32_t *panel = aligned_alloc(32, (size_t)pairs * GM_NC * sizeof(int32_t));
         float *sct = groups > 1 ? malloc((size_t)(groups * GM_NC) * sizeof(float)) : NULL;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < n_panels; ++t) {
             int64_t n0 = t * GM_NC, nc = n_out - n0 < GM_NC ? n_out - n0 : GM_NC;
-            if (facc) {
-                memset(facc, 0, (size_t)(m_rows * GM_NC) * sizeof(float));
-                for (int64_t grp = 0; grp < groups; ++grp) /* the panel's scales, group-major: the fold vectorises */
+            pack_panel_range(w, 1, n_out, k, n0, 0, pairs, panel);
+            if (sct) { /* the panel's scales, group-major */
+                for (int64_t grp = 0; grp < groups; ++grp)
                     for (int64_t j = 0; j < GM_NC; ++j) sct[grp * GM_NC + j] = j < nc ? scale[(n0 + j) * groups + grp] : 0.0f;
+                for (int64_t m = 0; m < m_rows; m += GM_MR)
+                    w4a8_group_rows(a + m * lda, lda, m_rows - m < GM_MR ? m_rows - m : GM_MR, panel, groups, gp, sct,
+                                    sx + m, bias, n0, nc, y + m * n_out, n_out);
+                continue;
             }
-            for (int64_t grp = 0; grp < groups; ++grp) {
-                pack_panel_range(w, 1, n_out, k, n0, grp * gp, grp * gp + gp, panel);
-                for (int64_t m = 0; m < m_rows; m += GM_MR) {
-                    int32_t acc[GM_MR][GM_NC];
-                    int64_t mr = m_rows - m < GM_MR ? m_rows - m : GM_MR;
-                    const int16_t *am = a + m * lda + 2 * grp * gp;
-                    switch (mr) {
-                    case 1: gemm_tile(am, lda, 1, panel, gp, acc); break;
-                    case 2: gemm_tile(am, lda, 2, panel, gp, acc); break;
-                    default: gemm_tile(am, lda, 3, panel, gp, acc); break;
-                    }
-                    if (facc) /* the same order as w4a8_epilogue: Σ_g s_g · A_g, then · s_x */
-                        for (int64_t i = 0; i < mr; ++i) {
-                            float *fr = facc + (m + i) * GM_NC;
-                            const float *sg = sct + grp * GM_NC;
-                            for (int64_t j = 0; j < GM_NC; ++j) fr[j] += sg[j] * (float)acc[i][j];
-                        }
-                    else
-                        for (int64_t i = 0; i < mr; ++i)
-                            tile_epilogue(acc[i], nc, sx[m + i], scale, 1, bias, n0, y + (m + i) * n_out + n0);
+            for (int64_t m = 0; m < m_rows; m += GM_MR) { /* per channel: W8A8's tile and epilogue */
+                int32_t acc[GM_MR][GM_NC];
+                int64_t mr = m_rows - m < GM_MR ? m_rows - m : GM_MR;
+                const int16_t *am = a + m * lda;
+                switch (mr) {
+                case 1: gemm_tile(am, lda, 1, panel, pairs, acc); break;
+                case 2: gemm_tile(am, lda, 2, panel, pairs, acc); break;
+                default: gemm_tile(am, lda, 3, panel, pairs, acc); break;
                 }
+                for (int64_t i = 0; i < mr; ++i)
+                    tile_epilogue(acc[i], nc, sx[m + i], scale, 1, bias, n0, y + (m + i) * n_out + n0);
             }
-            if (facc)
-                for (int64_t m = 0; m < m_rows; ++m)
-                    for (int64_t j = 0; j < nc; ++j) {
-                        float v = facc[m * GM_NC + j] * sx[m];
-                        y[m * n_out + n0 + j] = bias ? v + bias[n0 + j] : v;
-                    }
         }
         free(panel);
-        free(facc);
         free(sct);
     }
     free(a);

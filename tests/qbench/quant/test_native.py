@@ -333,6 +333,13 @@ def _portable():
     return native.build(["-fopenmp"]) or native.build([])
 
 
+@functools.cache
+def _avx2():
+    """The library built for AVX2 + FMA only (what an AVX2 CPU without AVX-512 runs), or None."""
+    lib = native.build(["-mavx2", "-mfma", "-fopenmp"]) or native.build(["-mavx2", "-mfma"])
+    return lib if lib is not None and lib.qk_isa() == 1 else None
+
+
 def _call(lib, name, *args):
     return getattr(lib, name)(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
 
@@ -392,9 +399,9 @@ def test_portable_loops_equal_the_vector_loops():
     ],
 )
 def test_w4a8_gemm_entry_equals_the_portable_build_and_fake_mode(m, k, n, group):
-    """This build's W4A8 GEMM entry (native_avx512.c's vpdpbusd tiles where the CPU has AVX-512 VNNI, else
-    native_avx2.c's int16 panels) at row counts, widths and groups that exercise every tail of its tiling and its
-    panel unpacking: bit-identical to native_ref.c, and equal to fake mode to float rounding."""
+    """The W4A8 GEMM entry of this build (native_avx512.c's vpdpbusd tiles where the CPU has AVX-512 VNNI) and of
+    an AVX2-only build (native_avx2.c's int16 panels) at row counts, widths and groups that exercise every tail of
+    their tiling and panel unpacking: bit-identical to native_ref.c, and equal to fake mode to float rounding."""
     portable = _portable()
     torch.manual_seed(m * 7 + n)
     weight, bias = torch.randn(n, k) * 0.05, torch.randn(n)
@@ -404,8 +411,10 @@ def test_w4a8_gemm_entry_equals_the_portable_build_and_fake_mode(m, k, n, group)
     args = (x, m, kp, 1, layer.qweight, layer.scales, layer.scales.shape[1], layer.bias)
     want, y = torch.empty(m, n), torch.empty(m, n)
     assert _call(portable, "qk_w4a8_forward_path", *args, want, n, 1, 0)
-    assert _call(native.library(), "qk_w4a8_forward_path", *args, y, n, 1, 0)
-    assert torch.equal(y, want)
+    for lib in filter(None, (native.library(), _avx2())):
+        for threads in (1, 2):
+            assert _call(lib, "qk_w4a8_forward_path", *args, y, n, threads, 0)
+            assert torch.equal(y, want)
     scheme = get_scheme("absmax-fine:w=4" + ("" if group is None else f",group={group}"))
     with torch.inference_mode():
         assert rel_err(y, FakeQuantLinear(weight, bias, scheme)(x[:, :k])) < 1e-5
@@ -427,9 +436,10 @@ def test_w8a8_gemm_entry_equals_the_portable_build(m, k, n, per_channel):
     want, y = torch.empty(m, n), torch.empty(m, n)
     args = (x, m, k, 1, w, sw, per_channel, bias)
     _call(portable, "qk_w8a8_forward_path", *args, want, n, 1, 0)
-    for threads in (1, 2):  # the GEMM entry at every row count (1 and 16 rows included)
-        _call(native.library(), "qk_w8a8_forward_path", *args, y, n, threads, 0)
-        assert torch.equal(y, want)
+    for lib in filter(None, (native.library(), _avx2())):
+        for threads in (1, 2):  # the GEMM entry at every row count (1 and 16 rows included)
+            _call(lib, "qk_w8a8_forward_path", *args, y, n, threads, 0)
+            assert torch.equal(y, want)
     qx, sx = native.quantize_rows(x)
     exact = (qx.double() @ w.double().T) * sx.double()[:, None] * sw.double() + bias.double()
     assert rel_err(y.double(), exact) < 1e-5
@@ -438,8 +448,8 @@ def test_w8a8_gemm_entry_equals_the_portable_build(m, k, n, per_channel):
 def test_w4a8_gemm_equal_across_avx2_and_vnni_builds():
     """The W4A8 GEMM of an AVX2-only build (native_avx2.c's int16 panels) and of this build (native_avx512.c's
     vpdpbusd where the CPU has AVX-512 VNNI) give the same bits, per channel and per group."""
-    avx2 = native.build(["-mavx2", "-mfma", "-fopenmp"]) or native.build(["-mavx2", "-mfma"])
-    if avx2 is None or avx2.qk_isa() != 1:
+    avx2 = _avx2()
+    if avx2 is None:
         pytest.skip("the compiler does not build AVX2 here")
     torch.manual_seed(13)
     for m, k, n, group in [(20, 130, 9, None), (17, 256, 70, 64), (40, 512, 65, 32), (7, 384, 64, 128)]:

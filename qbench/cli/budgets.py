@@ -20,6 +20,14 @@ UNIT_TOKENS = 512
 # budget, and a default that differed would not reproduce them.
 DEMO_TOKENS = 16384
 
+# The demo's training budget (``qbench.studies.demo.DemoConfig.steps``), which ``qbench recipes`` trains every
+# remedy at too: optimiser steps of 16 windows × 128 tokens (300 = 0.61 M tokens). 300, not the 500 it was: the
+# whole demo then fits 15 minutes on 2 cores (training was 14.3 of its 19.7 min at 500 on a Zen 4 VM), and its
+# finding is already there — the vanilla model's raw kurtosis peaks at steps 200–300 (41 first token, 27 other
+# tokens at 300 against the paper recipe's 2.1 and 2.6; results/demo/emergence.json of the 500-step run).
+DEMO_STEPS = 300
+DEMO_LONG_STEPS = 2000  # ``--long``: the first 2000 steps of a 5000-step schedule, Llama style
+
 # ``reproduce``: the paper's tables, at paper scale (``qbench.studies.reproduce.ReproduceConfig.eval_tokens``).
 PAPER_TOKENS = 262144
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from models.errors import UserError
 from qbench.cli.base import add_output_argument, console, print_wide
-from qbench.cli.budgets import DEMO_TOKENS
+from qbench.cli.budgets import DEMO_LONG_STEPS, DEMO_STEPS, DEMO_TOKENS
 from qbench.cli.evaluate import (
     print_record,
 )
@@ -24,7 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the budget at which quantisation damage appears in the vanilla model (Llama style, ~50 min)",
     )
     p.add_argument(
-        "--steps", type=int, help="training steps per model, 16 x 128 tokens each (default: 500; --long 2000)"
+        "--steps",
+        type=int,
+        help=f"training steps per model, 16 x 128 tokens each (default: {DEMO_STEPS}; --long {DEMO_LONG_STEPS})",
     )
     p.add_argument(
         "--tokens",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from models.errors import UserError
 from qbench.cli.base import add_output_argument, console
-from qbench.cli.budgets import DEMO_TOKENS
+from qbench.cli.budgets import DEMO_LONG_STEPS, DEMO_STEPS, DEMO_TOKENS
 from qbench.studies.recipes import DEFAULT_RECIPES  # torch-free: the parser stays light
 
 NAME = "recipes"
@@ -30,7 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(DEFAULT_RECIPES),
         help="training recipes of the panel (qbench ls recipes)",
     )
-    parser.add_argument("--steps", type=int, help="optimiser steps of every run (default: 500; --long 2000)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help=f"optimiser steps of every run (default: {DEMO_STEPS}, the demo's; --long {DEMO_LONG_STEPS})",
+    )
     parser.add_argument("--lr", type=float, default=4e-3, help="peak learning rate of every run")
     parser.add_argument("--seed", type=int, default=0, help="training and evaluation seed")
     parser.add_argument(

@@ -46,7 +46,8 @@ RECIPES = ("vanilla", "paper")
 @dataclass(frozen=True)
 class DemoConfig:
     preset: str = "tiny"
-    steps: int = 500  # x 16 windows x 128 tokens = 1.02 M training tokens
+    # x 16 windows x 128 tokens = 0.61 M training tokens (why 300: qbench.cli.budgets.DEMO_STEPS)
+    steps: int = 300
     lr: float = 4e-3
     seed: int = 0
     ckpt_root: Path = Path("ckpts/demo")

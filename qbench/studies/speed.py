@@ -137,7 +137,8 @@ def _backend_of(model: nn.Module, mode: str) -> str:
     from qbench.quant.kernels import NATIVE_LAYERS, native
 
     if native.available() and set(names) & set(NATIVE_LAYERS):
-        vnni = " + AVX-512 VNNI" if native.vnni() else ""  # the int8 GEMMs' build (qbench env: which path runs)
+        # the int8 GEMMs' build (qbench env says which path runs at which row count)
+        vnni = " + AVX-512 VNNI" if native.vnni() else ""
         return f"{'+'.join(names)}, C {native.isa()}{vnni}"
     return "+".join(names) or "real"
 

@@ -117,6 +117,12 @@ def test_the_budgets_are_the_ones_the_studies_use():
 
     assert Protocol().tokens == EVAL_TOKENS
     assert DemoConfig().eval_tokens == DEMO_TOKENS
+    from qbench.cli.budgets import DEMO_LONG_STEPS, DEMO_STEPS
+    from qbench.studies.demo import LONG
+    from qbench.studies.recipes import RecipesConfig
+
+    assert DemoConfig().steps == RecipesConfig().steps == DEMO_STEPS  # the panel trains at the demo's budget
+    assert LONG.steps == DEMO_LONG_STEPS
     (field,) = [f for f in dataclasses.fields(ReproduceConfig) if f.name == "eval_tokens"]
     assert field.default == PAPER_TOKENS
 

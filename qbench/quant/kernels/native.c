@@ -84,9 +84,9 @@ void qk_w8a8_linear(const int8_t *q, const float *sx, int64_t m_rows, const int8
         W8A8_GEMM(q, sx, m_rows, w, sw, per_channel, bias, y, n_out, k, nthreads);
 }
 
-/* As qk_w8a8_forward, the loop chosen by the caller (paths.choose): gemv != 0 the streaming GEMV, else the int16
-   panel GEMM (AVX2 builds; the portable build has one loop). Both loops take any row count, so a test can run
-   each at every shape. */
+/* As qk_w8a8_forward, the loop chosen by the caller (paths.choose): gemv != 0 the streaming GEMV, else the GEMM
+   (AVX2 builds: int16 panels; AVX-512 VNNI builds: vpdpbusd tiles; the portable build has one loop). Both loops
+   take any row count, so a test can run each at every shape. */
 void qk_w8a8_forward_path(const float *x, int64_t m_rows, int64_t k, int64_t rows_per_scale, const int8_t *w,
                           const float *sw, int per_channel, const float *bias, float *y, int64_t n_out,
                           int nthreads, int gemv) {

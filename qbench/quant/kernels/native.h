@@ -6,7 +6,7 @@
    -march=native); native_avx512.c (the W8A8 and W4A8 GEMMs on vpdpbusd) compiles to nothing unless the
    target has AVX-512 VNNI; native.c exports the entry points and picks among them at build time, from the compile
    flags (the -march=native build is for the machine that runs it, so nothing is left to choose at run time).
-   Shared here: the scalar pieces both files use (epilogues, tails), so both compute them identically.
+   Shared here: the scalar pieces all three use (epilogues, tails), so they compute them identically.
 
    Layouts (all row-major, no padding; K need not be a multiple of anything: tails run scalar code):
      x   float32 (M, K) activations         q   int8 (M, K) activation codes, sx float32 (M,) their scales

@@ -18,8 +18,9 @@
    Per group of weights the whole integer tile is finished before its scale is applied, as in the reference, so
    per-group W4A8 keeps exact integer group sums at VNNI's rate — what one torch._int_mm per group cannot
    (32- to 128-wide GEMMs run at a fraction of oneDNN's speed).
-   Panel: 64 output channels × one group, int32 element (s, j) = the four nibbles of channel j at k = 4s…4s+3;
-   a tile of MR rows × 64 channels (4 zmm) stays in registers over the group. */
+   Panel: 64 output channels × all of K, int32 element (s, j) = the four nibbles of channel j at k = 4s…4s+3;
+   per channel a tile of V_MR rows × 64 channels (24 zmm) stays in registers over all of K; per group see
+   vnni_group_rows. */
 #define V_MR 6
 #define V_NC 64
 
@@ -253,8 +254,8 @@ void qk_avx512_w4a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const
 /* ------------------------------------------------------------------------ W8A8 prefill, int8 dot products
 
    The same tile as W4A8's per-channel GEMM (vnni_tile: 6 rows × 64 channels in 24 registers), on int8 weights:
-   vpdpbusd takes its unsigned operand from the weight, stored +128 (w ^ 0x80, in [1, 255] because absmax codes
-   are never −128), so Σ w·q = Σ (w + 128)·q − 128·Σ q with Σ q per row once per call; int32 arithmetic wraps
+   vpdpbusd takes its unsigned operand from the weight, stored +128 (w ^ 0x80 = w + 128 in [0, 255] for any int8
+   code), so Σ w·q = Σ (w + 128)·q − 128·Σ q with Σ q per row once per call; int32 arithmetic wraps
    exactly, so the result is exact whenever the true sum fits in int32, as for every other path. The epilogue
    runs on the tile while it is in cache — epilogue()'s operations and order, 16 lanes at a time — where
    torch._int_mm writes an (M, N) int32 matrix that a second pass reads back. Per call the weight is transposed

@@ -59,7 +59,7 @@ from torch import Tensor
 
 from models.errors import UserError, unknown_choice
 from qbench.quant.kernels import _ops, native
-from qbench.quant.kernels.build import source_digest
+from qbench.quant.kernels.build import compiler, compiler_version, source_digest
 
 DECODE_ROWS = 16
 FORCE_ENV = "QBENCH_FORCE_PATH"
@@ -215,9 +215,10 @@ def cpu_model() -> str:
 
 @functools.cache
 def machine_key() -> str:
-    """The measured choices' cache key: CPU model, its flags, the torch version and the C kernels' sources (a
-    changed kernel is measured again rather than judged by its predecessor's times)."""
-    sources = source_digest(native.NATIVE_SOURCES)
+    """The measured choices' cache key: CPU model, its flags, the torch version, the C kernels' sources and the
+    compiler's version (a changed kernel or compiler is measured again, not judged by its predecessor's times)."""
+    cc = compiler()
+    sources = source_digest(native.NATIVE_SOURCES) + (compiler_version(cc) if cc else "no compiler")
     text = "|".join((cpu_model(), " ".join(sorted(cpu_flags())), torch.__version__, sources))
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 

@@ -390,7 +390,7 @@ def test_portable_loops_equal_the_vector_loops():
 @pytest.mark.parametrize(
     "m, k, n, group",
     [
-        (1, 64, 5, 32),  # one row: a row tile of zero-padded rows, 5 channels (no whole 4-channel block)
+        (1, 64, 5, 32),  # one row: a row tile of zero-padded rows; channel 4 past the 4-channel blocks
         (16, 96, 67, 32),  # 67 channels: 16 whole 4-channel blocks, then 3 scalar ones, a second panel of 3
         (17, 1030, 9, None),  # per channel, K not a multiple of 4 (the panel's tail steps)
         (17, 200, 70, 64),  # the last group completed with zero channels (200 = 3·64 + 8)
@@ -398,13 +398,14 @@ def test_portable_loops_equal_the_vector_loops():
         (40, 384, 64, 128),
     ],
 )
-def test_w4a8_gemm_entry_equals_the_portable_build_and_fake_mode(m, k, n, group):
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_w4a8_gemm_entry_equals_the_portable_build_and_fake_mode(m, k, n, group, with_bias):
     """The W4A8 GEMM entry of this build (native_avx512.c's vpdpbusd tiles where the CPU has AVX-512 VNNI) and of
     an AVX2-only build (native_avx2.c's int16 panels) at row counts, widths and groups that exercise every tail of
     their tiling and panel unpacking: bit-identical to native_ref.c, and equal to fake mode to float rounding."""
     portable = _portable()
     torch.manual_seed(m * 7 + n)
-    weight, bias = torch.randn(n, k) * 0.05, torch.randn(n)
+    weight, bias = torch.randn(n, k) * 0.05, torch.randn(n) if with_bias else None
     layer = Int4A8Linear.from_float(weight, bias, group)
     kp = layer.padded_features
     x = F.pad(torch.randn(m, k) * 3, (0, kp - k))
@@ -443,6 +444,14 @@ def test_w8a8_gemm_entry_equals_the_portable_build(m, k, n, per_channel):
     qx, sx = native.quantize_rows(x)
     exact = (qx.double() @ w.double().T) * sx.double()[:, None] * sw.double() + bias.double()
     assert rel_err(y.double(), exact) < 1e-5
+
+
+def test_the_vnni_loops_are_built_where_the_cpu_has_them():
+    """Where the CPU has AVX-512 VNNI this machine's build holds native_avx512.c's GEMMs (so the tests above ran
+    them); elsewhere say so, rather than pass without having tested them."""
+    if "avx512_vnni" not in paths.cpu_flags() or native.isa() != "AVX2":
+        pytest.skip("this CPU or build has no AVX-512 VNNI: native_avx512.c is not exercised here")
+    assert native.vnni()
 
 
 def test_w4a8_gemm_equal_across_avx2_and_vnni_builds():

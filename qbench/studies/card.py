@@ -102,7 +102,13 @@ class Budget:
     sensitivity_by: str = "type"
     speed: bool = False
 
-    def describe(self) -> str:
+    def describe(self, tokens: int | None = None) -> str:
+        """The budget in words; ``tokens``: what the card scored when ``--tokens`` overrode the budget's own."""
+        scored = (
+            f"{self.tokens:,} tokens"
+            if tokens in (None, self.tokens)
+            else f"{tokens:,} tokens (--tokens; the budget's own: {self.tokens:,})"
+        )
         sweep = (
             f"sweep {'+'.join(self.sweep_families)} axes {','.join(self.sweep_axes)} at bits "
             f"{','.join(map(str, self.sweep_bits))}"
@@ -110,7 +116,7 @@ class Budget:
             else "no sweep"
         )
         return (
-            f"{self.name}: {self.tokens:,} tokens, {len(self.formats)} formats, KV cache at "
+            f"{self.name}: {scored}, {len(self.formats)} formats, KV cache at "
             f"{'/'.join(map(str, self.kv_bits))} bits with and without sink protection, {sweep}, sensitivity by "
             f"{self.sensitivity_by} of the first format over tolerance"
             + (", real-kernel speed" if self.speed else "")
@@ -595,7 +601,7 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
         per_model,
         settings={
             "budget": plan.name,
-            "budget_contents": plan.describe(),
+            "budget_contents": plan.describe(cfg.tokens),
             "tolerance_pct": cfg.tolerance,
             "command": cfg.command,
             "seed": cfg.seed,

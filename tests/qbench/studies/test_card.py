@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from qbench.studies import card
-from qbench.studies.card import BUDGETS, FORMATS, CardConfig, run_card, weight_bytes
+from qbench.studies.card import BUDGETS, FORMATS, CardConfig, budget, run_card, weight_bytes
 
 
 def test_the_budgets_use_the_named_token_budgets_and_registered_schemes():
@@ -203,3 +203,11 @@ def test_a_format_row_takes_the_real_kernels_speed_up_from_speed_records():
     row = card._format_row(record, fp, {"linear_shapes": {}}, 1.0, speed, None)
     assert row["label"] == "Hadamard + W4A8" and row["note"] and row["speedup"] == 1.7
     assert card._format_row(record, fp, {"linear_shapes": {}}, 1.0, None, None)["speedup"] is None
+
+
+def test_the_budget_in_words_says_the_tokens_actually_scored():
+    """A card made with --tokens (the demo's, 16,384) says so in its header instead of the budget's own count."""
+    quick = budget("quick")
+    assert f"{quick.tokens:,} tokens," in quick.describe() == quick.describe(quick.tokens)
+    text = quick.describe(16384)
+    assert "16,384 tokens (--tokens; the budget's own: 4,096)" in text and "4,096 tokens," not in text

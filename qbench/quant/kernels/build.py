@@ -76,6 +76,13 @@ def cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
+def _texts(names: tuple[str, ...]) -> dict[str, str]:
+    """The package's C files ``names`` and every header beside them, name -> text (what a build compiles)."""
+    package = resources.files("qbench.quant.kernels")
+    headers = sorted(p.name for p in package.iterdir() if p.name.endswith(".h"))
+    return {file: package.joinpath(file).read_text() for file in (*names, *headers)}
+
+
 def compile_source(
     name: str | Sequence[str], extra_flags: Sequence[str], flags: Sequence[str] = BASE_FLAGS
 ) -> ctypes.CDLL | None:
@@ -87,9 +94,7 @@ def compile_source(
     if cc is None:
         return None
     names = (name,) if isinstance(name, str) else tuple(name)
-    package = resources.files("qbench.quant.kernels")
-    headers = sorted(p.name for p in package.iterdir() if p.name.endswith(".h"))
-    texts = {file: package.joinpath(file).read_text() for file in (*names, *headers)}
+    texts = _texts(names)
     command = [*flags, *extra_flags]
     key = hashlib.sha256(
         "\0".join([*command, cc, compiler_version(cc), cpu_identity(), *texts, *texts.values()]).encode()
@@ -133,10 +138,8 @@ def source_digest(names: tuple[str, ...]) -> str:
     """A digest of the C files ``names`` and the package's headers: what changes when a kernel's code does (the
     measured dispatch keys its cached choices on it, so a new kernel is measured again, not judged by the old
     one's times)."""
-    package = resources.files("qbench.quant.kernels")
-    headers = sorted(p.name for p in package.iterdir() if p.name.endswith(".h"))
-    texts = [package.joinpath(file).read_text() for file in (*names, *headers)]
-    return hashlib.sha256("\0".join([*names, *headers, *texts]).encode()).hexdigest()[:16]
+    texts = _texts(names)
+    return hashlib.sha256("\0".join([*texts, *texts.values()]).encode()).hexdigest()[:16]
 
 
 def load(name: str | Sequence[str], flags: Sequence[str] = BASE_FLAGS) -> ctypes.CDLL | None:

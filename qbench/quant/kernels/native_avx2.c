@@ -255,6 +255,25 @@ static inline void tile_epilogue(const int32_t *acc, int64_t nc, float sx, const
     for (int64_t j = 0; j < nc; ++j) y[j] = epilogue(acc[j], sx, sw, per_channel, bias, n0 + j);
 }
 
+/* Every row of y for one packed panel (channels n0 … n0 + nc − 1): integer tiles of GM_MR rows over all pairs, then
+   tile_epilogue — the W8A8 GEMM's body, shared by the per-channel W4A8 GEMM (same panel layout). */
+static void gemm_panel_rows(const int16_t *a, int64_t lda, int64_t m_rows, const int32_t *panel, int64_t pairs,
+                            const float *sx, const float *sw, int per_channel, const float *bias, int64_t n0,
+                            int64_t nc, float *y, int64_t n_out) {
+    for (int64_t m = 0; m < m_rows; m += GM_MR) {
+        int32_t acc[GM_MR][GM_NC];
+        int64_t mr = m_rows - m < GM_MR ? m_rows - m : GM_MR;
+        const int16_t *am = a + m * lda;
+        switch (mr) {
+        case 1: gemm_tile(am, lda, 1, panel, pairs, acc); break;
+        case 2: gemm_tile(am, lda, 2, panel, pairs, acc); break;
+        default: gemm_tile(am, lda, 3, panel, pairs, acc); break;
+        }
+        for (int64_t i = 0; i < mr; ++i)
+            tile_epilogue(acc[i], nc, sx[m + i], sw, per_channel, bias, n0, y + (m + i) * n_out + n0);
+    }
+}
+
 void qk_avx2_w8a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const int8_t *w, const float *sw,
                        int per_channel, const float *bias, float *y, int64_t n_out, int64_t k, int nthreads) {
     int64_t pairs = (k + 1) / 2, lda = 2 * pairs, n_panels = (n_out + GM_NC - 1) / GM_NC;
@@ -270,18 +289,7 @@ void qk_avx2_w8a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const i
         for (int64_t t = 0; t < n_panels; ++t) {
             int64_t n0 = t * GM_NC, nc = n_out - n0 < GM_NC ? n_out - n0 : GM_NC;
             pack_panel(w, n_out, k, n0, pairs, panel);
-            for (int64_t m = 0; m < m_rows; m += GM_MR) {
-                int32_t acc[GM_MR][GM_NC];
-                int64_t mr = m_rows - m < GM_MR ? m_rows - m : GM_MR;
-                const int16_t *am = a + m * lda;
-                switch (mr) {
-                case 1: gemm_tile(am, lda, 1, panel, pairs, acc); break;
-                case 2: gemm_tile(am, lda, 2, panel, pairs, acc); break;
-                default: gemm_tile(am, lda, 3, panel, pairs, acc); break;
-                }
-                for (int64_t i = 0; i < mr; ++i)
-                    tile_epilogue(acc[i], nc, sx[m + i], sw, per_channel, bias, n0, y + (m + i) * n_out + n0);
-            }
+            gemm_panel_rows(a, lda, m_rows, panel, pairs, sx, sw, per_channel, bias, n0, nc, y, n_out);
         }
         free(panel);
     }
@@ -564,18 +572,8 @@ void qk_avx2_w4a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const u
                                     sx + m, bias, n0, nc, y + m * n_out, n_out);
                 continue;
             }
-            for (int64_t m = 0; m < m_rows; m += GM_MR) { /* per channel: W8A8's tile and epilogue */
-                int32_t acc[GM_MR][GM_NC];
-                int64_t mr = m_rows - m < GM_MR ? m_rows - m : GM_MR;
-                const int16_t *am = a + m * lda;
-                switch (mr) {
-                case 1: gemm_tile(am, lda, 1, panel, pairs, acc); break;
-                case 2: gemm_tile(am, lda, 2, panel, pairs, acc); break;
-                default: gemm_tile(am, lda, 3, panel, pairs, acc); break;
-                }
-                for (int64_t i = 0; i < mr; ++i)
-                    tile_epilogue(acc[i], nc, sx[m + i], scale, 1, bias, n0, y + (m + i) * n_out + n0);
-            }
+            /* per channel: W8A8's tile and epilogue */
+            gemm_panel_rows(a, lda, m_rows, panel, pairs, sx, scale, 1, bias, n0, nc, y, n_out);
         }
         free(panel);
         free(sct);

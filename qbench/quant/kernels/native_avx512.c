@@ -123,6 +123,14 @@ static inline void vnni_tile(const int32_t *ap, const uint32_t *panel, int64_t s
         for (int v = 0; v < 4; ++v) _mm512_store_si512((void *)(out[i] + 16 * v), acc[i][v]);
 }
 
+/* tail[v]: the lanes of zmm v (channels 16v … 16v + 15 of a 64-channel panel) below nc */
+static inline void tail_masks(int64_t nc, __mmask16 tail[4]) {
+    for (int v = 0; v < 4; ++v) {
+        int64_t left = nc - 16 * v;
+        tail[v] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+    }
+}
+
 /* Per group (groups > 1): VG_ROWS rows × 64 channels over every group of K. The integer tile of one group (12
    registers) starts at the correction −8·Σq of its row and group instead of zero (integer sums are exact in any
    order; it saves a subtraction per group), then is converted and folded into float accumulators t (12 more
@@ -176,10 +184,7 @@ static void vnni_group_rows(const int32_t *ap, int64_t mr, const uint32_t *panel
     }
     VG_OUT(0) VG_OUT(1) VG_OUT(2)
     __mmask16 tail[4];
-    for (int v = 0; v < 4; ++v) {
-        int64_t left = nc - 16 * v;
-        tail[v] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
-    }
+    tail_masks(nc, tail);
     for (int64_t i = 0; i < mr; ++i) {
         const __m512 s = _mm512_set1_ps(sx[i]);
         for (int v = 0; v < 4; ++v) {
@@ -196,10 +201,7 @@ static inline void vnni_store_rows(int32_t acc[V_MR][V_NC], int64_t mr, const in
                                    const float *sx, const float *sw, int per_channel, const float *bias, int64_t n0,
                                    int64_t nc, float *y, int64_t ldy) {
     __mmask16 tail[4];
-    for (int v = 0; v < 4; ++v) {
-        int64_t left = nc - 16 * v;
-        tail[v] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
-    }
+    tail_masks(nc, tail);
     for (int64_t i = 0; i < mr; ++i) { /* int32 wraps like vpdpbusd: exact whenever the true sum fits */
         const __m512i corr = _mm512_set1_epi32((int32_t)(offset * (uint32_t)xs[i]));
         const __m512 vsx = _mm512_set1_ps(sx[i]), vsw0 = _mm512_set1_ps(sw[0]);

@@ -8,12 +8,15 @@ softmax-1 is registered under the name ``softmax1`` in transformers' ``Attention
 ``AttentionMaskInterface``: without a registered mask function transformers passes no mask to an unknown
 implementation and attention silently stops being causal. The exported config.json carries
 ``"attn_implementation": "softmax1"``, so loading such a folder without registering first fails loudly
-instead of running ordinary softmax.
+instead of running ordinary softmax. The remedies' attention functions and gated attention (``qbench_gated+<base>``,
+for Llama-family models) export the same way; see their sections below.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +130,10 @@ ATTN_IMPLEMENTATIONS = {
     "sink-logit": SINK_LOGIT,
 }
 REMEDY_IMPLEMENTATIONS = (CLIPPED, SOFTPICK, SINK_LOGIT)  # explicit: they return their probabilities
+# transformers implementation -> our attention kind (what a card of an exported folder reports)
+HF_ATTENTION_KINDS = {impl: kind for kind, impl in ATTN_IMPLEMENTATIONS.items()} | {
+    SOFTMAX1_EAGER: "softmax1"
+}
 
 
 def _masked_scores(
@@ -219,6 +226,103 @@ def register_remedies() -> None:
     ):
         AttentionInterface.register(name, fn)
         AttentionMaskInterface.register(name, eager_mask)
+    for base in GATED_BASES:
+        register_gated(base)
+
+
+def base_attention(base: str, module: torch.nn.Module) -> Callable:
+    """The attention function ``base`` names; "eager" is each model file's own ``eager_attention_forward``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if base == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[base]
+
+
+# ---------------------------------------------------------------------------------- gated attention (export)
+#
+# No transformers architecture has a sigmoid gate on the attention output without q/k norms (Qwen3-Next, Qwen3.5,
+# AFMoE and Beam normalise q and k; the rest are hybrids or recurrent stacks), so a gated Llama-family model exports
+# as a LlamaForCausalLM with twice the query heads: q_proj's heads n..2n-1 carry the gate logits x W_g + b_g (a
+# head-wise gate repeated over its head's channels, which gives the same sigmoid), keys and values keep n heads, and
+# o_proj reads zeros for the gate heads. The registered attention function ``qbench_gated+<base>`` undoes the rotary
+# embedding transformers applied to the gate heads (it rotates every query head; the inverse rotation is exact up to
+# float rounding), runs <base> on the first n heads and multiplies each output channel by its sigmoid. The gate is
+# the outermost wrapper, so a quantised KV cache (qbench_kv+<base>) sits inside it and sees an ordinary query.
+
+GATED_PREFIX = "qbench_gated+"
+GATED_BASES = ("sdpa", "eager", SOFTMAX1, SOFTMAX1_EAGER, *REMEDY_IMPLEMENTATIONS)
+
+
+def _unrotate(rotated: Tensor, module: torch.nn.Module, position_ids: Tensor | None) -> Tensor:
+    """Undo Llama's default rotary embedding on (B, H, T, D) heads at ``position_ids`` (B or 1, T)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    if (
+        position_ids is None
+    ):  # LlamaDecoderLayer passes them down; refuse rather than gate with rotated logits
+        raise RuntimeError(
+            "gated attention got no position_ids to undo the rotary embedding of its gate heads"
+        )
+    rope = module.config.rope_parameters
+    if rope.get("rope_type", "default") != "default":
+        raise RuntimeError(f"gated attention expects the default rotary embedding, not {rope['rope_type']!r}")
+    inv_freq, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(module.config)
+    freqs = position_ids[..., None].float() * inv_freq.to(rotated.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(rotated.dtype)[:, None], emb.sin().to(rotated.dtype)[:, None]
+    half = rotated.size(-1) // 2
+    rotate_half = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
+    return rotated * cos - rotate_half * sin  # R(θ)ᵀ: the rotation by −θ
+
+
+def _gated_attention(base: str) -> Callable:
+    def attention(
+        module: torch.nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[Tensor, Tensor | None]:
+        n = module.config.qbench_gate_heads
+        if query.size(1) != 2 * n:
+            raise RuntimeError(
+                f"gated attention expects {2 * n} query heads (queries, gates), got {query.size(1)}"
+            )
+        gate = _unrotate(query[:, n:], module, kwargs.get("position_ids"))
+        module.num_key_value_groups = 1  # the base sees n query heads over n key/value heads
+        out, probs = base_attention(base, module)(
+            module, query[:, :n], key, value, attention_mask, *args, **kwargs
+        )
+        out = out * torch.sigmoid(gate.transpose(1, 2)).to(out.dtype)  # (B, T, n, D)
+        return torch.cat([out, torch.zeros_like(out)], dim=2), probs  # o_proj reads zeros for the gate heads
+
+    attention.__doc__ = (
+        f"{base} attention with a sigmoid output gate carried in query heads n..2n-1 (models.hf)."
+    )
+    return attention
+
+
+def register_gated(base: str) -> str:
+    """Register ``qbench_gated+<base>`` (attention, and the base's mask function) with transformers; its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    name = GATED_PREFIX + base
+    AttentionInterface.register(name, _gated_attention(base))
+    masks = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    if base in masks:
+        AttentionMaskInterface.register(name, masks[base])
+    return name
+
+
+def ungated(implementation: str) -> tuple[bool, str]:
+    """(whether ``implementation`` is a gated one, the implementation it wraps)."""
+    if implementation.startswith(GATED_PREFIX):
+        return True, implementation[len(GATED_PREFIX) :]
+    return False, implementation
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -309,7 +413,6 @@ def _llama_model(config: ModelConfig, state: dict[str, Tensor]) -> Any:
         config,
         "LlamaForCausalLM",
         attn=("softmax", *ATTN_IMPLEMENTATIONS),
-        gate=("none",),
         norm=("rmsnorm", "rmsnorm_single"),
         norm_position=("pre",),
         pos=("rope",),
@@ -333,13 +436,41 @@ def _llama_model(config: ModelConfig, state: dict[str, Tensor]) -> Any:
         bos_token_id=None,
         eos_token_id=None,
     )
+    gated = config.gate != "none"
+    if gated:  # the gate rides in n extra query heads (see "gated attention (export)" above)
+        hf_config.num_attention_heads = 2 * config.n_head
+        hf_config.attention_bias = True  # the gate's bias; zero for q, k, v and o where the model has none
+        hf_config.qbench_gate = config.gate
+        hf_config.qbench_gate_heads = config.n_head
     model = LlamaForCausalLM(hf_config)
     hf_state = {}
     for name, tensor in state.items():
         if name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")) and tensor.numel() == 1:
             tensor = tensor.expand(config.d_model).clone()  # RMSNorm-S: one scalar gain = a constant vector
-        hf_state[_llama_name(name)] = tensor
+        if ".attn.g_proj." not in name:
+            hf_state[_llama_name(name)] = tensor
+    if gated:
+        _pack_gates(config, state, hf_state)
     return model, hf_state
+
+
+def _pack_gates(config: ModelConfig, state: dict[str, Tensor], hf_state: dict[str, Tensor]) -> None:
+    """q_proj = [W_q; W_g] (head-wise gate rows repeated over the head's channels), o_proj = [W_o, 0]."""
+    width = config.n_head * config.head_dim
+    for i in range(config.n_layer):
+        ours, theirs = f"transformer.h.{i}.attn", f"model.layers.{i}.self_attn"
+        gate_w, gate_b = state[f"{ours}.g_proj.weight"], state[f"{ours}.g_proj.bias"]
+        if config.gate == "headwise":
+            gate_w = gate_w.repeat_interleave(config.head_dim, dim=0)
+            gate_b = gate_b.repeat_interleave(config.head_dim, dim=0)
+        q_w = hf_state[f"{theirs}.q_proj.weight"]
+        q_b = hf_state.get(f"{theirs}.q_proj.bias", q_w.new_zeros(width))
+        hf_state[f"{theirs}.q_proj.weight"] = torch.cat([q_w, gate_w])
+        hf_state[f"{theirs}.q_proj.bias"] = torch.cat([q_b, gate_b])
+        o_w = hf_state[f"{theirs}.o_proj.weight"]
+        hf_state[f"{theirs}.o_proj.weight"] = torch.cat([o_w, torch.zeros_like(o_w)], dim=1)
+        for proj, size in (("k_proj", width), ("v_proj", width), ("o_proj", config.d_model)):
+            hf_state.setdefault(f"{theirs}.{proj}.bias", q_w.new_zeros(size))
 
 
 def to_hf_model(model: torch.nn.Module, tokenizer: Any | None = None) -> Any:
@@ -382,6 +513,9 @@ def to_hf_model(model: torch.nn.Module, tokenizer: Any | None = None) -> Any:
         hf_model.config.sink_logits = [
             block.attn.sinks.detach().float().cpu().tolist() for block in model.transformer.h
         ]
+    if config.gate != "none":
+        register_softmax1()
+        attn_impl = GATED_PREFIX + attn_impl
     hf_model.config._attn_implementation = attn_impl
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import UserError
-from models.hf import REMEDY_IMPLEMENTATIONS, SOFTMAX1, SOFTMAX1_EAGER
+from models.hf import GATED_PREFIX, REMEDY_IMPLEMENTATIONS, SOFTMAX1, SOFTMAX1_EAGER, ungated
 from models.observe import EveryLayer, Observation, observe
 from models.transformer import Transformer
 
@@ -76,12 +76,13 @@ def _block_output(output: Tensor | tuple) -> Tensor:
 def _eager_attention(model: nn.Module) -> Iterator[None]:
     """Temporarily switch a transformers model to an attention implementation that returns probabilities."""
     current = model.config._attn_implementation
+    gated, inner = ungated(current or "sdpa")  # a gated export keeps its gate around the eager base
     # The remedies' attention functions (clipped softmax, softpick, sink logit) are explicit already.
     explicit = (SOFTMAX1_EAGER, "eager", *REMEDY_IMPLEMENTATIONS)
-    eager = SOFTMAX1_EAGER if current == SOFTMAX1 else current if current in explicit else "eager"
-    if current not in (SOFTMAX1, "sdpa", None, *explicit):
+    eager = SOFTMAX1_EAGER if inner == SOFTMAX1 else inner if inner in explicit else "eager"
+    if inner not in (SOFTMAX1, "sdpa", *explicit):
         raise UserError(f"attention implementation {current!r} has no eager equivalent for attention metrics")
-    model.set_attn_implementation(eager)
+    model.set_attn_implementation(GATED_PREFIX + eager if gated else eager)
     try:
         yield
     finally:

@@ -65,6 +65,7 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import UserError
+from models.hf import base_attention, register_gated, ungated
 from qbench.quant.kv_options import GRANULARITIES, KV_BITS  # noqa: F401 - GRANULARITIES: the former names
 from qbench.quant.kvschemes import KVSchemeQuantizer as KVQuantizer  # the quantiser attached per layer
 from qbench.quant.primitives import TINY, check_finite
@@ -361,15 +362,6 @@ def _hook_cache_argument(module: nn.Module, model: nn.Module) -> None:
     module.register_forward_pre_hook(hand_cache, with_kwargs=True)
 
 
-def _base_attention(base: str, module: nn.Module) -> Callable:
-    """The attention function ``base`` names; "eager" is each model file's own ``eager_attention_forward``."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if base == "eager":
-        return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[base]
-
-
 def _kv_attention(base: str) -> Callable:
     def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any):
         quantizer = _quantizer_of(module, KV_PREFIX + base)
@@ -386,11 +378,11 @@ def _kv_attention(base: str) -> Callable:
                 *args,
                 softmax_one=base in (SOFTMAX1, SOFTMAX1_EAGER),
                 base_name=base,
-                base=_base_attention(base, module),
+                base=base_attention(base, module),
                 **kwargs,
             )
         key, value = quantizer(key, value)  # (B, kv heads, T, D): as stored, before GQA's repeat
-        return _base_attention(base, module)(module, query, key, value, *args, **kwargs)
+        return base_attention(base, module)(module, query, key, value, *args, **kwargs)
 
     attention.__doc__ = f"{base} attention reading a quantised KV cache (qbench.quant.kv)."
     return attention
@@ -403,6 +395,9 @@ def register_kv_attention(base: str) -> str:
 
     if base.startswith(KV_PREFIX):
         raise UserError("the model's KV cache is already quantised; start from the float model")
+    gated, inner = ungated(base)
+    if gated:  # the gate stays outermost: the quantised cache sees the ordinary query heads
+        return register_gated(register_kv_attention(inner))
     name = KV_PREFIX + base
     if base != "eager":
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

@@ -320,6 +320,7 @@ def architecture(lm: Any) -> dict[str, Any]:
         out.update(
             family=config.get("family"),
             attention=config.get("attn"),
+            gate=config.get("gate", "none"),
             norm=config.get("norm"),
             norm_position=config.get("norm_position"),
             positions=config.get("pos"),
@@ -344,10 +345,13 @@ def architecture(lm: Any) -> dict[str, Any]:
     head = getattr(model, "get_output_embeddings", lambda: None)()
     emb = getattr(model, "get_input_embeddings", lambda: None)()
     tied = head is not None and emb is not None and head.weight is emb.weight
-    impl = getattr(hf, "_attn_implementation", None)
+    from models.hf import HF_ATTENTION_KINDS, ungated
+
+    gated, impl = ungated(str(getattr(hf, "_attn_implementation", None) or "sdpa"))
     out.update(
         family=getattr(hf, "model_type", None),
-        attention="softmax1" if impl and "softmax1" in str(impl) else "softmax",
+        attention=HF_ATTENTION_KINDS.get(impl, "softmax"),
+        gate=getattr(hf, "qbench_gate", "none") if gated else "none",
         norm=norm,
         norm_position=None,
         positions="rope" if rope else "learned" if learned else None,
@@ -356,7 +360,7 @@ def architecture(lm: Any) -> dict[str, Any]:
         if getattr(hf, "use_sliding_window", True)
         else None,
         layers=getattr(hf, "num_hidden_layers", None),
-        heads=getattr(hf, "num_attention_heads", None),
+        heads=getattr(hf, "qbench_gate_heads", None) if gated else getattr(hf, "num_attention_heads", None),
         d_model=getattr(hf, "hidden_size", None),
         context=getattr(hf, "max_position_embeddings", None),
     )

@@ -184,7 +184,7 @@ def _sections(
             "layers × heads × width",
             f"{_num(ident.get('layers'))} × {_num(ident.get('heads'))} × {_num(ident.get('d_model'))}",
         ],
-        ["attention", _num(ident.get("attention"))],
+        ["attention", _num(ident.get("attention")) + _gate(ident.get("gate"))],
         ["norm", f"{_num(ident.get('norm'))} ({_num(ident.get('norm_position'))})"],
         ["positions", _num(ident.get("positions"))],
         ["tied LM head", _num(ident.get("tied_head"))],
@@ -558,3 +558,7 @@ def html(card: Mapping[str, Any], figs: Mapping[str, bytes]) -> str:
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>qbench card: '
         f"{_e(names)}</title><style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
     )
+
+
+def _gate(gate: str | None) -> str:
+    return f", {gate} output gate" if gate not in (None, "none") else ""

@@ -399,11 +399,62 @@ def test_an_osp_checkpoint_exports_as_the_plain_model(tmp_path):
     assert (hf(x).logits - model(x)).abs().max() <= 1e-4
 
 
-def test_gated_attention_is_refused_by_the_export():
+@pytest.mark.parametrize("gate", ["headwise", "elementwise"])
+@pytest.mark.parametrize("attn", ["softmax", "softmax1", "sink-logit"])
+def test_gated_llama_exports_and_generates_the_same_tokens(gate, attn, tmp_path):
+    """The gate rides in extra query heads whose rotary embedding the registered function undoes (models.hf)."""
+    from transformers import AutoModelForCausalLM
+
+    from models.checkpoint import save_checkpoint
+    from models.hf import GATED_PREFIX, export_to_hf, to_hf_model
+    from qbench.eval.adapters import forward_observed, observe_any
+
+    model = perturbed("llama", dict(gate=gate, attn=attn, emb_proj=True))
+    hf = to_hf_model(model)
+    assert hf.config._attn_implementation.startswith(GATED_PREFIX)
+    x = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    assert (hf(x).logits - model(x)).abs().max() <= 1e-4
+    y = x.clone()
+    y[:, 12:] = (y[:, 12:] + 1) % 97  # causal through the base's mask function
+    torch.testing.assert_close(hf(x).logits[:, :12], hf(y).logits[:, :12])
+    with observe_any(hf, attention=True) as obs:  # probabilities through the gated eager variant
+        forward_observed(hf, x, obs)
+    with observe(model, hidden=False, attention=True) as ours:
+        model(x)
+    torch.testing.assert_close(obs.attention[1], ours.attention[1], rtol=1e-4, atol=1e-5)
+    assert hf.config._attn_implementation.startswith(GATED_PREFIX)  # restored after observing
+    ours_tokens = model.generate(x[:, :6], 8)
+    theirs = hf.generate(x[:, :6], max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(theirs[:, 6:], ours_tokens)  # through transformers' KV cache: positions > 0
+    save_checkpoint(tmp_path / "ckpt", model, None)  # a plain from_pretrained of the exported folder
+    again = AutoModelForCausalLM.from_pretrained(str(export_to_hf(tmp_path / "ckpt", tmp_path / "hf")))
+    assert (again(x).logits - model(x)).abs().max() <= 1e-4
+    from types import SimpleNamespace
+
+    from qbench.studies.card import architecture
+
+    arch = architecture(SimpleNamespace(model=again, description={}))  # what a card of the folder says
+    assert (arch["attention"], arch["gate"], arch["heads"]) == (attn, gate, model.config.n_head)
+
+
+def test_gated_kv_cache_quantisation_matches_ours_inside_the_gate():
+    from models.hf import to_hf_model
+    from qbench.quant.kv import KVConfig, apply_kv
+
+    x = torch.randint(0, 97, (1, 24))
+    model = perturbed("llama", dict(gate="elementwise"))
+    # per-token on one version; KIVI with a short float window reads two versions (the streaming path)
+    for config in (KVConfig(4, "per-token"), KVConfig(4, "kivi", group=8, residual=8)):
+        ours, theirs = apply_kv(model, config), apply_kv(to_hf_model(model), config)
+        assert (ours(x) - model(x)).abs().max() > 1e-4  # 4-bit keys/values change something
+        torch.testing.assert_close(theirs(x).logits, ours(x), rtol=1e-4, atol=1e-4)
+
+
+def test_gated_gpt2_attention_is_refused_by_the_export():
     from models.hf import to_hf_model
 
     with pytest.raises(UserError, match="gate='headwise' has no equivalent"):
-        to_hf_model(build(micro("llama", gate="headwise")))
+        to_hf_model(build(micro("gpt2", gate="headwise")))
 
 
 # -------------------------------------------------------------------------------------------------- config errors

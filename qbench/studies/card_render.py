@@ -102,6 +102,9 @@ def figures(card: Mapping[str, Any]) -> dict[str, bytes]:
             axes[2].set_ylabel("linear layer (model order)")
         axes[2].invert_yaxis()
         axes[2].set(title="linear input crest factor max|x|/RMS", xscale="log")
+        axes[2].set_xlim(left=1)  # max|x|/RMS >= 1: the bars start at the smallest possible value
+        for axis in (axes[0].yaxis, axes[1].yaxis, axes[2].xaxis):
+            _readable_log_ticks(axis)
         fig.suptitle(f"{m['name']}: outlier profile", fontsize=10)
         fig.tight_layout()
         out[f"outliers-{i}"] = _png(fig)
@@ -562,3 +565,18 @@ def html(card: Mapping[str, Any], figs: Mapping[str, bytes]) -> str:
 
 def _gate(gate: str | None) -> str:
     return f", {gate} output gate" if gate not in (None, "none") else ""
+
+
+def _readable_log_ticks(axis: Any) -> None:
+    """Plain-number ticks on a log axis that never overlap: matplotlib labels minor ticks (2×10¹, 3×10¹, …) when
+    an axis spans under about a decade, and they collide. Within a decade, a few linear steps; otherwise 1-2-5."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+
+    lo, hi = axis.get_view_interval()
+    lo, hi = min(lo, hi), max(lo, hi)
+    if lo > 0 and hi / lo < 10:
+        axis.set_major_locator(MaxNLocator(nbins=4))
+    else:
+        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())

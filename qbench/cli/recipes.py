@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> None:
         estimate,
         long_config,
         run_panel,
-        time_one_step,
+        time_steps,
     )
 
     base = long_config() if args.long else RecipesConfig()
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> None:
         }
     )
     if args.estimate:
-        console.print(describe_estimate(estimate(cfg, time_one_step(cfg))), highlight=False)
+        console.print(describe_estimate(estimate(cfg, time_steps(cfg))), highlight=False)
         return
     from qbench.cli.sweep import run_sweep_with_progress
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,17 +130,21 @@ def _train_config(cfg: RecipesConfig, recipe: str) -> Any:
     return config_from_args(vars(build_parser().parse_args(["--steps", str(run.steps), *run.args])))
 
 
-def time_one_step(cfg: RecipesConfig) -> float:
-    """Seconds of one forward/backward/AdamW step of the panel's baseline on this machine (one thread, as the
-    panel trains), after one warm-up step."""
+def time_one_step(cfg: RecipesConfig, recipe: str | None = None) -> float:
+    """Seconds of one training step of ``recipe`` (default: the panel's first) on this machine: its own model
+    and optimiser (Muon, OrthoAdam, explicit attention cost more than the baseline), one thread as the panel
+    trains, after one warm-up step."""
     import torch
     import torch.nn.functional as F
 
     from models import build
+    from trainers.optim.registry import build_optimizer, optimizer_param_groups
 
-    tc = _train_config(cfg, cfg.recipes[0])
+    tc = _train_config(cfg, recipe or cfg.recipes[0])
     model = build(tc.model_config(), seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = build_optimizer(
+        tc.optimizer, optimizer_param_groups(tc.optimizer, model, tc.weight_decay), 1e-4, tc.weight_decay
+    )
     x = torch.randint(0, tc.model_config().vocab_size, (tc.batch_size, tc.window + 1))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -156,10 +161,27 @@ def time_one_step(cfg: RecipesConfig) -> float:
         torch.set_num_threads(threads)
 
 
-def estimate(cfg: RecipesConfig, step_s: float | None = None) -> dict[str, Any]:
+def time_steps(cfg: RecipesConfig) -> dict[str, float]:
+    """{recipe: seconds per step} for every recipe that has steps left to train."""
+    left = {r["recipe"] for r in estimate(cfg)["runs"] if r["steps_left"]}
+    return {recipe: time_one_step(cfg, recipe) for recipe in cfg.recipes if recipe in left}
+
+
+def _list_schedule(durations: list[float], parallel: int) -> float:
+    """Wall time of running ``durations`` in order, ``parallel`` at a time, each starting when a slot frees
+    (what ``train_runs`` does)."""
+    slots = [0.0] * max(1, parallel)
+    for d in durations:
+        k = slots.index(min(slots))
+        slots[k] += d
+    return max(slots)
+
+
+def estimate(cfg: RecipesConfig, step_s: float | Mapping[str, float] | None = None) -> dict[str, Any]:
     """The panel's cost before it starts: per recipe its steps, tokens and training FLOPs, the totals, and the
-    wall time at ``step_s`` seconds per step with ``parallel`` runs at once (a guess: Muon, OrthoAdam and the
-    explicit attention paths cost more per step than the baseline that was timed)."""
+    wall time with ``parallel`` runs at once at ``step_s`` seconds per step (one figure for all, or one per
+    recipe from :func:`time_steps`). Each step is timed alone: two runs side by side share the memory bus and
+    the caches, which made each ~10 % slower than its lone step on the development machines."""
     import torch
 
     from models import Transformer
@@ -175,6 +197,7 @@ def estimate(cfg: RecipesConfig, step_s: float | None = None) -> dict[str, Any]:
         out = cfg.ckpt_root / recipe
         done = read_state(out, verify=False)["step"] if has_state(out) else 0
         end = min(cfg.steps, tc.total_steps)  # a prefix of a longer schedule trains only ``steps``
+        own = step_s.get(recipe) if isinstance(step_s, Mapping) else step_s
         rows.append(
             {
                 "recipe": recipe,
@@ -183,18 +206,23 @@ def estimate(cfg: RecipesConfig, step_s: float | None = None) -> dict[str, Any]:
                 "steps_left": max(0, end - done),
                 "tokens": end * tc.tokens_per_step,
                 "flops": end * tc.tokens_per_step * fpt,
+                "step_s": own,
             }
         )
     steps_left = sum(r["steps_left"] for r in rows)
-    result = {
+    timed = all(r["step_s"] is not None for r in rows if r["steps_left"])
+    return {
         "runs": rows,
         "tokens": sum(r["tokens"] for r in rows),
         "flops": sum(r["flops"] for r in rows),
         "steps_left": steps_left,
-        "step_s": step_s,
-        "wall_s": None if step_s is None else steps_left * step_s / max(1, min(cfg.parallel, len(rows))),
+        "step_s": step_s if not isinstance(step_s, Mapping) else None,
+        "wall_s": _list_schedule(
+            [r["steps_left"] * r["step_s"] for r in rows if r["steps_left"]], min(cfg.parallel, len(rows))
+        )
+        if timed and step_s is not None
+        else None,
     }
-    return result
 
 
 def _flops(n: float) -> str:
@@ -222,10 +250,18 @@ def describe_estimate(est: dict[str, Any]) -> str:
     )
     if est["steps_left"] != runs * est["runs"][0]["steps"]:
         text += f"; {est['steps_left']} steps left to train (the rest resumes from checkpoints)"
-    if est["wall_s"] is not None:
+    timed = [r for r in est["runs"] if r["steps_left"] and r["step_s"] is not None]
+    if not est["steps_left"]:
+        text += "; nothing left to train"
+    elif est["wall_s"] is not None:
+        if est["step_s"] is not None:
+            rate = f"{est['step_s']:.2f} s per step"
+        else:
+            lo, hi = min(r["step_s"] for r in timed), max(r["step_s"] for r in timed)
+            rate = f"{lo:.2f}–{hi:.2f} s per step" if hi > lo * 1.005 else f"{lo:.2f} s per step"
         text += (
-            f"; about {_duration(est['wall_s'])} of training at {est['step_s']:.2f} s per step "
-            "(the baseline's step timed here; Muon, OrthoAdam and explicit attention run slower)"
+            f"; about {_duration(est['wall_s'])} of training at {rate} (each recipe's step timed here alone; "
+            "side by side they run ~10 % slower)"
         )
     return text
 
@@ -330,7 +366,7 @@ def run_panel(
 ) -> Path:
     """The whole study: estimate (printed), train, evaluate, sweep, write the table. ``sweep_runner(config,
     command)`` runs the sweep (the command line passes one with a progress view; default: ``run_sweep``)."""
-    est = estimate(cfg, time_one_step(cfg))
+    est = estimate(cfg, time_steps(cfg))
     console.print(
         f"[bold]qbench recipes[/] {', '.join(cfg.recipes)} ({cfg.description}): {describe_estimate(est)}"
     )

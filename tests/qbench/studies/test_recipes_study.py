@@ -3,6 +3,7 @@ trained two at a time, every recipe evaluated into one table."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 from pathlib import Path
@@ -49,7 +50,17 @@ def test_estimate_counts_tokens_and_flops_before_anything_runs(micro_panel):
     assert est["runs"][1]["flops"] > est["runs"][0]["flops"] > 0
     assert est["wall_s"] == pytest.approx(4 * 0.5 / 2)  # 4 steps, two runs at a time
     assert "2 runs x 2 steps" in study.describe_estimate(est)
-    assert study.time_one_step(micro_panel) > 0
+    # Each recipe's own step (OSP: Muon and the projection), scheduled as train_runs does: one slot each here.
+    steps = study.time_steps(micro_panel)
+    assert set(steps) == {"vanilla", "osp"} and all(s > 0 for s in steps.values())
+    est = study.estimate(micro_panel, {"vanilla": 0.5, "osp": 2.0})
+    assert est["wall_s"] == pytest.approx(2 * 2.0)  # side by side: the slower run sets the time
+    assert "0.50–2.00 s per step" in study.describe_estimate(est)
+    assert (
+        study.estimate(dataclasses.replace(micro_panel, parallel=1), {"vanilla": 0.5, "osp": 2.0})["wall_s"]
+        == 5.0
+    )
+    assert study._list_schedule([3, 1, 1, 1], 2) == 3  # a slot frees, the next run starts
     with pytest.raises(UserError, match="did you mean 'softpick'"):
         study.RecipesConfig(recipes=("softpik",))
 
@@ -75,6 +86,9 @@ def test_panel_trains_resumes_and_writes_one_table(micro_panel, monkeypatch, tmp
     osp = [r for r in records if r["model"]["name"] == "osp"]
     assert osp and all(r["model"]["merged_emb_proj"] for r in osp)
     assert study.estimate(micro_panel)["steps_left"] == 0  # a rerun resumes to nothing
+    assert "nothing left to train" in study.describe_estimate(
+        study.estimate(micro_panel, study.time_steps(micro_panel))
+    )
 
 
 def test_cli_module_prints_the_estimate_and_refuses_bad_input(micro_panel, capsys):

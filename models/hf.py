@@ -246,34 +246,56 @@ def base_attention(base: str, module: torch.nn.Module) -> Callable:
 # as a LlamaForCausalLM with twice the query heads: q_proj's heads n..2n-1 carry the gate logits x W_g + b_g (a
 # head-wise gate repeated over its head's channels, which gives the same sigmoid), keys and values keep n heads, and
 # o_proj reads zeros for the gate heads. The registered attention function ``qbench_gated+<base>`` undoes the rotary
-# embedding transformers applied to the gate heads (it rotates every query head; the inverse rotation is exact up to
-# float rounding), runs <base> on the first n heads and multiplies each output channel by its sigmoid. The gate is
-# the outermost wrapper, so a quantised KV cache (qbench_kv+<base>) sits inside it and sees an ordinary query.
+# embedding transformers applied to the gate heads (it rotates every query head; the inverse rotation uses the very
+# cos/sin applied, so it is exact up to the rounding of the model's dtype), runs <base> on the first n heads and
+# multiplies each output channel by its sigmoid. The gate is the outermost wrapper, so a quantised KV cache
+# (qbench_kv+<base>) sits inside it and sees an ordinary query.
 
 GATED_PREFIX = "qbench_gated+"
 GATED_BASES = ("sdpa", "eager", SOFTMAX1, SOFTMAX1_EAGER, *REMEDY_IMPLEMENTATIONS)
 
 
-def _unrotate(rotated: Tensor, module: torch.nn.Module, position_ids: Tensor | None) -> Tensor:
-    """Undo Llama's default rotary embedding on (B, H, T, D) heads at ``position_ids`` (B or 1, T)."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+def _applied_rotation(
+    module: torch.nn.Module, position_ids: Tensor | None, like: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The (cos, sin) transformers rotated ``module``'s queries with, each (B or 1, T, D).
 
+    They are read from the calling ``LlamaAttention.forward`` (its ``position_embeddings`` argument), not
+    recomputed: after ``model.to(torch.bfloat16)`` the model's ``inv_freq`` buffer is bf16-rounded while
+    ``from_pretrained(dtype=torch.bfloat16)`` keeps it float32, and a recomputed angle would differ from the
+    applied one by up to position × 2⁻⁹ rad. Without that frame (another caller), the angles are recomputed in
+    float32, which is what a float32 model applied.
+    """
+    frame = sys._getframe(2)  # _gated_attention's caller: the attention module's forward
+    applied = frame.f_locals.get("position_embeddings") if frame.f_locals.get("self") is module else None
+    del frame
+    if applied is not None:
+        return applied
+    if like.dtype != torch.float32:
+        raise RuntimeError(
+            "gated attention in a non-float32 model needs the rotary angles its attention module applied; "
+            "call it from LlamaAttention.forward"
+        )
     if (
         position_ids is None
     ):  # LlamaDecoderLayer passes them down; refuse rather than gate with rotated logits
         raise RuntimeError(
             "gated attention got no position_ids to undo the rotary embedding of its gate heads"
         )
-    rope = module.config.rope_parameters
-    if rope.get("rope_type", "default") != "default":
-        raise RuntimeError(f"gated attention expects the default rotary embedding, not {rope['rope_type']!r}")
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
     inv_freq, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(module.config)
-    freqs = position_ids[..., None].float() * inv_freq.to(rotated.device)
+    freqs = position_ids[..., None].float() * inv_freq.to(like.device)
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(rotated.dtype)[:, None], emb.sin().to(rotated.dtype)[:, None]
+    return emb.cos(), emb.sin()
+
+
+def _unrotate(rotated: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Undo ``apply_rotary_pos_emb`` on (B, H, T, D) heads: x = r·cos − rotate_half(r)·sin (rotation by −θ)."""
+    cos, sin = cos.to(rotated.dtype)[:, None], sin.to(rotated.dtype)[:, None]
     half = rotated.size(-1) // 2
     rotate_half = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
-    return rotated * cos - rotate_half * sin  # R(θ)ᵀ: the rotation by −θ
+    return rotated * cos - rotate_half * sin
 
 
 def _gated_attention(base: str) -> Callable:
@@ -291,8 +313,15 @@ def _gated_attention(base: str) -> Callable:
             raise RuntimeError(
                 f"gated attention expects {2 * n} query heads (queries, gates), got {query.size(1)}"
             )
-        gate = _unrotate(query[:, n:], module, kwargs.get("position_ids"))
-        module.num_key_value_groups = 1  # the base sees n query heads over n key/value heads
+        rope = module.config.rope_parameters
+        if rope.get("rope_type", "default") != "default":
+            raise RuntimeError(
+                f"gated attention expects the default rotary embedding, not {rope['rope_type']!r}"
+            )
+        cos, sin = _applied_rotation(module, kwargs.get("position_ids"), query)
+        gate = _unrotate(query[:, n:], cos, sin)
+        if module.num_key_value_groups != 1:  # the base sees n query heads over n key/value heads
+            module.num_key_value_groups = 1
         out, probs = base_attention(base, module)(
             module, query[:, :n], key, value, attention_mask, *args, **kwargs
         )
@@ -313,8 +342,9 @@ def register_gated(base: str) -> str:
     name = GATED_PREFIX + base
     AttentionInterface.register(name, _gated_attention(base))
     masks = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-    if base in masks:
-        AttentionMaskInterface.register(name, masks[base])
+    if base not in masks:  # transformers would pass no mask and attention would silently stop being causal
+        raise RuntimeError(f"cannot gate attention {base!r}: it has no registered mask function")
+    AttentionMaskInterface.register(name, masks[base])
     return name
 
 

@@ -346,8 +346,12 @@ def architecture(lm: Any) -> dict[str, Any]:
     emb = getattr(model, "get_input_embeddings", lambda: None)()
     tied = head is not None and emb is not None and head.weight is emb.weight
     from models.hf import HF_ATTENTION_KINDS, ungated
+    from qbench.quant.kv import KV_PREFIX
 
     gated, impl = ungated(str(getattr(hf, "_attn_implementation", None) or "sdpa"))
+    impl = impl.removeprefix(
+        KV_PREFIX
+    )  # a quantised cache sits inside the gate, around the model's attention
     out.update(
         family=getattr(hf, "model_type", None),
         attention=HF_ATTENTION_KINDS.get(impl, "softmax"),

@@ -93,6 +93,13 @@ def quantised_transformers(
     if _is_float(scheme):
         return as_transformers(lm), {"name": "fp", "description": "unquantised"}
     config = get_scheme(scheme)  # a typo fails here, before the conversion
+    if is_ours(lm.model) and lm.model.config.gate != "none":
+        raise UserError(
+            f"cannot score {lm.name} under {scheme!r} with lm-eval: its transformers form carries the attention "
+            "gate inside q_proj and a doubled o_proj (models.hf), so per-tensor scales and rotations would see "
+            "other tensors than qbench's own evaluation; lm-eval its float model, or use qbench run for the "
+            "quantised figures"
+        )
     model = as_transformers(lm)
     calibrated = needs_calibration(config)
     calibration = _calibration(lm, model, calibration_corpus, config) if calibrated else None

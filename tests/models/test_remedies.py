@@ -437,6 +437,53 @@ def test_gated_llama_exports_and_generates_the_same_tokens(gate, attn, tmp_path)
     assert (arch["attention"], arch["gate"], arch["heads"]) == (attn, gate, model.config.n_head)
 
 
+@pytest.mark.parametrize("how", ["to", "from_pretrained"])
+def test_gated_export_in_bfloat16_undoes_the_rotation_it_applied(how, tmp_path, monkeypatch):
+    """``.to(bfloat16)`` rounds the rotary inv_freq, ``from_pretrained(dtype=bfloat16)`` keeps it float32: the
+    gate must be un-rotated with the angles actually applied either way, not with recomputed ones."""
+    from transformers import AutoModelForCausalLM
+
+    import models.hf as hf_module
+    from models.checkpoint import save_checkpoint
+    from models.hf import export_to_hf, to_hf_model
+
+    config = micro("llama", gate="elementwise").replace(context=512)
+    model = build(config, seed=3).eval()
+    x = torch.randint(0, 97, (1, 512), generator=torch.Generator().manual_seed(2))
+    if how == "to":
+        hf = to_hf_model(model).to(torch.bfloat16)
+        assert hf.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    else:
+        save_checkpoint(tmp_path / "ckpt", model, None)
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(export_to_hf(tmp_path / "ckpt", tmp_path / "hf")), dtype=torch.bfloat16
+        )
+        assert hf.model.rotary_emb.inv_freq.dtype == torch.float32
+    applied, used = [], []
+    attn = hf.model.layers[1].self_attn
+    attn.register_forward_pre_hook(
+        lambda m, args, kwargs: applied.append(kwargs["position_embeddings"]), with_kwargs=True
+    )
+    unrotate = hf_module._unrotate
+    monkeypatch.setattr(
+        hf_module, "_unrotate", lambda r, cos, sin: used.append((cos, sin)) or unrotate(r, cos, sin)
+    )
+    with torch.no_grad():
+        logits = hf(x).logits.float()
+    assert torch.equal(used[1][0], applied[0][0]) and torch.equal(used[1][1], applied[0][1])
+    if how == "to":  # what recomputing would have used: visibly other angles at these positions
+        inv, _ = type(hf.model.rotary_emb).compute_default_rope_parameters(hf.config)
+        assert (
+            torch.arange(512)[:, None] * inv - torch.arange(512)[:, None] * inv.bfloat16().float()
+        ).abs().max() > 0.04
+    ours = build(config, seed=3).eval().to(torch.bfloat16)
+    ours.load_state_dict(model.state_dict())
+    with torch.no_grad():  # and the logits stay within bf16 rounding of the float model's
+        reference = model(x)
+        ours_err = (ours(x).float() - reference).abs().max()
+    assert (logits - reference).abs().max() <= 2 * ours_err + 1e-2
+
+
 def test_gated_kv_cache_quantisation_matches_ours_inside_the_gate():
     from models.hf import to_hf_model
     from qbench.quant.kv import KVConfig, apply_kv

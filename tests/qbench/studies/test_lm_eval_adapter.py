@@ -78,6 +78,12 @@ def test_bad_input_is_a_user_error(tokenizer, task_dir, monkeypatch):
         run_lm_eval(lm, "absmax-corse", [TASK], include_path=task_dir)
     with pytest.raises(UserError, match="unknown mode"):
         run_lm_eval(lm, "absmax-coarse", [TASK], include_path=task_dir, mode="fast")
+    gated = LoadedModel(
+        build(micro_config(family="llama", gate="headwise")), tokenizer, "gated", "memory", {"kind": "qbench"}
+    )
+    with pytest.raises(UserError, match=r"gated.*inside q_proj.*float model"):  # float is fine (models.hf)
+        quantised_transformers(gated, "absmax-coarse")
+    assert type(quantised_transformers(gated, "fp")[0]).__name__ == "LlamaForCausalLM"
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed
     with pytest.raises(UserError, match=r"pip install 'lm-eval\[hf\]'"):
         run_lm_eval(lm, "fp", [TASK], include_path=task_dir)

@@ -276,9 +276,8 @@ def _applied_rotation(
             "gated attention in a non-float32 model needs the rotary angles its attention module applied; "
             "call it from LlamaAttention.forward"
         )
-    if (
-        position_ids is None
-    ):  # LlamaDecoderLayer passes them down; refuse rather than gate with rotated logits
+    # LlamaDecoderLayer passes them down; refuse rather than gate with rotated logits
+    if position_ids is None:
         raise RuntimeError(
             "gated attention got no position_ids to undo the rotary embedding of its gate heads"
         )
@@ -532,8 +531,8 @@ def to_hf_model(model: torch.nn.Module, tokenizer: Any | None = None) -> Any:
     if config.tie_embeddings:
         hf_model.tie_weights()
     attn_impl = ATTN_IMPLEMENTATIONS.get(config.attn, "sdpa")
-    if attn_impl != "sdpa":
-        register_softmax1()
+    if attn_impl != "sdpa" or config.gate != "none":
+        register_softmax1()  # and the remedies' and gated functions
     if config.attn == "clipped":
         hf_model.config.clipped_softmax_gamma = config.clip_gamma
         hf_model.config.clipped_softmax_zeta = config.clip_zeta
@@ -544,7 +543,6 @@ def to_hf_model(model: torch.nn.Module, tokenizer: Any | None = None) -> Any:
             block.attn.sinks.detach().float().cpu().tolist() for block in model.transformer.h
         ]
     if config.gate != "none":
-        register_softmax1()
         attn_impl = GATED_PREFIX + attn_impl
     hf_model.config._attn_implementation = attn_impl
     if tokenizer is not None and tokenizer.eos_token_id is not None:

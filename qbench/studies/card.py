@@ -349,9 +349,7 @@ def architecture(lm: Any) -> dict[str, Any]:
     from qbench.quant.kv import KV_PREFIX
 
     gated, impl = ungated(str(getattr(hf, "_attn_implementation", None) or "sdpa"))
-    impl = impl.removeprefix(
-        KV_PREFIX
-    )  # a quantised cache sits inside the gate, around the model's attention
+    impl = impl.removeprefix(KV_PREFIX)  # a quantised cache sits inside the gate, around the attention
     out.update(
         family=getattr(hf, "model_type", None),
         attention=HF_ATTENTION_KINDS.get(impl, "softmax"),

@@ -168,10 +168,19 @@ def time_one_step(cfg: RecipesConfig, recipe: str | None = None) -> float:
         torch.set_num_threads(threads)
 
 
+def _steps(cfg: RecipesConfig, recipe: str, tc: Any) -> tuple[int, int]:
+    """(steps ``recipe`` trains in this panel, those left after its checkpoint)."""
+    from trainers.state import has_state, read_state
+
+    out = cfg.ckpt_root / recipe
+    done = read_state(out, verify=False)["step"] if has_state(out) else 0
+    end = min(cfg.steps, tc.total_steps)  # a prefix of a longer schedule trains only ``steps``
+    return end, max(0, end - done)
+
+
 def time_steps(cfg: RecipesConfig) -> dict[str, float]:
     """{recipe: seconds per step} for every recipe that has steps left to train."""
-    left = {r["recipe"] for r in estimate(cfg)["runs"] if r["steps_left"]}
-    return {recipe: time_one_step(cfg, recipe) for recipe in cfg.recipes if recipe in left}
+    return {r: time_one_step(cfg, r) for r in cfg.recipes if _steps(cfg, r, _train_config(cfg, r))[1]}
 
 
 def _list_schedule(durations: list[float], parallel: int) -> float:
@@ -192,7 +201,6 @@ def estimate(cfg: RecipesConfig, step_s: float | Mapping[str, float] | None = No
     import torch
 
     from models import Transformer
-    from trainers.state import has_state, read_state
     from trainers.throughput import flops_per_token
 
     rows = []
@@ -201,16 +209,14 @@ def estimate(cfg: RecipesConfig, step_s: float | Mapping[str, float] | None = No
         mc = tc.model_config()
         with torch.device("meta"):
             fpt = flops_per_token(Transformer(mc), mc.n_layer, mc.d_model, tc.window)
-        out = cfg.ckpt_root / recipe
-        done = read_state(out, verify=False)["step"] if has_state(out) else 0
-        end = min(cfg.steps, tc.total_steps)  # a prefix of a longer schedule trains only ``steps``
+        end, left = _steps(cfg, recipe, tc)
         own = step_s.get(recipe) if isinstance(step_s, Mapping) else step_s
         rows.append(
             {
                 "recipe": recipe,
                 "optimizer": tc.optimizer,
                 "steps": end,
-                "steps_left": max(0, end - done),
+                "steps_left": left,
                 "tokens": end * tc.tokens_per_step,
                 "flops": end * tc.tokens_per_step * fpt,
                 "step_s": own,
@@ -223,7 +229,6 @@ def estimate(cfg: RecipesConfig, step_s: float | Mapping[str, float] | None = No
         "tokens": sum(r["tokens"] for r in rows),
         "flops": sum(r["flops"] for r in rows),
         "steps_left": steps_left,
-        "step_s": step_s if not isinstance(step_s, Mapping) else None,
         "wall_s": _list_schedule(
             [r["steps_left"] * r["step_s"] for r in rows if r["steps_left"]], min(cfg.parallel, len(rows))
         )
@@ -255,17 +260,14 @@ def describe_estimate(est: dict[str, Any]) -> str:
         f"{runs} runs x {est['runs'][0]['steps']} steps = {est['tokens']:,} training tokens, "
         f"{_flops(est['flops'])}"
     )
-    if est["steps_left"] != runs * est["runs"][0]["steps"]:
+    if 0 < est["steps_left"] != runs * est["runs"][0]["steps"]:
         text += f"; {est['steps_left']} steps left to train (the rest resumes from checkpoints)"
-    timed = [r for r in est["runs"] if r["steps_left"] and r["step_s"] is not None]
     if not est["steps_left"]:
         text += "; nothing left to train"
-    elif est["wall_s"] is not None:
-        if est["step_s"] is not None:
-            rate = f"{est['step_s']:.2f} s per step"
-        else:
-            lo, hi = min(r["step_s"] for r in timed), max(r["step_s"] for r in timed)
-            rate = f"{lo:.2f}–{hi:.2f} s per step" if hi > lo * 1.005 else f"{lo:.2f} s per step"
+    elif est["wall_s"] is not None:  # every run with steps left is timed
+        times = [r["step_s"] for r in est["runs"] if r["steps_left"]]
+        lo, hi = min(times), max(times)
+        rate = f"{lo:.2f}–{hi:.2f} s per step" if hi > lo * 1.005 else f"{lo:.2f} s per step"
         text += (
             f"; about {_duration(est['wall_s'])} of training at {rate} (each recipe's step timed here alone)"
         )

@@ -211,3 +211,30 @@ def test_the_budget_in_words_says_the_tokens_actually_scored():
     assert f"{quick.tokens:,} tokens," in quick.describe() == quick.describe(quick.tokens)
     text = quick.describe(16384)
     assert "16,384 tokens (--tokens; the budget's own: 4,096)" in text and "4,096 tokens," not in text
+
+
+@pytest.mark.parametrize(
+    ("lo", "hi", "labels"),
+    [(2.6, 3.0, None), (6.0, 80.0, ["10", "20", "50"])],  # within a decade: linear steps; beyond: 1-2-5
+)
+def test_log_axes_get_plain_non_overlapping_tick_labels(lo, hi, labels):
+    """matplotlib labels minor ticks (2×10⁰, 3×10⁰ …) on a log axis spanning under a decade, and they collide."""
+    from qbench.studies.card_render import _readable_log_ticks
+    from qbench.studies.plots import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [lo, hi])
+    ax.set(yscale="log", ylim=(lo, hi))
+    _readable_log_ticks(ax.yaxis)
+    fig.canvas.draw()
+    axis = ax.yaxis
+    shown = [v for v in axis.get_majorticklocs() if lo <= v <= hi]
+    major = [axis.get_major_formatter()(v, k) for k, v in enumerate(shown)]
+    minor = [t for k, v in enumerate(axis.get_minorticklocs()) if (t := axis.get_minor_formatter()(v, k))]
+    plt.close(fig)
+    assert not minor and all("times" not in m and "^" not in m for m in major)
+    if labels is None:
+        assert 2 <= len(major) <= 5 and all(lo <= float(m) <= hi for m in major)
+    else:
+        assert major == labels

@@ -15,18 +15,20 @@
 #define QUANTIZE_ROW(x, n, s, q) qk_avx2_quantize_row(x, n, s, q)
 #define W8A8_GEMV qk_avx2_w8a8_gemv
 #define W4A8_GEMV qk_avx2_w4a8_gemv
-/* the W8A8 and W4A8 prefill at VNNI's int8 rate (native_avx512.c); every other loop stays AVX2 */
+/* the W8A8 and W4A8 prefill at VNNI's int8 rate and the packed 2/3-bit GEMV on 16 lanes (native_avx512.c);
+   every other loop stays AVX2 */
 #if defined(QK_AVX512VNNI)
 #define W8A8_GEMM qk_avx512_w8a8_gemm
 #define W4A8_GEMM qk_avx512_w4a8_gemm
+#define LOWBIT_LINEAR qk_avx512_lowbit_linear /* 2/3-bit codes 16 to a zmm; 4-bit the AVX2 loop */
 #define QK_VNNI 1
 #else
 #define W8A8_GEMM qk_avx2_w8a8_gemm
 #define W4A8_GEMM qk_avx2_w4a8_gemm
+#define LOWBIT_LINEAR qk_avx2_lowbit_linear
 #define QK_VNNI 0
 #endif
 #define WEIGHT_ONLY_LINEAR qk_avx2_weight_only_linear
-#define LOWBIT_LINEAR qk_avx2_lowbit_linear
 #define LOWBIT_DEQUANTIZE qk_avx2_lowbit_dequantize
 #else
 /* the portable build has one loop per family, for every row count */
@@ -53,7 +55,7 @@ int qk_isa(void) { return QK_ISA; } /* 1: AVX2 + FMA, 0: portable C */
 
 int qk_openmp(void) { return QK_OPENMP; }
 
-int qk_avx512_vnni(void) { return QK_VNNI; } /* 1: the W8A8 and W4A8 GEMMs are native_avx512.c's */
+int qk_avx512_vnni(void) { return QK_VNNI; } /* 1: the W8A8/W4A8 GEMMs and 2/3-bit GEMV are native_avx512.c's */
 
 /* Per block of `rows_per_scale` consecutive rows (1: per token; T: per sequence):
    s = max(max|x| / 127, FLT_MIN), q = clamp(round(x / s), -127, 127) — int8.py's quantize_activation. */

@@ -3,9 +3,10 @@
    Files (the ggml-quants layering): native_ref.c holds the portable scalar loops and is always compiled — it is
    the definition, what a CPU without AVX2 runs and what the vector loops are tested against; native_avx2.c
    holds one function per AVX2 + FMA loop and compiles to nothing unless the build targets AVX2 (build.py's
-   -march=native); native_avx512.c (the W8A8 and W4A8 GEMMs on vpdpbusd) compiles to nothing unless the
-   target has AVX-512 VNNI; native.c exports the entry points and picks among them at build time, from the compile
-   flags (the -march=native build is for the machine that runs it, so nothing is left to choose at run time).
+   -march=native); native_avx512.c (the W8A8 and W4A8 GEMMs on vpdpbusd, the 2/3-bit GEMV on 16 lanes)
+   compiles to nothing unless the target has AVX-512 VNNI; native.c exports the entry points and picks among
+   them at build time, from the compile flags (the -march=native build is for the machine that runs it, so
+   nothing is left to choose at run time).
    Shared here: the scalar pieces all three use (epilogues, tails), so they compute them identically.
 
    Layouts (all row-major, no padding; K need not be a multiple of anything: tails run scalar code):
@@ -117,6 +118,33 @@ static inline float lowbit_zero(const uint8_t *zr, int zconst, int64_t grp) {
     return zr ? (float)zr[grp] : (float)zconst;
 }
 
+/* The packed-code GEMV's channel loop, shared by native_avx2.c and native_avx512.c so both visit channels, row
+   blocks and threads alike: ROWS(x, ldx, mb, wr, bits, sr, zr, zconst, groups, k, ldw, out) is the build's
+   always-inline row-block loop, called with a constant block of 1 … LOWBIT_MB rows (the rows that share each
+   unpacked vector) so each block size is compiled on its own; the caller's parameters are qk_lowbit_linear's.
+   Dynamic chunks of 64 channels: a thread that loses its core (a busy machine) holds up only its chunk. */
+#define LOWBIT_MB 4
+#define LOWBIT_CHANNELS(ROWS)                                                                                       \
+    int64_t ldw = lowbit_row_bytes(bits, k);                                                                        \
+    _Pragma("omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(dynamic, 64)")                       \
+    for (int64_t n = 0; n < n_out; ++n) {                                                                           \
+        const uint8_t *wr = w + n * ldw, *zr = zero ? zero + n * groups : NULL;                                     \
+        const float *sr = scale + n * groups;                                                                       \
+        if (n + 4 < n_out) _mm_prefetch((const char *)(wr + 4 * ldw), _MM_HINT_T0);                                 \
+        for (int64_t m = 0; m < m_rows; m += LOWBIT_MB) {                                                           \
+            float out[LOWBIT_MB];                                                                                   \
+            int64_t mb = m_rows - m < LOWBIT_MB ? m_rows - m : LOWBIT_MB;                                           \
+            const float *xm = x + m * k;                                                                            \
+            switch (mb) {                                                                                           \
+            case 1: ROWS(xm, k, 1, wr, bits, sr, zr, zconst, groups, k, ldw, out); break;                           \
+            case 2: ROWS(xm, k, 2, wr, bits, sr, zr, zconst, groups, k, ldw, out); break;                           \
+            case 3: ROWS(xm, k, 3, wr, bits, sr, zr, zconst, groups, k, ldw, out); break;                           \
+            default: ROWS(xm, k, 4, wr, bits, sr, zr, zconst, groups, k, ldw, out); break;                          \
+            }                                                                                                       \
+            for (int64_t i = 0; i < mb; ++i) y[(m + i) * n_out + n] = bias ? out[i] + bias[n] : out[i];             \
+        }                                                                                                           \
+    }
+
 /* Σ_{i in [from, to)} ŵ_i x_i with ŵ_i = (u_i − z) · s (fake mode's weight, bit for bit), in channel order */
 static inline float lowbit_span(const float *x, const uint8_t *wr, int bits, float z, float s, int64_t from,
                                 int64_t to) {
@@ -183,6 +211,9 @@ QK_HIDDEN void qk_avx512_w8a8_gemm(const int8_t *q, const float *sx, int64_t m_r
 QK_HIDDEN void qk_avx512_w4a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const uint8_t *w,
                                    const float *scale, int64_t groups, const float *bias, float *y,
                                    int64_t n_out, int64_t k, int nthreads);
+QK_HIDDEN void qk_avx512_lowbit_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *w, int bits,
+                                       const float *scale, const uint8_t *zero, int zconst, int64_t groups,
+                                       const float *bias, float *y, int64_t n_out, int nthreads);
 #endif
 
 #endif

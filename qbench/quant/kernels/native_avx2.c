@@ -773,8 +773,7 @@ int qk_avx2_weight_only_linear(const float *x, int64_t m_rows, const uint8_t *w,
    low three bits, so no mask) looks the code up in an 8-entry table of float(t − z), built once per group —
    three vector ops per eight weights before the FMA, exact (u − z is a small integer). 4-bit codes have 16
    values, too many for one permute: mask, subtract z, convert. Channel order is kept, so x needs no
-   reordering. Up to LB_MB activation rows share each unpacked vector; each group's sum is scaled once. */
-#define LB_MB 4
+   reordering. Up to LOWBIT_MB activation rows share each unpacked vector; each group's sum is scaled once. */
 
 /* table[u] for the 8 codes at channel c (c % 8 == 0) of a packed row (2/3-bit), or (u − z) as float (4-bit):
    for the vector loops. 2-bit reads
@@ -815,9 +814,9 @@ static inline __attribute__((always_inline)) void lowbit_rows(const float *x, in
     /* the last whole vector step: 3-bit loads 4 bytes per 3-byte unit, so the row's last unit runs scalar */
     int64_t vend = bits == 3 ? (ldw / 3 - 1) * 8 : k & ~(int64_t)7;
     const __m256 iota = bits == 2 ? _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3) : _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 acc[LB_MB][4];
-    float extra[LB_MB];
-    for (int i = 0; i < LB_MB; ++i) {
+    __m256 acc[LOWBIT_MB][4];
+    float extra[LOWBIT_MB];
+    for (int i = 0; i < LOWBIT_MB; ++i) {
         extra[i] = 0.0f;
         for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_ps();
     }
@@ -864,26 +863,7 @@ static inline __attribute__((always_inline)) void lowbit_rows(const float *x, in
 void qk_avx2_lowbit_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *w, int bits, const float *scale,
                            const uint8_t *zero, int zconst, int64_t groups, const float *bias, float *y,
                            int64_t n_out, int nthreads) {
-    int64_t ldw = lowbit_row_bytes(bits, k);
-    /* dynamic chunks of 64 channels: a thread that loses its core (a busy machine) holds up only its chunk */
-#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(dynamic, 64)
-    for (int64_t n = 0; n < n_out; ++n) {
-        const uint8_t *wr = w + n * ldw, *zr = zero ? zero + n * groups : NULL;
-        const float *sr = scale + n * groups;
-        if (n + 4 < n_out) _mm_prefetch((const char *)(wr + 4 * ldw), _MM_HINT_T0);
-        for (int64_t m = 0; m < m_rows; m += LB_MB) {
-            float out[LB_MB];
-            int64_t mb = m_rows - m < LB_MB ? m_rows - m : LB_MB;
-            const float *xm = x + m * k;
-            switch (mb) {
-            case 1: lowbit_rows(xm, k, 1, wr, bits, sr, zr, zconst, groups, k, ldw, out); break;
-            case 2: lowbit_rows(xm, k, 2, wr, bits, sr, zr, zconst, groups, k, ldw, out); break;
-            case 3: lowbit_rows(xm, k, 3, wr, bits, sr, zr, zconst, groups, k, ldw, out); break;
-            default: lowbit_rows(xm, k, 4, wr, bits, sr, zr, zconst, groups, k, ldw, out); break;
-            }
-            for (int64_t i = 0; i < mb; ++i) y[(m + i) * n_out + n] = bias ? out[i] + bias[n] : out[i];
-        }
-    }
+    LOWBIT_CHANNELS(lowbit_rows);
 }
 
 /* Ŵ[:, :k_out] = (u − z) · s, qk_lowbit_dequantize's operations (the table holds float(t) − z, then one multiply:

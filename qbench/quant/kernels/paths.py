@@ -323,7 +323,11 @@ def describe(kind: str, rows: int) -> str:
     path = choose(kind, rows)
     c = "portable C" if native.isa() == "C" else f"C {native.isa()}"
     return {
-        "c-gemv": f"{c} GEMV" if kind in ("w8a8", "w4a8") else f"{c} kernel reading the codes (no Ŵ)",
+        "c-gemv": f"{c} GEMV"
+        if kind in ("w8a8", "w4a8")
+        else "C AVX-512 kernel reading the codes (no Ŵ; 4-bit codes AVX2)"
+        if kind == "lowbit" and native.vnni()
+        else f"{c} kernel reading the codes (no Ŵ)",
         "c-gemm": "C AVX-512 VNNI GEMM" if kind in ("w8a8", "w4a8") and native.vnni() else f"{c} int16 GEMM",
         "int-mm": "C quantiser + torch._int_mm + C epilogue"
         if kind == "w8a8"
@@ -351,7 +355,7 @@ def instruction_set() -> str:
     have = [f for f in ISA_FLAGS if f in cpu_flags()]
     built = f"C kernels built for {native.isa()}" if native.available() else "C kernels off"
     if native.available() and native.vnni():
-        built += " (the W8A8 and W4A8 GEMMs for AVX-512 VNNI)"
+        built += " (the W8A8 and W4A8 GEMMs and the 2/3-bit GEMV for AVX-512 VNNI)"
     return f"{' '.join(have) or 'no AVX2'}; {built}"
 
 

@@ -471,6 +471,35 @@ def test_w4a8_gemm_equal_across_avx2_and_vnni_builds():
         assert torch.equal(y, want), (m, k, n, group)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_lowbit_gemv_equal_across_avx2_and_this_build(bits):
+    """The packed 2/3/4-bit weight-only loop of an AVX2-only build (native_avx2.c, 8 lanes) and of this build
+    (native_avx512.c's 16-lane loop for 2 and 3 bits where the CPU has AVX-512 VNNI): the same sums in the same
+    order, so the same bits — at rows 1–4 (each row-block width) and 17, groups of 32 / 64 / 128 channels, per
+    channel with K off the 32-channel step (the 8-channel steps and the scalar tail), odd groups (all scalar)."""
+    avx2 = _avx2()
+    if avx2 is None:
+        pytest.skip("the compiler does not build AVX2 here")
+    torch.manual_seed(bits)
+    n = 37
+    for k, group, symmetric in [(256, 32, False), (512, 64, True), (384, 128, False), (203, None, False),
+                                (88, None, True), (105, 21, False)]:  # fmt: skip
+        gran = PerAxis(0) if group is None else PerGroup(group)
+        real = LowBitLinear.from_float(torch.randn(n, k), None, bits, gran, symmetric)
+        padded = real.scales.shape[1] * real.group
+        zconst = -qrange(bits, True)[0]
+        bias = torch.randn(n)
+        for m in (1, 2, 3, 4, 17):
+            x = torch.nn.functional.pad(torch.randn(m, k), (0, padded - k))
+            groups = real.scales.shape[1]
+            args = (x, m, padded, real.qweight, bits, real.scales, real.zeros, zconst, groups, bias)
+            want, y = torch.empty(m, n), torch.empty(m, n)
+            _call(avx2, "qk_lowbit_linear", *args, want, n, 1)
+            _call(native.library(), "qk_lowbit_linear", *args, y, n, 1)
+            assert torch.equal(y, want), (k, group, m)
+            assert rel_err(y, x[:, :k] @ real.dequantized_weight().T + bias) < 1e-5
+
+
 def test_portable_build_declines_weight_only_and_layers_dequantise():
     """native_ref.c has no loop reading weight-only codes: the entry point declines and paths.py dequantises."""
     portable = _portable()

@@ -56,7 +56,17 @@ def test_quantize_rows_equals_torch(m, k, per_token):
 # decode loop (≤ 16 rows: 1-4 row passes, K tails) and panel GEMM (> 16 rows: 1-3 row tiles, odd K, N tails)
 @pytest.mark.parametrize(
     ("m", "k", "n"),
-    [(1, 63, 37), (2, 2048, 9), (7, 96, 5), (16, 96, 5), (17, 63, 37), (40, 65, 70), (18, 1024, 64)],
+    [
+        (1, 63, 37),
+        (1, 384, 9),  # batch 1 up to 384-byte rows: four weight rows per pass, one left over
+        (1, 1000, 9),  # longer rows: one weight row per pass, a K tail
+        (2, 2048, 9),
+        (7, 96, 5),
+        (16, 96, 5),
+        (17, 63, 37),
+        (40, 65, 70),
+        (18, 1024, 64),
+    ],
 )
 def test_w8a8_kernel_is_exact(m, k, n):
     torch.manual_seed(0)

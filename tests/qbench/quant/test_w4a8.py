@@ -45,6 +45,9 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, group: 
     [
         (1, 63, 37, None),  # odd K: every channel in the scalar tail
         (1, 200, 13, None),  # batch 1: four weight rows per pass, a K tail, one row left over
+        (1, 768, 9, 64),  # rows of 384 bytes: the last width that takes four weight rows per pass
+        (1, 1000, 13, None),  # longer rows: one weight row per pass, a K tail
+        (1, 1024, 6, 64),
         (1, 256, 33, 64),
         (3, 2048, 9, None),
         (1, 96, 8, 32),  # K % 64 == 32: the last group is a tail group

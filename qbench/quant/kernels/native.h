@@ -7,7 +7,8 @@
    compiles to nothing unless the target has AVX-512 VNNI; native.c exports the entry points and picks among
    them at build time, from the compile flags (the -march=native build is for the machine that runs it, so
    nothing is left to choose at run time).
-   Shared here: the scalar pieces all three use (epilogues, tails), so they compute them identically.
+   Shared here: the scalar pieces all three use (epilogues, tails), so they compute them identically, and the
+   packed-code GEMV's channel loop and 8-code step that the AVX2 and AVX-512 loops share.
 
    Layouts (all row-major, no padding; K need not be a multiple of anything: tails run scalar code):
      x   float32 (M, K) activations         q   int8 (M, K) activation codes, sx float32 (M,) their scales
@@ -177,6 +178,30 @@ QK_HIDDEN void qk_ref_lowbit_dequantize(const uint8_t *w, int bits, const float 
 
 /* --------------------------------------------------------- native_avx2.c: built when the target has AVX2 */
 #ifdef QK_AVX2
+#include <immintrin.h>
+
+/* table[u] for the 8 codes at channel c (c % 8 == 0) of a packed row (2/3-bit), or (u − z) as float (4-bit):
+   the packed-code GEMVs' 8-channel step (native_avx2.c's loop, and native_avx512.c's tail steps with the low half
+   of its table). 2-bit reads 2 bytes, 3-bit 4 bytes (one past the unit: the caller keeps the row's last unit for
+   the scalar tail), 4-bit 4 bytes */
+static inline __m256 lowbit8(const uint8_t *wr, int bits, int64_t c, __m256 table, __m256i zv) {
+    if (bits == 2) {
+        uint16_t v;
+        memcpy(&v, wr + c / 4, 2);
+        __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+        return _mm256_permutevar8x32_ps(table, idx);
+    }
+    uint32_t v;
+    memcpy(&v, wr + (bits == 3 ? 3 * (c / 8) : c / 2), 4);
+    if (bits == 3) {
+        __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32((int)v), _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21));
+        return _mm256_permutevar8x32_ps(table, idx);
+    }
+    __m256i u = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)v), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                 _mm256_set1_epi32(15));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(u, zv));
+}
+
 QK_HIDDEN float qk_avx2_absmax_f32(const float *x, int64_t n);
 QK_HIDDEN void qk_avx2_quantize_row(const float *x, int64_t n, float s, int8_t *q);
 QK_HIDDEN void qk_avx2_w8a8_gemv(const int8_t *q, const float *sx, int64_t m_rows, const int8_t *w,

@@ -779,28 +779,6 @@ int qk_avx2_weight_only_linear(const float *x, int64_t m_rows, const uint8_t *w,
    values, too many for one permute: mask, subtract z, convert. Channel order is kept, so x needs no
    reordering. Up to LOWBIT_MB activation rows share each unpacked vector; each group's sum is scaled once. */
 
-/* table[u] for the 8 codes at channel c (c % 8 == 0) of a packed row (2/3-bit), or (u − z) as float (4-bit):
-   for the vector loops. 2-bit reads
-   2 bytes, 3-bit 4 bytes (one past the unit: the caller keeps the row's last unit for the scalar tail),
-   4-bit 4 bytes */
-static inline __m256 lowbit8(const uint8_t *wr, int bits, int64_t c, __m256 table, __m256i zv) {
-    if (bits == 2) {
-        uint16_t v;
-        memcpy(&v, wr + c / 4, 2);
-        __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
-        return _mm256_permutevar8x32_ps(table, idx);
-    }
-    uint32_t v;
-    memcpy(&v, wr + (bits == 3 ? 3 * (c / 8) : c / 2), 4);
-    if (bits == 3) {
-        __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32((int)v), _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21));
-        return _mm256_permutevar8x32_ps(table, idx);
-    }
-    __m256i u = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)v), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
-                                 _mm256_set1_epi32(15));
-    return _mm256_cvtepi32_ps(_mm256_sub_epi32(u, zv));
-}
-
 /* 2-bit, 16 codes at c (c % 16 == 0) from one 32-bit word: two shifts of one broadcast */
 static inline void lowbit2_16(const uint8_t *wr, int64_t c, __m256 table, __m256 f[2]) {
     uint32_t v;

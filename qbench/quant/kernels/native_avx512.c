@@ -359,14 +359,6 @@ static inline __m512 lowbit16(const uint8_t *wr, int bits, int64_t c, __m512 tab
     return _mm512_permutexvar_ps(_mm512_srlv_epi32(both, sh), table);
 }
 
-/* the ŵ of the 8 codes at c (the AVX2 loop's lowbit8: the table's low half is its 8-entry table) */
-static inline __m256 lowbit8x(const uint8_t *wr, int bits, int64_t c, __m512 table) {
-    uint32_t v = 0;
-    memcpy(&v, wr + (bits == 2 ? c / 4 : 3 * (c / 8)), bits == 2 ? 2 : 4);
-    const __m256i sh = bits == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14) : _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
-    return _mm256_permutevar8x32_ps(_mm512_castps512_ps256(table), _mm256_srlv_epi32(_mm256_set1_epi32((int)v), sh));
-}
-
 static inline __m256 half_hi(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
 
 static inline __attribute__((always_inline)) void lowbit_rows16(const float *x, int64_t ldx, const int mb,
@@ -397,7 +389,7 @@ static inline __attribute__((always_inline)) void lowbit_rows16(const float *x, 
                 }
             }
             for (; c + 8 <= c1; c += 8) { /* into the AVX2 loop's accumulator 0: the low half of zmm 0 */
-                const __m256 f = lowbit8x(wr, bits, c, table);
+                const __m256 f = lowbit8(wr, bits, c, _mm512_castps512_ps256(table), _mm256_setzero_si256());
                 for (int i = 0; i < mb; ++i) {
                     __m256 lo = _mm256_fmadd_ps(f, _mm256_loadu_ps(x + i * ldx + c), _mm512_castps512_ps256(acc[i][0]));
                     acc[i][0] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(acc[i][0]), _mm256_castps_pd(lo), 0));

@@ -322,12 +322,12 @@ def describe(kind: str, rows: int) -> str:
     """Words for ``choose(kind, rows)``, for ``qbench env`` and benchmark tables."""
     path = choose(kind, rows)
     c = "portable C" if native.isa() == "C" else f"C {native.isa()}"
+    if kind == "lowbit" and native.vnni():  # native_avx512.c's 16-lane loop for 2/3-bit codes
+        reading = "C AVX-512 kernel reading the codes (no Ŵ; 4-bit codes AVX2)"
+    else:
+        reading = f"{c} kernel reading the codes (no Ŵ)"
     return {
-        "c-gemv": f"{c} GEMV"
-        if kind in ("w8a8", "w4a8")
-        else "C AVX-512 kernel reading the codes (no Ŵ; 4-bit codes AVX2)"
-        if kind == "lowbit" and native.vnni()
-        else f"{c} kernel reading the codes (no Ŵ)",
+        "c-gemv": f"{c} GEMV" if kind in ("w8a8", "w4a8") else reading,
         "c-gemm": "C AVX-512 VNNI GEMM" if kind in ("w8a8", "w4a8") and native.vnni() else f"{c} int16 GEMM",
         "int-mm": "C quantiser + torch._int_mm + C epilogue"
         if kind == "w8a8"

@@ -21,6 +21,7 @@ try:
         INTERRUPTED,
         _Parser,
         _Version,
+        console,
         err_console,
         os_error_line,
     )
@@ -79,6 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The commands whose peak resident memory is printed when they finish: those that evaluate many cells.
+MEMORY_REPORTED = ("card", "sweep", "sensitivity", "grid", "demo")
+
+
+def peak_memory_gib() -> float:
+    """Peak resident set size of this process so far, GiB (``getrusage``: kilobytes on Linux, bytes on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(list(sys.argv[1:] if argv is None else argv))
@@ -101,7 +114,10 @@ def _main(argv: list[str]) -> int:
         if args.command is None:
             build_parser().print_help()
             return 0
-        return COMMANDS[args.command](args) or 0
+        code = COMMANDS[args.command](args) or 0
+        if args.command in MEMORY_REPORTED and code == 0:
+            console.print(f"[dim]peak memory {peak_memory_gib():.2f} GiB (resident, this process)[/]")
+        return code
     except UserError as e:
         err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         return 2

@@ -54,6 +54,18 @@ def context_length(model: nn.Module, window: int | None = None) -> int:
     )
 
 
+# lm-evaluation-harness's HFLM scores windows of at most 2,048 tokens unless told otherwise; so does qbench.
+# Why a cap: a window's logits are T x vocabulary floats and an eager attention map T^2 per head, so a long
+# context (SmolLM2: 8,192, vocabulary 49,152) costs 1.6 GB of logits per window and 2.4 GB per attention map.
+MAX_DEFAULT_WINDOW = 2048
+
+
+def default_window(model: nn.Module, window: int | None = None) -> int:
+    """The evaluation window when ``--window`` is not given: the model's context, at most
+    :data:`MAX_DEFAULT_WINDOW`; ``window`` when it is."""
+    return window if window is not None else min(context_length(model), MAX_DEFAULT_WINDOW)
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks in order: ours ``transformer.h``; transformers' the ModuleList of
     ``num_hidden_layers`` blocks (``model.layers`` in Llama-likes, ``transformer.h`` in GPT-2)."""
@@ -127,27 +139,69 @@ def _record_hidden(obs: Observation, ran: EveryLayer, index: int):
     return record
 
 
+def attention_modules(model: nn.Module) -> list[nn.Module] | None:
+    """Each decoder layer's self-attention module (its direct child named ``self_attn``, ``attn`` or
+    ``attention``), or None when some layer has none of them."""
+    found = []
+    for layer in decoder_layers(model):
+        children = dict(layer.named_children())
+        module = next((children[n] for n in ("self_attn", "attn", "attention") if n in children), None)
+        if module is None:
+            return None
+        found.append(module)
+    return found
+
+
 def forward_observed(model: nn.Module, input_ids: Tensor, obs: Observation) -> Tensor:
-    """Forward pass inside :func:`observe_any`; for transformers models, collects the attentions it returns."""
+    """Forward pass inside :func:`observe_any`; for transformers models, collects attention probabilities.
+
+    Each layer's (B, nh, T, T) map is handed to ``obs.attention`` by a hook on its attention module the
+    moment the module returns it, so a consumer that reduces maps as they arrive (``outlier_metrics``) holds
+    one layer's map at a time. Why not ``output_attentions=True``: transformers then keeps every layer's map
+    until the forward pass ends — 30 layers x 9 heads x 8,192^2 float32 is 72 GB for SmolLM2-135M's context.
+    """
     if is_ours(model) or not getattr(model, "_qbench_want_attentions", False):
         return logits(model, input_ids)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        use_cache=False,
-        output_attentions=True,
-    )
-    attentions = list(out.attentions or ())
     n = len(decoder_layers(model))
-    if len(attentions) != n or any(a is None for a in attentions):
-        got = sum(a is not None for a in attentions)
-        raise UserError(
-            f"{type(model).__name__} returned attention probabilities for {got} of its {n} layers: "
-            f"attention metrics need an eager attention implementation that returns them in every layer "
-            f"({SUPPORTED_LAYOUTS})"
+    modules = attention_modules(model)
+    if modules is None:  # no attention module to hook: ask transformers for the maps, all held at once
+        out = model(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            use_cache=False,
+            output_attentions=True,
         )
-    obs.attention.extend(a.detach() for a in attentions)
-    return out.logits
+        maps = list(out.attentions or ())
+        got = [a for a in maps if a is not None]
+        if len(maps) != n or len(got) != n:
+            _missing_attention(model, len(got), n)
+        obs.attention.extend(a.detach() for a in got)
+        return out.logits
+    seen = [0]
+
+    def take(_module: nn.Module, _args: tuple, output: Tensor | tuple) -> None:
+        probs = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+        if isinstance(probs, Tensor) and probs.dim() == 4:
+            seen[0] += 1
+            obs.attention.append(probs.detach())
+
+    handles = [module.register_forward_hook(take) for module in modules]
+    try:
+        out = logits(model, input_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if seen[0] != n:
+        _missing_attention(model, seen[0], n)
+    return out
+
+
+def _missing_attention(model: nn.Module, got: int, n: int) -> None:
+    raise UserError(
+        f"{type(model).__name__} returned attention probabilities for {got} of its {n} layers: "
+        f"attention metrics need an eager attention implementation that returns them in every layer "
+        f"({SUPPORTED_LAYOUTS})"
+    )
 
 
 def first_parameter(model: nn.Module) -> torch.Tensor:

@@ -694,15 +694,14 @@ def unsupported_cells(spec: GridSpec) -> list[tuple[str, str, str]]:
 
 
 def cells(spec: GridSpec) -> list[tuple[str, str]]:
-    """(scheme, mode) pairs; the ``fp`` scheme (float weights + quantised KV cache) once, in fake mode."""
-    if FLOAT_SCHEME in spec.schemes and spec.kv is None:
-        raise UserError(
-            "scheme 'fp' (float weights and activations) is a cell only with a quantised KV cache (--kv-bits); "
-            "the float baseline is always evaluated"
-        )
+    """(scheme, mode) pairs; the ``fp`` scheme (float weights + quantised KV cache) once, in fake mode.
+
+    ``fp`` without a quantised KV cache is the float baseline itself, which every grid evaluates (or reuses)
+    first: it adds no cell, so ``qbench run --scheme fp`` is the way to get the float perplexity alone."""
     return [
         (scheme, mode)
         for scheme in spec.schemes
+        if not (scheme == FLOAT_SCHEME and spec.kv is None)
         for mode in (["fake"] if scheme == FLOAT_SCHEME else spec.modes)
     ]
 

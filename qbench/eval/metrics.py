@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from models.errors import UserError
 from models.stats import OutlierAccumulator
 from models.tokenizer import separator_id
-from qbench.eval.adapters import forward_observed, logits, observe_any
+from qbench.eval.adapters import MAX_DEFAULT_WINDOW, forward_observed, logits, observe_any
 from trainers.batches import validation_windows, window_span
 
 
@@ -71,7 +71,7 @@ def make_windows(tokenizer: Any, protocol: Protocol, context: int) -> Windows:
     """Cut the protocol's text into the evaluation windows (see the module docstring)."""
     from trainers.data import token_stream
 
-    window = context if protocol.window is None else protocol.window
+    window = min(context, MAX_DEFAULT_WINDOW) if protocol.window is None else protocol.window
     if window > context:
         raise UserError(f"--window {window} exceeds the model's context length {context}")
     if window < 2:
@@ -110,6 +110,50 @@ def protocol_record(
     }
 
 
+# Bytes of float32 logits (or of attention maps) one forward pass may produce; the batch shrinks to fit, down to
+# one window. The per-token statistics do not depend on the batch, only the peak memory does.
+LOGITS_BUDGET = 512 * 2**20
+ATTENTION_BUDGET = 256 * 2**20
+
+
+def rows_within(batch_size: int, floats_per_row: int, budget: int) -> int:
+    """The largest batch ≤ ``batch_size`` whose ``floats_per_row`` float32 values per window fit ``budget``."""
+    return max(1, min(batch_size, budget // max(1, 4 * floats_per_row)))
+
+
+def output_width(model: nn.Module) -> int:
+    """The number of logits per token (the vocabulary the head scores)."""
+    config = model.config
+    width = getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", None)
+    return int(width or 1)
+
+
+def forward_rows(model: nn.Module, batch_size: int, window: int, attention: bool = False) -> int:
+    """Windows per forward pass for the statistics: ``batch_size``, fewer when that batch's logits (or, with
+    ``attention``, one layer's attention maps) would exceed :data:`LOGITS_BUDGET` (:data:`ATTENTION_BUDGET`)."""
+    rows = rows_within(batch_size, window * output_width(model), LOGITS_BUDGET)
+    if attention:
+        config = model.config
+        heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 1
+        rows = min(rows, rows_within(batch_size, int(heads) * window * window, ATTENTION_BUDGET))
+    return rows
+
+
+def token_nll(out: Tensor, targets: Tensor, chunk: int = 1024) -> Tensor:
+    """Per-token NLL (float32) of ``targets`` (B, T) under logits ``out`` (B, T, V), flat, in token order.
+
+    Computed ``chunk`` tokens at a time so that cross-entropy's log-softmax copy is of a chunk, not of the
+    batch's whole (B, T, V) logits."""
+    flat = out.reshape(-1, out.size(-1))
+    goal = targets.reshape(-1)
+    return torch.cat(
+        [
+            F.cross_entropy(flat[i : i + chunk].float(), goal[i : i + chunk], reduction="none")
+            for i in range(0, goal.numel(), chunk)
+        ]
+    )
+
+
 @torch.no_grad()
 def perplexity(
     model: nn.Module, windows: Windows, batch_size: int = 8, device: str = "cpu"
@@ -122,12 +166,11 @@ def perplexity(
     cell equal to float to the last digit on one CPU and not on another).
     """
     total_nll, total_tokens = 0.0, 0
-    for start in range(0, len(windows.ids), batch_size):
-        batch = windows.ids[start : start + batch_size].to(device)
-        targets = windows.targets[start : start + batch_size].to(device)
-        out = logits(model, batch).float()
-        nll = F.cross_entropy(out.reshape(-1, out.size(-1)), targets.reshape(-1), reduction="none")
-        total_nll += nll.double().sum().item()
+    rows = rows_within(batch_size, windows.window * output_width(model), LOGITS_BUDGET)
+    for start in range(0, len(windows.ids), rows):
+        batch = windows.ids[start : start + rows].to(device)
+        targets = windows.targets[start : start + rows].to(device)
+        total_nll += token_nll(logits(model, batch), targets).double().sum().item()
         total_tokens += targets.numel()
     mean_nll = total_nll / total_tokens
     ppl = math.exp(mean_nll) if math.isfinite(mean_nll) and mean_nll < 700 else float("inf")
@@ -164,10 +207,11 @@ def outlier_metrics(
     """``models.stats`` statistics of the first ``n_windows`` windows, summary plus per-layer curves."""
     acc = OutlierAccumulator()
     ids = windows.ids[:n_windows]
-    for start in range(0, len(ids), batch_size):
+    rows = forward_rows(model, batch_size, ids.size(1), attention)
+    for start in range(0, len(ids), rows):
         with observe_any(model, attention=attention) as obs:
             obs.attention = _AttentionSink(acc)  # reduce each layer's (B, nh, T, T) map as it arrives
-            forward_observed(model, ids[start : start + batch_size].to(device), obs)
+            forward_observed(model, ids[start : start + rows].to(device), obs)
         acc.add_hidden(obs.hidden)
     return {**acc.summary(), "per_layer": acc.per_layer(), "windows": len(ids)}
 
@@ -290,7 +334,10 @@ def linear_ranges(
     layers = {name: module for name, module in model.named_modules() if is_linear(module)}
     handles = [module.register_forward_hook(observe(name)) for name, module in layers.items()]
     try:
-        logits(model, windows.ids[:n_windows].to(device))
+        ids = windows.ids[:n_windows]
+        rows = forward_rows(model, len(ids), ids.size(1))
+        for start in range(0, len(ids), rows):
+            logits(model, ids[start : start + rows].to(device))
     finally:
         for handle in handles:
             handle.remove()
@@ -367,11 +414,12 @@ def attention_sink_per_head(
     key 0 — ``first_token_top1_share`` and ``first_token_mass`` (``models.stats``) before averaging over heads."""
     sink = _PerHeadSink()
     ids = windows.ids[:n_windows]
-    for start in range(0, len(ids), batch_size):
+    rows = forward_rows(model, batch_size, ids.size(1), attention=True)
+    for start in range(0, len(ids), rows):
         sink.layer = 0
         with observe_any(model, attention=True) as obs:
             obs.attention = sink
-            forward_observed(model, ids[start : start + batch_size].to(device), obs)
+            forward_observed(model, ids[start : start + rows].to(device), obs)
     return {
         "windows": len(ids),
         "top1_share": [(h / n).tolist() if n else [] for h, n in zip(sink.hits, sink.queries, strict=True)],

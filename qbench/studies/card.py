@@ -519,7 +519,7 @@ def speed_record(
 
 def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any]:
     """Evaluate (or reuse) every cell of the card for each model, then build it and write card.json/.md/.html."""
-    from qbench.eval.adapters import context_length
+    from qbench.eval.adapters import default_window
     from qbench.eval.harness import ModelEvaluation, cell_record, run_grid
     from qbench.eval.load import load_model
 
@@ -557,7 +557,7 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
             record, reused = cell_record(spec, evaluation, scheme, "fake")
             formats.append(record)
             progress.cell(record, reused)
-        window = cfg.window or context_length(lm.model)
+        window = default_window(lm.model, cfg.window)
         kv = []
         for config in kv_configs(cfg, window):
             kv_spec = _spec(cfg, model, ["fp"], kv=config)

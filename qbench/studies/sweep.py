@@ -436,9 +436,9 @@ def run_sweep(
                 f"two models are both named {lm.name!r} ({sources[lm.name]} and {lm.source}): their records "
                 f"would share {Path(cfg.output_path) / lm.name}/; rename one folder"
             )
-        from qbench.eval.adapters import context_length
+        from qbench.eval.adapters import default_window
 
-        window = cfg.protocol.window or context_length(lm.model)
+        window = default_window(lm.model, cfg.protocol.window)
         for kv, group in _groups(cfg, cells, window):
             spec = _grid_spec(cfg, [model], _unique_schemes(group), kv)
             records = run_grid(spec, on_record=on_record, loaded={model: lm})

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from models.errors import UserError
 from qbench.cli import main
 from qbench.eval.harness import GridSpec, run_grid
 from qbench.eval.metrics import Protocol
@@ -80,9 +79,13 @@ def test_the_reuse_key_includes_the_kv_block(ckpt_dir, tmp_path):
     assert seen == [True, False] and again["kv"] == first["kv"]
 
 
-def test_fp_scheme_needs_a_kv_cache(ckpt_dir, tmp_path):
-    with pytest.raises(UserError, match="only with a quantised KV cache"):
-        run_grid(grid(tmp_path, ckpt_dir, ["fp"]))
+def test_fp_scheme_alone_is_the_float_baseline(ckpt_dir, tmp_path, capsys):
+    records = run_grid(grid(tmp_path, ckpt_dir, ["fp"]))
+    assert [r["scheme"]["name"] for r in records] == ["fp"]  # the baseline, no second cell
+    out = str(tmp_path / "cli")
+    assert main(["run", "--ckpt", str(ckpt_dir), "--scheme", "fp", *FAST, "--output-path", out]) == 0
+    assert "fp" in capsys.readouterr().out
+    assert list((tmp_path / "cli" / ckpt_dir.name).glob("*.json"))
 
 
 FAST = ["--tokens", "128", "--batch-size", "2", "--no-attention"]
@@ -110,7 +113,6 @@ def test_cli_run_and_score_with_a_quantised_cache(ckpt_dir, tmp_path, capsys):
         (["--kv-bits", "4", "--kv-granularity", "per-tokn"], "did you mean 'per-token'"),
         (["--kv-bits", "4", "--kv-keep-first", "-1"], "integer ≥ 0"),
         (["--kv-keep-first", "1"], "need --kv-bits"),
-        (["--scheme", "fp"], "only with a quantised KV cache"),
     ],
 )
 def test_bad_kv_options_are_one_line_errors(extra, message, ckpt_dir, tmp_path, capsys):

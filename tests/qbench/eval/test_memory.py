@@ -1,0 +1,93 @@
+"""Peak memory of the statistics and the perplexity does not grow with the number of windows.
+
+What would make it grow (seen: ``qbench card`` on SmolLM2-135M killed at 22 GB): transformers'
+``output_attentions`` keeping every layer's (B, nh, T, T) map until the forward pass ends, and a whole batch's
+(B, T, vocabulary) logits plus cross-entropy's copy of them. The tests count what is alive at once instead of
+timing or measuring RSS, so they are exact on any CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import qbench.eval.metrics as metrics
+from qbench.eval.adapters import MAX_DEFAULT_WINDOW, default_window, forward_observed, observe_any
+from qbench.eval.metrics import Windows, forward_rows, outlier_metrics, perplexity
+
+
+def tiny_llama(context: int = 64):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=128,
+        num_hidden_layers=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+    )
+    return tf.LlamaForCausalLM(config).eval()
+
+
+def windows(n: int, t: int = 16) -> Windows:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (n, t + 1), generator=g)
+    return Windows(ids[:, :-1], ids[:, 1:], n * t, n * (t + 1), False, t)
+
+
+def test_one_attention_map_alive_at_a_time():
+    """Each layer's map reaches the consumer as its module returns it and is gone before the next layer's."""
+    model = tiny_llama()
+    alive_max = [0]
+    refs: list[weakref.ref] = []
+
+    class Consumer(list):
+        def append(self, probs):
+            gc.collect()
+            refs.append(weakref.ref(probs))
+            alive_max[0] = max(alive_max[0], sum(r() is not None for r in refs))
+
+    ids = windows(2).ids
+    with observe_any(model, attention=True) as obs:
+        obs.attention = Consumer()
+        forward_observed(model, ids, obs)
+    assert len(refs) == 3  # every layer's map was seen ...
+    assert alive_max[0] == 1  # ... and none outlived its layer (output_attentions keeps all 3)
+
+
+def test_forward_batches_shrink_to_the_budget(monkeypatch):
+    """With a budget of one window's logits, every forward pass sees one window, and the numbers do not move."""
+    model = tiny_llama()
+    w = windows(6)
+    full = perplexity(model, w, batch_size=6)
+    stats_full = outlier_metrics(model, w, n_windows=6, batch_size=6)
+    seen: list[int] = []
+    real = metrics.logits
+    monkeypatch.setattr(metrics, "LOGITS_BUDGET", 4 * 16 * 128)  # one window of 16 tokens x 128 logits
+    monkeypatch.setattr(metrics, "logits", lambda m, ids: seen.append(len(ids)) or real(m, ids))
+    assert forward_rows(model, 6, 16) == 1
+    small = perplexity(model, w, batch_size=6)
+    assert set(seen) == {1} and len(seen) == 6
+    assert small["nll"] == pytest.approx(full["nll"], rel=1e-6) and small["tokens"] == full["tokens"]
+    stats_small = outlier_metrics(model, w, n_windows=6, batch_size=6)
+    assert stats_small["kurtosis_other"] == pytest.approx(stats_full["kurtosis_other"], rel=1e-5)
+    assert stats_small["first_token_mass"] == pytest.approx(stats_full["first_token_mass"], rel=1e-5)
+
+
+def test_attention_budget_bounds_the_batch(monkeypatch):
+    model = tiny_llama()
+    monkeypatch.setattr(metrics, "ATTENTION_BUDGET", 4 * 4 * 16 * 16 * 2)  # two windows' maps of 4 heads
+    assert forward_rows(model, 8, 16, attention=True) == 2
+    assert forward_rows(model, 8, 16, attention=False) == 8
+
+
+def test_the_default_window_is_capped_as_lm_eval_caps_it():
+    assert default_window(tiny_llama(context=8192)) == MAX_DEFAULT_WINDOW == 2048
+    assert default_window(tiny_llama(context=64)) == 64
+    assert default_window(tiny_llama(context=8192), 4096) == 4096  # an explicit --window wins

@@ -7,7 +7,8 @@ Perplexity protocol (token level, never word or byte level):
   ``<|endoftext|>``, concatenated (``trainers.data.token_stream``);
 - budget: the first ``tokens`` tokens of that stream are scored, each exactly once (rounded down to whole
   windows, but at least one window: ``tokens_scored`` in the record is the exact count);
-- windows: non-overlapping, each of ``window`` input positions (default: the model's context), every position
+- windows: non-overlapping, each of ``window`` input positions (default: the model's context, at most
+  ``adapters.MAX_DEFAULT_WINDOW`` = 2,048 as lm-evaluation-harness caps it), every position
   scored — the trainer's own cutter (``trainers.batches.validation_windows``), so a checkpoint's validation
   perplexity during training and ``qbench run``'s float perplexity are the same number. With ``bos`` (default)
   the inputs are [BOS] + the next window−1 stream tokens and the targets the next ``window`` stream tokens

@@ -17,6 +17,7 @@ GENERATED = re.compile(
 
 def texts() -> dict[Path, str]:
     files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "results").rglob("README.md")]
+    files += [ROOT / "pyproject.toml", ROOT / ".ci" / "run"]
     for top in ("models", "trainers", "qbench", "tests", "scripts"):
         files += (ROOT / top).rglob("*.py")
     return {f: f.read_text() for f in files}
@@ -41,6 +42,6 @@ def test_nothing_cites_issue_numbers():
     tagged = [
         f"{file.relative_to(ROOT)}: {m.group(0)}"
         for file, text in texts().items()
-        for m in re.finditer(r"\bissues? \d+(\.\d+)?\b", text)
+        for m in re.finditer(r"\bissues? \d+(\.\d+)?\b", text, re.IGNORECASE)
     ]
     assert not tagged, tagged

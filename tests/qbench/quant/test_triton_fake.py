@@ -1,6 +1,6 @@
 """The CUDA fake-quant kernels' logic (``qbench.quant.triton_fake``), run on CPU by the Triton interpreter.
 
-Issue 13.5: NaN must propagate as in the torch primitive (Triton's max/min drop NaN by default), and a launch must
+NaN must propagate as in the torch primitive (Triton's max/min drop NaN by default), and a launch must
 fit CUDA's grid limits for any row length (the second grid dimension stops at 65,535 blocks).
 """
 

@@ -137,7 +137,29 @@ def forward_rows(model: nn.Module, batch_size: int, window: int, attention: bool
         config = model.config
         heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 1
         rows = min(rows, rows_within(batch_size, int(heads) * window * window, ATTENTION_BUDGET))
+        need = 4 * rows * int(heads) * window * window * 3  # scores, probabilities and the softmax's float32
+    else:
+        need = 0
+    need += 4 * rows * window * output_width(model) + 4 * 1024 * output_width(model)
+    available = available_memory()
+    if available is not None and need > available:
+        raise UserError(
+            f"one forward pass of a {window}-token window needs ~{need / 2**30:.1f} GiB, "
+            f"{available / 2**30:.1f} GiB available; use a smaller --window"
+        )
     return rows
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says a new allocation can get (``MemAvailable``), None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def token_nll(out: Tensor, targets: Tensor, chunk: int = 1024) -> Tensor:
@@ -167,7 +189,7 @@ def perplexity(
     cell equal to float to the last digit on one CPU and not on another).
     """
     total_nll, total_tokens = 0.0, 0
-    rows = rows_within(batch_size, windows.window * output_width(model), LOGITS_BUDGET)
+    rows = forward_rows(model, batch_size, windows.window)
     for start in range(0, len(windows.ids), rows):
         batch = windows.ids[start : start + rows].to(device)
         targets = windows.targets[start : start + rows].to(device)

@@ -91,3 +91,11 @@ def test_the_default_window_is_capped_as_lm_eval_caps_it():
     assert default_window(tiny_llama(context=8192)) == MAX_DEFAULT_WINDOW == 2048
     assert default_window(tiny_llama(context=64)) == 64
     assert default_window(tiny_llama(context=8192), 4096) == 4096  # an explicit --window wins
+
+
+def test_a_window_that_cannot_fit_is_refused_in_one_line(monkeypatch):
+    from models.errors import UserError
+
+    monkeypatch.setattr(metrics, "available_memory", lambda: 2**10)  # 1 KiB free
+    with pytest.raises(UserError, match=r"needs ~.* GiB, .* available; use a smaller --window"):
+        perplexity(tiny_llama(), windows(2, t=64))

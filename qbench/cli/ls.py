@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from models.errors import UserError
 from qbench.cli.base import print_wide
 
 NAME = "ls"
@@ -97,11 +98,16 @@ def _registries() -> dict[str, Callable[[], Table]]:
 def _results_table(output_path: str = "qbench_results") -> Table:
     from qbench.eval.report import read_records
 
+    root = Path(output_path)
+    if not root.is_dir():  # a typo or a file must not list as "no results" with exit 0
+        what = "is a file, not a results folder" if root.exists() else "does not exist"
+        raise UserError(
+            f"qbench ls results: {root} {what}; give the folder that qbench run/grid/sweep wrote with --output-path DIR"
+        )
     table = Table(title=f"results in {output_path}/", title_justify="left")
     for column in ("model", "scheme", "mode", "perplexity", "vs fp", "status", "created (UTC)"):
         table.add_column(column)
-    root = Path(output_path)
-    for r in read_records(root) if root.is_dir() else []:
+    for r in read_records(root):
         m = r["metrics"]
         table.add_row(
             r["model"]["name"],

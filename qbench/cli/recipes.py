@@ -68,6 +68,8 @@ def run(args: argparse.Namespace) -> None:
     from qbench.cli.evaluate import print_record
     from qbench.studies.recipes import (
         RecipesConfig,
+        check_ckpt_root,
+        check_train_args,
         describe_estimate,
         estimate,
         long_config,
@@ -100,6 +102,8 @@ def run(args: argparse.Namespace) -> None:
             "sweep_axes": () if args.no_sweep else base.sweep_axes,
         }
     )
+    check_train_args(cfg, args.train_arg)  # one line each, before anything is timed or trained
+    check_ckpt_root(cfg)
     if args.estimate:
         console.print(describe_estimate(estimate(cfg, time_steps(cfg))), highlight=False)
         return

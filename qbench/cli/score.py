@@ -21,6 +21,7 @@ from qbench.cli.base import add_output_argument
 
 if TYPE_CHECKING:  # the study imports torch: only `qbench score` itself loads it
     from qbench.eval.metrics import Protocol
+    from qbench.quant.kv import KVConfig
     from qbench.studies.sweep import SweepConfig
 
 
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> None:
     protocol = protocol_from_args(args)
     kv = kv_from_args(args)
     existing_sweep = read_sweep(args.sweep) if args.sweep else None
-    sweep_cfg = _sweep_config(args, protocol) if args.breaking_points and not args.sweep else None
+    sweep_cfg = _sweep_config(args, protocol, kv) if args.breaking_points and not args.sweep else None
     lm = load_from_args(args)
     result = score(
         lm,
@@ -120,14 +121,31 @@ def run(args: argparse.Namespace) -> None:
         console.print(f"wrote {args.json}")
 
 
-def _sweep_config(args: argparse.Namespace, protocol: Protocol) -> SweepConfig:
+def _kv_scheme_text(kv: KVConfig) -> str:
+    """``kv``'s scheme with its options and no bit width (the sweep chooses the widths; keep_first and keep_sinks
+    go to the sweep's own curves): ``per-token:block=32,sym=true``."""
+    from qbench.quant.kvschemes import KV_SCHEMES
+
+    options = []
+    for key in KV_SCHEMES.get(kv.scheme).defaults:
+        value = getattr(kv, key)
+        options.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+    return f"{kv.scheme}:{','.join(options)}" if options else kv.scheme
+
+
+def _sweep_config(args: argparse.Namespace, protocol: Protocol, kv: KVConfig | None = None) -> SweepConfig:
     """``--breaking-points``: absmax-coarse over 8→2 bits on ``--sweep-axes``, records under OUTPUT/sweep/
-    (the float baseline shared with the score's own records)."""
+    (the float baseline shared with the score's own records). The kv axis uses the given KV scheme (its options,
+    not its bit width, which the sweep varies) and sweeps the given --kv-keep-first / --kv-keep-sinks too."""
     from qbench.studies.sweep import SweepConfig, parse_axes, validate
 
+    scheme_given = getattr(args, "kv_scheme", None) or getattr(args, "kv_granularity", None)
     cfg = SweepConfig(
         models=[args.ckpt],
         axes=parse_axes(args.sweep_axes),
+        kv_granularity=_kv_scheme_text(kv) if kv is not None and scheme_given else None,
+        kv_keep_first=[kv.keep_first] if kv is not None and kv.keep_first else [],
+        kv_keep_sinks=[kv.keep_sinks] if kv is not None and kv.keep_sinks else [],
         tolerance=args.tolerance,
         protocol=protocol,
         output_path=Path(args.output_path) / "sweep",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -100,9 +101,50 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", default="simple", help="table format: simple | md (GitHub markdown)")
 
 
+# The per-layer figures hold about this many copies of the fp32 weight at once (the weight, a scheme's quantised
+# copy, the bandwidth figure's clone, a peer's): the memory a shape needs is refused when it is not available.
+WEIGHT_COPIES = 4
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this machine can still give (Linux ``MemAvailable``; else the free physical pages; None unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_layer_shape(
+    in_features: int, out_features: int, tokens: int, layer: bool = True
+) -> tuple[int, int]:
+    """``(in_features, out_features)`` of the per-layer figures, refused in one line when a size is not positive
+    or the layer would not fit in the memory available (before torch allocates it)."""
+    for flag, value in (("--in-features", in_features), ("--out-features", out_features)):
+        if value < 1:
+            raise UserError(f"{flag} must be a positive number of features (the linear's width), got {value}")
+    if layer:
+        need = 4 * (
+            WEIGHT_COPIES * in_features * out_features + max(tokens, 0) * (in_features + out_features)
+        )
+        available = available_memory_bytes()
+        if available is not None and need > available:
+            raise UserError(
+                f"--in-features {in_features} × --out-features {out_features}: the per-layer figures need "
+                f"~{need / 2**30:,.1f} GiB (the fp32 weight is {4 * in_features * out_features / 2**30:,.1f} GiB), "
+                f"and {available / 2**30:,.1f} GiB is available; choose smaller widths or pass --no-layer"
+            )
+    return in_features, out_features
+
+
 def run(args: argparse.Namespace) -> None:
     import json
-    import os
 
     from models.io import atomic_write_json, git_commit, software_versions
     from qbench.eval.harness import check_modes, expand_schemes
@@ -122,7 +164,7 @@ def run(args: argparse.Namespace) -> None:
             raise UserError(f"{path} is not a qbench speed --output-path file ({err})") from None
         sys.stdout.write(format_speed_table(records, tablefmt) + "\n")
         return
-    shape = (args.in_features, args.out_features)
+    shape = check_layer_shape(args.in_features, args.out_features, args.tokens, layer=not args.no_layer)
     kv_configs = None
     if not args.no_kv:
         from qbench.studies.kvspeed import kv_configs as parse_kv_configs

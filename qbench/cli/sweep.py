@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from models.errors import UserError
 from qbench.cli.args import add_model_arguments
 from qbench.cli.base import SEED_HELP, add_output_argument, console
 from qbench.cli.budgets import EVAL_TOKENS
@@ -89,6 +90,23 @@ def sweep_config(args: argparse.Namespace):
         trust_remote_code=args.trust_remote_code,
         allow_unsafe_weights=args.allow_unsafe_weights,
     )
+    # the KV options shape the kv axis only: without it they would be silently ignored
+    if "kv" not in cfg.axes:
+        given = [
+            flag
+            for flag, value in (
+                ("--kv-bits", args.kv_bits),
+                ("--kv-scheme", args.kv_granularity),
+                ("--kv-keep-first", args.kv_keep_first),
+                ("--kv-keep-sinks", args.kv_keep_sinks),
+            )
+            if value is not None
+        ]
+        if given:
+            raise UserError(
+                f"{', '.join(given)}: only for the kv axis, which --axes {args.axes} leaves out (nothing would "
+                f"use it); add kv to --axes (e.g. --axes {','.join([*cfg.axes, 'kv'])}) or drop {', '.join(given)}"
+            )
     sweep.validate(cfg)
     return cfg
 

@@ -375,6 +375,11 @@ class ModelEvaluation:
                 f"--kv-keep-first {kv.keep_first} keeps every position of the {self.windows.window}-token "
                 f"window in float (nothing would be quantised); choose a value below {self.windows.window}"
             )
+        if kv is not None and kv.keep_sinks >= window:
+            raise UserError(
+                f"--kv-keep-sinks {kv.keep_sinks} keeps every position of the {window}-token window in float "
+                f"(nothing would be quantised); choose a value below {window}"
+            )
         if kv is not None and kv.scheme == "kivi" and kv.residual >= window:
             raise UserError(
                 f"KV scheme kivi keeps its {kv.residual} newest positions in float, and the window has {window}: "

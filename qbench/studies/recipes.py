@@ -22,14 +22,18 @@ OSP's embedding projection is folded into the embedding when the checkpoints are
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import platform
+import shlex
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from models.errors import UserError
 from models.io import atomic_write_text
 from qbench.studies.runs import TrainRun, train_runs
 
@@ -122,12 +126,105 @@ def panel_runs(cfg: RecipesConfig) -> list[TrainRun]:
     ]
 
 
+# The trainer options every panel run gets from the panel itself -> the ``qbench recipes`` option to give instead
+# (``--preset``: the same value carries over) or why it is the panel's: a --train-arg setting one of them would train
+# something else than table.md describes (or fight the panel's resuming), so it is refused.
+PANEL_OPTIONS = {
+    "preset": "--preset",
+    "recipe": "--recipes",
+    "lr": "--lr",
+    "seed": "--seed",
+    "steps": "--steps",
+    "tokens": "give qbench recipes --steps instead",
+    "stop_at": "give qbench recipes --steps instead",
+    "out": "--ckpt-root",
+    "resume": "the panel resumes every run from its checkpoint itself",
+    "overwrite": "remove the run's folder under --ckpt-root to train it again",
+    "probe_every": "the panel probes every 25 steps",
+    "ckpt_every": "the panel checkpoints every 50 steps",
+    "progress": "the panel shows its own progress",
+}
+
+
+def _trainer_parser(context: str) -> Any:
+    """The trainer's own parser, with its errors as one line naming ``context`` (argparse would print its usage)."""
+    from trainers.__main__ import build_parser
+
+    parser = build_parser()
+
+    def error(message: str) -> None:
+        raise UserError(f"{context}: {message} (python -m trainers --help lists the trainer's options)")
+
+    parser.error = error
+    return parser
+
+
+def check_train_args(cfg: RecipesConfig, train_args: tuple[str, ...] | list[str]) -> None:
+    """Refuse, in one line, trainer arguments (``--train-arg``) the trainer does not take, that print and exit, or
+    that set what the panel itself sets (:data:`PANEL_OPTIONS`; ``--norm`` too where the panel's style sets it)."""
+    if not train_args:
+        return
+    shown = shlex.join(train_args)
+    parser = _trainer_parser(f"qbench recipes: trainer argument(s) {shown}")
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            given = vars(parser.parse_args(list(train_args)))
+    except SystemExit:  # --help, --list: they print and exit, and train nothing
+        raise UserError(
+            f"qbench recipes: trainer argument(s) {shown} print and exit; a panel run takes training options only"
+        ) from None
+    owned = dict(PANEL_OPTIONS)
+    if cfg.style_norm:
+        owned["norm"] = f"the panel's style sets --norm {cfg.style_norm}"
+    for dest, instead in owned.items():
+        if dest in given:
+            flag = "--" + dest.replace("_", "-")
+            value = given[dest]
+            value = "" if isinstance(value, bool) else f" {value}"
+            if instead.startswith("--"):
+                instead = f"give qbench recipes {instead}{value} instead"
+            raise UserError(
+                f"qbench recipes: --train-arg {flag}{value} sets what the panel itself sets for every run "
+                f"(table.md would describe another run); {instead}"
+            )
+
+
+def check_ckpt_root(cfg: RecipesConfig) -> None:
+    """Refuse a ``ckpt_root`` the panel cannot train into, before anything is estimated or trained: a file, a model
+    checkpoint itself, or a run folder holding a checkpoint without trainer state (``qbench init``, ``export``),
+    which a run can neither resume nor write over."""
+    from trainers.state import has_state
+
+    root = cfg.ckpt_root
+    if root.exists() and not root.is_dir():
+        raise UserError(
+            f"qbench recipes: --ckpt-root {root} is a file; give a folder (the panel trains one run per recipe "
+            "in its own subfolder)"
+        )
+    if (root / "config.json").is_file():
+        raise UserError(
+            f"qbench recipes: --ckpt-root {root} is a model checkpoint itself, not a panel's folder; give a new "
+            "folder (or an earlier recipes panel's, to resume it)"
+        )
+    for recipe in cfg.recipes:
+        out = root / recipe
+        if out.exists() and not out.is_dir():
+            raise UserError(f"qbench recipes: {out} is a file; the {recipe} run trains into a folder there")
+        if (out / "config.json").is_file() and not has_state(out):
+            raise UserError(
+                f"qbench recipes: {out} holds a model checkpoint without trainer state (made by qbench init or "
+                f"export?): the {recipe} run could neither resume it nor overwrite it; move it away or give "
+                "another --ckpt-root"
+            )
+
+
 def _train_config(cfg: RecipesConfig, recipe: str) -> Any:
     """The TrainConfig the trainer will build for ``recipe`` (its own CLI parser, so the two cannot differ)."""
-    from trainers.__main__ import build_parser, config_from_args
+    from trainers.__main__ import config_from_args
 
     run = next(r for r in panel_runs(cfg) if r.name == recipe)
-    return config_from_args(vars(build_parser().parse_args(["--steps", str(run.steps), *run.args])))
+    parser = _trainer_parser(f"qbench recipes: the {recipe} run's trainer arguments {shlex.join(run.args)}")
+    return config_from_args(vars(parser.parse_args(["--steps", str(run.steps), *run.args])))
 
 
 def time_one_step(cfg: RecipesConfig, recipe: str | None = None) -> float:
@@ -374,6 +471,7 @@ def run_panel(
 ) -> Path:
     """The whole study: estimate (printed), train, evaluate, sweep, write the table. ``sweep_runner(config,
     command)`` runs the sweep (the command line passes one with a progress view; default: ``run_sweep``)."""
+    check_ckpt_root(cfg)
     est = estimate(cfg, time_steps(cfg))
     console.print(
         f"[bold]qbench recipes[/] {', '.join(cfg.recipes)} ({cfg.description}): {describe_estimate(est)}"

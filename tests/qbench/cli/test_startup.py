@@ -48,16 +48,17 @@ LIGHT = [
     ["ls", "presets"],
     ["ls", "corpora"],
     ["ls", "recipes"],
-    ["ls", "results", "--output-path", "no-such-folder"],
+    ["ls", "results", "--output-path", "EMPTY"],  # an empty folder: the test's tmp_path
 ]
 
 
-def test_help_version_and_light_listings_import_neither_torch_nor_transformers():
+def test_help_version_and_light_listings_import_neither_torch_nor_transformers(tmp_path):
     """One interpreter runs them in turn and names the first command after which a heavy module is loaded."""
+    light = [[str(tmp_path) if a == "EMPTY" else a for a in argv] for argv in LIGHT]
     script = (
         "import sys\n"
         "from qbench.cli import main\n"
-        f"for argv in {LIGHT!r}:\n"
+        f"for argv in {light!r}:\n"
         "    try:\n"
         "        code = main(argv)\n"
         "    except SystemExit as e:\n"

@@ -59,7 +59,9 @@ def add_model_arguments(
         help="which documents of --data (default: validation of a registered corpus, all of a file or folder)",
     )
     parser.add_argument("--tokens", type=int, default=tokens, help="token budget: stream tokens scored")
-    parser.add_argument("--window", type=int, help="window length (default: the model's context, at most 2,048 as in lm-eval)")
+    parser.add_argument(
+        "--window", type=int, help="window length (default: the model's context, at most 2,048 as in lm-eval)"
+    )
     parser.add_argument(
         "--bos",
         action=argparse.BooleanOptionalAction,

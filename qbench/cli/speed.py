@@ -106,19 +106,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 WEIGHT_COPIES = 4
 
 
-def available_memory_bytes() -> int | None:
-    """Memory this machine can still give (Linux ``MemAvailable``; else the free physical pages; None unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
+def _available_memory() -> int | None:
+    from qbench.eval.metrics import available_memory  # lazily: torch is not needed to parse the flags
+
+    return available_memory()
 
 
 def check_layer_shape(
@@ -133,7 +124,7 @@ def check_layer_shape(
         need = 4 * (
             WEIGHT_COPIES * in_features * out_features + max(tokens, 0) * (in_features + out_features)
         )
-        available = available_memory_bytes()
+        available = _available_memory()
         if available is not None and need > available:
             raise UserError(
                 f"--in-features {in_features} × --out-features {out_features}: the per-layer figures need "

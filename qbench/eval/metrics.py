@@ -151,15 +151,20 @@ def forward_rows(model: nn.Module, batch_size: int, window: int, attention: bool
 
 
 def available_memory() -> int | None:
-    """Bytes the kernel says a new allocation can get (``MemAvailable``), None where it does not say."""
+    """Memory this machine can still give (Linux ``MemAvailable``; else the free physical pages; None unknown)."""
+    import os
+
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
         return None
-    return None
 
 
 def token_nll(out: Tensor, targets: Tensor, chunk: int = 1024) -> Tensor:

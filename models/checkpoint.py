@@ -89,18 +89,22 @@ def save_checkpoint(
     tokenizer: Any | None = None,
     provenance: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``model`` (and its tokenizer) as a checkpoint folder; returns the folder."""
+    """Write ``model`` (and its tokenizer) as a checkpoint folder; returns the folder.
+
+    Everything that can refuse (a tokenizer that does not fit) is checked before the first byte is written, and
+    each file is written to a temporary name in the same folder and renamed into place (``os.replace``)."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     config = model.config
+    tokenizer_record = _tokenizer_record(tokenizer, config) if tokenizer is not None else None
     weights = _weights_to_save(model)
+    path.mkdir(parents=True, exist_ok=True)
     with atomic_path(path / WEIGHTS_FILE) as tmp:
         save_file(weights, str(tmp), metadata={"format": "pt"})
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "model": config.to_dict(),
-        "tokenizer": _tokenizer_record(tokenizer, config) if tokenizer is not None else None,
+        "tokenizer": tokenizer_record,
         "weights": {
             "file": WEIGHTS_FILE,
             "sha256": sha256_file(path / WEIGHTS_FILE),

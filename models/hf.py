@@ -354,6 +354,95 @@ def ungated(implementation: str) -> tuple[bool, str]:
     return False, implementation
 
 
+class UnpackedQueryGate(torch.nn.Module):
+    """A gated export's ``q_proj`` as the two layers it packs: the queries (n heads) and the gate (n head-wise
+    rows, repeated over each head's channels, or n·head_dim element-wise rows). Same output as the packed
+    ``q_proj``; quantising it quantises the query and gate weights as the checkpoint's ``q_proj`` and ``g_proj``
+    are quantised, each with its own scales (:func:`unpack_gates`)."""
+
+    qbench_unpacked = True  # qbench.quant.apply.select_layers: the parts answer to this module's name too
+
+    def __init__(self, query: torch.nn.Module, gate: torch.nn.Module, repeat: int) -> None:
+        super().__init__()
+        self.query, self.gate, self.repeat = query, gate, repeat
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate = self.gate(x)
+        if self.repeat > 1:
+            gate = gate.repeat_interleave(self.repeat, dim=-1)
+        return torch.cat([self.query(x), gate], dim=-1)
+
+
+class UnpackedOutput(torch.nn.Module):
+    """A gated export's ``o_proj`` ([W_o, 0]) as the checkpoint's output projection: it reads only the first
+    ``width`` input channels (the gate heads' are zeros), so its input has the checkpoint's size (a Hadamard
+    rotation of it, and any per-input scale, are the checkpoint's)."""
+
+    qbench_unpacked = True
+
+    def __init__(self, inner: torch.nn.Module, width: int) -> None:
+        super().__init__()
+        self.inner, self.width = inner, width
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x[..., : self.width])
+
+
+def _linear(weight: Tensor, bias: Tensor | None) -> torch.nn.Linear:
+    layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    layer = layer.to(device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    return layer
+
+
+def unpack_gates(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of a gated export (a LlamaForCausalLM whose config has ``qbench_gate_heads``) whose packed
+    ``q_proj`` = [W_q; W_g] and ``o_proj`` = [W_o, 0] are :class:`UnpackedQueryGate` / :class:`UnpackedOutput`:
+    the same function, but per-tensor (and per-block) quantisation scales then see the queries, the gate and the
+    output projection apart, as in the checkpoint, not the gate heads packed into the queries. ``model`` itself
+    when it is not a gated export (or is already unpacked); ``model`` is never modified."""
+    import copy
+
+    config = getattr(model, "config", None)
+    n = getattr(config, "qbench_gate_heads", None)
+    if not n:
+        return model
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    width = n * head_dim
+    memo: dict[int, Any] = {}
+    for name, attn in model.named_modules():
+        q, o = getattr(attn, "q_proj", None), getattr(attn, "o_proj", None)
+        if not (isinstance(q, torch.nn.Linear) and isinstance(o, torch.nn.Linear)):
+            continue
+        if q.out_features != 2 * width or o.in_features != 2 * width:
+            raise UserError(
+                f"{name}: a gated export's q_proj packs {2 * width} outputs (queries, gates) and its o_proj reads "
+                f"{2 * width}; got {q.out_features} and {o.in_features} (not an export of `qbench export`)"
+            )
+        w, b = q.weight.detach(), None if q.bias is None else q.bias.detach()
+        gate_w, gate_b = w[width:], None if b is None else b[width:]
+        repeat = 1
+        if getattr(config, "qbench_gate", None) == "headwise":
+            rows, row_b = gate_w[::head_dim], None if gate_b is None else gate_b[::head_dim]
+            if torch.equal(rows.repeat_interleave(head_dim, dim=0), gate_w) and (
+                gate_b is None or torch.equal(row_b.repeat_interleave(head_dim), gate_b)
+            ):
+                gate_w, gate_b, repeat = rows, row_b, head_dim
+        query = _linear(w[:width], None if b is None else b[:width])
+        memo[id(q)] = UnpackedQueryGate(query, _linear(gate_w, gate_b), repeat)
+        if o.weight.detach()[:, width:].any():
+            raise UserError(
+                f"{name}.o_proj reads the gate heads (its columns {width}.. are not zero): not an export of "
+                "`qbench export`; cannot quantise it as its checkpoint"
+            )
+        ob = None if o.bias is None else o.bias.detach()
+        memo[id(o)] = UnpackedOutput(_linear(o.weight.detach()[:, :width], ob), width)
+    return copy.deepcopy(model, memo) if memo else model
+
+
 # ------------------------------------------------------------------------------------------------ export
 
 

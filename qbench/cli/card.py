@@ -48,6 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_output_argument(
         p, "card.md/.json/.html and the records they are built from", default="qbench_card", metavar="DIR"
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a card of other models or settings in --output-path (the records it was built from stay)",
+    )
     p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
 
 
@@ -72,6 +77,7 @@ def config(args: argparse.Namespace):
         trust_remote_code=args.trust_remote_code,
         allow_unsafe_weights=args.allow_unsafe_weights,
         command=getattr(args, "command_line", None),
+        overwrite=args.overwrite,
     )
     validate(cfg)
     return cfg
@@ -107,8 +113,14 @@ def run_card_with_progress(cfg) -> dict:
             counts["reused" if reused else "evaluated"] += 1
             bar.advance(task)
 
+        notes: list[str] = []
+
+        def on_note(line: str) -> None:
+            notes.append(line)
+            bar.console.print(f"  {line}", highlight=False, soft_wrap=True)
+
         progress = study.Progress(
-            total=lambda n: bar.update(task, total=n), cell=on_cell, estimate=on_estimate
+            total=lambda n: bar.update(task, total=n), cell=on_cell, estimate=on_estimate, note=on_note
         )
         card = study.run_card(cfg, progress)
     console.print(f"{counts['evaluated']} cells evaluated, {counts['reused']} reused", highlight=False)
@@ -116,6 +128,8 @@ def run_card_with_progress(cfg) -> dict:
         console.print(f"[bold]{m['name']}[/]", highlight=False)
         for line in m["verdict"]["lines"]:
             console.print(f"  {line}", highlight=False, soft_wrap=True)
+    for line in notes:  # again after the progress bar: what the card does not show
+        console.print(f"[yellow]not measured[/] {line}", highlight=False, soft_wrap=True)
     console.print(f"wrote {cfg.output_path / 'card.md'}, card.json, card.html")
     return card
 

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from models.config import CHOICES
+from models.errors import UserError
 from qbench.cli.base import add_output_argument, console, refuse_non_empty
 
 NAME = "init"
@@ -49,6 +50,12 @@ def run(args: argparse.Namespace) -> None:
         bias=args.bias,
     )
     tokenizer = load_tokenizer(args.tokenizer or preset.tokenizer)
+    if len(tokenizer) > config.vocab_size:  # refused before anything is written (save_checkpoint checks too)
+        raise UserError(
+            f"--tokenizer {args.tokenizer or preset.tokenizer} has {len(tokenizer)} tokens but preset "
+            f"{args.preset!r} has vocab_size {config.vocab_size}; use the preset's tokenizer "
+            f"({preset.tokenizer}) or a preset built for this one"
+        )
     model = build(config, seed=args.seed)
     save_checkpoint(
         out,

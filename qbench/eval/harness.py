@@ -362,13 +362,21 @@ class ModelEvaluation:
 
     def check(self) -> None:
         """Refuse bad input before anything is evaluated (one line each): an ``exclude`` pattern that matches no
-        layer the scheme would quantise, and a KV cache whose kept positions or float residual cover the window."""
+        layer the scheme would quantise, a calibrated scheme or KV cache whose calibration split the scored split
+        contains, and a KV cache whose kept positions or float residual cover the window."""
         from qbench.quant.apply import select_layers
+        from qbench.quant.calibrate import check_calibration_disjoint
 
+        protocol = self.spec.protocol
         for name in self.spec.schemes:
             if name != FLOAT_SCHEME:
-                select_layers(self.lm.model, self.spec.scheme(name), self.spec.exclude, self.spec.allow_empty)
+                scheme = self.spec.scheme(name)
+                select_layers(self.lm.model, scheme, self.spec.exclude, self.spec.allow_empty)
+                if _needs_calibration(scheme):
+                    check_calibration_disjoint(protocol.corpus, protocol.split, f"scheme {name}")
         kv = self.spec.kv
+        if kv_calibrated(kv):
+            check_calibration_disjoint(protocol.corpus, protocol.split, f"KV scheme {kv.label}")
         window = self.windows.window
         if kv is not None and kv.keep_first >= self.windows.window:
             raise UserError(

@@ -21,6 +21,9 @@
   reference code); static scales the observed ranges of the transformed input and the output (``static.py``),
   passed to the layers as ``act_static=`` / ``out_static=``.
 - Hadamard: one seeded :class:`~qbench.quant.fake.HadamardRotation` per layer input dimension.
+- A gated-attention export (``models.hf``: the gate packed into ``q_proj``'s extra heads, ``o_proj`` = [W_o, 0]) is
+  first unpacked (``models.hf.unpack_gates``) so that every scale sees the queries, the gate and the output
+  projection apart, as the checkpoint's layers are quantised: checkpoint and export agree under any scheme.
 """
 
 from __future__ import annotations
@@ -91,8 +94,9 @@ def select_layers(
     linears = {name: m for name, m in model.named_modules() if is_linear(m)}
     heads = set() if scheme.quantize_lm_head else lm_head_names(model)
     targets = [name for name in linears if name not in heads]
+    aliases = _unpacked_aliases(model, targets)
     for pattern in exclude:
-        if not fnmatch.filter(targets, pattern):
+        if not any(fnmatch.fnmatchcase(alias, pattern) for name in targets for alias in aliases[name]):
             shown = ", ".join(targets[:6]) + (", …" if len(targets) > 6 else "")
             kept = (
                 " (the LM head stays float under this scheme anyway)"
@@ -104,7 +108,9 @@ def select_layers(
                 f"those layers: {shown or 'none'}"
             )
     layers = {
-        name: linears[name] for name in targets if not any(fnmatch.fnmatchcase(name, p) for p in exclude)
+        name: linears[name]
+        for name in targets
+        if not any(fnmatch.fnmatchcase(alias, p) for alias in aliases[name] for p in exclude)
     }
     if exclude and not layers and not allow_empty:
         raise UserError(
@@ -112,6 +118,18 @@ def select_layers(
             "quantised (the float model is the 'fp' record)"
         )
     return layers
+
+
+def _unpacked_aliases(model: nn.Module, names: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """The names an ``exclude`` pattern may match for each layer: its own, and for a part of a gated export's
+    unpacked ``q_proj`` / ``o_proj`` (``models.hf.unpack_gates``) the packed layer's name too, so that
+    ``exclude=["*.q_proj"]`` means the same before and after unpacking."""
+    unpacked = {name for name, m in model.named_modules() if getattr(m, "qbench_unpacked", False)}
+    out = {}
+    for name in names:
+        parent = name.rsplit(".", 1)[0]
+        out[name] = (name, parent) if parent in unpacked else (name,)
+    return out
 
 
 def smoothquant_from_observed(
@@ -236,6 +254,9 @@ def quantize(
             f"scheme {scheme.name!r}: no real kernel for format {scheme.format!r}; run it with mode='fake'"
         )
     _check_not_quantized(model)
+    from models.hf import unpack_gates
+
+    model = unpack_gates(model)  # a gated export: q_proj / o_proj quantised as the checkpoint's layers are
     layers = select_layers(model, scheme, exclude, allow_empty)
     rotations = _rotations(layers, scheme)
     observed = _calibrate(model, layers, scheme, calibration, rotations)

@@ -10,8 +10,9 @@ So :func:`observe` keeps the per-channel (min, max) of the raw input, of R(x) wh
 (Hadamard mixes channels, so R(x)'s range cannot be derived from x's), and optionally of the output. The
 SmoothQuant division x / s is per channel with s > 0, so x'-ranges follow exactly from x's: min(x_j)/s_j, max(x_j)/s_j.
 
-Which windows: ``calib_windows`` windows of the corpus's *train* split (never the evaluated text), cut like the
-evaluation windows; the caller builds them (``qbench.eval``). ``calib_seed=None`` takes the first N windows
+Which windows: ``calib_windows`` windows of the corpus's *train* split (never the evaluated text: a scored split that
+contains it is refused, :func:`check_calibration_disjoint`), cut like the evaluation windows; the caller builds
+them (``qbench.eval``). ``calib_seed=None`` takes the first N windows
 (what SmoothQuant always did here); a seed takes a seeded random sample of N from the ones offered
 (:func:`select_windows`). The record carries N, the seed and the corpus.
 """
@@ -59,6 +60,27 @@ def select_windows(ids: Tensor, n: int, seed: int | None) -> Tensor:
         return ids[:n]
     pick = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))[:n]
     return ids[pick.sort().values]
+
+
+CALIBRATION_SPLIT = "train"  # where calibration windows come from (harness.calibration_windows)
+
+
+def check_calibration_disjoint(corpus: Any, scored_split: str | None, what: str) -> str:
+    """The split ``what`` (a calibrated scheme or KV cache) may calibrate on while ``scored_split`` of ``corpus``
+    is scored: :data:`CALIBRATION_SPLIT` when the two are disjoint, else a one-line error. Only the validation
+    split is disjoint from train; ``all`` (a user file's default) and ``train`` contain every calibration chunk,
+    so its scales would be fitted on the very text they are scored on."""
+    if scored_split is None:
+        from trainers.data import default_split
+
+        scored_split = default_split(corpus)
+    if scored_split == "validation":
+        return CALIBRATION_SPLIT
+    raise UserError(
+        f"{what} calibrates on the {CALIBRATION_SPLIT} split of {str(corpus)!r}, which the scored split "
+        f"{scored_split!r} contains (calibration on the scored text); score --split validation, or use a "
+        "scheme without calibration"
+    )
 
 
 def check_calibration(calibration: Any, why: str) -> Tensor:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shlex
 import time
@@ -189,6 +190,7 @@ class CardConfig:
     trust_remote_code: bool = False
     allow_unsafe_weights: bool = False
     command: str | None = None
+    overwrite: bool = False  # replace a card of other models or settings in output_path (their records stay)
 
     @property
     def plan(self) -> Budget:
@@ -215,6 +217,7 @@ class Progress:
     total: Callable[[int], None] = lambda n: None
     cell: Callable[[dict[str, Any], bool], None] = lambda r, reused: None
     estimate: Callable[[int, float, str], None] = lambda n, seconds, model: None
+    note: Callable[[str], None] = lambda line: None  # what the card could not measure, as it skips it
 
 
 def _spec(cfg: CardConfig, model: str, schemes: list[str], kv: Any = None, **kw: Any) -> Any:
@@ -237,12 +240,91 @@ def _spec(cfg: CardConfig, model: str, schemes: list[str], kv: Any = None, **kw:
 
 
 def kv_configs(cfg: CardConfig, window: int) -> list[Any]:
-    """The KV rows: each bit width of the budget, plain and with ``KV_KEEP_SINKS`` sinks kept float."""
+    """The KV rows: each bit width of the budget that the scheme stores, plain and with ``KV_KEEP_SINKS`` sinks
+    kept float."""
     from qbench.quant.kv import KVConfig
     from qbench.studies.sweep import default_kv_scheme
 
     scheme = cfg.kv_scheme or default_kv_scheme(window)
-    return [KVConfig(b, scheme, 0, k) for b in cfg.plan.kv_bits for k in (0, KV_KEEP_SINKS)]
+    return [KVConfig(b, scheme, 0, k) for b in kv_widths(cfg.plan, scheme) for k in (0, KV_KEEP_SINKS)]
+
+
+def _scheme_widths(scheme: str) -> tuple[int, ...]:
+    """The KV-cache widths ``scheme`` stores (fp8: 8 only; a scheme that sets ``bits=``: that one); a scheme that
+    takes none (a bad option) raises its own one-line error."""
+    from qbench.quant.kv import KVConfig
+    from qbench.quant.kv_options import KV_BITS
+
+    widths, first = [], None
+    for b in KV_BITS:
+        try:
+            KVConfig(b, scheme)
+        except UserError as e:
+            first = first or e
+        else:
+            widths.append(b)
+    if not widths and first is not None:
+        raise first
+    return tuple(widths)
+
+
+def kv_widths(plan: Budget, scheme: str) -> tuple[int, ...]:
+    """The budget's KV widths that ``scheme`` stores; a one-line error naming the budget when it stores none."""
+    takes = _scheme_widths(scheme)
+    widths = tuple(b for b in plan.kv_bits if b in takes)
+    if not widths:
+        others = [b.name for b in BUDGETS.values() if set(b.kv_bits) & set(takes)]
+        bits = "/".join(map(str, takes))
+        raise UserError(
+            f"--kv-scheme {scheme} stores {bits} bits only, but the {plan.name} budget's KV rows are at "
+            f"{'/'.join(map(str, plan.kv_bits))} bits: give a KV scheme that stores those (kivi, per-token or "
+            "window)"
+            + (
+                f", or use --budget {' or '.join(others)}, whose KV rows include {bits} bits"
+                if others
+                else ""
+            )
+        )
+    return widths
+
+
+def kv_problem(lm: Any, config: Any) -> str | None:
+    """Why ``lm`` cannot score the KV row ``config`` here, or None. The remedy attentions of transformers exports
+    (clipped, softpick, sink-logit) take only the stored version of the cache (``qbench.quant.kvschemes``): KIVI
+    reads two versions (a written position in float and quantised), and the sink finder's float pass reads the
+    attention probabilities through that two-version path too; the other schemes, without sinks, read one."""
+    if (config.scheme != "kivi" and not config.keep_sinks) or lm.description.get("kind") != "transformers":
+        return None
+    from models.hf import HF_ATTENTION_KINDS, REMEDY_IMPLEMENTATIONS, ungated
+    from qbench.quant.kv import KV_PREFIX
+
+    hf = getattr(lm.model, "config", None)
+    _, impl = ungated(str(getattr(hf, "_attn_implementation", None) or "sdpa"))
+    impl = impl.removeprefix(KV_PREFIX)
+    if impl not in REMEDY_IMPLEMENTATIONS:
+        return None
+    kind = HF_ATTENTION_KINDS.get(impl, impl)
+    if config.scheme == "kivi":
+        return (
+            f"the kivi KV scheme reads two versions of the cache, which the {kind} attention of this "
+            "transformers export does not take; --kv-scheme per-token measures the rows without sinks kept, a "
+            "card of the qbench checkpoint itself all of them"
+        )
+    return (
+        f"keeping sinks reads the float attention through two versions of the cache, which the {kind} "
+        "attention of this transformers export does not take; a card of the qbench checkpoint itself measures "
+        "these rows"
+    )
+
+
+def skipped_kv_record(config: Any, why: str) -> dict[str, Any]:
+    """A KV row the card could not measure: no cell, no file; the card says so where its number would be."""
+    return {
+        "kv": config.to_dict(),
+        "status": "skipped",
+        "error": why,
+        "metrics": {"perplexity": None, "ppl_change_pct": None},
+    }
 
 
 def sweep_config(cfg: CardConfig, model: str) -> Any:
@@ -277,20 +359,213 @@ def validate(cfg: CardConfig) -> None:
     for scheme in plan.formats:
         get_scheme(scheme)
     if cfg.kv_scheme is not None:
-        from qbench.quant.kv import KVConfig
-
-        KVConfig(plan.kv_bits[0], cfg.kv_scheme)
+        kv_widths(plan, cfg.kv_scheme)
+    check_distinct(cfg.models)
     if plan.sweep_families:
         from qbench.studies import sweep
 
         sweep.validate(sweep_config(cfg, cfg.models[0]))
 
 
+def _resolved(spec: str) -> tuple[Path | str, str]:
+    """(what ``--ckpt spec`` loads, its identity: the real path of a local model, else the hub name)."""
+    from qbench.eval.load import resolve
+
+    target = resolve(spec)
+    return target, os.path.realpath(target) if isinstance(target, Path) else str(target)
+
+
+def check_distinct(models: Sequence[str]) -> None:
+    """One card per model: ``--ckpt sm --ckpt ./sm`` (or a link to it) is a model beside itself."""
+    seen: dict[str, str] = {}
+    for spec in models:
+        _, key = _resolved(spec)
+        if key in seen:
+            same = (
+                f"--ckpt {spec} is given twice"
+                if seen[key] == spec
+                else f"--ckpt {seen[key]} and --ckpt {spec} name the same model"
+            )
+            raise UserError(
+                f"{same} ({key}): a card sets different models side by side, not a model beside itself; "
+                "give each model once"
+            )
+        seen[key] = spec
+
+
+def _tokenizer_name(tok: Any, fingerprint: str) -> str:
+    """A registered tokenizer's name when ``tok`` is one (bpe8192, gpt2), else its folder; with its size."""
+    from models.tokenizer import TOKENIZERS, load_tokenizer, tokenizer_fingerprint
+
+    name = None
+    for registered in TOKENIZERS:
+        try:
+            if tokenizer_fingerprint(load_tokenizer(registered)) == fingerprint:
+                name = registered
+                break
+        except (UserError, OSError, ValueError):
+            continue
+    name = name or str(getattr(tok, "name_or_path", None) or "?")
+    return f"{name}, {len(tok):,} tokens"
+
+
+def check_tokenizers(named: Sequence[tuple[str, Any]]) -> None:
+    """Models side by side must share a tokenizer: the same token count of text is other text for another
+    vocabulary, so their perplexities and changes would not compare. ``named``: (model, tokenizer) pairs."""
+    from models.tokenizer import tokenizer_fingerprint
+
+    if len(named) < 2:
+        return
+    (first, tok0), fp0 = named[0], tokenizer_fingerprint(named[0][1])
+    for name, tok in named[1:]:
+        fp = tokenizer_fingerprint(tok)
+        if fp != fp0:
+            raise UserError(
+                f"{first} and {name} use different tokenizers ({first}: {_tokenizer_name(tok0, fp0)}; {name}: "
+                f"{_tokenizer_name(tok, fp)}): the same token count is different text for each, so their rows "
+                "would not compare; card them separately (one --ckpt per card)"
+            )
+
+
+def _local_tokenizers(models: Sequence[str]) -> list[tuple[str, Any]]:
+    """(``--ckpt``, tokenizer) of each model whose folder holds tokenizer.json, read without loading the model
+    (GGUF files and hub names are checked once loaded)."""
+    from models.tokenizer import load_tokenizer
+
+    out = []
+    for spec in models:
+        target, _ = _resolved(spec)
+        if isinstance(target, Path) and target.is_dir() and (target / "tokenizer.json").is_file():
+            out.append((spec, load_tokenizer(target)))
+    return out
+
+
+# What a card is of: a card.json in the output folder with other values here is another card.
+CARD_INPUTS = ("models", "budget", "tolerance_pct", "seed", "protocol", "kv")
+PROTOCOL_INPUTS = ("corpus", "split", "tokens", "window", "bos", "dtype")
+KV_INPUTS = ("scheme", "keep_first", "group", "residual", "block", "sym", "scale", "key_axis")
+
+
+def card_inputs(card: Mapping[str, Any]) -> dict[str, Any]:
+    """What a card (card.json) is of: its models and their sources, budget, tolerance, seed, each model's
+    protocol and KV scheme."""
+    models = [m for m in card.get("models") or [] if isinstance(m, Mapping)]
+    return {
+        "models": [(m.get("name"), m.get("source")) for m in models],
+        "budget": card.get("budget"),
+        "tolerance_pct": card.get("tolerance_pct"),
+        "seed": card.get("seed"),
+        "protocol": [{k: (m.get("protocol") or {}).get(k) for k in PROTOCOL_INPUTS} for m in models],
+        "kv": [{k: ((m.get("kv") or {}).get("options") or {}).get(k) for k in KV_INPUTS} for m in models],
+    }
+
+
+def planned_inputs(cfg: CardConfig) -> dict[str, Any]:
+    """:func:`card_inputs` of the card ``cfg`` will make, as far as it is known before a model loads (None: not
+    yet known — the window and KV scheme a model's context decides)."""
+    from qbench.eval.load import _folder_name
+
+    protocol = cfg.protocol()
+    models = []
+    for spec in cfg.models:
+        target, _ = _resolved(spec)
+        name = (
+            (target.stem if target.is_file() else _folder_name(target))
+            if isinstance(target, Path)
+            else str(target).replace("/", "--")
+        )
+        models.append((name, str(target)))
+    return {
+        "models": models,
+        "budget": cfg.plan.name,
+        "tolerance_pct": cfg.tolerance,
+        "seed": cfg.seed,
+        "protocol": [
+            {
+                "corpus": protocol.corpus,
+                "split": protocol.split,
+                "tokens": protocol.tokens,
+                "window": cfg.window,
+                "bos": protocol.bos,
+                "dtype": cfg.dtype,
+            }
+            for _ in models
+        ],
+        "kv": None,
+    }
+
+
+def _same_source(a: Any, b: Any) -> bool:
+    """Two records' ``source`` name the same model: equal, or the same existing path (a card made from another
+    folder names its models relative to that one: not comparable from here, so not a difference)."""
+    if a == b or a is None or b is None:
+        return True
+    a, b = str(a), str(b)
+    if os.path.exists(a) and os.path.exists(b):
+        return os.path.realpath(a) == os.path.realpath(b)
+    return True
+
+
+def _models_text(models: Sequence[Any]) -> str:
+    return ", ".join(
+        f"{name} ({source})" if source and source != name else str(name) for name, source in models
+    )
+
+
+def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """What differs between two :func:`card_inputs` (None in ``new``: not known yet, not compared); other models
+    are the one difference named when they differ."""
+    old_models, new_models = old.get("models") or [], new.get("models") or []
+    if [n for n, _ in old_models] != [n for n, _ in new_models] or not all(
+        _same_source(a, b) for (_, a), (_, b) in zip(old_models, new_models, strict=True)
+    ):
+        return [f"the card of {_models_text(old_models) or '-'}, not of {_models_text(new_models)}"]
+    out = []
+    for key in ("budget", "tolerance_pct", "seed"):
+        if new.get(key) is not None and old.get(key) != new.get(key):
+            out.append(f"{key.replace('_pct', '')} {old.get(key)} (this one: {new.get(key)})")
+    for group in ("protocol", "kv"):
+        for o, n in zip(old.get(group) or [], new.get(group) or [], strict=False):
+            for key, value in (n or {}).items():
+                if value is not None and (o or {}).get(key) != value:
+                    out.append(f"{group} {key} {(o or {}).get(key)} (this one: {value})")
+    return list(dict.fromkeys(out))
+
+
+def check_output(cfg: CardConfig, new: Mapping[str, Any]) -> None:
+    """Refuse to write over a card of other models or settings in ``cfg.output_path`` (``--overwrite`` lets it):
+    card.json would be replaced and the earlier card lost. ``new``: :func:`card_inputs` of the card to write
+    (or :func:`planned_inputs`, before any work)."""
+    path = Path(cfg.output_path) / "card.json"
+    if cfg.overwrite or not path.exists():
+        return
+    advice = (
+        "give another --output-path, or pass --overwrite to replace it (the records it was built from stay)"
+    )
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = None
+    if not (isinstance(old, dict) and "card_version" in old and isinstance(old.get("models"), list)):
+        raise UserError(f"{path} exists and is not a qbench card; {advice}")
+    inputs = card_inputs(old)
+    differences = _differences(inputs, new)
+    if not differences:
+        return
+    what = (
+        differences[0]
+        if differences[0].startswith("the card of")
+        else f"a card of {_models_text(inputs['models'])} with other settings: {'; '.join(differences)}"
+    )
+    raise UserError(f"{cfg.output_path} holds {what}; writing this card would replace it: {advice}")
+
+
 def planned_cells(cfg: CardConfig) -> int:
     """Cells per model before the sensitivity study: the float record, the formats, the KV rows and the sweep's
     own cells (those not already formats)."""
     plan = cfg.plan
-    n = 1 + len(plan.formats) + 2 * len(plan.kv_bits)
+    widths = plan.kv_bits if cfg.kv_scheme is None else kv_widths(plan, cfg.kv_scheme)
+    n = 1 + len(plan.formats) + 2 * len(widths)
     if plan.sweep_families:
         from qbench.quant.schemes import get_scheme
         from qbench.studies.sweep import plan as sweep_plan
@@ -525,8 +800,21 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
 
     progress = progress or Progress()
     validate(cfg)
+    check_output(cfg, planned_inputs(cfg))
+    check_tokenizers(_local_tokenizers(cfg.models))
     plan = cfg.plan
     start = time.perf_counter()
+    tokenizers: list[tuple[str, Any]] = []
+    contents = plan.describe(cfg.tokens)
+    widths = plan.kv_bits if cfg.kv_scheme is None else kv_widths(plan, cfg.kv_scheme)
+    if widths != plan.kv_bits:  # fp8: the budget's 8-bit rows only
+        left = "/".join(str(b) for b in plan.kv_bits if b not in widths)
+        line = (
+            f"KV rows at {'/'.join(map(str, widths))} bits only: --kv-scheme {cfg.kv_scheme} stores no other "
+            f"width (the {plan.name} budget's {left} bits not measured)"
+        )
+        contents += f"; {line}"
+        progress.note(line)
     per_model: list[dict[str, Any]] = []
     count = {"n": 0}  # cells announced to the progress bar, over all models
     names: dict[str, str] = {}
@@ -543,6 +831,9 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
                 f"two models are both named {lm.name!r} ({names[lm.name]} and {lm.source}): their records would "
                 f"share {Path(cfg.output_path) / lm.name}/; rename one folder"
             )
+        # a GGUF's or a hub model's tokenizer is read only now (the folders' were compared before any work)
+        check_tokenizers([*tokenizers[:1], (lm.name, lm.tokenizer)])
+        tokenizers = tokenizers or [(lm.name, lm.tokenizer)]
         count["n"] += planned_cells(cfg)
         progress.total(count["n"])
         spec = _spec(cfg, model, list(plan.formats))
@@ -559,7 +850,21 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
             progress.cell(record, reused)
         window = default_window(lm.model, cfg.window)
         kv = []
-        for config in kv_configs(cfg, window):
+        configs = kv_configs(cfg, window)
+        problems = {c.label: kv_problem(lm, c) for c in configs}
+        skipped: dict[str, list[str]] = {}
+        for label, why in problems.items():
+            if why:
+                skipped.setdefault(why, []).append(label)
+        if skipped:
+            count["n"] -= sum(map(len, skipped.values()))
+            progress.total(count["n"])
+        for why, labels in skipped.items():
+            progress.note(f"{lm.name}: KV rows {', '.join(labels)} skipped: {why}")
+        for config in configs:
+            if problems[config.label]:
+                kv.append(skipped_kv_record(config, problems[config.label]))
+                continue
             kv_spec = _spec(cfg, model, ["fp"], kv=config)
             seen: list[bool] = []
             records = run_grid(kv_spec, lambda r, reused, seen=seen: seen.append(reused), loaded={model: lm})
@@ -588,7 +893,9 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
                 "sensitivity": sensitivity,
                 "speed": speed,
                 "source": lm.source,
-                "paths": _stored_paths(Path(cfg.output_path), [fp, *formats, *kv]),
+                "paths": _stored_paths(
+                    Path(cfg.output_path), [fp, *formats, *(r for r in kv if "cell_id" in r)]
+                ),
             }
         )
     sweeps = [m["sweep"] for m in per_model if m["sweep"]]
@@ -607,7 +914,7 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
         per_model,
         settings={
             "budget": plan.name,
-            "budget_contents": plan.describe(cfg.tokens),
+            "budget_contents": contents,
             "tolerance_pct": cfg.tolerance,
             "command": cfg.command,
             "seed": cfg.seed,
@@ -615,6 +922,8 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
             "wall_seconds": round(time.perf_counter() - start, 3),
         },
     )
+    # what only the models could tell (their window, the KV scheme it chose): the cells stay on disk either way
+    check_output(cfg, card_inputs(json.loads(json.dumps(card))))
     write_card(card, Path(cfg.output_path))
     return card
 
@@ -817,16 +1126,33 @@ def _kv_rows(
                 "record": _record_ref(r, out),
             }
         )
+    measured = [row for row in rows if row["status"] != "skipped"]
     points = {}
-    for keep in sorted({row["keep_sinks"] for row in rows}):
-        curve = {row["bits"]: row["ppl_change_pct"] for row in rows if row["keep_sinks"] == keep}
+    for keep in sorted({row["keep_sinks"] for row in measured}):
+        curve = {row["bits"]: row["ppl_change_pct"] for row in measured if row["keep_sinks"] == keep}
         points["kv" if not keep else f"kv-keep-sinks{keep}"] = {
             "bits": breaking_point(curve, tolerance),
             "lowest_swept": min(curve) if curve else None,
         }
     scheme = next((row["scheme"] for row in rows), None)
     options = next(((r.get("kv") or {}) for r in kv), {})
-    return {"scheme": scheme, "options": options, "rows": rows, "breaking_points": points}
+    plain = next(((r.get("kv") or {}) for r in kv if not (r.get("kv") or {}).get("keep_sinks")), options)
+    skipped = [
+        {"label": (r.get("kv") or {}).get("label"), "reason": r.get("error")}
+        for r in kv
+        if r.get("status") == "skipped"
+    ]
+    return {
+        "scheme": scheme,
+        "options": options,
+        # the scheme itself (the rows without sinks kept): causal = statistics of the tokens seen so far only
+        "causal": plain.get("causal") == "yes" if plain else None,
+        "keys": plain.get("keys"),
+        "values": plain.get("values"),
+        "rows": rows,
+        "skipped": skipped,
+        "breaking_points": points,
+    }
 
 
 def _breaking_points(
@@ -1203,19 +1529,25 @@ def _comparison(models: Sequence[Mapping[str, Any]], tolerance: float) -> list[d
         label = next(f["label"] for f in found.values() if f is not None)
         row("formats", label, scheme, values, _more_robust_change(values, tolerance))
     for bits, keep in dict.fromkeys((r["bits"], r["keep_sinks"]) for m in models for r in m["kv"]["rows"]):
-        values = {
+        found = {
             m["name"]: next(
-                (
-                    r["ppl_change_pct"]
-                    for r in m["kv"]["rows"]
-                    if (r["bits"], r["keep_sinks"]) == (bits, keep)
-                ),
+                (r for r in m["kv"]["rows"] if (r["bits"], r["keep_sinks"]) == (bits, keep)),
                 None,
             )
             for m in models
         }
+        skipped = any(r is not None and r["status"] == "skipped" for r in found.values())
+        values = {
+            k: "skipped"
+            if r is not None and r["status"] == "skipped"
+            else None
+            if r is None
+            else r["ppl_change_pct"]
+            for k, r in found.items()
+        }
         label = f"KV {bits} bit" + (f", {keep} sink(s) kept" if keep else "")
-        row("kv", label, None, values, _more_robust_change(values, tolerance))
+        # a row one model could not measure names no more robust model
+        row("kv", label, None, values, None if skipped else _more_robust_change(values, tolerance))
     for family, axis in dict.fromkeys((b["family"], b["axis"]) for m in models for b in m["breaking_points"]):
         found = {
             m["name"]: next(
@@ -1237,21 +1569,27 @@ def _comparison(models: Sequence[Mapping[str, Any]], tolerance: float) -> list[d
 # ------------------------------------------------------------------------------------------------- writing
 
 
+FIGURE_FILE = re.compile(r"card-(outliers-\d+|attention-\d+|breaking-points)\.png")
+
+
 def write_card(card: Mapping[str, Any], out: Path) -> dict[str, Path]:
-    """card.json, card.md and card.html (figures inline; PNG copies beside for card.md), each atomically."""
-    from models.io import atomic_write_json, atomic_write_text
+    """card.json, card.md and card.html (figures inline; PNG copies beside for card.md), each atomically; then
+    the figure files of an earlier card that this page no longer shows are removed (none is left stale)."""
+    from models.io import atomic_write_bytes, atomic_write_json, atomic_write_text
     from qbench.studies import card_render
 
     out = Path(out)
     figures = card_render.figures(card)
     paths = {"json": out / "card.json", "md": out / "card.md", "html": out / "card.html"}
-    from models.io import atomic_write_bytes
-
+    files = {n: f"card-{n}.png" for n in figures}
     for name, png in figures.items():
-        atomic_write_bytes(out / f"card-{name}.png", png)
+        atomic_write_bytes(out / files[name], png)
     atomic_write_json(paths["json"], card)
-    atomic_write_text(paths["md"], card_render.markdown(card, {n: f"card-{n}.png" for n in figures}))
+    atomic_write_text(paths["md"], card_render.markdown(card, files))
     atomic_write_text(paths["html"], card_render.html(card, figures))
+    for stale in out.glob("card-*.png"):
+        if FIGURE_FILE.fullmatch(stale.name) and stale.name not in files.values():
+            stale.unlink(missing_ok=True)
     return paths
 
 

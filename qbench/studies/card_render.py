@@ -260,7 +260,7 @@ def _sections(
             str(r["keep_sinks"]),
             r["label"] or "-",
             _num(r["perplexity"], ".4f"),
-            _pct(r["ppl_change_pct"]),
+            "-" if r["status"] == "skipped" else _pct(r["ppl_change_pct"]),
             _status(r),
         ]
         for r in m["kv"]["rows"]
@@ -319,8 +319,7 @@ def _sections(
             "KV cache",
             ["bits", "sinks kept", "label", "ppl", "change", f"≤ {tol:g} %"],
             kv_rows,
-            f"Float weights, KV cache quantised with `{m['kv']['scheme']}`; sinks kept = the most-attended positions "
-            "per layer kept in float (--kv-keep-sinks).",
+            _kv_caption(m["kv"]),
         ),
         (
             "Breaking points",
@@ -354,6 +353,45 @@ def _sections(
             )
         )
     return out
+
+
+KV_OPTION_KEYS = ("group", "residual", "block", "sym", "scale", "key_axis")
+
+
+def _kv_caption(kv: Mapping[str, Any]) -> str:
+    """What the KV rows measured, as the scheme does it: a causal scheme quantises each position with statistics
+    of the tokens seen so far (as a deployed cache), ``window`` with statistics of the whole scored window."""
+    options = kv.get("options") or {}
+    given = ",".join(f"{k}={options[k]}" for k in KV_OPTION_KEYS if options.get(k) is not None)
+    scheme = f"{kv.get('scheme')}:{given}" if given else str(kv.get("scheme"))
+    text = f"Float weights, KV cache quantised with `{scheme}`"
+    if kv.get("keys") and kv.get("values"):
+        text += f" (keys {kv['keys']}; values {kv['values']})"
+    if kv.get("causal") is True and str(kv.get("scheme")).startswith("fp8"):
+        text += (
+            ". Causal: each cached position is cast to FP8 with one fixed scale per layer, nothing of the other "
+            "tokens (a query at position t reads a cache built from tokens ≤ t only), as a deployed cache is"
+        )
+    elif kv.get("causal") is True:
+        text += (
+            ". Causal: each cached position is quantised with statistics of the tokens seen so far (a query at "
+            "position t reads a cache built from tokens ≤ t only), as a deployed cache is"
+        )
+    elif kv.get("causal") is False:
+        text += (
+            ". Not causal: the statistics span every position of the scored window, later tokens included (an "
+            "upper bound, not a deployment)"
+        )
+    text += (
+        ". Sinks kept = the most-attended positions per layer kept in float (--kv-keep-sinks), chosen from the "
+        "float pass over the whole window (so those rows are not causal)."
+    )
+    reasons: dict[str, list[str]] = {}
+    for skipped in kv.get("skipped") or []:
+        reasons.setdefault(str(skipped["reason"]), []).append(str(skipped["label"]))
+    for reason, labels in reasons.items():
+        text += f" Not measured ({', '.join(labels)}): {reason}."
+    return text
 
 
 def markdown(card: Mapping[str, Any], figure_files: Mapping[str, str]) -> str:
@@ -399,6 +437,8 @@ def markdown(card: Mapping[str, Any], figure_files: Mapping[str, str]) -> str:
 
 def _cell(c: Mapping[str, Any], name: str) -> str:
     v = c["values"].get(name)
+    if isinstance(v, str) and c["section"] == "kv":  # a row that model could not measure: "skipped"
+        return v
     if c["section"] in ("formats", "kv"):
         return _pct(v)
     if c["section"] == "breaking points":
@@ -485,7 +525,11 @@ def _key_rows(m: Mapping[str, Any], i: int) -> dict[str, list[list[str]]]:
             _e(r["keep_sinks"]),
             _e(r["label"] or "-"),
             _v(f"models.{i}.kv.rows.{j}.perplexity", r["perplexity"], _num(r["perplexity"], ".4f")),
-            _v(f"models.{i}.kv.rows.{j}.ppl_change_pct", r["ppl_change_pct"], _pct(r["ppl_change_pct"])),
+            _v(
+                f"models.{i}.kv.rows.{j}.ppl_change_pct",
+                r["ppl_change_pct"],
+                "-" if r["status"] == "skipped" else _pct(r["ppl_change_pct"]),
+            ),
             f'<span class="{"ok" if r["within_tolerance"] else "bad"}">{_e(_status(r))}</span>',
         ]
         for j, r in enumerate(m["kv"]["rows"])

@@ -160,6 +160,7 @@ def card_config(cfg: DemoConfig, command: str | None = None) -> Any:
         kv_scheme=cfg.sweep_kv_scheme,
         seed=cfg.seed,
         command=command,
+        overwrite=True,  # the demo owns its folder: a rerun refreshes its own card
     )
 
 

@@ -37,7 +37,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "KV-cache widths)",
     )
     p.add_argument(
-        "--tolerance", type=float, default=1.0, help="breaking-point tolerance, %% perplexity change"
+        "--tolerance",
+        type=float,
+        default=None,
+        help="breaking-point tolerance in the --metric's unit (default: ppl 1 %%, kld 0.01 nats, top1 1 %%); a "
+        "cell is within when its 95 %% interval's upper end is at most this",
+    )
+    p.add_argument(
+        "--metric",
+        choices=("ppl", "kld", "top1"),
+        default="ppl",
+        help="what the tolerance applies to: ppl (perplexity change, %%), kld (mean KL divergence from the "
+        "float model, nats) or top1 (%% of tokens whose most likely next token changed) (default: ppl)",
     )
     p.add_argument(
         "--kv-keep-first",
@@ -68,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def sweep_config(args: argparse.Namespace):
     """``qbench sweep``'s options -> ``SweepConfig`` (bad axes, bits, families fail here, before any model loads)."""
     from qbench.cli.args import protocol_from_args
+    from qbench.eval.evidence import default_tolerance
     from qbench.eval.harness import expand_schemes
     from qbench.studies import sweep
 
@@ -76,7 +88,8 @@ def sweep_config(args: argparse.Namespace):
         families=expand_schemes(args.family or [sweep.DEFAULT_FAMILY]),
         axes=sweep.parse_axes(args.axes),
         bits=sweep.parse_bits(args.bits),
-        tolerance=args.tolerance,
+        tolerance=default_tolerance(args.metric) if args.tolerance is None else args.tolerance,
+        metric=args.metric,
         kv_keep_first=args.kv_keep_first or [],
         kv_keep_sinks=args.kv_keep_sinks or [],
         kv_bits=None if args.kv_bits is None else sweep.parse_bits(args.kv_bits),

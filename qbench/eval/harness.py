@@ -3,13 +3,15 @@
 Layout under ``output_path`` (default ``qbench_results/``)::
 
     <model name>/fp.json                    the float baseline + outlier/attention statistics (once per model)
+    <model name>/fp.tokens.safetensors      its per-token evidence (every record has one: ``qbench.eval.evidence``)
     <model name>/<scheme>__<mode>.json      one quantised cell
     <model name>/<scheme>+kv4__<mode>.json  the same with the KV cache quantised (``GridSpec.kv``, a ``kv`` block);
                                             scheme ``fp`` = float weights, only the cache (``fp+kv4__fake.json``)
 
 Every record is self-describing: model (path, config, provenance), scheme (full config), mode, backend,
-protocol (corpus, split, tokens, window, stride, bos, batch size, tokenizer fingerprint), metrics, outliers of
-the float model, environment (versions, git commit, device, threads), seed, timings, model bytes.
+protocol (corpus, split, tokens, window, stride, bos, batch size, tokenizer fingerprint), metrics (perplexity,
+bits per byte; a quantised cell adds its 95 % interval, KL divergence and top-1 agreement against the float
+model on the same tokens, from the per-token evidence it names with its hash), outliers of the float model, environment (versions, git commit, device, threads), seed, timings, model bytes.
 Records are written atomically; a re-run skips every cell whose record exists with the same protocol,
 scheme and KV-cache config, so an interrupted grid resumes where it stopped and nothing finished is recomputed.
 """
@@ -30,8 +32,11 @@ from typing import Any
 import torch
 
 from models.errors import UserError, unknown_choice
-from models.io import atomic_write_json, cpu_model, git_commit, software_versions
+from models.io import atomic_write_bytes, atomic_write_json, cpu_model, git_commit, software_versions
 from qbench.eval.adapters import context_length
+from qbench.eval.evidence import bits_per_byte, sidecar_path
+from qbench.eval.evidence import encode as encode_evidence
+from qbench.eval.evidence import read as read_evidence
 from qbench.eval.load import LoadedModel, load_model
 from qbench.eval.metrics import (
     Protocol,
@@ -55,7 +60,8 @@ RECORD_VERSION = 1
 # quantiser, the protocol), so records written by older code are recomputed rather than reused.
 # 2: first-token top-1 share no longer counts rows attending nowhere (argmax ties) as key 0.
 # 3: per-token NLL summed in float64 (a float32 batch sum could hide a small effect); record identity.
-EVAL_VERSION = 3
+# 4: per-token evidence (sidecar), KL divergence and top-1 agreement, paired intervals, bits per byte.
+EVAL_VERSION = 4
 DEFAULT_OUTPUT = Path("qbench_results")
 FLOAT_SCHEME = "fp"  # as a grid scheme: weights and activations left float (with ``GridSpec.kv``: ``fp+kv2``)
 
@@ -194,7 +200,22 @@ class CellResult:
     replayed_blocks: int = 0
 
 
-NAN_PPL = {"perplexity": float("nan"), "nll": float("nan"), "tokens": 0}
+def evidence_metrics(
+    per_token: dict[str, torch.Tensor] | None, fp_tokens: dict[str, torch.Tensor] | None
+) -> dict[str, Any]:
+    """The metrics a quantised cell's per-token evidence gives against the float cell's (``qbench.eval.evidence``):
+    the paired interval, ln ratio, Δp, KL divergence and top-1 agreement; empty without evidence."""
+    from qbench.eval import evidence
+
+    if not per_token or not fp_tokens or "kld" not in per_token:
+        return {}
+    return {
+        **evidence.paired_metrics(per_token["nll"], fp_tokens["nll"]),
+        **evidence.distribution_metrics(per_token["kld"], per_token["top1"]),
+    }
+
+
+NAN_PPL = {"perplexity": float("nan"), "nll": float("nan"), "tokens": 0, "per_token": None}
 
 
 def record_path(output_path: Path, model_name: str, scheme: str | None, mode: str | None) -> Path:
@@ -310,6 +331,8 @@ class ModelEvaluation:
         self.prefix = prefix
         self._windows: Windows | None = None
         self._fp: dict[str, Any] | None = None
+        self._fp_tokens: dict[str, torch.Tensor] | None = None  # the float cell's per-token evidence
+        self._evidence: dict[str, bytes] = {}  # sidecars of records made but not yet written, by cell id
         self._protocol: dict[str, Any] | None = None
         self.fp_reused = False  # whether fp_record() came from disk
 
@@ -434,8 +457,10 @@ class ModelEvaluation:
         path = self.fp_path()
         existing = _read_record(path)
         if existing and self.matches(existing) and "linear_ranges" in existing:  # older records lack them
-            self._fp, self.fp_reused = existing, True
-            return existing
+            tokens = read_evidence(path, existing)
+            if tokens is not None:  # its per-token NLL pairs with every cell's
+                self._fp, self._fp_tokens, self.fp_reused = existing, tokens, True
+                return existing
         start = time.perf_counter()
         ppl = perplexity(self.lm.model, self.windows, self.spec.protocol.batch_size, self.spec.device)
         eval_seconds = time.perf_counter() - start
@@ -471,9 +496,19 @@ class ModelEvaluation:
                 linear=ranges,
             )
         )
-        atomic_write_json(path, record)
-        self._fp = record
+        self.write(path, record)
+        self._fp, self._fp_tokens = record, ppl["per_token"]
         return record
+
+    def write(self, path: Path, record: dict[str, Any]) -> None:
+        """Write ``record`` to ``path`` and its per-token evidence (held since :meth:`record`) beside it, the
+        sidecar first, each atomically: a record on disk always names a complete sidecar of that hash."""
+        data = self._evidence.pop(record["cell_id"], None)
+        if data is not None and record.get("evidence"):
+            side = sidecar_path(path)
+            atomic_write_bytes(side, data)
+            record["evidence"]["file"] = side.name
+        atomic_write_json(path, record)
 
     def record(self, r: CellResult) -> dict[str, Any]:
         """The JSON record of one evaluation: self-describing (module docstring), with its identity."""
@@ -501,7 +536,16 @@ class ModelEvaluation:
                 "ppl_change_pct": _finite((ratio - 1) * 100),
                 "nll": _finite(ppl["nll"]),
                 "tokens": ppl["tokens"],
+                "bits_per_byte": bits_per_byte(ppl["nll"] * ppl["tokens"], self.windows.scored_bytes)
+                if ppl["tokens"]
+                else None,
+                **(
+                    evidence_metrics(ppl.get("per_token"), self._fp_tokens)
+                    if status == "ok" and mode != "float"
+                    else {}
+                ),
             },
+            "evidence": None,
             "outliers": {k: v for k, v in r.outliers.items() if k != "per_layer"},
             "outliers_per_layer": r.outliers.get("per_layer"),
             "massive_activations": r.massive,
@@ -519,6 +563,9 @@ class ModelEvaluation:
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         record["cell_id"] = cell_identity(record)
+        if status == "ok" and ppl.get("per_token"):
+            data, record["evidence"] = encode_evidence(ppl["per_token"])
+            self._evidence[record["cell_id"]] = data
         return record
 
     def quantised_record(self, scheme_name: str, mode: str) -> dict[str, Any]:
@@ -571,7 +618,7 @@ class ModelEvaluation:
                 if replayed
                 else nullcontext()
             ):
-                ppl = perplexity(qmodel, self.windows, batch_size, self.spec.device)
+                ppl = perplexity(qmodel, self.windows, batch_size, self.spec.device, reference=self.lm.model)
         except NonFiniteError as e:  # NaN/inf reached a quantiser: the cell failed, the grid goes on
             return self.record(
                 replace(
@@ -770,7 +817,9 @@ def cell_record(spec: GridSpec, evaluation: ModelEvaluation, scheme: str, mode: 
         and kv_identity(existing.get("kv")) == spec.kv_record()
         and existing.get("status") != "unsupported"
     )
+    if reusable and existing.get("status") == "ok" and read_evidence(path, existing) is None:
+        reusable = False  # its per-token evidence is missing or altered: the cell is redone, not trusted
     record = existing if reusable else evaluation.quantised_record(scheme, mode)
     if not reusable:
-        atomic_write_json(path, record)
+        evaluation.write(path, record)
     return record, reusable

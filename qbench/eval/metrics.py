@@ -66,6 +66,17 @@ class Windows:
     available_tokens: int
     clamped: bool
     window: int
+    scored_bytes: int | None = None  # UTF-8 bytes of the scored tokens' text (bits per byte); None: unknown
+
+
+def scored_bytes(tokenizer: Any, targets: Tensor) -> int | None:
+    """UTF-8 bytes of the text the scored tokens spell: each window's targets decoded without special tokens
+    (the document separators spell no text), summed. A character split across two windows' boundary decodes as
+    replacement characters, a few bytes per window at most. None when the tokenizer cannot decode."""
+    try:
+        return sum(len(tokenizer.decode(row.tolist(), skip_special_tokens=True).encode()) for row in targets)
+    except Exception:  # a tokenizer without decode (a bare vocabulary): bits per byte is then not reported
+        return None
 
 
 def make_windows(tokenizer: Any, protocol: Protocol, context: int) -> Windows:
@@ -86,7 +97,15 @@ def make_windows(tokenizer: Any, protocol: Protocol, context: int) -> Windows:
             f"the {protocol.split} split of {protocol.corpus!r} has {len(stream)} tokens, fewer than one window "
             f"of {window_span(window, protocol.bos)}; use a larger corpus or a smaller --window"
         ) from None
-    return Windows(ids, targets, targets.numel(), len(stream), protocol.tokens > len(stream), window)
+    return Windows(
+        ids,
+        targets,
+        targets.numel(),
+        len(stream),
+        protocol.tokens > len(stream),
+        window,
+        scored_bytes(tokenizer, targets),
+    )
 
 
 def protocol_record(
@@ -105,6 +124,7 @@ def protocol_record(
         "tokens_scored": windows.scored_tokens,
         "tokens_available": windows.available_tokens,
         "tokens_clamped": windows.clamped,
+        "bytes_scored": windows.scored_bytes,
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         "dtype": dtype,
         "perplexity": "token-level, exp(mean NLL), non-overlapping windows",
@@ -129,10 +149,13 @@ def output_width(model: nn.Module) -> int:
     return int(width or 1)
 
 
-def forward_rows(model: nn.Module, batch_size: int, window: int, attention: bool = False) -> int:
-    """Windows per forward pass for the statistics: ``batch_size``, fewer when that batch's logits (or, with
-    ``attention``, one layer's attention maps) would exceed :data:`LOGITS_BUDGET` (:data:`ATTENTION_BUDGET`)."""
-    rows = rows_within(batch_size, window * output_width(model), LOGITS_BUDGET)
+def forward_rows(
+    model: nn.Module, batch_size: int, window: int, attention: bool = False, copies: int = 1
+) -> int:
+    """Windows per forward pass for the statistics: ``batch_size``, fewer when that batch's logits (``copies``
+    of them: 2 when a float reference is scored beside) or, with ``attention``, one layer's attention maps would
+    exceed :data:`LOGITS_BUDGET` (:data:`ATTENTION_BUDGET`)."""
+    rows = rows_within(batch_size, copies * window * output_width(model), LOGITS_BUDGET)
     if attention:
         config = model.config
         heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 1
@@ -140,7 +163,7 @@ def forward_rows(model: nn.Module, batch_size: int, window: int, attention: bool
         need = 4 * rows * int(heads) * window * window * 3  # scores, probabilities and the softmax's float32
     else:
         need = 0
-    need += 4 * rows * window * output_width(model) + 4 * 1024 * output_width(model)
+    need += 4 * copies * rows * window * output_width(model) + 8 * 3 * 256 * output_width(model)
     available = available_memory()
     if available is not None and need > available:
         raise UserError(
@@ -182,29 +205,68 @@ def token_nll(out: Tensor, targets: Tensor, chunk: int = 1024) -> Tensor:
     )
 
 
+def token_comparison(out: Tensor, ref: Tensor, chunk: int = 256) -> tuple[Tensor, Tensor]:
+    """Per-token KL divergence KL(P_ref ‖ P_out) over the full vocabulary and whether the two most likely next
+    tokens agree, for logits ``out`` and ``ref`` (B, T, V): flat float32 and bool, in token order.
+
+    In float64 (a 1e-6 divergence summed over 10⁵ vocabulary terms in float32 would be rounding), ``chunk``
+    tokens at a time so that the float64 copies are of a chunk (definitions: ``qbench.eval.evidence``)."""
+    flat, base = out.reshape(-1, out.size(-1)), ref.reshape(-1, ref.size(-1))
+    klds, same = [], []
+    for i in range(0, flat.size(0), chunk):
+        q = F.log_softmax(flat[i : i + chunk].double(), dim=-1)
+        p = F.log_softmax(base[i : i + chunk].double(), dim=-1)
+        klds.append((p.exp() * (p - q)).sum(-1).float())
+        same.append(flat[i : i + chunk].argmax(-1) == base[i : i + chunk].argmax(-1))
+    return torch.cat(klds), torch.cat(same)
+
+
 @torch.no_grad()
 def perplexity(
-    model: nn.Module, windows: Windows, batch_size: int = 8, device: str = "cpu"
-) -> dict[str, float]:
+    model: nn.Module,
+    windows: Windows,
+    batch_size: int = 8,
+    device: str = "cpu",
+    reference: nn.Module | None = None,
+) -> dict[str, Any]:
     """Token-level perplexity of ``model`` on ``windows``: exp(total NLL / predicted tokens).
 
     Each token's NLL is computed in float32 and the sum is taken in float64. Why: a float32 sum over a batch
     (~10⁴ tokens of NLL ≈ 5–9) rounds at ~10⁻⁷ relative, the size of a small quantisation effect on a tiny or
     near-random model — two different models could then report the very same perplexity (seen: a 2-bit KV
     cell equal to float to the last digit on one CPU and not on another).
+
+    Returns ``perplexity``, ``nll`` (mean), ``tokens`` and ``per_token``: ``nll`` (windows × window, float32);
+    with a ``reference`` (the float model of a quantised copy) also ``kld`` and ``top1``
+    (:func:`token_comparison`), its logits computed batch by batch beside the model's, so nothing of the
+    float distribution is stored.
     """
     total_nll, total_tokens = 0.0, 0
-    rows = forward_rows(model, batch_size, windows.window)
+    rows = forward_rows(model, batch_size, windows.window, copies=1 if reference is None else 2)
+    nll, kld, top1 = [], [], []
     for start in range(0, len(windows.ids), rows):
         batch = windows.ids[start : start + rows].to(device)
         targets = windows.targets[start : start + rows].to(device)
-        total_nll += token_nll(logits(model, batch), targets).double().sum().item()
+        out = logits(model, batch)
+        token = token_nll(out, targets)
+        total_nll += token.double().sum().item()
         total_tokens += targets.numel()
+        nll.append(token.cpu().view(targets.shape))
+        if reference is not None:
+            ref = logits(reference, batch)
+            k, same = token_comparison(out, ref)
+            del ref
+            kld.append(k.cpu().view(targets.shape))
+            top1.append(same.cpu().view(targets.shape))
+        del out
     mean_nll = total_nll / total_tokens
     ppl = math.exp(mean_nll) if math.isfinite(mean_nll) and mean_nll < 700 else float("inf")
     if math.isnan(mean_nll):
         ppl = float("nan")
-    return {"perplexity": ppl, "nll": mean_nll, "tokens": total_tokens}
+    per_token = {"nll": torch.cat(nll)}
+    if reference is not None:
+        per_token["kld"], per_token["top1"] = torch.cat(kld), torch.cat(top1).to(torch.uint8)
+    return {"perplexity": ppl, "nll": mean_nll, "tokens": total_tokens, "per_token": per_token}
 
 
 class _AttentionSink(list):

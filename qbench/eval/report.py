@@ -133,7 +133,10 @@ def _cell(record: dict[str, Any]) -> str:
         return "NaN"
     if record["scheme"]["name"] == "fp":
         return f"{m['perplexity']:.2f}"
-    return f"{m['perplexity']:.2f} ({m['ppl_change_pct']:+.2f}%)"
+    ci = m.get("ppl_change_ci95")
+    spread = f" ±{(ci[1] - ci[0]) / 2:.2f}" if ci else "" if "kld_mean" in m else ", no interval"
+    kld = f"; KLD {m['kld_mean']:.4f}" if m.get("kld_mean") is not None else ""
+    return f"{m['perplexity']:.2f} ({m['ppl_change_pct']:+.2f}%{spread}{kld})"
 
 
 def comparison(
@@ -181,7 +184,9 @@ def caption(records: list[dict[str, Any]]) -> str:
     text = (
         f"Token-level perplexity on {p['corpus']}/{p['split']}: {p['tokens_scored']:,} tokens, "
         f"window {p['window']}, stride {p['stride']}, BOS {'on' if p['bos'] else 'off'}, {p['dtype']}; "
-        "change vs fp in parentheses. Outliers: raw kurtosis across channels of each block's output "
+        "change vs fp in parentheses, ± the half-width of its 95 % interval (paired, windows as clusters), and "
+        'the mean KL divergence from the float model per token (nats; "no interval": a record from before '
+        "per-token evidence). Outliers: raw kurtosis across channels of each block's output "
         "(first token / others), max |activation|, share of queries ≥ 1 whose top-1 key is token 0."
     )
     if len(protocols) > 1:

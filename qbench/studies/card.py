@@ -983,9 +983,10 @@ def _sensitivity(cfg: CardConfig, lm: Any, scheme: str, progress: Progress, coun
 
 
 def _within(record: Mapping[str, Any], tolerance: float) -> bool:
-    from qbench.studies.sweep import within_tolerance
+    """Whether a record is *within* the tolerance: its 95 % interval's upper end ≤ tolerance (undecided is not)."""
+    from qbench.eval.evidence import decide
 
-    return record.get("status") == "ok" and within_tolerance(record["metrics"]["ppl_change_pct"], tolerance)
+    return decide(record, tolerance).within
 
 
 # ----------------------------------------------------------------------------------------------- building
@@ -1045,7 +1046,7 @@ def _format_row(
     speed: Mapping[str, Any] | None,
     out: Mapping[str, str] | None,
 ) -> dict[str, Any]:
-    from qbench.studies.sweep import within_tolerance
+    from qbench.eval.evidence import row_fields
 
     heads = {
         n for n, v in ((fp.get("linear_ranges") or {}).get("per_layer") or {}).items() if v.get("lm_head")
@@ -1084,7 +1085,7 @@ def _format_row(
         "error": record.get("error"),
         "perplexity": record["metrics"]["perplexity"],
         "ppl_change_pct": change,
-        "within_tolerance": within_tolerance(change, tolerance) if record.get("status") == "ok" else False,
+        **row_fields(record, tolerance),
         "weight_bytes": nominal,
         "bytes_vs_fp": nominal / fp["model_bytes"] if nominal and fp.get("model_bytes") else None,
         "weight_bits": scheme.get("weight_bits"),
@@ -1107,7 +1108,8 @@ def _canonical(name: str) -> str:
 def _kv_rows(
     kv: Sequence[Mapping[str, Any]], tolerance: float, out: Mapping[str, str] | None
 ) -> dict[str, Any]:
-    from qbench.studies.sweep import breaking_point, within_tolerance
+    from qbench.eval.evidence import row_fields
+    from qbench.studies.sweep import breaking_point_range
 
     rows = []
     for r in kv:
@@ -1122,16 +1124,18 @@ def _kv_rows(
                 "perplexity": r["metrics"]["perplexity"],
                 "ppl_change_pct": change,
                 "status": r.get("status"),
-                "within_tolerance": within_tolerance(change, tolerance) if r.get("status") == "ok" else False,
+                **row_fields(r, tolerance),
                 "record": _record_ref(r, out),
             }
         )
     measured = [row for row in rows if row["status"] != "skipped"]
     points = {}
     for keep in sorted({row["keep_sinks"] for row in measured}):
-        curve = {row["bits"]: row["ppl_change_pct"] for row in measured if row["keep_sinks"] == keep}
+        curve = {row["bits"]: row["verdict"] for row in measured if row["keep_sinks"] == keep}
+        certain, possible = breaking_point_range(curve)
         points["kv" if not keep else f"kv-keep-sinks{keep}"] = {
-            "bits": breaking_point(curve, tolerance),
+            "bits": certain,
+            "possible_bits": possible,
             "lowest_swept": min(curve) if curve else None,
         }
     scheme = next((row["scheme"] for row in rows), None)
@@ -1169,6 +1173,8 @@ def _breaking_points(
                     "ppl_change_pct": c["ppl_change_pct"] if c["status"] == "ok" else None,
                     "ppl_ratio": c["ppl_ratio"] if c["status"] == "ok" else None,
                     "status": c["status"],
+                    "verdict": c.get("verdict"),
+                    "ppl_change_ci95": c.get("ppl_change_ci95"),
                 }
         for p in sweep["breaking_points"]:
             if p["model"] == model:
@@ -1183,7 +1189,11 @@ def _breaking_points(
                     }
                 )
     for axis, p in kv["breaking_points"].items():
-        entry = {"bits": p["bits"], "lowest_swept": p["lowest_swept"]}
+        entry = {
+            "bits": p["bits"],
+            "possible_bits": p.get("possible_bits"),
+            "lowest_swept": p["lowest_swept"],
+        }
         text = format_breaking_point(entry) if p["lowest_swept"] is not None else "-"
         curve = {
             str(row["bits"]): {"ppl_change_pct": row["ppl_change_pct"], "status": row["status"]}
@@ -1337,7 +1347,7 @@ def _verdict(
         else None
     )
     avoid = None
-    if worst is not None and not worst["within_tolerance"]:
+    if worst is not None and worst.get("verdict", "beyond") == "beyond":  # undecided is not a failure
         key = worst["statistic"]
         value, where = _stat_value(key, fp)
         avoid = {
@@ -1363,7 +1373,25 @@ def _verdict(
             + "."
         )
     else:
-        lines.append(f"No format measured stays within {tolerance:g} %.")
+        lines.append(
+            f"No format measured stays within {tolerance:g} % (its 95 % interval's upper end below it)."
+        )
+    undecided = [f for f in formats if f.get("verdict") == "undecided"]
+    if undecided:
+        lines.append(
+            "Undecided at these tokens (the interval straddles the tolerance): "
+            + ", ".join(
+                f"{f['label']} ({_pct(f['ppl_change_pct'])}"
+                + (
+                    f"; ~{f['tokens_to_decide']:,} tokens would decide it"
+                    if f.get("tokens_to_decide")
+                    else ""
+                )
+                + ")"
+                for f in undecided
+            )
+            + "."
+        )
     if avoid:
         stat = "-" if avoid["value"] is None else f"{avoid['value']:.3g}"
         lines.append(
@@ -1373,7 +1401,7 @@ def _verdict(
             + (f" at {avoid['where']}" if avoid["where"] else "")
             + f" ({avoid['statistic_definition']})."
         )
-    else:
+    elif not undecided:
         lines.append(f"Every format measured stays within {tolerance:g} %.")
     if repair:
         state = "within" if repair["reached"] else "still NOT within"
@@ -1388,6 +1416,7 @@ def _verdict(
         if smallest is None
         else {k: smallest[k] for k in ("label", "scheme", "ppl_change_pct", "weight_bytes", "bytes_vs_fp")},
         "avoid": avoid,
+        "undecided": [f["label"] for f in undecided],
         "repair": repair,
         "lines": lines,
     }

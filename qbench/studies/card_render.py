@@ -52,8 +52,32 @@ def _bytes(n: int | None) -> str:
 
 def _status(row: Mapping[str, Any]) -> str:
     if row.get("status") == "ok":
-        return "✓" if row.get("within_tolerance") else "✗"
+        verdict = row.get("verdict") or ("within" if row.get("within_tolerance") else "beyond")
+        return {"within": "✓", "beyond": "✗", "undecided": "? undecided"}[verdict]
     return row.get("status") or "-"
+
+
+def _change_ci(row: Mapping[str, Any]) -> str:
+    """``+0.97 % [+0.41, +1.53]``: the change with its 95 % interval (``qbench.eval.evidence``)."""
+    if row.get("status") == "skipped":
+        return "-"
+    text = _pct(row.get("ppl_change_pct"))
+    ci = row.get("ppl_change_ci95")
+    return f"{text} [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci and row.get("ppl_change_pct") is not None else text
+
+
+def _verdict_class(row: Mapping[str, Any]) -> str:
+    return (
+        "ok" if row.get("within_tolerance") else "undecided" if row.get("verdict") == "undecided" else "bad"
+    )
+
+
+def _kld(row: Mapping[str, Any]) -> str:
+    return "-" if row.get("kld_mean") is None else f"{row['kld_mean']:.4f}"
+
+
+def _top1(row: Mapping[str, Any]) -> str:
+    return "-" if row.get("top1_agreement") is None else f"{100 * row['top1_agreement']:.1f} %"
 
 
 # ---------------------------------------------------------------------------------------------------- figures
@@ -245,8 +269,10 @@ def _sections(
             f["label"],
             f"`{f['scheme']}`",
             _num(f["perplexity"], ".4f"),
-            _pct(f["ppl_change_pct"]),
+            _change_ci(f),
             _status(f),
+            _kld(f),
+            _top1(f),
             _bytes(f["weight_bytes"]),
             _share(f["bytes_vs_fp"]),
             *([_num(f["speedup"], ".2f") + ("×" if f["speedup"] else "")] if speed else []),
@@ -260,8 +286,10 @@ def _sections(
             str(r["keep_sinks"]),
             r["label"] or "-",
             _num(r["perplexity"], ".4f"),
-            "-" if r["status"] == "skipped" else _pct(r["ppl_change_pct"]),
+            _change_ci(r),
             _status(r),
+            _kld(r),
+            _top1(r),
         ]
         for r in m["kv"]["rows"]
     ]
@@ -303,21 +331,27 @@ def _sections(
                 "format",
                 "scheme",
                 "ppl",
-                "change",
+                "change [95 % CI]",
                 f"≤ {tol:g} %",
+                "KLD",
+                "top-1",
                 "bytes",
                 "of float",
                 *(["speed-up"] if speed else []),
             ],
             format_rows,
-            "Fake quantisation at each format's standard settings. Bytes: the model's nominal storage in the format "
+            "Fake quantisation at each format's standard settings. Change: perplexity change with its 95 % "
+            f"interval (paired, windows as clusters); ✓ within {tol:g} % (the interval's upper end ≤ it), ✗ beyond "
+            "(its lower end above), ? undecided (it straddles the tolerance: more tokens would decide). KLD: mean "
+            "KL divergence from the float model per token (nats); top-1: tokens whose most likely next token is "
+            "the float model's (llama.cpp's definitions, docs/metrics.md). Bytes: the model's nominal storage in the format "
             "(quantised weights at their bits with their scales and zero points, the rest in float)."
             + ("" if speed else " Speed: measured in the full budget only.")
             + (f" {notes}" if notes else ""),
         ),
         (
             "KV cache",
-            ["bits", "sinks kept", "label", "ppl", "change", f"≤ {tol:g} %"],
+            ["bits", "sinks kept", "label", "ppl", "change [95 % CI]", f"≤ {tol:g} %", "KLD", "top-1"],
             kv_rows,
             _kv_caption(m["kv"]),
         ),
@@ -463,7 +497,7 @@ color:#1b1b1b;padding:0 1em}
 h1{font-size:1.6em}h2{border-bottom:2px solid #ccc;margin-top:2em}h3{margin-top:1.5em}
 table{border-collapse:collapse;margin:.5em 0;font-size:.9em}td,th{border:1px solid #ccc;padding:2px 6px;
 text-align:left;vertical-align:top}th{background:#f2f2f2}code{font-size:.95em}
-.ok{color:#176b2c}.bad{color:#a11}.verdict{background:#f6f8e8;border-left:4px solid #8a3;padding:.5em 1em}
+.ok{color:#176b2c}.bad{color:#a11}.undecided{color:#946200}.verdict{background:#f6f8e8;border-left:4px solid #8a3;padding:.5em 1em}
 figure{margin:1em 0}figure img{max-width:100%}figcaption{font-size:.85em;color:#555}
 @media print{body{margin:0;max-width:none;font-size:11px}h2{page-break-before:always}h2:first-of-type{
 page-break-before:auto}figure,table{page-break-inside:avoid}}
@@ -511,8 +545,10 @@ def _key_rows(m: Mapping[str, Any], i: int) -> dict[str, list[list[str]]]:
             _e(f["label"]),
             f"<code>{_e(f['scheme'])}</code>",
             _v(f"models.{i}.formats.{j}.perplexity", f["perplexity"], _num(f["perplexity"], ".4f")),
-            _v(f"models.{i}.formats.{j}.ppl_change_pct", f["ppl_change_pct"], _pct(f["ppl_change_pct"])),
-            f'<span class="{"ok" if f["within_tolerance"] else "bad"}">{_e(_status(f))}</span>',
+            _v(f"models.{i}.formats.{j}.ppl_change_pct", f["ppl_change_pct"], _change_ci(f)),
+            f'<span class="{_verdict_class(f)}">{_e(_status(f))}</span>',
+            _e(_kld(f)),
+            _e(_top1(f)),
             _v(f"models.{i}.formats.{j}.weight_bytes", f["weight_bytes"], _bytes(f["weight_bytes"])),
             _e(_share(f["bytes_vs_fp"])),
             *([_e(_num(f["speedup"], ".2f"))] if speed else []),
@@ -528,9 +564,11 @@ def _key_rows(m: Mapping[str, Any], i: int) -> dict[str, list[list[str]]]:
             _v(
                 f"models.{i}.kv.rows.{j}.ppl_change_pct",
                 r["ppl_change_pct"],
-                "-" if r["status"] == "skipped" else _pct(r["ppl_change_pct"]),
+                _change_ci(r),
             ),
-            f'<span class="{"ok" if r["within_tolerance"] else "bad"}">{_e(_status(r))}</span>',
+            f'<span class="{_verdict_class(r)}">{_e(_status(r))}</span>',
+            _e(_kld(r)),
+            _e(_top1(r)),
         ]
         for j, r in enumerate(m["kv"]["rows"])
     ]

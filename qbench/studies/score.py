@@ -30,7 +30,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from models.io import atomic_write_json
 from qbench.eval.harness import GridSpec, ModelEvaluation, expand_schemes
 from qbench.eval.load import LoadedModel
 from qbench.eval.metrics import Protocol
@@ -130,6 +129,6 @@ def score(
     records = []
     for name in names:
         record = evaluation.quantised_record(name, "fake")
-        atomic_write_json(evaluation.cell_path(name, "fake"), record)
+        evaluation.write(evaluation.cell_path(name, "fake"), record)
         records.append(record)
     return summarise(fp, records)

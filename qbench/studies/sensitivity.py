@@ -44,7 +44,7 @@ from qbench.eval.load import LoadedModel, load_model
 from qbench.eval.metric_registry import UNIT_STATISTICS
 from qbench.eval.prefix import BlockPrefix
 from qbench.studies.sensitivity_options import BY
-from qbench.studies.sweep import format_change, within_tolerance
+from qbench.studies.sweep import format_change
 
 # unit statistic -> key of qbench.eval.metrics.linear_ranges' per-layer entry (the metric registry's list)
 STATISTICS = UNIT_STATISTICS
@@ -224,7 +224,11 @@ def _entry(unit: Unit, record: dict[str, Any], stats: dict[str, float | None]) -
 
 
 def _within(record: dict[str, Any], tolerance: float) -> bool:
-    return record["status"] == "ok" and within_tolerance(record["metrics"]["ppl_change_pct"], tolerance)
+    """*Within* the tolerance: the 95 % interval's upper end ≤ it (``qbench.eval.evidence.decide``), so a repair
+    is reached only when the measurement shows it, never on a point estimate that happens to fall below."""
+    from qbench.eval.evidence import decide
+
+    return decide(record, tolerance).within
 
 
 def repair(study: _Study, ranked: Sequence[dict[str, Any]], tolerance: float) -> dict[str, Any]:

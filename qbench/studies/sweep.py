@@ -45,6 +45,7 @@ from typing import Any
 
 from models.errors import UserError, unknown_choice
 from models.io import atomic_write_json, atomic_write_text
+from qbench.eval.evidence import BEYOND, DEFAULT_METRIC, UNDECIDED, WITHIN, format_interval, row_fields
 from qbench.eval.harness import FLOAT_SCHEME as FLOAT_FAMILY  # the KV curves: only the cache quantised
 from qbench.eval.metrics import Protocol
 
@@ -216,7 +217,7 @@ def _fixed_kv_bits(scheme: str) -> bool:
 # as 1.0000000000000009. The slack, relative to the tolerance (absolute below a tolerance of 1 %, so that a
 # tolerance of 0 still accepts an unchanged perplexity), is far above that rounding (~1e-14 %) and far below any
 # difference a table or a person could mean.
-TOLERANCE_REL_EPS = 1e-9
+from qbench.eval.evidence import TOLERANCE_REL_EPS  # noqa: E402  (one slack for every verdict)
 
 
 def within_tolerance(change_pct: float | None, tolerance: float) -> bool:
@@ -234,45 +235,75 @@ def passes(change: float | None, tolerance: float) -> bool:
     return within_tolerance(change, tolerance)
 
 
-def breaking_point(changes: Mapping[int, float | None], tolerance: float = DEFAULT_TOLERANCE) -> int | None:
-    """The lowest bit width whose change passes at that width and at every wider one; None if the widest fails.
-
-    ``changes``: {bits: perplexity change in percent, None for a failed cell}. Walks from the widest width
-    down and stops at the first failure, so a lucky cell below a failing one never lowers the result.
-    """
+def breaking_point(verdicts: Mapping[int, str]) -> int | None:
+    """The lowest bit width *within* the tolerance at that width and at every wider one; None if the widest is
+    not within. ``verdicts``: {bits: "within" | "beyond" | "undecided"} (``qbench.eval.evidence.decide``). Walks
+    from the widest width down and stops at the first cell not within, so a lucky cell below a failing one never
+    lowers the result."""
     lowest = None
-    for b in sorted(changes, reverse=True):
-        if not passes(changes[b], tolerance):
+    for b in sorted(verdicts, reverse=True):
+        if verdicts[b] != WITHIN:
             break
         lowest = b
     return lowest
 
 
-def breaking_points(cells: Iterable[Mapping[str, Any]], tolerance: float) -> list[dict[str, Any]]:
+def breaking_point_range(verdicts: Mapping[int, str]) -> tuple[int | None, int | None]:
+    """(certain, possible): :func:`breaking_point`, and the lowest width reached walking down through cells
+    within *or undecided*. They differ when undecided cells sit below the certain point: the breaking point is
+    then somewhere between (more tokens would say where)."""
+    possible = None
+    for b in sorted(verdicts, reverse=True):
+        if verdicts[b] == BEYOND:
+            break
+        possible = b
+    return breaking_point(verdicts), possible
+
+
+def breaking_points(
+    cells: Iterable[Mapping[str, Any]], tolerance: float, metric: str = DEFAULT_METRIC
+) -> list[dict[str, Any]]:
     """One entry per (model, family, axis) of ``sweep.json``'s cells, in first-seen order."""
-    curves: dict[tuple[str, str, str], dict[int, float | None]] = {}
+    curves: dict[tuple[str, str, str], dict[int, str]] = {}
     for c in cells:
-        change = c["ppl_change_pct"] if c["status"] == "ok" else None
-        curves.setdefault((c["model"], c["family"], c["axis"]), {})[c["bits"]] = change
-    return [
-        {
-            "model": model,
-            "family": family,
-            "axis": axis,
-            "bits": breaking_point(changes, tolerance),
-            "widest": max(changes),
-            "lowest_swept": min(changes),
-            "tolerance_pct": tolerance,
-        }
-        for (model, family, axis), changes in curves.items()
-    ]
+        curves.setdefault((c["model"], c["family"], c["axis"]), {})[c["bits"]] = _verdict_of(c, tolerance)
+    out = []
+    for (model, family, axis), verdicts in curves.items():
+        certain, possible = breaking_point_range(verdicts)
+        out.append(
+            {
+                "model": model,
+                "family": family,
+                "axis": axis,
+                "bits": certain,
+                "possible_bits": possible,
+                "decided": certain == possible,
+                "undecided_bits": sorted(b for b, v in verdicts.items() if v == UNDECIDED),
+                "widest": max(verdicts),
+                "lowest_swept": min(verdicts),
+                "tolerance_pct": tolerance,
+                "metric": metric,
+            }
+        )
+    return out
+
+
+def _verdict_of(cell: Mapping[str, Any], tolerance: float) -> str:
+    """A sweep cell's verdict; a cell of a sweep.json written before verdicts has no interval: undecided unless
+    it failed (NaN, unsupported)."""
+    if cell.get("verdict"):
+        return cell["verdict"]
+    return UNDECIDED if cell["status"] == "ok" else BEYOND
 
 
 def format_breaking_point(entry: Mapping[str, Any]) -> str:
-    """``4``, ``none`` (the widest failed), or ``≤2`` (nothing failed down to the lowest width swept)."""
-    if entry["bits"] is None:
-        return "none"
-    return f"≤{entry['bits']}" if entry["bits"] == entry["lowest_swept"] else str(entry["bits"])
+    """``4``, ``none`` (the widest is not within), ``≤2`` (within down to the lowest width swept), or with
+    undecided cells below ``6 (4?)``: certainly 6, possibly as low as 4."""
+    bits, possible = entry["bits"], entry.get("possible_bits", entry["bits"])
+    text = "none" if bits is None else f"≤{bits}" if bits == entry["lowest_swept"] else str(bits)
+    if possible is not None and possible != bits:
+        text += f" ({'≤' if possible == entry['lowest_swept'] else ''}{possible}?)"
+    return text
 
 
 # ------------------------------------------------------------------------------------------------- running
@@ -284,7 +315,8 @@ class SweepConfig:
     families: list[str] = field(default_factory=lambda: [DEFAULT_FAMILY])
     axes: list[str] = field(default_factory=lambda: list(DEFAULT_AXES))
     bits: list[int] = field(default_factory=lambda: list(DEFAULT_BITS))
-    tolerance: float = DEFAULT_TOLERANCE
+    tolerance: float = DEFAULT_TOLERANCE  # in the unit of ``metric`` (evidence.METRICS)
+    metric: str = DEFAULT_METRIC  # what the tolerance applies to: ppl | kld | top1
     kv_keep_first: list[int] = field(default_factory=list)
     kv_bits: list[int] | None = None  # the kv axis' widths; None: those of ``bits`` that are KV-cache widths
     # the kv axis' KV-cache scheme(s), NAME[:key=value,…]; None: default_kv_scheme(window); a list: one set of
@@ -394,10 +426,10 @@ def _plan(cfg: SweepConfig) -> tuple[list[Cell], list[str]]:
 
 def validate(cfg: SweepConfig) -> list[Cell]:
     """The plan, with every scheme built once so a bad family or override fails before a model loads."""
+    from qbench.eval.evidence import check_metric, check_tolerance
     from qbench.quant.schemes import get_scheme
 
-    if not cfg.tolerance >= 0:
-        raise UserError(f"--tolerance must be a percentage ≥ 0, got {cfg.tolerance}")
+    check_tolerance(cfg.tolerance, check_metric(cfg.metric))
     cells, _ = _plan(cfg)
     if not cells:
         raise UserError(
@@ -473,6 +505,7 @@ def _row(cfg: SweepConfig, cell: Cell, record: dict[str, Any], fp: dict[str, Any
         "ppl_ratio": m["ppl_ratio"],
         "ppl_change_pct": m["ppl_change_pct"],
         "status": record.get("status", "ok"),
+        **row_fields(record, cfg.tolerance, cfg.metric),
         "eval_seconds": record.get("eval_seconds"),
         "eval_vs_float": round(record["eval_seconds"] / fp_seconds, 3)
         if fp_seconds and record.get("eval_seconds")
@@ -501,9 +534,11 @@ def _summary(
         "sweep_version": SWEEP_VERSION,
         "command": command,
         "tolerance_pct": cfg.tolerance,
+        "metric": cfg.metric,
         "breaking_point_definition": (
-            "lowest bit width whose perplexity change is ≤ tolerance (up to 1e-9 relative) at that width and at "
-            "every wider width swept; none if the widest fails"
+            f"lowest bit width whose {cfg.metric} verdict is within the tolerance (the 95 % interval's upper end "
+            "≤ tolerance) at that width and at every wider width swept; none if the widest is not within; "
+            "possible_bits: the same walking through undecided cells (the interval straddles the tolerance)"
         ),
         "families": list(cfg.families),
         "axes": list(cfg.axes),
@@ -523,7 +558,7 @@ def _summary(
             for name, fp in fps.items()
         },
         "cells": rows,
-        "breaking_points": breaking_points(rows, cfg.tolerance),
+        "breaking_points": breaking_points(rows, cfg.tolerance, cfg.metric),
         "skipped": skipped,
         "env": environment(cfg.device),  # this run's; every record also carries the one it was made with
         "wall_seconds": round(wall, 3),
@@ -563,7 +598,9 @@ def _change(cell: Mapping[str, Any] | None, tolerance: float | None = None) -> s
         return "NaN"
     if cell["status"] != "ok" or cell["ppl_change_pct"] is None:
         return "n/a"
-    return format_change(cell["ppl_change_pct"], tolerance)
+    if "verdict" not in cell:  # a sweep.json from before intervals
+        return format_change(cell["ppl_change_pct"], tolerance)
+    return format_interval(cell["ppl_change_pct"], cell.get("ppl_change_ci95"), cell["verdict"])
 
 
 def curves_of(sweep: Mapping[str, Any]) -> dict[tuple[str, str, str], dict[int, dict[str, Any]]]:
@@ -586,7 +623,10 @@ def sweep_table(sweep: Mapping[str, Any]) -> str:
         for key, cells in curves_of(sweep).items()
         for model, family, axis in [key]
     ]
-    headers = ["model", "family", "axis", *(f"{b} bit" for b in bits), f"breaking point (≤ {tol:g} %)"]
+    metric = sweep.get("metric", DEFAULT_METRIC)
+    unit = " %" if metric != "kld" else " nats"
+    goal = f"{metric} ≤ {tol:g}{unit}" if metric != "ppl" else f"≤ {tol:g} %"
+    headers = ["model", "family", "axis", *(f"{b} bit" for b in bits), f"breaking point ({goal})"]
     return tabulate(rows, headers, tablefmt="github", disable_numparse=True)
 
 
@@ -607,9 +647,12 @@ def sweep_caption(sweep: Mapping[str, Any]) -> str:
         "family's weights / input activations / outputs at that width, the rest at the family's own bits; "
         "all: every tensor the family quantises; kv: the float model with a quantised KV cache (kv-keepK: "
         "positions < K kept in float; kv-sinksK: the K most-attended positions of the float pass kept in float; "
-        f"(name): the KV-cache scheme). Breaking point: the lowest width with change ≤ {sweep['tolerance_pct']:g} % "
-        "there and at every wider width; ≤b: nothing failed down to the lowest width swept; none: the widest "
-        f"failed.{timing}"
+        f"(name): the KV-cache scheme). Each change is shown ± the half-width of its 95 % interval (paired, windows "
+        "as clusters): ✗ beyond the tolerance (the interval's lower end above it), ? undecided (the interval "
+        f"straddles it). Breaking point ({sweep.get('metric', DEFAULT_METRIC)}, tolerance "
+        f"{sweep['tolerance_pct']:g}): the lowest width within the tolerance there and at every wider width; "
+        "≤b: within down to the lowest width swept; none: the widest is not within; (b?): undecided cells "
+        f"below, so the breaking point may be as low as b.{timing}"
     )
     if sweep.get("skipped"):
         text += f" Not swept: {'; '.join(sweep['skipped'])}."

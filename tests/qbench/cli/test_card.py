@@ -17,7 +17,9 @@ from models.checkpoint import save_checkpoint
 from qbench.cli import main
 from tests.qbench.conftest import planted_model
 
-TOKENS = "64"  # two windows of the micro model's 32 tokens: every cell takes milliseconds
+TOKENS = (
+    "256"  # eight windows of the micro model's 32 tokens (an interval needs several): milliseconds a cell
+)
 TOLERANCE = "0.1"  # the micro model moves by tenths of a percent: a tight tolerance makes formats fail
 
 

@@ -59,18 +59,22 @@ def test_every_cell_equals_its_record(results, capsys):
     assert cells["fp"] == f"{fp['metrics']['perplexity']:.2f}"
     change = 100 * (int4["metrics"]["perplexity"] / fp["metrics"]["perplexity"] - 1)
     assert int4["metrics"]["ppl_change_pct"] == pytest.approx(change, abs=1e-9)
-    assert cells["zeropoint-int4/fake"] == f"{int4['metrics']['perplexity']:.2f} ({change:+.2f}%)"
+    low, high = int4["metrics"]["ppl_change_ci95"]
+    assert cells["zeropoint-int4/fake"] == (
+        f"{int4['metrics']['perplexity']:.2f} ({change:+.2f}% ±{(high - low) / 2:.2f}; "
+        f"KLD {int4['metrics']['kld_mean']:.4f})"
+    )
     assert cells["absmax-coarse/fake"] == "NaN" and cells["absmax-fine/fake"] == "n/a"
     assert cells["κ first"] == f"{fp['outliers']['kurtosis_first']:.3g}"
     assert cells["1st-token top-1"] == f"{fp['outliers']['first_token_top1_share']:.1%}"
     assert not math.isnan(fp["metrics"]["perplexity"])
 
     md = _compare([results, "--format", "md"], capsys)
-    assert f"{int4['metrics']['perplexity']:.2f} ({change:+.2f}%)" in md and " NaN " in md and " n/a " in md
+    assert f"{int4['metrics']['perplexity']:.2f} ({change:+.2f}%" in md and " NaN " in md and " n/a " in md
     csv = _compare([results, "--format", "csv"], capsys)
-    assert f"{int4['metrics']['perplexity']:.2f} ({change:+.2f}%)" in csv.splitlines()[1]
+    assert f"{int4['metrics']['perplexity']:.2f} ({change:+.2f}%" in csv.splitlines()[1]
     shown = _compare([results, "--format", "table"], capsys)
-    assert f"{int4['metrics']['perplexity']:.2f}" in shown and f"({change:+.2f}%)" in shown
+    assert f"{int4['metrics']['perplexity']:.2f}" in shown and f"({change:+.2f}%" in shown
     assert "WARNING" not in shown
 
 

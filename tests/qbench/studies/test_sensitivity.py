@@ -59,7 +59,8 @@ class _TableStudy(sens._Study):
 
     def cell(self, key, exclude, phase):
         change = self.changes[frozenset(exclude)]
-        record = {"status": "ok", "metrics": {"perplexity": 100 + change, "ppl_change_pct": change}}
+        metrics = {"perplexity": 100 + change, "ppl_change_pct": change, "ppl_change_ci95": [change, change]}
+        record = {"status": "ok", "metrics": metrics}
         self.on_cell(phase, record, False)
         return record
 

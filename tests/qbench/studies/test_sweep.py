@@ -4,12 +4,14 @@ import re
 import pytest
 
 from models.errors import UserError
+from qbench.eval.evidence import BEYOND, UNDECIDED, WITHIN
 from qbench.eval.harness import record_path
 from qbench.eval.metrics import Protocol
 from qbench.quant.schemes import get_scheme
 from qbench.studies.sweep import (
     SweepConfig,
     breaking_point,
+    breaking_point_range,
     breaking_points,
     expected_records,
     format_breaking_point,
@@ -24,31 +26,35 @@ from qbench.studies.sweep import (
     write_outputs,
 )
 
+W, B, U = WITHIN, BEYOND, UNDECIDED
 
-def test_breaking_point_is_the_lowest_width_passing_there_and_at_every_wider_one():
-    changes = {8: 0.01, 7: 0.2, 6: 0.8, 5: 2.5, 4: 21.0, 3: 300.0, 2: 900.0}
-    assert breaking_point(changes, 1.0) == 6
-    assert breaking_point(changes, 3.0) == 5
-    assert breaking_point({8: 0.0, 4: 0.5, 2: 0.9}, 1.0) == 2  # nothing failed
-    assert breaking_point({8: 0.0, 6: -0.4}, 1.0) == 6  # a lower perplexity is not damage
+
+def test_breaking_point_is_the_lowest_width_within_there_and_at_every_wider_one():
+    assert breaking_point({8: W, 7: W, 6: W, 5: B, 4: B, 3: B, 2: B}) == 6
+    assert breaking_point({8: W, 4: W, 2: W}) == 2  # nothing beyond
 
 
 def test_a_lucky_noisy_cell_below_a_failure_does_not_lower_the_breaking_point():
-    changes = {8: 0.1, 7: 0.3, 6: 1.7, 5: 0.6, 4: 0.9, 3: 40.0, 2: 200.0}  # 5 and 4 bits pass by luck
-    assert breaking_point(changes, 1.0) == 7
-    assert breaking_point({**changes, 6: None}, 1.0) == 7  # a NaN/unsupported cell fails too
+    assert breaking_point({8: W, 7: W, 6: B, 5: W, 4: W, 3: B}) == 7
 
 
-def test_breaking_point_is_none_when_even_the_widest_width_fails():
-    assert breaking_point({8: 1.5, 7: 0.2, 6: 0.1}, 1.0) is None
-    assert breaking_point({8: None, 7: 0.0}, 1.0) is None
-    assert breaking_point({8: float("nan")}, 1.0) is None
+def test_breaking_point_is_none_when_the_widest_width_is_not_within():
+    assert breaking_point({8: B, 7: W, 6: W}) is None
+    assert breaking_point({8: U, 7: W}) is None  # undecided is never rounded into a pass
+
+
+def test_undecided_cells_below_the_breaking_point_make_it_a_range():
+    assert breaking_point_range({8: W, 7: W, 6: U, 5: U, 4: B}) == (7, 5)
+    assert breaking_point_range({8: W, 6: U, 4: W, 2: B}) == (8, 4)
+    assert breaking_point_range({8: W, 6: W, 4: B}) == (6, 6)
+    assert format_breaking_point({"bits": 7, "possible_bits": 5, "lowest_swept": 2}) == "7 (5?)"
+    assert format_breaking_point({"bits": None, "possible_bits": 8, "lowest_swept": 2}) == "none (8?)"
+    assert format_breaking_point({"bits": 4, "possible_bits": 2, "lowest_swept": 2}) == "4 (≤2?)"
 
 
 def test_a_cell_at_exactly_the_tolerance_passes():
     exact = (101.0 / 100.0 - 1) * 100  # how the harness computes +1 %: 1.0000000000000009 in floats
     assert exact > 1.0 and within_tolerance(exact, 1.0)
-    assert breaking_point({8: 0.1, 6: exact, 4: 5.0}, 1.0) == 6
     assert within_tolerance((100.5 / 100.0 - 1) * 100, 0.5) and within_tolerance(0.0, 0.0)
     # the slack is 1e-9 relative, not a rounding of the tolerance: a millionth of a point over still fails
     assert not within_tolerance(1.000001, 1.0) and not within_tolerance(1.0 + 1e-8, 1.0)
@@ -66,7 +72,8 @@ def test_changes_near_the_tolerance_show_the_digits_that_decide_them():
     assert format_change(0.996, 1.0) == "+0.996 %"
     assert format_change(1.01, 1.0) == "+1.01 %" and format_change(21.6, 1.0) == "+21.60 %"
     assert format_change(-0.4, 1.0) == "-0.40 %" and format_change(2.0049, 2.0) == "+2.005 %"
-    sweep = _synthetic_sweep()
+    # a sweep.json from before intervals shows its point changes so, and decides nothing it cannot
+    sweep = _synthetic_sweep(intervals=False)
     for c in sweep["cells"]:
         if (c["model"], c["axis"], c["bits"]) == ("vanilla", "all", 6):
             c["ppl_change_pct"] = exact
@@ -75,7 +82,18 @@ def test_changes_near_the_tolerance_show_the_digits_that_decide_them():
     sweep["breaking_points"] = breaking_points(sweep["cells"], 1.0)
     table = sweep_table(sweep)
     (row,) = [line for line in table.splitlines() if line.startswith("| vanilla ") and " all " in line]
-    assert "+1.000 %" in row and "+1.0004 %" in row and row.rstrip(" |").endswith("6")
+    assert "+1.000 %" in row and "+1.0004 %" in row and row.rstrip(" |").endswith("none (≤2?)")
+
+
+def test_an_undecided_cell_is_shown_as_such_and_never_passes():
+    sweep = _synthetic_sweep()
+    for c in sweep["cells"]:
+        if (c["model"], c["axis"], c["bits"]) == ("vanilla", "all", 6):
+            c.update(ppl_change_pct=0.97, ppl_change_ci95=[0.41, 1.53], verdict=UNDECIDED)
+    sweep["breaking_points"] = breaking_points(sweep["cells"], 1.0)
+    table = sweep_table(sweep)
+    (row,) = [line for line in table.splitlines() if line.startswith("| vanilla ") and " all " in line]
+    assert "+0.97 ±0.56 ?" in row and row.rstrip(" |").endswith("8 (6?)")
     _assert_table_matches(table, sweep)
 
 
@@ -92,13 +110,19 @@ def _cell(model, family, axis, bits, change, status="ok"):
     }
 
 
-def _synthetic_sweep():
+def _synthetic_sweep(intervals=True):
     cells = []
     for model, scale in (("vanilla", 1.0), ("paper", 0.2)):
         for b, change in zip((8, 6, 4, 2), (0.02, 0.8, 21.6, 400.0), strict=True):
             cells.append(_cell(model, "absmax-coarse", "all", b, change * scale))
         for b, change in zip((8, 6, 4, 2), (0.0, 0.1, 3.0, None), strict=True):
             cells.append(_cell(model, "fp", "kv", b, change, "ok" if change is not None else "nonfinite"))
+    for c in cells if intervals else []:  # narrow intervals: each verdict is its point change's
+        if c["status"] == "ok":
+            ci = [c["ppl_change_pct"] - 0.05, c["ppl_change_pct"] + 0.05]
+            c.update(ppl_change_ci95=ci, verdict=WITHIN if ci[1] <= 1.0 else BEYOND)
+        else:
+            c["verdict"] = BEYOND
     protocol = {"corpus": "embedded", "split": "validation", "tokens_scored": 8191, "window": 128}
     return {
         "command": "qbench sweep --ckpt vanilla --ckpt paper",
@@ -147,6 +171,12 @@ def _assert_table_matches(text: str, sweep: dict) -> None:
                 assert row[f"{b} bit"] == "-"
             elif cell["status"] == "nonfinite":
                 assert row[f"{b} bit"] == "NaN"
+            elif "verdict" in cell:  # the change ± its interval's half-width, and the verdict's mark
+                text = re.fullmatch(r"([+-]\d+\.\d\d) ±(\d+\.\d\d)( \?| ✗)?", row[f"{b} bit"])
+                assert float(text.group(1)) == round(cell["ppl_change_pct"], 2)
+                low, high = cell["ppl_change_ci95"]
+                assert float(text.group(2)) == round((high - low) / 2, 2)
+                assert (text.group(3) or "") == {WITHIN: "", UNDECIDED: " ?", BEYOND: " ✗"}[cell["verdict"]]
             else:  # at least 2 decimals, and enough to pass or fail as the cell itself does
                 text = re.fullmatch(r"([+-]\d+\.(\d\d+)) %", row[f"{b} bit"])
                 value, decimals = float(text.group(1)), len(text.group(2))

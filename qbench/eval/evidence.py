@@ -1,0 +1,437 @@
+"""Per-token evidence of a cell and the decisions built on it: distribution metrics against the float model,
+paired intervals over windows, and the three-way verdict.
+
+Every record of the grid keeps, beside its JSON, the per-token numbers it was computed from in a safetensors
+sidecar (:func:`sidecar_path`, named with its SHA-256 in the record's ``evidence`` block), so an interval can be
+computed again, and a resumed grid or a card checks what it reuses:
+
+- ``nll`` (windows × window, float32): each scored token's negative log-likelihood, in the windows' order;
+- a quantised cell adds ``kld`` (float32), the KL divergence of its next-token distribution from the float
+  model's at that position, and ``top1`` (uint8), 1 where both models' most likely next token is the same.
+
+**Distribution metrics** (:func:`distribution_metrics`), as llama.cpp's ``llama-perplexity --kl-divergence``
+defines them (``tools/perplexity/perplexity.cpp`` in ggml-org/llama.cpp: ``kl_divergence``, ``log_softmax`` with
+``kl_divergence_result``), with P the float model's distribution, Q the quantised one's, on the same tokens:
+
+- per token ``KLD = Σ_v P(v) (ln P(v) − ln Q(v))`` over the **full** vocabulary, in float64 from float32 logits.
+  llama.cpp stores P as 16-bit log-probabilities and drops the terms with ln P(v) ≤ −16; qbench keeps P exact
+  (it recomputes the float logits beside the quantised ones), so its KLD is the exact one;
+- ``kld_mean`` ± ``kld_mean_se``: mean over tokens, and llama.cpp's uncertainty sqrt((E[x²] − E[x]²)/(n − 1))
+  (0 for n ≤ 10, as there); ``kld_median``, ``kld_p90``, ``kld_p99``, ``kld_p999``, ``kld_max``: llama.cpp's
+  percentile, linear interpolation at fraction · (n − 1) of the sorted values (the median the mean of the two
+  middle values for even n);
+- ``top1_agreement`` ("same top p"): the fraction of tokens whose most likely next token is the same under P and
+  Q, ± sqrt(p(1 − p)/(n − 1));
+- ``rms_delta_p``: sqrt(mean(Δp²)), Δp = Q(target) − P(target), with llama.cpp's uncertainty 0.5/rms · se(Δp²);
+- ``ln_ppl_ratio`` = mean NLL_Q − mean NLL_P and ``ln_ppl_ratio_se`` = sqrt(se_Q² + se_P² − 2 cov): the paired
+  per-token uncertainty llama.cpp prints.
+
+llama.cpp scores the second half of each chunk only; qbench scores every position of its windows (its protocol,
+``qbench.eval.metrics``). All fractions are stored as fractions (0–1); tables show them in percent.
+
+**Intervals** (:func:`cluster_interval`). Tokens of one window share their context, so their errors are not
+independent, and the per-token standard error above is too small (the tests show it covering the true change
+far less often than 95 %). The decisions use windows as the independent unit: for window i,
+d_i = mean NLL_Q − mean NLL_P over its tokens (all windows have the same length, so mean(d) is the change in mean
+NLL); the 95 % interval of mean(d) is mean(d) ± t(0.975, n − 1) · sd(d)/√n (Student's t, exact for integer
+degrees of freedom: :func:`t_quantile`), and ``ppl_change_ci95`` is 100 · (exp(·) − 1) of its ends, in percent.
+The same cluster interval gives ``kld_mean_ci95`` (per-window mean KLD) and ``top1_agreement_ci95``. One window
+gives no interval (no variance to estimate).
+
+**Verdicts** (:func:`decide`): with ``tolerance`` in the metric's unit, *within* when the interval's upper end is
+≤ the tolerance, *beyond* when its lower end is > the tolerance, *undecided* when it straddles it (or when no
+interval exists). Never a point estimate against a threshold. For an undecided cell, :func:`decide` says how
+many tokens would decide it at the observed variance (windows needed = (t · sd / |mean − tolerance|)²).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from models.errors import UserError
+
+SIDECAR_SUFFIX = ".tokens.safetensors"
+LEVEL = 0.95  # every interval qbench reports
+WITHIN, BEYOND, UNDECIDED = "within", "beyond", "undecided"
+VERDICTS = (WITHIN, BEYOND, UNDECIDED)
+# What a tolerance applies to (``--metric``), in that metric's unit, and its default.
+METRICS = {
+    "ppl": ("perplexity change", "%", 1.0),
+    "kld": ("mean KL divergence from the float model", "nats", 0.01),
+    "top1": ("tokens whose most likely next token changed", "%", 1.0),
+}
+DEFAULT_METRIC = "ppl"
+TOLERANCE_REL_EPS = 1e-9  # float rounding of a change computed as a ratio, far below any meant difference
+
+
+def sidecar_path(record_path: Path) -> Path:
+    """The per-token sidecar of the record at ``record_path``: ``<stem>.tokens.safetensors`` beside it."""
+    return record_path.with_name(record_path.stem + SIDECAR_SUFFIX)
+
+
+def encode(tensors: Mapping[str, Tensor]) -> tuple[bytes, dict[str, Any]]:
+    """The sidecar's bytes and the record's ``evidence`` block (file set by the writer, SHA-256, shapes)."""
+    from safetensors.torch import save
+
+    data = save({k: v.contiguous() for k, v in tensors.items()})
+    block = {
+        "file": None,
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "tensors": {k: [str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in tensors.items()},
+    }
+    return data, block
+
+
+def read(record_path: Path, record: Mapping[str, Any]) -> dict[str, Tensor] | None:
+    """The per-token tensors a record names, or None when it names none (an older record: "no interval"), the
+    file is missing, or its hash differs from the record's (then the record cannot be trusted and is redone)."""
+    from safetensors.torch import load
+
+    block = record.get("evidence") or {}
+    if not block.get("file") or not block.get("sha256"):
+        return None
+    try:
+        data = (Path(record_path).parent / block["file"]).read_bytes()
+    except OSError:
+        return None
+    if hashlib.sha256(data).hexdigest() != block["sha256"]:
+        return None
+    return load(data)
+
+
+# ----------------------------------------------------------------------------------------------- statistics
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile (p > 0.5) of Student's t with integer ``df`` degrees of freedom.
+
+    From the exact two-sided CDF A(t | ν) = P(|T| ≤ t) for integer ν (Abramowitz & Stegun 26.7.3 and 26.7.4:
+    finite sums in θ = atan(t/√ν)), inverted by bisection; ν > 1000 uses the normal quantile's Cornish–Fisher
+    correction (A&S 26.7.5), within 1e-6 there."""
+    if not 0.5 < p < 1 or df < 1:
+        raise ValueError(f"t_quantile needs 0.5 < p < 1 and df ≥ 1, got p={p}, df={df}")
+    target = 2 * p - 1  # two-sided coverage
+    if df > 1000:
+        z = _normal_quantile(p)
+        return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+    lo, hi = 0.0, 1.0
+    while _t_two_sided(hi, df) < target:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_two_sided(mid, df) < target else (lo, mid)
+        if hi - lo < 1e-12 * max(1.0, hi):
+            break
+    return (lo + hi) / 2
+
+
+def _t_two_sided(t: float, df: int) -> float:
+    theta = math.atan(t / math.sqrt(df))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    if df % 2 == 1:  # 26.7.3: (2/π)[θ + sinθ (cosθ + (2/3)cos³θ + … + (2·4…(ν−3))/(1·3…(ν−2)) cos^(ν−2)θ)]
+        term, total = math.cos(theta), 0.0
+        if df > 1:
+            total = term
+            for k in range(3, df - 1, 2):
+                term *= c2 * (k - 1) / k
+                total += term
+        return 2 / math.pi * (theta + s * total)
+    term, total = 1.0, 1.0  # 26.7.4: sinθ [1 + (1/2)cos²θ + (1·3)/(2·4)cos⁴θ + … ]
+    for k in range(2, df - 1, 2):
+        term *= c2 * (k - 1) / k
+        total += term
+    return s * total
+
+
+def _normal_quantile(p: float) -> float:
+    lo, hi = 0.0, 10.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if 0.5 * math.erfc(-mid / math.sqrt(2)) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def mean_and_uncertainty(values: Tensor) -> tuple[float, float]:
+    """llama.cpp's ``mean_and_uncertainty``: the mean and sqrt((E[x²] − E[x]²)/(n − 1)), 0 for n ≤ 10."""
+    x = values.double().flatten()
+    n = x.numel()
+    if n < 1:
+        return float("nan"), float("nan")
+    mean = x.mean().item()
+    var = (x.square().mean() - mean * mean).item()
+    return mean, math.sqrt(var / (n - 1)) if var > 0 and n > 10 else 0.0
+
+
+def percentile(sorted_values: Tensor, fraction: float) -> float:
+    """llama.cpp's ``percentile`` of ascending ``sorted_values``: linear interpolation at fraction · (n − 1)."""
+    n = sorted_values.numel()
+    if fraction <= 0:
+        return sorted_values[0].item()
+    if fraction >= 1:
+        return sorted_values[-1].item()
+    p = fraction * (n - 1)
+    i = int(p)
+    p -= i
+    return ((1 - p) * sorted_values[i].double() + p * sorted_values[min(i + 1, n - 1)].double()).item()
+
+
+def cluster_interval(per_window: Tensor, level: float = LEVEL) -> tuple[float, float, float, float] | None:
+    """(mean, low, high, sd) of the per-window values' mean: mean ± t((1+level)/2, n−1) · sd/√n; None for n < 2."""
+    x = per_window.double().flatten()
+    n = x.numel()
+    if n < 2:
+        return None
+    mean, sd = x.mean().item(), x.std(unbiased=True).item()
+    half = t_quantile((1 + level) / 2, n - 1) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half, sd
+
+
+def _pct(x: float) -> float:
+    return 100 * math.expm1(x) if x < 700 else float("inf")
+
+
+def paired_metrics(nll: Tensor, fp_nll: Tensor) -> dict[str, Any]:
+    """``ppl_change_ci95`` (percent, windows as clusters), ``ln_ppl_ratio`` ± its per-token paired uncertainty
+    (llama.cpp's) and ``rms_delta_p`` of a quantised cell's per-token NLL against the float model's."""
+    if nll.shape != fp_nll.shape:
+        raise ValueError(f"per-token NLL of shape {tuple(nll.shape)} against the float {tuple(fp_nll.shape)}")
+    q, p = nll.double(), fp_nll.double()
+    n = q.numel()
+    mq, sq = mean_and_uncertainty(q)
+    mp, sp = mean_and_uncertainty(p)
+    cov = ((q * p).mean() - mq * mp).item() / (n - 1) if n >= 10 else 0.0  # llama.cpp's covariance
+    ratio_se = math.sqrt(max(sq * sq + sp * sp - 2 * cov, 0.0))
+    delta_p = torch.exp(-q) - torch.exp(-p)
+    mse, mse_se = mean_and_uncertainty(delta_p.square())
+    rms = math.sqrt(mse)
+    out: dict[str, Any] = {
+        "ln_ppl_ratio": mq - mp,
+        "ln_ppl_ratio_se": ratio_se,
+        "rms_delta_p": rms,
+        "rms_delta_p_se": 0.5 / rms * mse_se if rms > 0 else 0.0,
+        "ppl_change_ci95": None,
+        "interval": _interval_block(q.shape[0]),
+    }
+    interval = cluster_interval((q - p).mean(dim=1))
+    if interval is not None and all(math.isfinite(v) for v in interval):
+        _, low, high, sd = interval
+        out["ppl_change_ci95"] = [_pct(low), _pct(high)]
+        out["interval"]["sd_ln_ppl_ratio"] = sd
+    return out
+
+
+def _interval_block(windows: int) -> dict[str, Any]:
+    return {
+        "method": "paired t over windows (clusters)",
+        "level": LEVEL,
+        "windows": windows,
+        "df": windows - 1,
+    }
+
+
+def distribution_metrics(kld: Tensor, top1: Tensor) -> dict[str, Any]:
+    """llama.cpp's KL-divergence and same-top statistics of per-token ``kld`` and ``top1`` (windows × window),
+    plus their 95 % cluster intervals over windows (``kld_mean_ci95``, ``top1_agreement_ci95``)."""
+    flat = kld.double().flatten()
+    n = flat.numel()
+    ordered = flat.sort().values
+    mean, se = mean_and_uncertainty(flat)
+    same = top1.double()
+    agreement = same.mean().item()
+    out: dict[str, Any] = {
+        "kld_mean": mean,
+        "kld_mean_se": se,
+        "kld_median": percentile(ordered, 0.5),
+        "kld_p90": percentile(ordered, 0.9),
+        "kld_p99": percentile(ordered, 0.99),
+        "kld_p999": percentile(ordered, 0.999),
+        "kld_max": ordered[-1].item(),
+        "top1_agreement": agreement,
+        "top1_agreement_se": math.sqrt(agreement * (1 - agreement) / (n - 1)) if n > 1 else 0.0,
+        "kld_mean_ci95": None,
+        "top1_agreement_ci95": None,
+    }
+    k = cluster_interval(kld.double().mean(dim=1))
+    t = cluster_interval(same.mean(dim=1))
+    if k is not None:
+        out["kld_mean_ci95"] = [k[1], k[2]]
+    if t is not None:
+        out["top1_agreement_ci95"] = [t[1], t[2]]
+    return out
+
+
+def bits_per_byte(total_nll: float, scored_bytes: int | None) -> float | None:
+    """lm-evaluation-harness's ``bits_per_byte``: the scored tokens' total NLL (nats) / (ln 2 · their bytes)."""
+    if not scored_bytes or not math.isfinite(total_nll):
+        return None
+    return total_nll / (math.log(2) * scored_bytes)
+
+
+# ----------------------------------------------------------------------------------------------- verdicts
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A cell's verdict against a tolerance on one metric: the point change, its 95 % interval (None: none),
+    the verdict, and for an undecided cell the tokens that would decide it at the observed variance."""
+
+    metric: str
+    value: float | None
+    low: float | None
+    high: float | None
+    verdict: str
+    tokens_to_decide: int | None = None
+    reason: str | None = None  # why undecided without an interval
+
+    @property
+    def within(self) -> bool:
+        return self.verdict == WITHIN
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "metric": self.metric,
+            "value": self.value,
+            "ci95": None if self.low is None else [self.low, self.high],
+            "verdict": self.verdict,
+            "tokens_to_decide": self.tokens_to_decide,
+            "reason": self.reason,
+        }
+
+
+def check_metric(metric: str) -> str:
+    if metric not in METRICS:
+        from models.errors import unknown_choice
+
+        raise unknown_choice("metric", metric, tuple(METRICS))
+    return metric
+
+
+def default_tolerance(metric: str) -> float:
+    return METRICS[check_metric(metric)][2]
+
+
+def decide(record: Mapping[str, Any], tolerance: float, metric: str = DEFAULT_METRIC) -> Decision:
+    """The verdict of a quantised record's ``metric`` against ``tolerance`` (in the metric's unit, see
+    :data:`METRICS`): *within* / *beyond* / *undecided* from its 95 % interval (module docstring). A failed cell
+    (NaN, unsupported) is *beyond*; a record without an interval (older evidence, one window) is *undecided*."""
+    check_metric(metric)
+    m = record.get("metrics") or {}
+    if record.get("status", "ok") != "ok":
+        return Decision(metric, None, None, None, BEYOND, reason=str(record.get("status")))
+    if metric == "ppl":
+        value, ci = m.get("ppl_change_pct"), m.get("ppl_change_ci95")
+    elif metric == "kld":
+        value, ci = m.get("kld_mean"), m.get("kld_mean_ci95")
+    else:  # top1: the share of tokens whose top token changed, in percent
+        agree, ci_agree = m.get("top1_agreement"), m.get("top1_agreement_ci95")
+        value = None if agree is None else 100 * (1 - agree)
+        ci = None if ci_agree is None else [100 * (1 - ci_agree[1]), 100 * (1 - ci_agree[0])]
+    if value is None or not math.isfinite(value):
+        return Decision(metric, None, None, None, BEYOND, reason="not finite")
+    if ci is None:
+        why = (
+            "no interval: one window"
+            if m.get("interval")
+            else "no interval: the record has no per-token evidence"
+        )
+        return Decision(metric, value, None, None, UNDECIDED, reason=why)
+    low, high = ci
+    # the slack of sweep.within_tolerance: (ppl / fp − 1) · 100 makes an exact +1 % 1.0000000000000009
+    slack = TOLERANCE_REL_EPS * max(abs(tolerance), 1.0)
+    if high <= tolerance + slack:
+        return Decision(metric, value, low, high, WITHIN)
+    if low > tolerance + slack:
+        return Decision(metric, value, low, high, BEYOND)
+    return Decision(
+        metric, value, low, high, UNDECIDED, tokens_to_decide=_tokens_to_decide(record, metric, tolerance)
+    )
+
+
+def _tokens_to_decide(record: Mapping[str, Any], metric: str, tolerance: float) -> int | None:
+    """Tokens whose interval, at this cell's per-window spread, would no longer straddle ``tolerance``: windows
+    m with t · sd/√m = |mean − tolerance| (the normal quantile for the unknown m), times the window."""
+    m = record.get("metrics") or {}
+    protocol = record.get("protocol") or {}
+    windows, per_window = (m.get("interval") or {}).get("windows"), protocol.get("window")
+    if not windows or not per_window:
+        return None
+    if metric == "ppl":
+        ci, mean, goal = m["ppl_change_ci95"], m.get("ln_ppl_ratio"), math.log1p(tolerance / 100)
+        low, high = math.log1p(ci[0] / 100), math.log1p(ci[1] / 100)
+    elif metric == "kld":
+        (low, high), mean, goal = m["kld_mean_ci95"], m.get("kld_mean"), tolerance
+    else:
+        ci, goal = m["top1_agreement_ci95"], tolerance / 100
+        mean, low, high = 1 - m["top1_agreement"], 1 - ci[1], 1 - ci[0]
+    if mean is None or windows < 2:
+        return None
+    distance = abs(mean - goal)
+    if distance == 0:
+        return None  # exactly on the line: no number of tokens decides it
+    half = (high - low) / 2
+    sd = half * math.sqrt(windows) / t_quantile((1 + LEVEL) / 2, windows - 1)
+    needed = math.ceil((1.96 * sd / distance) ** 2)
+    return max(needed, windows + 1) * int(per_window)
+
+
+def format_change(decision: Decision, unit: str = "%", digits: int = 2) -> str:
+    """``+0.97 % [+0.41, +1.53]`` with the verdict's mark: nothing within, ``✗`` beyond, ``?`` undecided."""
+    if decision.value is None:
+        return "failed" if decision.reason else "-"
+    sign = "+" if decision.metric != "kld" else ""
+    text = f"{decision.value:{sign}.{digits}f}"
+    if decision.low is not None:
+        text += f" [{decision.low:{sign}.{digits}f}, {decision.high:{sign}.{digits}f}]"
+    else:
+        text += " (no interval)"
+    return text
+
+
+def verdict_mark(verdict: str) -> str:
+    return {WITHIN: "✓", BEYOND: "✗", UNDECIDED: "?"}[verdict]
+
+
+def check_tolerance(tolerance: float, metric: str) -> float:
+    if not math.isfinite(tolerance) or tolerance < 0 or (metric == "top1" and tolerance > 100):
+        unit = METRICS[metric][1]
+        raise UserError(f"--tolerance {tolerance} is not a valid {METRICS[metric][0]} in {unit}; give ≥ 0")
+    return tolerance
+
+
+def row_fields(record: Mapping[str, Any], tolerance: float, metric: str = DEFAULT_METRIC) -> dict[str, Any]:
+    """What a table row (sweep, card, compare) shows of a quantised record beside its change: the verdict and
+    interval of ``metric``, the perplexity interval, KL divergence and top-1 agreement."""
+    m = record.get("metrics") or {}
+    d = decide(record, tolerance, metric)
+    return {
+        "verdict": d.verdict,
+        "within_tolerance": d.within,
+        "decision": d.to_dict(),
+        "ppl_change_ci95": m.get("ppl_change_ci95"),
+        "kld_mean": m.get("kld_mean"),
+        "kld_p99": m.get("kld_p99"),
+        "top1_agreement": m.get("top1_agreement"),
+        "tokens_to_decide": d.tokens_to_decide,
+    }
+
+
+def format_interval(change: float | None, ci: list[float] | None, verdict: str | None = None) -> str:
+    """``+0.97 ±0.56 ?``: a change in percent with the half-width of its 95 % interval and the verdict's mark
+    (``?`` undecided, ``✗`` beyond, nothing within); ``(no interval)`` when the record has none."""
+    if change is None or not math.isfinite(change):
+        return "NaN"
+    text = f"{change:+.2f}"
+    text += f" ±{(ci[1] - ci[0]) / 2:.2f}" if ci else " (no interval)"
+    if verdict == UNDECIDED:
+        text += " ?"
+    elif verdict == BEYOND:
+        text += " ✗"
+    return text

@@ -156,3 +156,28 @@ def kv_from_args(args: argparse.Namespace) -> KVConfig | None:
 
     # fp8 scale=calib: the harness calibrates k_scale/v_scale per layer on train windows (GridSpec.kv_record)
     return KVConfig(bits, scheme or "kivi", keep_first or 0, keep_sinks or 0)
+
+
+def add_tolerance_arguments(parser: argparse.ArgumentParser, what: str = "breaking-point") -> None:
+    """``--tolerance`` and ``--metric``, as every command deciding against a tolerance states them."""
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help=f"{what} tolerance in the --metric's unit (default: ppl 1 %%, kld 0.01 nats, top1 1 %%); a cell "
+        "is within when its 95 %% interval's upper end is at most this",
+    )
+    parser.add_argument(
+        "--metric",
+        choices=("ppl", "kld", "top1"),
+        default="ppl",
+        help="what the tolerance applies to: ppl (perplexity change, %%), kld (mean KL divergence from the "
+        "float model, nats) or top1 (%% of tokens whose most likely next token changed) (default: ppl)",
+    )
+
+
+def tolerance_from_args(args: argparse.Namespace) -> float:
+    """The ``--tolerance`` given, or the ``--metric``'s default (``qbench.eval.evidence.METRICS``)."""
+    from qbench.eval.evidence import default_tolerance
+
+    return default_tolerance(args.metric) if args.tolerance is None else args.tolerance

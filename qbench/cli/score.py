@@ -12,6 +12,7 @@ from models.io import atomic_write_json
 from qbench.cli.args import (
     add_kv_arguments,
     add_model_arguments,
+    add_tolerance_arguments,
     console,
     kv_from_args,
     load_from_args,
@@ -53,9 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also sweep absmax-coarse over 8→2 bits (axes --sweep-axes) and report the breaking points",
     )
     parser.add_argument("--sweep-axes", default="all,kv", help="the axes swept for --breaking-points")
-    parser.add_argument(
-        "--tolerance", type=float, default=1.0, help="breaking-point tolerance, %% perplexity change"
-    )
+    add_tolerance_arguments(parser)
     parser.add_argument(
         "--sweep",
         metavar="PATH",
@@ -137,6 +136,7 @@ def _sweep_config(args: argparse.Namespace, protocol: Protocol, kv: KVConfig | N
     """``--breaking-points``: absmax-coarse over 8→2 bits on ``--sweep-axes``, records under OUTPUT/sweep/
     (the float baseline shared with the score's own records). The kv axis uses the given KV scheme (its options,
     not its bit width, which the sweep varies) and sweeps the given --kv-keep-first / --kv-keep-sinks too."""
+    from qbench.cli.args import tolerance_from_args
     from qbench.studies.sweep import SweepConfig, parse_axes, validate
 
     scheme_given = getattr(args, "kv_scheme", None) or getattr(args, "kv_granularity", None)
@@ -146,7 +146,8 @@ def _sweep_config(args: argparse.Namespace, protocol: Protocol, kv: KVConfig | N
         kv_granularity=_kv_scheme_text(kv) if kv is not None and scheme_given else None,
         kv_keep_first=[kv.keep_first] if kv is not None and kv.keep_first else [],
         kv_keep_sinks=[kv.keep_sinks] if kv is not None and kv.keep_sinks else [],
-        tolerance=args.tolerance,
+        tolerance=tolerance_from_args(args),
+        metric=args.metric,
         protocol=protocol,
         output_path=Path(args.output_path) / "sweep",
         baseline_path=Path(args.output_path),

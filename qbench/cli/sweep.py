@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from models.errors import UserError
-from qbench.cli.args import add_model_arguments
+from qbench.cli.args import add_model_arguments, add_tolerance_arguments
 from qbench.cli.base import SEED_HELP, add_output_argument, console
 from qbench.cli.budgets import EVAL_TOKENS
 
@@ -36,20 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="bit widths of the kv axis, a range or a list as --bits (default: those of --bits that are "
         "KV-cache widths)",
     )
-    p.add_argument(
-        "--tolerance",
-        type=float,
-        default=None,
-        help="breaking-point tolerance in the --metric's unit (default: ppl 1 %%, kld 0.01 nats, top1 1 %%); a "
-        "cell is within when its 95 %% interval's upper end is at most this",
-    )
-    p.add_argument(
-        "--metric",
-        choices=("ppl", "kld", "top1"),
-        default="ppl",
-        help="what the tolerance applies to: ppl (perplexity change, %%), kld (mean KL divergence from the "
-        "float model, nats) or top1 (%% of tokens whose most likely next token changed) (default: ppl)",
-    )
+    add_tolerance_arguments(p)
     p.add_argument(
         "--kv-keep-first",
         type=int,
@@ -78,8 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def sweep_config(args: argparse.Namespace):
     """``qbench sweep``'s options -> ``SweepConfig`` (bad axes, bits, families fail here, before any model loads)."""
-    from qbench.cli.args import protocol_from_args
-    from qbench.eval.evidence import default_tolerance
+    from qbench.cli.args import protocol_from_args, tolerance_from_args
     from qbench.eval.harness import expand_schemes
     from qbench.studies import sweep
 
@@ -88,7 +74,7 @@ def sweep_config(args: argparse.Namespace):
         families=expand_schemes(args.family or [sweep.DEFAULT_FAMILY]),
         axes=sweep.parse_axes(args.axes),
         bits=sweep.parse_bits(args.bits),
-        tolerance=default_tolerance(args.metric) if args.tolerance is None else args.tolerance,
+        tolerance=tolerance_from_args(args),
         metric=args.metric,
         kv_keep_first=args.kv_keep_first or [],
         kv_keep_sinks=args.kv_keep_sinks or [],

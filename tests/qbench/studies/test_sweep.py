@@ -371,3 +371,21 @@ def test_several_kv_schemes_and_sink_protection_each_get_their_curves():
     assert skipped == ["kv (fp8-e5m2): stores 8 bits only, and 8 is not swept"]
     with pytest.raises(UserError, match="--kv-keep-sinks must be ≥ 0"):
         plan(["absmax-coarse"], ["kv"], [4], (), None, [None], [-1])
+
+
+@pytest.mark.parametrize(("metric", "default"), [("kld", 0.01), ("top1", 1.0)])
+def test_sweep_metric_decides_on_that_metric_with_its_default_tolerance(metric, default, ckpt_dir, tmp_path):
+    from qbench.cli import main
+    from qbench.eval.evidence import decide
+
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--ckpt", str(ckpt_dir), "--axes", "w", "--bits", "8,2", "--metric", metric]
+    argv += ["--tokens", "128", "--window", "32", "--no-attention", "--output-path", str(out)]
+    assert main(argv) == 0
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert sweep["metric"] == metric and sweep["tolerance_pct"] == default
+    for cell in sweep["cells"]:
+        record = json.loads((out / cell["record"]).read_text())
+        assert cell["verdict"] == decide(record, default, metric).verdict
+    assert all(p["metric"] == metric for p in sweep["breaking_points"])
+    assert main([*argv[:-1], str(tmp_path / "bad"), "--tolerance", "-1"]) == 2

@@ -382,23 +382,6 @@ def _tokens_to_decide(record: Mapping[str, Any], metric: str, tolerance: float) 
     return max(needed, windows + 1) * int(per_window)
 
 
-def format_change(decision: Decision, unit: str = "%", digits: int = 2) -> str:
-    """``+0.97 % [+0.41, +1.53]`` with the verdict's mark: nothing within, ``✗`` beyond, ``?`` undecided."""
-    if decision.value is None:
-        return "failed" if decision.reason else "-"
-    sign = "+" if decision.metric != "kld" else ""
-    text = f"{decision.value:{sign}.{digits}f}"
-    if decision.low is not None:
-        text += f" [{decision.low:{sign}.{digits}f}, {decision.high:{sign}.{digits}f}]"
-    else:
-        text += " (no interval)"
-    return text
-
-
-def verdict_mark(verdict: str) -> str:
-    return {WITHIN: "✓", BEYOND: "✗", UNDECIDED: "?"}[verdict]
-
-
 def check_tolerance(tolerance: float, metric: str) -> float:
     if not math.isfinite(tolerance) or tolerance < 0 or (metric == "top1" and tolerance > 100):
         unit = METRICS[metric][1]

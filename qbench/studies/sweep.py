@@ -20,12 +20,13 @@ Every cell is one record of the evaluation grid (:func:`qbench.eval.harness.run_
 what is missing. A cell whose overrides equal the family's own bits *is* the family (``absmax-coarse:w=8`` is
 ``absmax-coarse``), so the curves of one family share their widest cell.
 
-**Breaking point** (docs/metrics.md): the lowest bit width b whose perplexity change stays within the
-tolerance at b *and at every wider width swept*, so one lucky noisy cell below a failing one cannot lower it;
-``None`` ("none") when even the widest width fails. "Within" means change ≤ tolerance (:func:`within_tolerance`,
-up to 1e-9 relative, so a cell at exactly +tolerance passes): quantisation that lowers perplexity is noise, not
-damage. A cell that produced NaN/inf, or could not run, fails. The tables show each change with the decimals that
-decide it (:func:`format_change`: ``+1.000 %`` passes a 1 % tolerance, ``+1.004 %`` does not).
+**Breaking point** (docs/metrics.md): the lowest bit width b whose verdict is *within* the tolerance at b *and
+at every wider width swept* (``qbench.eval.evidence.decide``: the cell's 95 % interval ends at most at the
+tolerance), so one lucky noisy cell below a failing one cannot lower it; ``None`` ("none") when the widest width
+is not within. Walking on through *undecided* cells (intervals straddling the tolerance) gives ``possible_bits``,
+shown as ``6 (4?)``. A cell that produced NaN/inf, or could not run, is beyond. The tables show each change ± the
+half-width of its interval with the verdict's mark; a sweep.json from before intervals shows its point changes
+with the decimals that decide them (:func:`format_change`) and decides nothing it cannot.
 
 Outputs beside the records: ``sweep.json`` (every cell with its perplexity, change and record path, the breaking
 points with the tolerance, each model's float perplexity, protocol, versions and commit), ``sweep.md`` (generated
@@ -228,11 +229,6 @@ def within_tolerance(change_pct: float | None, tolerance: float) -> bool:
     if change_pct is None or not math.isfinite(change_pct):
         return False
     return change_pct <= tolerance + TOLERANCE_REL_EPS * max(abs(tolerance), 1.0)
-
-
-def passes(change: float | None, tolerance: float) -> bool:
-    """Whether one cell's perplexity change (percent; None = NaN/inf or not run) is within the tolerance."""
-    return within_tolerance(change, tolerance)
 
 
 def breaking_point(verdicts: Mapping[int, str]) -> int | None:

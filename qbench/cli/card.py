@@ -101,9 +101,12 @@ def run_card_with_progress(cfg) -> dict:
         task = bar.add_task("card", total=None)
 
         def on_estimate(n: int, seconds: float, model: str) -> None:
+            from qbench.eval.reference import CELL_COST
+
             bar.console.print(
                 f"  {model}: {n} cells before the sensitivity study (which adds one per unit and per repair "
-                f"step); one float evaluation took {seconds:.2f} s, so ~{n * seconds / 60:.1f} min of evaluation "
+                f"step); one float evaluation took {seconds:.2f} s and a cell ~{CELL_COST}× that (its "
+                f"comparison with the float logits), so ~{n * seconds * CELL_COST / 60:.1f} min of evaluation "
                 "for the cells not yet on disk, plus quantising each (cells on disk cost nothing)",
                 highlight=False,
                 soft_wrap=True,

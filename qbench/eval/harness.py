@@ -46,10 +46,12 @@ from qbench.eval.metrics import (
     make_windows,
     massive_activations,
     outlier_metrics,
+    output_width,
     perplexity,
     protocol_record,
 )
 from qbench.eval.prefix import BlockPrefix
+from qbench.eval.reference import ReferenceLogits, reference_store
 from qbench.quant.apply import MODES
 from qbench.quant.kv import KVConfig
 from qbench.quant.primitives import NonFiniteError
@@ -462,7 +464,13 @@ class ModelEvaluation:
                 self._fp, self._fp_tokens, self.fp_reused = existing, tokens, True
                 return existing
         start = time.perf_counter()
-        ppl = perplexity(self.lm.model, self.windows, self.spec.protocol.batch_size, self.spec.device)
+        ppl = perplexity(
+            self.lm.model,
+            self.windows,
+            self.spec.protocol.batch_size,
+            self.spec.device,
+            keep=self.reference(),  # the cells compare with these logits: computed once, here
+        )
         eval_seconds = time.perf_counter() - start
         outliers = outlier_metrics(
             self.lm.model,
@@ -499,6 +507,11 @@ class ModelEvaluation:
         self.write(path, record)
         self._fp, self._fp_tokens = record, ppl["per_token"]
         return record
+
+    def reference(self) -> ReferenceLogits | None:
+        """The float model's logits on these windows, kept once for every cell of this model in this process
+        (``qbench.eval.reference``); None where they are recomputed beside each cell instead."""
+        return reference_store(self.lm.model, self.windows.ids, output_width(self.lm.model), self.spec.device)
 
     def write(self, path: Path, record: dict[str, Any]) -> None:
         """Write ``record`` to ``path`` and its per-token evidence (held since :meth:`record`) beside it, the
@@ -618,7 +631,13 @@ class ModelEvaluation:
                 if replayed
                 else nullcontext()
             ):
-                ppl = perplexity(qmodel, self.windows, batch_size, self.spec.device, reference=self.lm.model)
+                ppl = perplexity(
+                    qmodel,
+                    self.windows,
+                    batch_size,
+                    self.spec.device,
+                    reference=self.reference() or self.lm.model,
+                )
         except NonFiniteError as e:  # NaN/inf reached a quantiser: the cell failed, the grid goes on
             return self.record(
                 replace(

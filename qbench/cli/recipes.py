@@ -36,7 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"optimiser steps of every run (default: {DEMO_STEPS}, the demo's; --long {DEMO_LONG_STEPS})",
     )
     parser.add_argument("--lr", type=float, default=4e-3, help="peak learning rate of every run")
-    parser.add_argument("--seed", type=int, default=0, help="training and evaluation seed")
+    parser.add_argument("--seed", type=int, default=0, help="training and evaluation seed (default: 0)")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="train every recipe with this many seeds (--seed, --seed+1, …); tables show mean ± sd and say which "
+        "rankings and breaking points flip between seeds (default: 1)",
+    )
     parser.add_argument(
         "--tokens", type=int, default=DEMO_TOKENS, help="evaluation token budget per model (the demo's)"
     )
@@ -79,9 +86,10 @@ def run(args: argparse.Namespace) -> None:
 
     base = long_config() if args.long else RecipesConfig()
     steps = base.steps if args.steps is None else args.steps
-    if steps < 1 or args.tokens < 2 or args.parallel < 1:
+    if steps < 1 or args.tokens < 2 or args.parallel < 1 or args.seeds < 1:
         raise UserError(
-            f"--steps and --parallel must be ≥ 1 and --tokens ≥ 2, got {steps}, {args.parallel}, {args.tokens}"
+            f"--steps, --parallel and --seeds must be ≥ 1 and --tokens ≥ 2, got {steps}, {args.parallel}, "
+            f"{args.seeds}, {args.tokens}"
         )
     if base.schedule_steps and steps > base.schedule_steps:
         raise UserError(f"--steps {steps} exceeds the long panel's {base.schedule_steps}-step schedule")
@@ -93,6 +101,7 @@ def run(args: argparse.Namespace) -> None:
             "steps": steps,
             "lr": args.lr,
             "seed": args.seed,
+            "seeds": args.seeds,
             "ckpt_root": Path(args.ckpt_root) if args.ckpt_root else base.ckpt_root,
             "output_path": Path(args.output_path) if args.output_path else base.output_path,
             "eval_tokens": args.tokens,

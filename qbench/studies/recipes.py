@@ -58,6 +58,7 @@ class RecipesConfig:
     steps: int = 300  # the demo's budget (DemoConfig.steps): 0.61 M tokens on tiny
     lr: float = 4e-3
     seed: int = 0
+    seeds: int = 1  # training seeds per recipe: seed, seed + 1, … (qbench.studies.seeds)
     ckpt_root: Path = Path("ckpts/recipes")
     output_path: Path = Path("results/recipes")
     eval_tokens: int = 16384
@@ -82,7 +83,14 @@ class RecipesConfig:
     def description(self) -> str:
         schedule = f" of a {self.schedule_steps}-step schedule" if self.schedule_steps else ""
         style = ", Llama style" if "family=llama" in self.extra_args else ""
-        return f"{self.preset}{style}, {self.steps} steps{schedule}, lr {self.lr}, seed {self.seed}"
+        seeds = f"seeds {self.seed}–{self.seed + self.seeds - 1}" if self.seeds > 1 else f"seed {self.seed}"
+        return f"{self.preset}{style}, {self.steps} steps{schedule}, lr {self.lr}, {seeds}"
+
+    def runs(self) -> list[Any]:
+        """Every training run of the panel: one per recipe and seed (``qbench.studies.seeds.seeded_runs``)."""
+        from qbench.studies.seeds import seeded_runs
+
+        return seeded_runs(self.recipes, self.seed, self.seeds)
 
 
 def long_config(**changes: Any) -> RecipesConfig:
@@ -102,12 +110,10 @@ def long_config(**changes: Any) -> RecipesConfig:
 
 
 def panel_runs(cfg: RecipesConfig) -> list[TrainRun]:
-    """One trainer run per recipe; everything but ``--recipe`` is shared."""
-    shared = (
-        *("--preset", cfg.preset, "--lr", str(cfg.lr), "--seed", str(cfg.seed)),
-        *("--probe-every", str(cfg.probe_every), "--ckpt-every", "50"),
-        *cfg.extra_args,
-    )
+    """One trainer run per recipe and seed; everything but ``--recipe`` and ``--seed`` is shared."""
+    # the order of a one-seed panel's arguments, which a run's saved state compares when it resumes
+    head = ("--preset", cfg.preset, "--lr", str(cfg.lr))
+    shared = (*("--probe-every", str(cfg.probe_every), "--ckpt-every", "50"), *cfg.extra_args)
     from trainers.recipes import RECIPES
 
     def own(recipe: str) -> tuple[str, ...]:
@@ -116,13 +122,13 @@ def panel_runs(cfg: RecipesConfig) -> list[TrainRun]:
 
     return [
         TrainRun(
-            r,
-            cfg.ckpt_root / r,
+            run.name,
+            cfg.ckpt_root / run.name,
             cfg.schedule_steps or cfg.steps,
-            ("--recipe", r, *shared, *own(r)),
+            ("--recipe", run.recipe, *head, "--seed", str(run.seed), *shared, *own(run.recipe)),
             stop_at=cfg.steps if cfg.schedule_steps else None,
         )
-        for r in cfg.recipes
+        for run in cfg.runs()
     ]
 
 
@@ -206,20 +212,21 @@ def check_ckpt_root(cfg: RecipesConfig) -> None:
             f"qbench recipes: --ckpt-root {root} is a model checkpoint itself, not a panel's folder; give a new "
             "folder (or an earlier recipes panel's, to resume it)"
         )
-    for recipe in cfg.recipes:
-        out = root / recipe
+    for run in cfg.runs():
+        out = root / run.name
         if out.exists() and not out.is_dir():
-            raise UserError(f"qbench recipes: {out} is a file; the {recipe} run trains into a folder there")
+            raise UserError(f"qbench recipes: {out} is a file; the {run.name} run trains into a folder there")
         if (out / "config.json").is_file() and not has_state(out):
             raise UserError(
                 f"qbench recipes: {out} holds a model checkpoint without trainer state (made by qbench init or "
-                f"export?): the {recipe} run could neither resume it nor overwrite it; move it away or give "
+                f"export?): the {run.name} run could neither resume it nor overwrite it; move it away or give "
                 "another --ckpt-root"
             )
 
 
 def _train_config(cfg: RecipesConfig, recipe: str) -> Any:
-    """The TrainConfig the trainer will build for ``recipe`` (its own CLI parser, so the two cannot differ)."""
+    """The TrainConfig the trainer will build for run ``recipe`` (a recipe, or a run's name with its seed: its own
+    CLI parser, so the two cannot differ)."""
     from trainers.__main__ import config_from_args
 
     run = next(r for r in panel_runs(cfg) if r.name == recipe)
@@ -276,8 +283,16 @@ def _steps(cfg: RecipesConfig, recipe: str, tc: Any) -> tuple[int, int]:
 
 
 def time_steps(cfg: RecipesConfig) -> dict[str, float]:
-    """{recipe: seconds per step} for every recipe that has steps left to train."""
-    return {r: time_one_step(cfg, r) for r in cfg.recipes if _steps(cfg, r, _train_config(cfg, r))[1]}
+    """{run: seconds per step} for every run that has steps left to train; a recipe's step is timed once for all
+    its seeds (the seed changes the numbers, not the work)."""
+    timed: dict[str, float] = {}
+    out = {}
+    for run in cfg.runs():
+        if _steps(cfg, run.name, _train_config(cfg, run.name))[1]:
+            if run.recipe not in timed:
+                timed[run.recipe] = time_one_step(cfg, run.recipe)
+            out[run.name] = timed[run.recipe]
+    return out
 
 
 def _list_schedule(durations: list[float], parallel: int) -> float:
@@ -301,7 +316,7 @@ def estimate(cfg: RecipesConfig, step_s: float | Mapping[str, float] | None = No
     from trainers.throughput import flops_per_token
 
     rows = []
-    for recipe in cfg.recipes:
+    for recipe in (run.name for run in cfg.runs()):
         tc = _train_config(cfg, recipe)
         mc = tc.model_config()
         with torch.device("meta"):
@@ -381,7 +396,7 @@ def evaluate(cfg: RecipesConfig, on_record: Any = None) -> list[dict]:
     from qbench.quant import PAPER_SCHEMES
 
     spec = GridSpec(
-        models=[str(cfg.ckpt_root / r) for r in cfg.recipes],
+        models=[str(cfg.ckpt_root / run.name) for run in cfg.runs()],
         schemes=list(cfg.schemes or PAPER_SCHEMES),
         modes=list(cfg.modes),
         protocol=Protocol(tokens=cfg.eval_tokens),
@@ -395,7 +410,7 @@ def sweep_config(cfg: RecipesConfig) -> Any:
     windows and float baselines: the breaking points of every recipe."""
     from qbench.studies import demo
 
-    return demo.sweep_config(cfg, cfg.recipes)
+    return demo.sweep_config(cfg, tuple(run.name for run in cfg.runs()))
 
 
 def training_table(records: list[dict]) -> str:
@@ -439,7 +454,7 @@ def write_report(
     from trainers.recipes import RECIPES
 
     out = cfg.output_path
-    curves = read_curves([cfg.ckpt_root / r for r in cfg.recipes])
+    curves = read_curves([cfg.ckpt_root / r for r in cfg.recipes])  # the first seed's runs
     atomic_write_json(out / "emergence.json", curves)
     plots.emergence_plot(curves, out / "emergence.png")
     machine = f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}"
@@ -462,8 +477,25 @@ def write_report(
             f"{sweep_table(sweep)}\n\n{sweep_caption(sweep)} Records, `sweep.json` and `sweep.md` in `sweep/`."
             "\n\n![sweep](sweep/sweep.png)\n"
         )
+    if cfg.seeds > 1:
+        text += seeds_section(cfg.runs(), records, sweep, out, command)
     atomic_write_text(out / "table.md", text)
     return out / "table.md"
+
+
+def seeds_section(
+    runs: list[Any], records: list[dict], sweep: dict[str, Any] | None, out: Path, command: str
+) -> str:
+    """``seeds.json`` (the summary over seeds, with the command that made it) and its section of table.md."""
+    from models.io import atomic_write_json
+    from qbench.studies.seeds import seeds_table, summarise
+
+    summary = summarise(records, runs, sweep)
+    atomic_write_json(out / "seeds.json", {"command": command, **summary})
+    return (
+        "\n## Across seeds\n\n" + seeds_table(summary) + "\nEvery seed's own records are in the tables above "
+        "(rows `<recipe>-seed<k>`); the summary is `seeds.json`.\n"
+    )
 
 
 def run_panel(

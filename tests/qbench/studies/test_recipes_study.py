@@ -126,3 +126,75 @@ def test_long_panel_is_the_long_demos_runs():
     assert "--norm" not in runs["osp"].args  # OSP brings its own single-scale RMSNorm
     est = study.estimate(cfg)
     assert all(r["steps"] == 2000 for r in est["runs"])  # a 2000-step prefix of the 5000-step schedule
+
+
+def test_seeds_train_every_recipe_per_seed_and_summarise_mean_sd_and_flips(
+    micro_panel, monkeypatch, tmp_path
+):
+    """``--seeds 2``: the first seed's runs keep the recipe's folder (a one-seed panel is reused), the second
+    trains into ``<recipe>-seed1``; seeds.json's mean ± sd are the records' own, and the table says whether each
+    ranking and breaking point holds on both seeds."""
+    import math
+
+    from rich.console import Console
+
+    from qbench.studies.seeds import mean_sd
+
+    monkeypatch.setenv("QBENCH_CACHE", str(tmp_path / "cache"))
+    cfg = dataclasses.replace(
+        micro_panel,
+        recipes=("vanilla", "sink-logit"),
+        seeds=2,
+        ckpt_root=tmp_path / "ckpts",
+        output_path=tmp_path / "results",
+    )
+    assert [r.name for r in cfg.runs()] == ["vanilla", "sink-logit", "vanilla-seed1", "sink-logit-seed1"]
+    runs = {r.name: r.args for r in study.panel_runs(cfg)}
+    assert runs["vanilla-seed1"][runs["vanilla-seed1"].index("--seed") + 1] == "1"
+    timed = []
+    monkeypatch.setattr(study, "time_one_step", lambda c, r=None: timed.append(r) or 0.1)
+    assert set(study.time_steps(cfg)) == {r.name for r in cfg.runs()} and sorted(timed) == [
+        "sink-logit",
+        "vanilla",
+    ]
+    assert "4 runs x 2 steps" in study.describe_estimate(study.estimate(cfg, 0.1))
+    console = Console(file=open(tmp_path / "log", "w"))  # noqa: SIM115
+    text = study.run_panel(cfg, console, "qbench recipes --seeds 2").read_text()
+    assert "## Across seeds" in text and "seeds 0–1" in text
+    summary = json.loads((cfg.output_path / "seeds.json").read_text())
+    assert summary["command"] == "qbench recipes --seeds 2" and summary["seeds"] == [0, 1]
+    records = [json.loads(p.read_text()) for p in cfg.output_path.glob("*/*.json")]
+    fp = {r["model"]["name"]: r["metrics"]["perplexity"] for r in records if r.get("mode") == "float"}
+    got = summary["recipes"]["vanilla"]["fp_perplexity"]
+    mean, sd = mean_sd([fp["vanilla"], fp["vanilla-seed1"]])
+    assert (
+        math.isclose(got["mean"], mean)
+        and math.isclose(got["sd"], sd)
+        and got["values"]
+        == [
+            fp["vanilla"],
+            fp["vanilla-seed1"],
+        ]
+    )
+    column = "absmax-coarse/fake"
+    ranking = summary["rankings"][column]
+    assert len(ranking["per_seed"]) == 2 and ranking["stable"] == (
+        ranking["per_seed"][0] == ranking["per_seed"][1]
+    )
+    assert ("same order on every seed" in text) if ranking["stable"] else ("flips between seeds" in text)
+    points = summary["breaking_points"]
+    assert {p["recipe"] for p in points} == {"vanilla", "sink-logit"} and all(
+        len(p["per_seed"]) == 2 for p in points
+    )
+    assert f"{column} Δppl %" in text
+
+
+def test_seeds_below_one_are_refused(micro_panel):
+    import argparse
+
+    from qbench.cli import recipes as cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    with pytest.raises(UserError, match="--seeds"):
+        cli.run(parser.parse_args(["--seeds", "0"]))

@@ -36,7 +36,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ckpt-root", help="checkpoint folder (default: ckpts/demo; --long: ckpts/demo-long)")
     add_output_argument(p, "results folder (default: results/demo; --long: results/demo-long)", metavar="DIR")
-    p.add_argument("--seed", type=int, default=0, help="training and evaluation seed")
+    p.add_argument("--seed", type=int, default=0, help="training and evaluation seed (default: 0)")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="train both recipes with this many seeds (--seed, --seed+1, …); table.md adds mean ± sd and says "
+        "which rankings and breaking points flip between seeds; the card is of the first seed (default: 1)",
+    )
     p.add_argument("--no-sweep", action="store_true", help="skip the bit-width sweep (8→2 bits, KV cache)")
     p.add_argument(
         "--no-card",
@@ -53,8 +60,10 @@ def run(args: argparse.Namespace) -> None:
 
     base = demo.LONG if args.long else demo.DemoConfig()
     steps = base.steps if args.steps is None else args.steps
-    if steps < 1 or args.tokens < 2:
-        raise UserError(f"--steps must be ≥ 1 and --tokens ≥ 2, got {steps} and {args.tokens}")
+    if steps < 1 or args.tokens < 2 or args.seeds < 1:
+        raise UserError(
+            f"--steps and --seeds must be ≥ 1 and --tokens ≥ 2, got {steps}, {args.seeds} and {args.tokens}"
+        )
     if base.schedule_steps and steps > base.schedule_steps:
         raise UserError(f"--steps {steps} exceeds the long demo's {base.schedule_steps}-step schedule")
     cfg = replace(
@@ -64,6 +73,7 @@ def run(args: argparse.Namespace) -> None:
         ckpt_root=Path(args.ckpt_root or base.ckpt_root),
         output_path=Path(args.output_path or base.output_path),
         seed=args.seed,
+        seeds=args.seeds,
         sweep_axes=() if args.no_sweep else base.sweep_axes,
     )
     console.print(

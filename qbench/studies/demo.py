@@ -50,6 +50,7 @@ class DemoConfig:
     steps: int = 300
     lr: float = 4e-3
     seed: int = 0
+    seeds: int = 1  # training seeds per recipe: seed, seed + 1, … (qbench.studies.seeds)
     ckpt_root: Path = Path("ckpts/demo")
     output_path: Path = Path("results/demo")
     eval_tokens: int = 16384
@@ -67,7 +68,14 @@ class DemoConfig:
     def description(self) -> str:
         schedule = f" of a {self.schedule_steps}-step schedule" if self.schedule_steps else ""
         style = ", Llama style" if "family=llama" in self.extra_args else ""
-        return f"{self.preset}{style}, {self.steps} steps{schedule}, lr {self.lr}"
+        seeds = f", seeds {self.seed}–{self.seed + self.seeds - 1}" if self.seeds > 1 else ""
+        return f"{self.preset}{style}, {self.steps} steps{schedule}, lr {self.lr}{seeds}"
+
+    def runs(self) -> list[Any]:
+        """The two recipes' training runs, once per seed (``qbench.studies.seeds.seeded_runs``)."""
+        from qbench.studies.seeds import seeded_runs
+
+        return seeded_runs(RECIPES, self.seed, self.seeds)
 
 
 # The tiny preset's size in Llama style: SwiGLU with d_ff 688 (~2/3 of 4d, so the MLP keeps GELU's parameter
@@ -89,39 +97,34 @@ LONG = DemoConfig(
 
 
 def demo_runs(cfg: DemoConfig) -> list[TrainRun]:
-    args = (
-        "--preset",
-        cfg.preset,
-        "--lr",
-        str(cfg.lr),
-        "--seed",
-        str(cfg.seed),
-        "--probe-every",
-        str(cfg.probe_every),
-        "--ckpt-every",
-        "50",
-        *cfg.extra_args,
-    )
+    def args(seed: int) -> tuple[str, ...]:
+        return (
+            *("--preset", cfg.preset, "--lr", str(cfg.lr), "--seed", str(seed)),
+            *("--probe-every", str(cfg.probe_every), "--ckpt-every", "50"),
+            *cfg.extra_args,
+        )
+
     return [
         TrainRun(
-            recipe,
-            cfg.ckpt_root / recipe,
+            run.name,
+            cfg.ckpt_root / run.name,
             cfg.schedule_steps or cfg.steps,
-            ("--recipe", recipe, *args, *cfg.recipe_args.get(recipe, ())),
+            ("--recipe", run.recipe, *args(run.seed), *cfg.recipe_args.get(run.recipe, ())),
             stop_at=cfg.steps if cfg.schedule_steps else None,
         )
-        for recipe in RECIPES
+        for run in cfg.runs()
     ]
 
 
 def train_both(cfg: DemoConfig, console: Any) -> float:
-    """Train the two recipes side by side, one thread each (small matmuls scale poorly across threads)."""
+    """Train the runs (both recipes, each seed) two at a time, one thread each (small matmuls scale poorly across
+    threads)."""
     return train_runs(demo_runs(cfg), console, parallel=2, threads=1)
 
 
 def evaluate(cfg: DemoConfig, on_record: Any = None) -> list[dict]:
     spec = GridSpec(
-        models=[str(cfg.ckpt_root / r) for r in RECIPES],
+        models=[str(cfg.ckpt_root / run.name) for run in cfg.runs()],
         schemes=list(PAPER_SCHEMES),
         modes=list(cfg.modes),
         protocol=Protocol(tokens=cfg.eval_tokens),
@@ -130,13 +133,14 @@ def evaluate(cfg: DemoConfig, on_record: Any = None) -> list[dict]:
     return run_grid(spec, on_record=on_record)
 
 
-def sweep_config(cfg: Any, recipes: tuple[str, ...] = RECIPES) -> Any:
-    """The demo's bit-width sweep (module docstring, step 3) of ``recipes`` on the evaluation grid's windows and
-    baselines; ``cfg`` is a :class:`DemoConfig` or anything with its sweep fields (``qbench recipes``' config)."""
+def sweep_config(cfg: Any, recipes: tuple[str, ...] | None = None) -> Any:
+    """The demo's bit-width sweep (module docstring, step 3) of the runs ``recipes`` (default: every run of
+    ``cfg``, each seed's) on the evaluation grid's windows and baselines; ``cfg`` is a :class:`DemoConfig` or
+    anything with its sweep fields (``qbench recipes``' config)."""
     from qbench.studies.sweep import SweepConfig
 
     return SweepConfig(
-        models=[str(cfg.ckpt_root / r) for r in recipes],
+        models=[str(cfg.ckpt_root / r) for r in (recipes or tuple(run.name for run in cfg.runs()))],
         axes=list(cfg.sweep_axes),
         kv_keep_first=list(cfg.sweep_keep_first),
         kv_granularity=cfg.sweep_kv_scheme,
@@ -182,7 +186,11 @@ def write_report(
     curves = read_curves([cfg.ckpt_root / r for r in RECIPES])
     atomic_write_json(out / "emergence.json", curves)
     plots.emergence_plot(curves, out / "emergence.png")
-    fp = {r["model"]["name"]: r for r in records if r["scheme"]["name"] == "fp"}
+    fp = {
+        r["model"]["name"]: r
+        for r in records
+        if r["scheme"]["name"] == "fp" and r["model"]["name"] in RECIPES
+    }
     plots.compare_layers_plot(
         {name: r["outliers_per_layer"] for name, r in fp.items()}, out / "per_layer.png"
     )
@@ -211,5 +219,9 @@ def write_report(
             "\n## The card\n\nThe two models' robustness profile, one page: [card.md](card.md), "
             "[card.html](card.html) (self-contained), every number in `card.json`.\n"
         )
+    if cfg.seeds > 1:
+        from qbench.studies.seeds import seeds_section
+
+        text += seeds_section(cfg.runs(), records, sweep, out, command)
     atomic_write_text(out / "table.md", text)
     return out / "table.md"

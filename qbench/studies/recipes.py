@@ -478,24 +478,11 @@ def write_report(
             "\n\n![sweep](sweep/sweep.png)\n"
         )
     if cfg.seeds > 1:
+        from qbench.studies.seeds import seeds_section
+
         text += seeds_section(cfg.runs(), records, sweep, out, command)
     atomic_write_text(out / "table.md", text)
     return out / "table.md"
-
-
-def seeds_section(
-    runs: list[Any], records: list[dict], sweep: dict[str, Any] | None, out: Path, command: str
-) -> str:
-    """``seeds.json`` (the summary over seeds, with the command that made it) and its section of table.md."""
-    from models.io import atomic_write_json
-    from qbench.studies.seeds import seeds_table, summarise
-
-    summary = summarise(records, runs, sweep)
-    atomic_write_json(out / "seeds.json", {"command": command, **summary})
-    return (
-        "\n## Across seeds\n\n" + seeds_table(summary) + "\nEvery seed's own records are in the tables above "
-        "(rows `<recipe>-seed<k>`); the summary is `seeds.json`.\n"
-    )
 
 
 def run_panel(

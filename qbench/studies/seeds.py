@@ -224,3 +224,23 @@ def seeds_table(summary: Mapping[str, Any]) -> str:
         text += "\n\nBreaking points per seed (" + " / ".join(map(str, seeds)) + "):\n\n"
         text += tabulate(rows, ["recipe", "sweep", "bits per seed", "across seeds"], tablefmt="github")
     return text + "\n"
+
+
+def seeds_section(
+    runs: Sequence[SeededRun],
+    records: Sequence[Mapping[str, Any]],
+    sweep: Mapping[str, Any] | None,
+    out: Any,
+    command: str,
+) -> str:
+    """Write ``out/seeds.json`` (the summary, with the command that made it) and return table.md's section."""
+    from pathlib import Path
+
+    from models.io import atomic_write_json
+
+    summary = summarise(records, runs, sweep)
+    atomic_write_json(Path(out) / "seeds.json", {"command": command, **summary})
+    return (
+        "\n## Across seeds\n\n" + seeds_table(summary) + "\nEvery seed's own records are in the tables above "
+        "(rows `<recipe>-seed<k>`); the summary is `seeds.json`.\n"
+    )

@@ -33,7 +33,9 @@ def test_a_grid_runs_the_float_model_once_and_its_cells_match_a_fresh_float_forw
     evaluation = ModelEvaluation(spec, str(ckpt_dir))
     fp = evaluation.fp_record()
     store = evaluation.reference()
-    assert isinstance(store, ReferenceLogits) and bool(store.filled.all())  # the float record's pass filled it
+    assert isinstance(store, ReferenceLogits) and bool(
+        store.filled.all()
+    )  # the float record's pass filled it
     records = run_grid(spec, loaded={str(ckpt_dir): evaluation.lm})
     assert [r["status"] for r in records] == ["ok"] * 3 and records[0]["cell_id"] == fp["cell_id"]
     assert store.forward_passes == 0  # no cell ran the float model again

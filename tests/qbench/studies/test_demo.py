@@ -89,3 +89,30 @@ def test_demo_long_trains_the_llama_style_prefix_of_the_long_schedule(tmp_path, 
     short = [*argv[:3], "1", *argv[4:], "--output-path", str(tmp_path / "r1")]
     assert main(short) == 2  # the folder's runs are at step 2: not evaluated as step-1 models
     assert "holds a run at step 2, not 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_seeds_train_both_recipes_per_seed_and_summarise_them(tmp_path, capsys):
+    argv = ["demo", "--steps", "2", "--tokens", "254", "--seeds", "2", "--no-sweep", "--no-card"]
+    argv += ["--ckpt-root", str(tmp_path / "ckpts"), "--output-path", str(tmp_path / "results")]
+    assert main(argv) == 0
+    assert sorted(p.parent.name for p in (tmp_path / "ckpts").glob("*/config.json")) == [
+        "paper",
+        "paper-seed1",
+        "vanilla",
+        "vanilla-seed1",
+    ]
+    state = json.loads((tmp_path / "ckpts" / "paper-seed1" / "trainer_state.json").read_text())
+    assert state["step"] == 2
+    table = (tmp_path / "results" / "table.md").read_text()
+    assert "seeds 0–1" in table and "## Across seeds" in table and "| paper-seed1" in table
+    summary = json.loads((tmp_path / "results" / "seeds.json").read_text())
+    assert summary["seeds"] == [0, 1] and set(summary["recipes"]) == {"vanilla", "paper"}
+    values = summary["recipes"]["paper"]["fp_perplexity"]["values"]
+    seed1 = json.loads(next((tmp_path / "results" / "paper-seed1").glob("fp*.json")).read_text())
+    assert (
+        values[1] == seed1["metrics"]["perplexity"] and values[0] != values[1]
+    )  # another seed, another model
+    capsys.readouterr()
+    assert main([*argv[:-4], "--seeds", "0"]) == 2
+    assert "--seeds" in capsys.readouterr().err

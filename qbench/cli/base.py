@@ -38,6 +38,7 @@ class _HelpFormatter(argparse.HelpFormatter):
             and action.nargs != 0  # switches: off unless given
             and action.default not in (None, argparse.SUPPRESS)
             and "%(default)" not in text
+            and "(default:" not in text  # stated in words already
         ):
             text += " (default: %(default)s)"
         return text

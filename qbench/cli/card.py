@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from qbench.cli.args import add_model_arguments, console
+from qbench.cli.args import add_model_arguments, add_tolerance_arguments, console, tolerance_from_args
 from qbench.cli.base import SEED_HELP, add_output_argument
 
 NAME = "card"
@@ -34,11 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     tokens = next(a for a in p._actions if a.dest == "tokens")
     tokens.help = "token budget: stream tokens scored (default: the budget's)"
     p.add_argument("--budget", default="quick", choices=("quick", "standard", "full"), help=budget_help())
-    p.add_argument(
-        "--tolerance",
-        type=float,
-        default=1.0,
-        help="perplexity change (%%) a format may cost: verdict, breaking points, repair target",
+    add_tolerance_arguments(
+        p, "what a format may cost (verdict, recommendation, breaking points, repair target):"
     )
     p.add_argument(
         "--kv-scheme",
@@ -69,7 +66,8 @@ def config(args: argparse.Namespace):
         split=args.split,
         bos=args.bos,
         batch_size=args.batch_size,
-        tolerance=args.tolerance,
+        tolerance=tolerance_from_args(args),
+        metric=args.metric,
         kv_scheme=args.kv_scheme,
         seed=args.seed,
         dtype=args.dtype,

@@ -21,10 +21,12 @@ from models.errors import UserError
 from qbench.cli.args import (
     add_kv_arguments,
     add_model_arguments,
+    add_tolerance_arguments,
     console,
     kv_from_args,
     load_from_args,
     protocol_from_args,
+    tolerance_from_args,
 )
 from qbench.cli.base import add_output_argument
 from qbench.cli.budgets import UNIT_TOKENS
@@ -49,9 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--mode", default="fake", help="fake | real")
     parser.add_argument("--by", default="layer", help=f"unit quantised alone: {' | '.join(BY)}")
-    parser.add_argument(
-        "--tolerance", type=float, default=1.0, help="repair target: perplexity change ≤ this many %%"
-    )
+    add_tolerance_arguments(parser, "repair target:")
     parser.add_argument("--top", type=int, default=10, help="units in the printed and markdown table")
     add_output_argument(
         parser, "output folder (default: qbench_sensitivity/<model>/<scheme>)", "--out", metavar="DIR"
@@ -137,7 +137,8 @@ def _with_progress(spec, args: argparse.Namespace, lm) -> dict:
         return sensitivity(
             spec,
             by=args.by,
-            tolerance=args.tolerance,
+            tolerance=tolerance_from_args(args),
+            metric=args.metric,
             on_cell=on_cell,
             on_units=lambda n: progress.update(units, total=n),
             lm=lm,
@@ -145,6 +146,7 @@ def _with_progress(spec, args: argparse.Namespace, lm) -> dict:
 
 
 def _print_summary(result: dict, top: int) -> None:
+    from qbench.eval.evidence import tolerance_text
     from qbench.studies.sensitivity import change_text, top_table
 
     r, t = result["repair"], result["timing"]
@@ -153,7 +155,7 @@ def _print_summary(result: dict, top: int) -> None:
     console.print(f"Spearman with the damage: {corr}", highlight=False)
     kept = " ".join(f"--exclude '{n}'" for n in r["exclude"]) or "nothing"
     console.print(
-        f"repair (≤ {r['tolerance_pct']:g} %): all quantised {change_text(r['quantised_ppl_change_pct'])} → "
+        f"repair (≤ {tolerance_text(r['tolerance_pct'], r.get('metric', 'ppl'))}): all quantised {change_text(r['quantised_ppl_change_pct'])} → "
         f"keep {r['count']} unit(s) in float ({r['weight_share_float']:.1%} of the weights): {kept} → measured "
         f"{change_text(r['ppl_change_pct'])}"
         + ("" if r["reached"] else " [yellow](tolerance not reached)[/]"),

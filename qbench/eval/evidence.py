@@ -318,6 +318,15 @@ def default_tolerance(metric: str) -> float:
     return METRICS[check_metric(metric)][2]
 
 
+def tolerance_text(tolerance: float, metric: str = DEFAULT_METRIC) -> str:
+    """A tolerance in words with its unit: ``1 %`` (perplexity change), ``KLD 0.01 nats``, ``1 % top-1 changed``."""
+    if check_metric(metric) == "ppl":
+        return f"{tolerance:g} %"
+    if metric == "kld":
+        return f"KLD {tolerance:g} nats"
+    return f"{tolerance:g} % top-1 changed"
+
+
 def decide(record: Mapping[str, Any], tolerance: float, metric: str = DEFAULT_METRIC) -> Decision:
     """The verdict of a quantised record's ``metric`` against ``tolerance`` (in the metric's unit, see
     :data:`METRICS`): *within* / *beyond* / *undecided* from its 95 % interval (module docstring). A failed cell

@@ -182,7 +182,8 @@ class CardConfig:
     split: str | None = None
     bos: bool = True
     batch_size: int = 8
-    tolerance: float = DEFAULT_TOLERANCE
+    tolerance: float = DEFAULT_TOLERANCE  # in the unit of ``metric`` (qbench.eval.evidence.METRICS)
+    metric: str = "ppl"  # what the tolerance applies to: ppl | kld | top1
     kv_scheme: str | None = None  # None: the sweep's default_kv_scheme(window)
     seed: int = 0
     dtype: str = "float32"
@@ -337,6 +338,7 @@ def sweep_config(cfg: CardConfig, model: str) -> Any:
         axes=list(plan.sweep_axes),
         bits=list(plan.sweep_bits),
         tolerance=cfg.tolerance,
+        metric=cfg.metric,
         protocol=cfg.protocol(),
         output_path=Path(cfg.output_path),
         seed=cfg.seed,
@@ -352,8 +354,9 @@ def validate(cfg: CardConfig) -> None:
     from qbench.quant.schemes import get_scheme
 
     plan = cfg.plan
-    if not cfg.tolerance >= 0:
-        raise UserError(f"--tolerance must be a percentage ≥ 0, got {cfg.tolerance}")
+    from qbench.eval.evidence import check_metric, check_tolerance
+
+    check_tolerance(cfg.tolerance, check_metric(cfg.metric))
     if cfg.tokens is not None and cfg.tokens < 2:
         raise UserError(f"--tokens must be at least 2, got {cfg.tokens}")
     for scheme in plan.formats:
@@ -441,7 +444,7 @@ def _local_tokenizers(models: Sequence[str]) -> list[tuple[str, Any]]:
 
 
 # What a card is of: a card.json in the output folder with other values here is another card.
-CARD_INPUTS = ("models", "budget", "tolerance_pct", "seed", "protocol", "kv")
+CARD_INPUTS = ("models", "budget", "tolerance_pct", "metric", "seed", "protocol", "kv")
 PROTOCOL_INPUTS = ("corpus", "split", "tokens", "window", "bos", "dtype")
 KV_INPUTS = ("scheme", "keep_first", "group", "residual", "block", "sym", "scale", "key_axis")
 
@@ -454,6 +457,7 @@ def card_inputs(card: Mapping[str, Any]) -> dict[str, Any]:
         "models": [(m.get("name"), m.get("source")) for m in models],
         "budget": card.get("budget"),
         "tolerance_pct": card.get("tolerance_pct"),
+        "metric": card.get("metric") or "ppl",  # cards before --metric decided on perplexity
         "seed": card.get("seed"),
         "protocol": [{k: (m.get("protocol") or {}).get(k) for k in PROTOCOL_INPUTS} for m in models],
         "kv": [{k: ((m.get("kv") or {}).get("options") or {}).get(k) for k in KV_INPUTS} for m in models],
@@ -479,6 +483,7 @@ def planned_inputs(cfg: CardConfig) -> dict[str, Any]:
         "models": models,
         "budget": cfg.plan.name,
         "tolerance_pct": cfg.tolerance,
+        "metric": cfg.metric,
         "seed": cfg.seed,
         "protocol": [
             {
@@ -521,7 +526,7 @@ def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     ):
         return [f"the card of {_models_text(old_models) or '-'}, not of {_models_text(new_models)}"]
     out = []
-    for key in ("budget", "tolerance_pct", "seed"):
+    for key in ("budget", "tolerance_pct", "metric", "seed"):
         if new.get(key) is not None and old.get(key) != new.get(key):
             out.append(f"{key.replace('_pct', '')} {old.get(key)} (this one: {new.get(key)})")
     for group in ("protocol", "kv"):
@@ -879,7 +884,9 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
                 sweep_config(cfg, model), on_record=on_sweep, command=cfg.command, loaded={model: lm}
             )
         sensitivity = None
-        first_bad = next((r for r in formats if r["status"] == "ok" and not _within(r, cfg.tolerance)), None)
+        first_bad = next(
+            (r for r in formats if r["status"] == "ok" and not _within(r, cfg.tolerance, cfg.metric)), None
+        )
         if first_bad is not None:
             sensitivity = _sensitivity(cfg, lm, first_bad["scheme"]["name"], progress, count)
         speed = speed_record(cfg, lm, fp, plan.formats)
@@ -916,6 +923,7 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
             "budget": plan.name,
             "budget_contents": contents,
             "tolerance_pct": cfg.tolerance,
+            "metric": cfg.metric,
             "command": cfg.command,
             "seed": cfg.seed,
             "output_path": str(cfg.output_path),
@@ -973,6 +981,7 @@ def _sensitivity(cfg: CardConfig, lm: Any, scheme: str, progress: Progress, coun
         spec,
         by=cfg.plan.sensitivity_by,
         tolerance=cfg.tolerance,
+        metric=cfg.metric,
         on_cell=on_cell,
         on_units=on_units,
         lm=lm,
@@ -982,11 +991,12 @@ def _sensitivity(cfg: CardConfig, lm: Any, scheme: str, progress: Progress, coun
     return {**result, "output": str(out)}
 
 
-def _within(record: Mapping[str, Any], tolerance: float) -> bool:
-    """Whether a record is *within* the tolerance: its 95 % interval's upper end ≤ tolerance (undecided is not)."""
+def _within(record: Mapping[str, Any], tolerance: float, metric: str = "ppl") -> bool:
+    """Whether a record is *within* the tolerance of ``metric``: its 95 % interval's upper end ≤ tolerance
+    (undecided is not)."""
     from qbench.eval.evidence import decide
 
-    return decide(record, tolerance).within
+    return decide(record, tolerance, metric).within
 
 
 # ----------------------------------------------------------------------------------------------- building
@@ -1045,6 +1055,7 @@ def _format_row(
     tolerance: float,
     speed: Mapping[str, Any] | None,
     out: Mapping[str, str] | None,
+    metric: str = "ppl",
 ) -> dict[str, Any]:
     from qbench.eval.evidence import row_fields
 
@@ -1085,7 +1096,7 @@ def _format_row(
         "error": record.get("error"),
         "perplexity": record["metrics"]["perplexity"],
         "ppl_change_pct": change,
-        **row_fields(record, tolerance),
+        **row_fields(record, tolerance, metric),
         "weight_bytes": nominal,
         "bytes_vs_fp": nominal / fp["model_bytes"] if nominal and fp.get("model_bytes") else None,
         "weight_bits": scheme.get("weight_bits"),
@@ -1106,7 +1117,7 @@ def _canonical(name: str) -> str:
 
 
 def _kv_rows(
-    kv: Sequence[Mapping[str, Any]], tolerance: float, out: Mapping[str, str] | None
+    kv: Sequence[Mapping[str, Any]], tolerance: float, out: Mapping[str, str] | None, metric: str = "ppl"
 ) -> dict[str, Any]:
     from qbench.eval.evidence import row_fields
     from qbench.studies.sweep import breaking_point_range
@@ -1124,7 +1135,7 @@ def _kv_rows(
                 "perplexity": r["metrics"]["perplexity"],
                 "ppl_change_pct": change,
                 "status": r.get("status"),
-                **row_fields(r, tolerance),
+                **row_fields(r, tolerance, metric),
                 "record": _record_ref(r, out),
             }
         )
@@ -1334,6 +1345,7 @@ def _verdict(
     fp: Mapping[str, Any],
     sens: Mapping[str, Any] | None,
     tolerance: float,
+    metric: str = "ppl",
 ) -> dict[str, Any]:
     """Generated from the rows: the smallest format within tolerance (fewest model bytes; ties: smaller change),
     the format to avoid (the largest change, or a failed one) with the float statistic its quantiser is exposed
@@ -1364,18 +1376,19 @@ def _verdict(
     repair = None
     if sens:
         repair = {"scheme": sens["scheme"], **sens["repair"], "command": sens["command"]}
+    from qbench.eval.evidence import tolerance_text
+
+    limit = tolerance_text(tolerance, metric)
     lines = []
     if smallest:
         lines.append(
-            f"Smallest format within {tolerance:g} %: {smallest['label']} (`{smallest['scheme']}`), "
+            f"Smallest format within {limit}: {smallest['label']} (`{smallest['scheme']}`), "
             f"{_pct(smallest['ppl_change_pct'])}, {_bytes(smallest['weight_bytes'])}"
             + (f" ({smallest['bytes_vs_fp']:.0%} of float)" if smallest["bytes_vs_fp"] else "")
             + "."
         )
     else:
-        lines.append(
-            f"No format measured stays within {tolerance:g} % (its 95 % interval's upper end below it)."
-        )
+        lines.append(f"No format measured stays within {limit} (its 95 % interval's upper end below it).")
     undecided = [f for f in formats if f.get("verdict") == "undecided"]
     if undecided:
         lines.append(
@@ -1402,7 +1415,7 @@ def _verdict(
             + f" ({avoid['statistic_definition']})."
         )
     elif not undecided:
-        lines.append(f"Every format measured stays within {tolerance:g} %.")
+        lines.append(f"Every format measured stays within {limit}.")
     if repair:
         state = "within" if repair["reached"] else "still NOT within"
         lines.append(
@@ -1441,13 +1454,16 @@ def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, An
     ``profile``, ``formats``, ``kv`` (records), ``sweep`` (``run_sweep``'s result or None), ``sensitivity``
     (the study's result or None), ``speed`` (the speed record or None) and ``source`` (what ``--ckpt`` named)."""
     tolerance = settings["tolerance_pct"]
+    metric = settings.get("metric") or "ppl"
     models = []
     for entry in per_model:
         fp, profile = entry["fp"], entry["profile"]
         out = entry.get("paths")
         p = fp["protocol"]
-        formats = [_format_row(r, fp, profile, tolerance, entry.get("speed"), out) for r in entry["formats"]]
-        kv = _kv_rows(entry["kv"], tolerance, out)
+        formats = [
+            _format_row(r, fp, profile, tolerance, entry.get("speed"), out, metric) for r in entry["formats"]
+        ]
+        kv = _kv_rows(entry["kv"], tolerance, out, metric)
         outliers = _outlier_profile(fp, profile)
         sens = _sensitivity_section(entry.get("sensitivity"), fp, entry["source"], settings)
         models.append(
@@ -1494,7 +1510,7 @@ def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, An
                 "breaking_points": _breaking_points(entry.get("sweep"), fp["model"]["name"], kv),
                 "sensitivity": sens,
                 "speed_measured": bool(entry.get("speed")),
-                "verdict": _verdict(formats, outliers, fp, sens, tolerance),
+                "verdict": _verdict(formats, outliers, fp, sens, tolerance, metric),
             }
         )
     card = {
@@ -1517,7 +1533,7 @@ def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, An
             )
         },
         "models": models,
-        "comparison": _comparison(models, tolerance) if len(models) > 1 else None,
+        "comparison": _comparison(models) if len(models) > 1 else None,
         "env": models[0]["env"] if models else None,  # each model's own record says what made it
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -1531,19 +1547,35 @@ def _least(values: Mapping[str, float]) -> str | None:
     return winners[0] if len(winners) == 1 else None
 
 
-def _more_robust_change(values: Mapping[str, float | None], tolerance: float) -> str | None:
-    """The model a perplexity change hurts least: a decrease counts as no damage (noise), a failed or missing cell
-    as the worst; None when every model stays within the tolerance (nothing to choose) or on a tie."""
-    from qbench.studies.sweep import within_tolerance
+def _more_robust_change(found: Mapping[str, Mapping[str, Any] | None]) -> str | None:
+    """The model a row (a format, a KV setting) hurts *decidedly* least, on the card's ``--metric``: None when
+    every model is within the tolerance (nothing to choose); else the one model whose 95 % interval lies wholly
+    below every other model's (a decrease counts as no damage: intervals are clamped at 0; a failed or missing
+    cell is the worst); None when the intervals overlap — the measurement cannot tell the models apart, and a
+    point estimate would pick one by noise."""
+    from qbench.eval.evidence import WITHIN
 
-    if all(within_tolerance(v, tolerance) for v in values.values()):
+    if all(r is not None and r.get("verdict") == WITHIN for r in found.values()):
         return None
-    return _least({k: math.inf if v is None else max(v, 0.0) for k, v in values.items()})
+
+    def bounds(row: Mapping[str, Any] | None) -> tuple[float, float]:
+        decision = (row or {}).get("decision") or {}
+        value, ci = decision.get("value"), decision.get("ci95")
+        if row is None or row.get("status") != "ok" or value is None:
+            return math.inf, math.inf
+        low, high = ci if ci else (-math.inf, math.inf)  # no interval: it could be anywhere
+        return max(low, 0.0), max(high, 0.0)
+
+    spans = {name: bounds(row) for name, row in found.items()}
+    best = min(spans, key=lambda n: spans[n][1])
+    if all(spans[best][1] < spans[other][0] for other in spans if other != best):
+        return best
+    return None
 
 
-def _comparison(models: Sequence[Mapping[str, Any]], tolerance: float) -> list[dict[str, Any]]:
-    """The same rows side by side. ``more_robust``: for a format or KV row the model with the smaller damage
-    (:func:`_more_robust_change`), for a breaking point the lower one (``none`` is the worst), for a float
+def _comparison(models: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The same rows side by side. ``more_robust``: for a format or KV row the model with the decidedly smaller
+    damage (:func:`_more_robust_change`), for a breaking point the lower one (``none`` is the worst), for a float
     statistic whose registry direction is ``lower`` the lower value; None when nothing tells them apart."""
     rows = []
 
@@ -1556,7 +1588,7 @@ def _comparison(models: Sequence[Mapping[str, Any]], tolerance: float) -> list[d
         found = {m["name"]: next((f for f in m["formats"] if f["scheme"] == scheme), None) for m in models}
         values = {k: None if f is None else f["ppl_change_pct"] for k, f in found.items()}
         label = next(f["label"] for f in found.values() if f is not None)
-        row("formats", label, scheme, values, _more_robust_change(values, tolerance))
+        row("formats", label, scheme, values, _more_robust_change(found))
     for bits, keep in dict.fromkeys((r["bits"], r["keep_sinks"]) for m in models for r in m["kv"]["rows"]):
         found = {
             m["name"]: next(
@@ -1576,7 +1608,7 @@ def _comparison(models: Sequence[Mapping[str, Any]], tolerance: float) -> list[d
         }
         label = f"KV {bits} bit" + (f", {keep} sink(s) kept" if keep else "")
         # a row one model could not measure names no more robust model
-        row("kv", label, None, values, None if skipped else _more_robust_change(values, tolerance))
+        row("kv", label, None, values, None if skipped else _more_robust_change(found))
     for family, axis in dict.fromkeys((b["family"], b["axis"]) for m in models for b in m["breaking_points"]):
         found = {
             m["name"]: next(

@@ -16,6 +16,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from qbench.eval.evidence import tolerance_text
+
 # ------------------------------------------------------------------------------------------------- formatting
 
 
@@ -174,13 +176,17 @@ def figures(card: Mapping[str, Any]) -> dict[str, bytes]:
                 color=f"C{models.index(name)}",
                 label=name,
             )
+        on_ppl = (card.get("metric") or "ppl") == "ppl"  # the line is the tolerance only on this axis
         for title, ax in panel.items():
-            ax.axhline(card["tolerance_pct"], color="grey", ls=":", lw=1)
+            if on_ppl:
+                ax.axhline(card["tolerance_pct"], color="grey", ls=":", lw=1)
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("bits")
             ax.set_yscale("symlog", linthresh=1)
             ax.invert_xaxis()
-        panels[0][0].set_ylabel(f"perplexity change % (dotted: {card['tolerance_pct']:g} %)")
+        panels[0][0].set_ylabel(
+            f"perplexity change % (dotted: {card['tolerance_pct']:g} %)" if on_ppl else "perplexity change %"
+        )
         panels[0][0].legend(fontsize=7)
         fig.tight_layout()
         out["breaking-points"] = _png(fig)
@@ -200,7 +206,7 @@ def _sections(
     card: Mapping[str, Any], m: Mapping[str, Any]
 ) -> list[tuple[str, list[str], list[list[str]], str]]:
     """(title, headers, rows, caption) of one model's tables: the one source both renderers format."""
-    tol = card["tolerance_pct"]
+    limit = tolerance_text(card["tolerance_pct"], card.get("metric") or "ppl")
     ident, p = m["identity"], m["protocol"]
     identity = [
         ["model", m["name"]],
@@ -332,7 +338,7 @@ def _sections(
                 "scheme",
                 "ppl",
                 "change [95 % CI]",
-                f"≤ {tol:g} %",
+                f"≤ {limit}",
                 "KLD",
                 "top-1",
                 "bytes",
@@ -341,7 +347,7 @@ def _sections(
             ],
             format_rows,
             "Fake quantisation at each format's standard settings. Change: perplexity change with its 95 % "
-            f"interval (paired, windows as clusters); ✓ within {tol:g} % (the interval's upper end ≤ it), ✗ beyond "
+            f"interval (paired, windows as clusters); ✓ within {limit} (the 95 % interval's upper end ≤ it), ✗ beyond "
             "(its lower end above), ? undecided (it straddles the tolerance: more tokens would decide). KLD: mean "
             "KL divergence from the float model per token (nats); top-1: tokens whose most likely next token is "
             "the float model's (llama.cpp's definitions, docs/metrics.md). Bytes: the model's nominal storage in the format "
@@ -351,7 +357,7 @@ def _sections(
         ),
         (
             "KV cache",
-            ["bits", "sinks kept", "label", "ppl", "change [95 % CI]", f"≤ {tol:g} %", "KLD", "top-1"],
+            ["bits", "sinks kept", "label", "ppl", "change [95 % CI]", f"≤ {limit}", "KLD", "top-1"],
             kv_rows,
             _kv_caption(m["kv"]),
         ),
@@ -359,7 +365,7 @@ def _sections(
             "Breaking points",
             ["family", "axis", "breaking point", "curve (bits:change)"],
             bp_rows,
-            f"Lowest width within {tol:g} % there and at every wider width.",
+            f"Lowest width within {limit} there and at every wider width.",
         ),
     ]
     s = m["sensitivity"]
@@ -579,7 +585,11 @@ def html(card: Mapping[str, Any], figs: Mapping[str, bytes]) -> str:
     names = ", ".join(m["name"] for m in card["models"])
     body = [f"<h1>qbench card: {_e(names)}</h1>"]
     if card.get("command"):
-        tolerance = _v("tolerance_pct", card["tolerance_pct"], f"{card['tolerance_pct']:g} %")
+        tolerance = _v(
+            "tolerance_pct",
+            card["tolerance_pct"],
+            tolerance_text(card["tolerance_pct"], card.get("metric") or "ppl"),
+        )
         body.append(
             f"<p>Made by <code>{_e(card['command'])}</code>; budget {_e(card['budget_contents'])}; "
             f"tolerance {tolerance}.</p>"

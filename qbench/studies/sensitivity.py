@@ -223,15 +223,18 @@ def _entry(unit: Unit, record: dict[str, Any], stats: dict[str, float | None]) -
     }
 
 
-def _within(record: dict[str, Any], tolerance: float) -> bool:
-    """*Within* the tolerance: the 95 % interval's upper end ≤ it (``qbench.eval.evidence.decide``), so a repair
-    is reached only when the measurement shows it, never on a point estimate that happens to fall below."""
+def _within(record: dict[str, Any], tolerance: float, metric: str = "ppl") -> bool:
+    """*Within* the tolerance of ``metric``: the 95 % interval's upper end ≤ it (``qbench.eval.evidence.decide``),
+    so a repair is reached only when the measurement shows it, never on a point estimate that happens to fall
+    below."""
     from qbench.eval.evidence import decide
 
-    return decide(record, tolerance).within
+    return decide(record, tolerance, metric).within
 
 
-def repair(study: _Study, ranked: Sequence[dict[str, Any]], tolerance: float) -> dict[str, Any]:
+def repair(
+    study: _Study, ranked: Sequence[dict[str, Any]], tolerance: float, metric: str = "ppl"
+) -> dict[str, Any]:
     """Greedy forward by measured sensitivity, then a backward pass; every set is evaluated (module docstring).
 
     Each distinct set is measured once: the backward pass's first trial (dropping the unit added last) is the
@@ -251,20 +254,21 @@ def repair(study: _Study, ranked: Sequence[dict[str, Any]], tolerance: float) ->
     kept: list[str] = []
     current = full = measure(kept)
     for unit in ranked:
-        if _within(current, tolerance):
+        if _within(current, tolerance, metric):
             break
         kept = [*kept, unit["name"]]
         current = measure(kept)
-    if _within(current, tolerance) and len(kept) > 1:
+    if _within(current, tolerance, metric) and len(kept) > 1:
         for name in reversed(list(kept)):  # least sensitive first
             trial = [k for k in kept if k != name]
             record = measure(trial)
-            if _within(record, tolerance):
+            if _within(record, tolerance, metric):
                 kept, current = trial, record
     m = current["metrics"]
     return {
         "tolerance_pct": tolerance,
-        "reached": _within(current, tolerance),
+        "metric": metric,
+        "reached": _within(current, tolerance, metric),
         "exclude": kept,
         "count": len(kept),
         "ppl": m["perplexity"],
@@ -310,6 +314,7 @@ def sensitivity(
     spec: GridSpec,
     by: str = "layer",
     tolerance: float = 1.0,
+    metric: str = "ppl",
     on_cell: OnCell | None = None,
     on_units: Callable[[int], None] | None = None,
     lm: LoadedModel | None = None,
@@ -332,8 +337,9 @@ def sensitivity(
         raise unknown_choice("--by", by, BY)
     if len(spec.models) != 1 or len(spec.schemes) != 1 or len(spec.modes) != 1:
         raise ValueError("sensitivity takes a GridSpec of one model, one scheme and one mode")
-    if not tolerance >= 0:
-        raise UserError(f"--tolerance must be a percentage ≥ 0, got {tolerance}")
+    from qbench.eval.evidence import check_metric, check_tolerance
+
+    check_tolerance(tolerance, check_metric(metric))
     start = time.perf_counter()
     scheme = spec.scheme(spec.schemes[0])
     lm = lm or load_model(
@@ -378,7 +384,7 @@ def sensitivity(
         "correlation": correlations(ranked),
         "correlation_definition": "Spearman's rho (average ranks for ties) of each float-model statistic with "
         "the unit's perplexity change; None with < 3 units or a constant side",
-        "repair": (fixed := repair(study, ranked, tolerance)),
+        "repair": (fixed := repair(study, ranked, tolerance, metric)),
         "timing": {
             "units": len(units),
             # every cell this study measures, by phase: the units, the KV-only cell, the repair's distinct sets
@@ -495,6 +501,10 @@ def report(result: dict[str, Any], top: int = 10) -> str:
     corr = "\n".join(f"| {s} | {_fmt(v, '+.2f')} |" for s, v in result["correlation"].items())
     excl = " ".join(f"--exclude '{name}'" for name in r["exclude"]) or "(nothing)"
     verdict = "within" if r["reached"] else "NOT within"
+    from qbench.eval.evidence import tolerance_text
+
+    metric = r.get("metric", "ppl")  # repairs before --metric were on perplexity
+    ppl_tolerance = r["tolerance_pct"] if metric == "ppl" else None  # the decimals that show the side of it
     return (
         f"# Sensitivity of {result['model']['name']} to {result['scheme']['name']} ({result['mode']}), "
         f"by {result['by']}\n\nMade by `{result.get('command', '')}`.\n\n"
@@ -504,10 +514,10 @@ def report(result: dict[str, Any], top: int = 10) -> str:
         f"crest, largest over the unit's layers.\n\n## Top {min(top, len(result['units']))} of "
         f"{len(result['units'])} units\n\n{top_table(result, top)}\n\n![heatmap](heatmap.png)\n\n"
         f"## Does a statistic predict the damage? (Spearman's rho over all units)\n\n| statistic | rho |\n|---|---|\n"
-        f"{corr}\n\n## Repair (tolerance {r['tolerance_pct']:g} %)\n\nAll units quantised: "
-        f"{change_text(r['quantised_ppl_change_pct'], r['tolerance_pct'])}. Kept in float ({r['count']} units, "
+        f"{corr}\n\n## Repair (tolerance {tolerance_text(r['tolerance_pct'], metric)})\n\nAll units quantised: "
+        f"{change_text(r['quantised_ppl_change_pct'], ppl_tolerance)}. Kept in float ({r['count']} units, "
         f"{r['weight_share_float']:.1%} of the quantised weights): {excl} → measured "
-        f"{change_text(r['ppl_change_pct'], r['tolerance_pct'])} ({verdict} tolerance; {len(r['steps'])} "
+        f"{change_text(r['ppl_change_pct'], ppl_tolerance)} ({verdict} tolerance; {len(r['steps'])} "
         "distinct sets evaluated).\n\n"
         f"Time: {t['units']} units, {_fmt(t['seconds_per_unit'], '.2f')} s per unit cell "
         f"(quantise + evaluate; {result['env'].get('processor')}, {result['env'].get('threads')} threads)."

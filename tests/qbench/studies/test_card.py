@@ -133,6 +133,36 @@ def test_the_whole_quick_budget_runs(ckpt_dir, tmp_path):
     assert (tmp_path / "card.html").exists() and (tmp_path / "card-attention-0.png").exists()
 
 
+def test_the_card_decides_on_the_metric_it_is_given(ckpt_dir, tmp_path):
+    """``--metric kld``: every row's verdict is the KL divergence's against a tolerance in nats (the cells are the
+    perplexity card's, reused), the page says so, and a card on another metric is another card."""
+    from qbench.eval.evidence import decide
+    from qbench.studies.card import card_inputs, planned_inputs
+
+    base = CardConfig(models=[str(ckpt_dir)], budget="quick", output_path=tmp_path, tokens=64, tolerance=5.0)
+    run_card(base)
+    cfg = replace(base, metric="kld", tolerance=1e-4, overwrite=True)
+    counted: list[bool] = []
+    result = run_card(cfg, card.Progress(cell=lambda r, reused: counted.append(reused)))
+    assert result["metric"] == "kld" and counted and all(counted[: card.planned_cells(cfg)])  # reused cells
+    (model,) = result["models"]
+    for row in model["formats"]:
+        assert row["decision"]["metric"] == "kld"
+        assert row["decision"]["ci95"] is None or row["decision"]["ci95"][0] <= row["kld_mean"]
+    page = (tmp_path / "card.md").read_text()
+    assert "KLD 0.0001 nats" in page
+    assert card_inputs(result)["metric"] == "kld" and planned_inputs(base)["metric"] == "ppl"
+    with pytest.raises(Exception, match="metric"):
+        run_card(replace(cfg, metric="ppl", tolerance=5.0, overwrite=False))
+    # the verdict is decide()'s on the record itself
+    record = next(iter(r for r in (tmp_path).rglob("absmax-fine*.json")))
+    import json
+
+    stored = json.loads(record.read_text())
+    first = model["formats"][0]
+    assert first["verdict"] == decide(stored, 1e-4, "kld").verdict
+
+
 def test_two_models_side_by_side(ckpt_dir, hf_llama_dir, tmp_path, monkeypatch):
     small = replace(BUDGETS["quick"], formats=("absmax-coarse",), kv_bits=(2,))
     monkeypatch.setitem(BUDGETS, "quick", small)
@@ -165,12 +195,32 @@ def test_bad_settings_fail_before_a_model_loads(bad):
         card.validate(CardConfig(models=["does-not-exist"], **bad))
 
 
-def test_the_more_robust_model_is_the_one_damaged_least():
+def test_the_more_robust_model_is_the_one_decidedly_damaged_least():
+    def row(value, ci, verdict="beyond", status="ok"):
+        return {"status": status, "verdict": verdict, "decision": {"value": value, "ci95": ci}}
+
     pick = card._more_robust_change
-    assert pick({"a": 3.0, "b": 0.5}, 1.0) == "b"
-    assert pick({"a": 0.2, "b": 0.5}, 1.0) is None  # both within the tolerance
-    assert pick({"a": -4.0, "b": 0.0, "c": 2.0}, 1.0) is None  # a decrease is no damage: a and b tie
-    assert pick({"a": None, "b": 30.0}, 1.0) == "b"  # NaN/inf or missing is the worst
+    assert pick({"a": row(3.0, [2.5, 3.5]), "b": row(0.5, [0.2, 0.8], "within")}) == "b"
+    assert (
+        pick({"a": row(0.2, [0.1, 0.3], "within"), "b": row(0.5, [0.2, 0.8], "within")}) is None
+    )  # both within
+    # overlapping intervals: the points differ, the measurement does not tell them apart
+    assert pick({"a": row(3.0, [1.5, 4.5]), "b": row(2.0, [1.0, 3.0])}) is None
+    # a decrease is no damage: a and b both reach 0, so neither is below the other
+    assert (
+        pick(
+            {
+                "a": row(-4.0, [-5.0, -3.0], "within"),
+                "b": row(0.0, [-0.1, 0.1], "within"),
+                "c": row(2, [1.5, 2.5]),
+            }
+        )
+        is None
+    )
+    assert pick({"a": None, "b": row(30.0, [25.0, 35.0])}) == "b"  # NaN/inf or missing is the worst
+    assert (
+        pick({"a": row(None, None, status="nonfinite"), "b": row(30.0, None, "undecided")}) is None
+    )  # b: no interval
 
 
 def test_the_docs_state_the_cells_of_each_budget():

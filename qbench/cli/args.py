@@ -181,3 +181,17 @@ def tolerance_from_args(args: argparse.Namespace) -> float:
     from qbench.eval.evidence import default_tolerance
 
     return default_tolerance(args.metric) if args.tolerance is None else args.tolerance
+
+
+def add_resolve_argument(parser: argparse.ArgumentParser, budget: str = "--tokens") -> None:
+    """``--resolve [MAX_TOKENS]`` (``qbench.studies.resolve``), as every command with verdicts states it."""
+    parser.add_argument(
+        "--resolve",
+        nargs="?",
+        type=int,
+        const=-1,
+        default=None,
+        metavar="MAX_TOKENS",
+        help="re-evaluate undecided cells (95 %% interval straddling the tolerance) at twice the tokens, again "
+        f"while undecided, up to MAX_TOKENS (given alone: 4 × {budget}); off unless given",
+    )

@@ -8,7 +8,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from qbench.cli.args import add_model_arguments, add_tolerance_arguments, console, tolerance_from_args
+from qbench.cli.args import (
+    add_model_arguments,
+    add_resolve_argument,
+    add_tolerance_arguments,
+    console,
+    tolerance_from_args,
+)
 from qbench.cli.base import SEED_HELP, add_output_argument
 
 NAME = "card"
@@ -37,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_tolerance_arguments(
         p, "what a format may cost (verdict, recommendation, breaking points, repair target):"
     )
+    add_resolve_argument(p, "the budget's tokens")
     p.add_argument(
         "--kv-scheme",
         help="the KV rows' KV-cache scheme, NAME[:key=value,…] as run's --kv-scheme (default: the sweep's: kivi, "
@@ -77,6 +84,11 @@ def config(args: argparse.Namespace):
         command=getattr(args, "command_line", None),
         overwrite=args.overwrite,
     )
+    from dataclasses import replace
+
+    from qbench.studies.resolve import resolve_cap
+
+    cfg = replace(cfg, resolve_tokens=resolve_cap(args.resolve, args.tokens or cfg.plan.tokens))
     validate(cfg)
     return cfg
 

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from models.errors import UserError
-from qbench.cli.args import add_model_arguments, add_tolerance_arguments
+from qbench.cli.args import add_model_arguments, add_resolve_argument, add_tolerance_arguments
 from qbench.cli.base import SEED_HELP, add_output_argument, console
 from qbench.cli.budgets import EVAL_TOKENS
 
@@ -37,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "KV-cache widths)",
     )
     add_tolerance_arguments(p)
+    add_resolve_argument(p)
     p.add_argument(
         "--kv-keep-first",
         type=int,
@@ -89,6 +90,9 @@ def sweep_config(args: argparse.Namespace):
         trust_remote_code=args.trust_remote_code,
         allow_unsafe_weights=args.allow_unsafe_weights,
     )
+    from qbench.studies.resolve import resolve_cap
+
+    cfg.resolve_tokens = resolve_cap(args.resolve, cfg.protocol.tokens)
     # the KV options shape the kv axis only: without it they would be silently ignored
     if "kv" not in cfg.axes:
         given = [

@@ -191,6 +191,8 @@ class CardConfig:
     trust_remote_code: bool = False
     allow_unsafe_weights: bool = False
     command: str | None = None
+    # --resolve: re-evaluate undecided format and KV rows at doubling tokens up to this many (None: off)
+    resolve_tokens: int | None = None
     overwrite: bool = False  # replace a card of other models or settings in output_path (their records stay)
 
     @property
@@ -849,10 +851,18 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
         progress.estimate(planned_cells(cfg), fp.get("eval_seconds") or 0.0, lm.name)
         profile, _ = profile_record(evaluation, fp, cfg.device)
         formats = []
+        resolved: dict[str, list[dict[str, Any]]] = {}  # the final record's cell id -> --resolve's steps
         for scheme in plan.formats:
             record, reused = cell_record(spec, evaluation, scheme, "fake")
-            formats.append(record)
             progress.cell(record, reused)
+            formats.append(
+                _resolve_row(
+                    cfg,
+                    record,
+                    resolved,
+                    lambda t, s=scheme, m=model, x=lm: _format_at(cfg, m, x, s, t, progress),
+                )
+            )
         window = default_window(lm.model, cfg.window)
         kv = []
         configs = kv_configs(cfg, window)
@@ -873,8 +883,15 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
             kv_spec = _spec(cfg, model, ["fp"], kv=config)
             seen: list[bool] = []
             records = run_grid(kv_spec, lambda r, reused, seen=seen: seen.append(reused), loaded={model: lm})
-            kv.append(records[-1])
             progress.cell(records[-1], seen[-1])
+            kv.append(
+                _resolve_row(
+                    cfg,
+                    records[-1],
+                    resolved,
+                    lambda t, c=config, m=model, x=lm: _kv_at(cfg, m, x, c, t, progress),
+                )
+            )
         sweep = None
         if plan.sweep_families:
             from qbench.studies.sweep import run_sweep
@@ -900,6 +917,7 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
                 "sensitivity": sensitivity,
                 "speed": speed,
                 "source": lm.source,
+                "resolved": resolved,
                 "paths": _stored_paths(
                     Path(cfg.output_path), [fp, *formats, *(r for r in kv if "cell_id" in r)]
                 ),
@@ -924,6 +942,7 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
             "budget_contents": contents,
             "tolerance_pct": cfg.tolerance,
             "metric": cfg.metric,
+            "resolve_tokens": cfg.resolve_tokens,
             "command": cfg.command,
             "seed": cfg.seed,
             "output_path": str(cfg.output_path),
@@ -934,6 +953,57 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
     check_output(cfg, card_inputs(json.loads(json.dumps(card))))
     write_card(card, Path(cfg.output_path))
     return card
+
+
+def _tokens(cfg: CardConfig) -> int:
+    return cfg.tokens or cfg.plan.tokens
+
+
+def _resolve_row(
+    cfg: CardConfig,
+    record: dict[str, Any],
+    resolved: dict[str, list[dict[str, Any]]],
+    evaluate: Callable[[int], dict[str, Any]],
+) -> dict[str, Any]:
+    """``record``, or with ``--resolve`` and an undecided verdict the same cell re-evaluated at doubling tokens
+    until decided or at the cap (``qbench.studies.resolve``); its steps go to ``resolved`` by cell id."""
+    if not cfg.resolve_tokens or record.get("status") != "ok":
+        return record
+    from qbench.studies.resolve import resolve
+
+    final, steps = resolve(record, evaluate, _tokens(cfg), cfg.resolve_tokens, cfg.tolerance, cfg.metric)
+    if steps:
+        resolved[final["cell_id"]] = steps
+    return final
+
+
+def _format_at(cfg: CardConfig, model: str, lm: Any, scheme: str, tokens: int, progress: Progress) -> dict:
+    """A format's cell on ``tokens`` tokens (its float baseline of that protocol first)."""
+    from dataclasses import replace
+
+    from qbench.eval.harness import ModelEvaluation, cell_record
+
+    bigger = replace(cfg, tokens=tokens)
+    spec = _spec(bigger, model, [scheme])
+    evaluation = ModelEvaluation(spec, model, lm=lm)
+    evaluation.check()
+    evaluation.fp_record()
+    record, reused = cell_record(spec, evaluation, scheme, "fake")
+    progress.cell(record, reused)
+    return record
+
+
+def _kv_at(cfg: CardConfig, model: str, lm: Any, config: Any, tokens: int, progress: Progress) -> dict:
+    """A KV row's cell on ``tokens`` tokens."""
+    from dataclasses import replace
+
+    from qbench.eval.harness import run_grid
+
+    seen: list[bool] = []
+    spec = _spec(replace(cfg, tokens=tokens), model, ["fp"], kv=config)
+    records = run_grid(spec, lambda r, reused: seen.append(reused), loaded={model: lm})
+    progress.cell(records[-1], seen[-1])
+    return records[-1]
 
 
 def _stored_paths(out: Path, records: Sequence[dict[str, Any]]) -> dict[str, str]:
@@ -1056,6 +1126,7 @@ def _format_row(
     speed: Mapping[str, Any] | None,
     out: Mapping[str, str] | None,
     metric: str = "ppl",
+    resolved: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     from qbench.eval.evidence import row_fields
 
@@ -1097,6 +1168,7 @@ def _format_row(
         "perplexity": record["metrics"]["perplexity"],
         "ppl_change_pct": change,
         **row_fields(record, tolerance, metric),
+        **_resolved_fields(record, resolved),
         "weight_bytes": nominal,
         "bytes_vs_fp": nominal / fp["model_bytes"] if nominal and fp.get("model_bytes") else None,
         "weight_bits": scheme.get("weight_bits"),
@@ -1116,8 +1188,18 @@ def _canonical(name: str) -> str:
         return name
 
 
+def _resolved_fields(record: Mapping[str, Any], resolved: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A row's tokens and, when ``--resolve`` re-evaluated it, the steps (verdict per token budget) it took."""
+    steps = (resolved or {}).get(record.get("cell_id") or "")
+    return {"tokens_scored": (record.get("protocol") or {}).get("tokens_scored"), "resolved": steps or None}
+
+
 def _kv_rows(
-    kv: Sequence[Mapping[str, Any]], tolerance: float, out: Mapping[str, str] | None, metric: str = "ppl"
+    kv: Sequence[Mapping[str, Any]],
+    tolerance: float,
+    out: Mapping[str, str] | None,
+    metric: str = "ppl",
+    resolved: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     from qbench.eval.evidence import row_fields
     from qbench.studies.sweep import breaking_point_range
@@ -1136,6 +1218,7 @@ def _kv_rows(
                 "ppl_change_pct": change,
                 "status": r.get("status"),
                 **row_fields(r, tolerance, metric),
+                **_resolved_fields(r, resolved),
                 "record": _record_ref(r, out),
             }
         )
@@ -1460,10 +1543,12 @@ def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, An
         fp, profile = entry["fp"], entry["profile"]
         out = entry.get("paths")
         p = fp["protocol"]
+        resolved = entry.get("resolved") or {}
         formats = [
-            _format_row(r, fp, profile, tolerance, entry.get("speed"), out, metric) for r in entry["formats"]
+            _format_row(r, fp, profile, tolerance, entry.get("speed"), out, metric, resolved)
+            for r in entry["formats"]
         ]
-        kv = _kv_rows(entry["kv"], tolerance, out, metric)
+        kv = _kv_rows(entry["kv"], tolerance, out, metric, resolved)
         outliers = _outlier_profile(fp, profile)
         sens = _sensitivity_section(entry.get("sensitivity"), fp, entry["source"], settings)
         models.append(

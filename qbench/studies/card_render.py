@@ -65,7 +65,10 @@ def _change_ci(row: Mapping[str, Any]) -> str:
         return "-"
     text = _pct(row.get("ppl_change_pct"))
     ci = row.get("ppl_change_ci95")
-    return f"{text} [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci and row.get("ppl_change_pct") is not None else text
+    text = f"{text} [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci and row.get("ppl_change_pct") is not None else text
+    if row.get("resolved"):  # --resolve re-evaluated it: the row is the last evaluation, on more tokens
+        text += f" @ {row['resolved'][-1]['tokens_scored']:,} tokens"
+    return text
 
 
 def _verdict_class(row: Mapping[str, Any]) -> str:
@@ -353,6 +356,13 @@ def _sections(
             "the float model's (llama.cpp's definitions, docs/metrics.md). Bytes: the model's nominal storage in the format "
             "(quantised weights at their bits with their scales and zero points, the rest in float)."
             + ("" if speed else " Speed: measured in the full budget only.")
+            + (
+                " @ N tokens: undecided at the card's tokens, re-evaluated at doubling tokens by --resolve "
+                "(card.json's `resolved` lists each step)."
+                if any(f.get("resolved") for f in m["formats"])
+                or any(r.get("resolved") for r in m["kv"]["rows"])
+                else ""
+            )
             + (f" {notes}" if notes else ""),
         ),
         (

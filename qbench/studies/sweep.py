@@ -328,6 +328,8 @@ class SweepConfig:
     protocol: Protocol = field(default_factory=Protocol)
     output_path: Path = Path("qbench_results/sweep")
     seed: int = 0
+    # --resolve: re-evaluate undecided cells at doubling tokens up to this many (qbench.studies.resolve); None: off
+    resolve_tokens: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
     attention: bool = True
@@ -474,10 +476,50 @@ def run_sweep(
             index = {_scheme_key(r["scheme"]): r for r in records[1:]}
             for cell in group:
                 record = index[_scheme_key(spec.scheme_record(cell.scheme))]
-                rows.append(_row(cfg, cell, record, fps[lm.name]))
+                if cfg.resolve_tokens:
+                    rows.append(_resolved_row(cfg, cell, record, fps[lm.name], model, lm, kv, on_record))
+                else:
+                    rows.append(_row(cfg, cell, record, fps[lm.name]))
     sweep = _summary(cfg, rows, fps, skipped, command, time.perf_counter() - start)
     write_outputs(sweep, Path(cfg.output_path))
     return sweep
+
+
+def _resolved_row(
+    cfg: SweepConfig,
+    cell: Cell,
+    record: dict[str, Any],
+    fp: dict[str, Any],
+    model: str,
+    lm: Any,
+    kv: Any,
+    on_record: Callable[[dict[str, Any], bool], None] | None,
+) -> dict[str, Any]:
+    """The cell's row after ``--resolve``: re-evaluated at doubling tokens while undecided (its own grid of the
+    larger protocol: the float baseline and the cell, reused on a rerun), with the steps it took."""
+    from dataclasses import replace
+
+    from qbench.eval.harness import run_grid
+    from qbench.studies.resolve import resolve
+
+    baselines = {cfg.protocol.tokens: fp}
+
+    def evaluate(tokens: int) -> dict[str, Any]:
+        bigger = replace(cfg, protocol=replace(cfg.protocol, tokens=tokens))
+        records = run_grid(
+            _grid_spec(bigger, [model], [cell.scheme], kv), on_record=on_record, loaded={model: lm}
+        )
+        baselines[tokens] = records[0]
+        return records[-1]
+
+    final, steps = resolve(
+        record, evaluate, cfg.protocol.tokens, cfg.resolve_tokens or 0, cfg.tolerance, cfg.metric
+    )
+    tokens = max(baselines) if steps else cfg.protocol.tokens
+    row = _row(cfg, cell, final, baselines[tokens])
+    if steps:
+        row["resolved"] = steps
+    return row
 
 
 def _row(cfg: SweepConfig, cell: Cell, record: dict[str, Any], fp: dict[str, Any]) -> dict[str, Any]:
@@ -531,6 +573,7 @@ def _summary(
         "command": command,
         "tolerance_pct": cfg.tolerance,
         "metric": cfg.metric,
+        "resolve_tokens": cfg.resolve_tokens,
         "breaking_point_definition": (
             f"lowest bit width whose {cfg.metric} verdict is within the tolerance (the 95 % interval's upper end "
             "≤ tolerance) at that width and at every wider width swept; none if the widest is not within; "
@@ -596,7 +639,17 @@ def _change(cell: Mapping[str, Any] | None, tolerance: float | None = None) -> s
         return "n/a"
     if "verdict" not in cell:  # a sweep.json from before intervals
         return format_change(cell["ppl_change_pct"], tolerance)
-    return format_interval(cell["ppl_change_pct"], cell.get("ppl_change_ci95"), cell["verdict"])
+    text = format_interval(cell["ppl_change_pct"], cell.get("ppl_change_ci95"), cell["verdict"])
+    if cell.get("resolved"):  # re-evaluated on more tokens (--resolve): say on how many
+        text += f" @{_short_tokens(cell['resolved'][-1]['tokens_scored'])}"
+    return text
+
+
+def _short_tokens(n: int | None) -> str:
+    """``16k`` for 16,384 tokens (a table cell's width), the exact count below 1,024."""
+    if not n:
+        return "?"
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
 
 
 def curves_of(sweep: Mapping[str, Any]) -> dict[tuple[str, str, str], dict[int, dict[str, Any]]]:
@@ -650,6 +703,14 @@ def sweep_caption(sweep: Mapping[str, Any]) -> str:
         "≤b: within down to the lowest width swept; none: the widest is not within; (b?): undecided cells "
         f"below, so the breaking point may be as low as b.{timing}"
     )
+    resolved = [c for c in sweep["cells"] if c.get("resolved")]
+    if resolved:
+        decided = sum(c["verdict"] != UNDECIDED for c in resolved)
+        text += (
+            f" --resolve: {len(resolved)} undecided cell(s) re-evaluated at doubling tokens up to "
+            f"{sweep['resolve_tokens']:,}; {decided} decided (the row shows the last evaluation: `resolved` in "
+            "sweep.json lists each step)."
+        )
     if sweep.get("skipped"):
         text += f" Not swept: {'; '.join(sweep['skipped'])}."
     return text

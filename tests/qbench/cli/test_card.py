@@ -314,7 +314,17 @@ def test_the_card_is_a_function_of_the_records_on_disk(card_dir):
         {r["cell_id"]: row["record"] for r, row in zip(records["kv"], model["kv"]["rows"])}
     )
     settings = {
-        k: saved[k] for k in ("budget", "budget_contents", "tolerance_pct", "command", "seed", "output_path")
+        k: saved[k]
+        for k in (
+            "budget",
+            "budget_contents",
+            "tolerance_pct",
+            "metric",
+            "resolve_tokens",
+            "command",
+            "seed",
+            "output_path",
+        )
     }
     rebuilt = build_card([records], {**settings, "wall_seconds": saved["wall_seconds"]})
     rebuilt = json.loads(json.dumps(rebuilt))  # tuples and such as card.json holds them

@@ -37,7 +37,9 @@ def test_resolve_doubles_until_decided_or_capped_or_out_of_text():
     # 256: [0.8, 1.6]; 512: [1.0, 1.4] (its lower end at the tolerance is not above it); 1024: [1.1, 1.3]
     assert asked == [256, 512, 1024] and decide(final, 1.0).verdict == "beyond"
     assert [s["verdict"] for s in steps] == ["undecided", "undecided", "undecided", "beyond"]
-    assert describe(steps) == "undecided at 128 → undecided at 256 → undecided at 512 → beyond at 1,024 tokens"
+    assert (
+        describe(steps) == "undecided at 128 → undecided at 256 → undecided at 512 → beyond at 1,024 tokens"
+    )
     asked.clear()
     final, steps = resolve(start, narrowing, 128, 300, 1.0)  # the cap stops it, the last step at the cap
     assert asked == [256, 300] and len(steps) == 3

@@ -680,11 +680,14 @@ def weight_bytes(
     heads: set[str],
     fp_bytes: int,
     float_size: int,
+    rest_size: int | None = None,
 ) -> int | None:
     """The model's nominal storage in a format: each quantised layer's weights at ``weight_bits`` plus its scales
-    (:func:`_scale_bytes`; per tensor, per output channel or per group of the weight granularity), everything else
-    as the float model holds it (``fp_bytes`` − the quantised layers' float weights). Nominal: what the format
-    stores, not what fake quantisation holds in memory (float tensors) nor a kernel's padding."""
+    (:func:`_scale_bytes`; per tensor, per output channel or per group of the weight granularity), every other
+    tensor at ``rest_size`` bytes per element (None: as the float model holds it, ``float_size``; 2: bf16, as a
+    deployment keeps embeddings, norms and the unquantised head). ``fp_bytes`` is the float model's size, every
+    element at ``float_size``. Nominal: what the format stores, not what fake quantisation holds in memory (float
+    tensors) nor a kernel's padding."""
     import fnmatch
 
     bits = scheme.get("weight_bits")
@@ -694,7 +697,8 @@ def weight_bytes(
     head = bool(scheme.get("quantize_lm_head"))
     granularity = scheme.get("weight_granularity") or {}
     per_block, per_tensor = _scale_bytes(scheme)
-    total = float(fp_bytes)
+    rest = float_size if rest_size is None else rest_size
+    total = float(fp_bytes) * rest / float_size
     for name, (rows, cols) in shapes.items():
         if (name in heads and not head) or any(fnmatch.fnmatchcase(name, p) for p in exclude):
             continue
@@ -705,7 +709,7 @@ def weight_bytes(
             blocks = rows * math.ceil(cols / granularity["group_size"])
         else:
             blocks = rows
-        total += rows * cols * (bits / 8 - float_size) + blocks * per_block + per_tensor
+        total += rows * cols * (bits / 8 - rest) + blocks * per_block + per_tensor
     return round(total)
 
 
@@ -1134,9 +1138,10 @@ def _format_row(
         n for n, v in ((fp.get("linear_ranges") or {}).get("per_layer") or {}).items() if v.get("lm_head")
     }
     float_size = 2 if (fp["protocol"].get("dtype") or "float32") in ("bfloat16", "float16") else 4
-    nominal = weight_bytes(
-        record["scheme"], profile.get("linear_shapes") or {}, heads, fp.get("model_bytes") or 0, float_size
-    )
+    shapes, fp_bytes = profile.get("linear_shapes") or {}, fp.get("model_bytes") or 0
+    nominal = weight_bytes(record["scheme"], shapes, heads, fp_bytes, float_size, rest_size=2)
+    held = weight_bytes(record["scheme"], shapes, heads, fp_bytes, float_size)  # the rest as evaluated
+    bf16_model = fp_bytes * 2 // float_size if fp_bytes else None
 
     scheme = record["scheme"]
     name = scheme["name"]
@@ -1169,8 +1174,11 @@ def _format_row(
         "ppl_change_pct": change,
         **row_fields(record, tolerance, metric),
         **_resolved_fields(record, resolved),
+        # as deployed: the quantised weights with their scales, every other tensor in bf16 (docs/card.md)
         "weight_bytes": nominal,
-        "bytes_vs_fp": nominal / fp["model_bytes"] if nominal and fp.get("model_bytes") else None,
+        "weight_bytes_rest_float": held,  # the same with the other tensors at the evaluated float width
+        "bf16_model_bytes": bf16_model,
+        "bytes_vs_bf16": nominal / bf16_model if nominal and bf16_model else None,
         "weight_bits": scheme.get("weight_bits"),
         "speedup": speedup,
         "statistic": _stat_for(scheme),
@@ -1467,7 +1475,7 @@ def _verdict(
         lines.append(
             f"Smallest format within {limit}: {smallest['label']} (`{smallest['scheme']}`), "
             f"{_pct(smallest['ppl_change_pct'])}, {_bytes(smallest['weight_bytes'])}"
-            + (f" ({smallest['bytes_vs_fp']:.0%} of float)" if smallest["bytes_vs_fp"] else "")
+            + (f" ({smallest['bytes_vs_bf16']:.0%} of the bf16 model)" if smallest["bytes_vs_bf16"] else "")
             + "."
         )
     else:
@@ -1510,7 +1518,7 @@ def _verdict(
     return {
         "recommended": None
         if smallest is None
-        else {k: smallest[k] for k in ("label", "scheme", "ppl_change_pct", "weight_bytes", "bytes_vs_fp")},
+        else {k: smallest[k] for k in ("label", "scheme", "ppl_change_pct", "weight_bytes", "bytes_vs_bf16")},
         "avoid": avoid,
         "undecided": [f["label"] for f in undecided],
         "repair": repair,
@@ -1523,13 +1531,9 @@ def _pct(x: float | None) -> str:
 
 
 def _bytes(n: int | None) -> str:
-    if not n:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    from qbench.studies.card_render import _bytes as decimal
+
+    return decimal(n)
 
 
 def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, Any]) -> dict[str, Any]:

@@ -42,13 +42,14 @@ def _share(x: float | None) -> str:
 
 
 def _bytes(n: int | None) -> str:
+    """Decimal units (kB = 10³, MB = 10⁶, GB = 10⁹ bytes), as the card's captions state."""
     if not n:
         return "-"
     value = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1024 or unit == "GB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
+    for unit in ("B", "kB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1000
     return str(n)
 
 
@@ -283,7 +284,7 @@ def _sections(
             _kld(f),
             _top1(f),
             _bytes(f["weight_bytes"]),
-            _share(f["bytes_vs_fp"]),
+            _share(f["bytes_vs_bf16"]),
             *([_num(f["speedup"], ".2f") + ("×" if f["speedup"] else "")] if speed else []),
         ]
         for f in m["formats"]
@@ -344,8 +345,8 @@ def _sections(
                 f"≤ {limit}",
                 "KLD",
                 "top-1",
-                "bytes",
-                "of float",
+                "size (MB)",
+                "of bf16",
                 *(["speed-up"] if speed else []),
             ],
             format_rows,
@@ -353,8 +354,11 @@ def _sections(
             f"interval (paired, windows as clusters); ✓ within {limit} (the 95 % interval's upper end ≤ it), ✗ beyond "
             "(its lower end above), ? undecided (it straddles the tolerance: more tokens would decide). KLD: mean "
             "KL divergence from the float model per token (nats); top-1: tokens whose most likely next token is "
-            "the float model's (llama.cpp's definitions, docs/metrics.md). Bytes: the model's nominal storage in the format "
-            "(quantised weights at their bits with their scales and zero points, the rest in float)."
+            "the float model's (llama.cpp's definitions, docs/metrics.md). Size: the model's nominal storage as deployed, "
+            "in MB = 10⁶ bytes: the quantised weights at their bits with their scales and zero points, every other "
+            "tensor (embeddings, norms, an unquantised head) in bf16; of bf16: its ratio to the whole model in bf16 "
+            "(card.json also holds the size with the other tensors in the evaluated float width, "
+            "`weight_bytes_rest_float`)."
             + ("" if speed else " Speed: measured in the full budget only.")
             + (
                 " @ N tokens: undecided at the card's tokens, re-evaluated at doubling tokens by --resolve "
@@ -566,7 +570,7 @@ def _key_rows(m: Mapping[str, Any], i: int) -> dict[str, list[list[str]]]:
             _e(_kld(f)),
             _e(_top1(f)),
             _v(f"models.{i}.formats.{j}.weight_bytes", f["weight_bytes"], _bytes(f["weight_bytes"])),
-            _e(_share(f["bytes_vs_fp"])),
+            _e(_share(f["bytes_vs_bf16"])),
             *([_e(_num(f["speedup"], ".2f"))] if speed else []),
         ]
         for j, f in enumerate(m["formats"])

@@ -70,6 +70,21 @@ def test_nominal_bytes_count_codes_scales_and_zero_points():
         weight_bytes(kept, shapes, head, fp_bytes, 4) == 1000 + 4 * (100 * 32 + 32 * 64) + 64 * 256 + 4 * 64
     )
     assert weight_bytes({**base, "weight_bits": None}, shapes, head, fp_bytes, 4) is None
+    # as deployed: every tensor not quantised in bf16 (the 1000 other float32 bytes are 500 in bf16)
+    expected = 500 + 2 * 100 * 32 + (64 * 256 + 32 * 64) + 4 * (64 + 32)
+    assert weight_bytes(per_channel, shapes, head, fp_bytes, 4, rest_size=2) == expected
+
+
+def test_sizes_are_in_decimal_units():
+    from qbench.studies.card_render import _bytes
+
+    assert [_bytes(n) for n in (None, 999, 1000, 14_750_000, 2_500_000_000)] == [
+        "-",
+        "999 B",
+        "1.00 kB",
+        "14.75 MB",
+        "2.50 GB",
+    ]
 
 
 def _row(label, scheme, change, nbytes, statistic="input_crest", status="ok"):
@@ -79,7 +94,7 @@ def _row(label, scheme, change, nbytes, statistic="input_crest", status="ok"):
         "ppl_change_pct": change,
         "within_tolerance": status == "ok" and change <= 1.0,
         "weight_bytes": nbytes,
-        "bytes_vs_fp": nbytes / 400,
+        "bytes_vs_bf16": nbytes / 400,
         "status": status,
         "statistic": statistic,
     }

@@ -21,6 +21,8 @@ Definitions (per layer l, then summarised over layers):
   non-zero (a softmax-1 row whose weights all underflow to 0 attends nowhere, not to key 0; ``argmax`` would
   return 0 for it);
   first_token_mass = the mean weight on key 0.
+  Chance (``uniform_first_key_share``): uniform causal attention over a T-position window gives both
+  (H_T − 1)/(T − 1) (0.0349 at T = 128); a mass at or below it is no sink.
 """
 
 from __future__ import annotations
@@ -38,6 +40,16 @@ def raw_kurtosis(x: Tensor) -> Tensor:
     m2 = centred.pow(2).mean(-1)
     m4 = centred.pow(4).mean(-1)
     return m4 / m2.pow(2).clamp_min(torch.finfo(torch.float64).tiny)
+
+
+def uniform_first_key_share(window: int) -> float:
+    """``first_token_mass`` (and ``first_token_top1_share``, ties broken at random) under uniform causal attention
+    over ``window`` positions: query q ≥ 1 sees q + 1 keys, so the mean over q = 1 … T − 1 of 1/(q + 1), which is
+    (H_T − 1)/(T − 1) with H_T the T-th harmonic number. The baseline a sink share is read against: at or below it,
+    the first token gets no more attention than any other."""
+    if window < 2:
+        raise ValueError(f"a window of {window} position(s) has no query q ≥ 1")
+    return sum(1.0 / (q + 1) for q in range(1, window)) / (window - 1)
 
 
 @dataclass

@@ -1345,7 +1345,16 @@ def _outlier_profile(fp: Mapping[str, Any], profile: Mapping[str, Any]) -> dict[
     ]
     o = fp["outliers"]
     ranked = sorted((x for x in linear if x["input_crest"] is not None), key=lambda x: -x["input_crest"])
+    from models.stats import uniform_first_key_share
+
+    window = (fp.get("protocol") or {}).get("window")
+    chance = uniform_first_key_share(window) if window and window > 1 else None
+    mass = o.get("first_token_mass")
     return {
+        # uniform causal attention's share on key 0 (models.stats): a mass at or below it is no sink
+        "sink_chance": chance,
+        "sink": None if chance is None or mass is None else ("sink" if mass > chance else "no sink"),
+        "sink_vs_chance": mass / chance if chance and mass is not None else None,
         "summary": {
             "kurtosis_first": o.get("kurtosis_first"),
             "kurtosis_other": o.get("kurtosis_other"),

@@ -78,6 +78,17 @@ def _verdict_class(row: Mapping[str, Any]) -> str:
     )
 
 
+def _sink_text(outliers: Mapping[str, Any]) -> str:
+    """``; uniform attention: 0.0349 → no sink`` (the chance baseline of the share on key 0, models.stats)."""
+    chance = outliers.get("sink_chance")
+    if chance is None or outliers.get("sink") is None:
+        return ""
+    ratio = outliers.get("sink_vs_chance")
+    return f"; uniform attention over the window would put {chance:.4f} on key 0 → " + (
+        f"sink ({ratio:.1f}× uniform)" if outliers["sink"] == "sink" else "no sink (at or below uniform)"
+    )
+
+
 def _kld(row: Mapping[str, Any]) -> str:
     return "-" if row.get("kld_mean") is None else f"{row['kld_mean']:.4f}"
 
@@ -333,7 +344,9 @@ def _sections(
             ["layer", *(f"head {h}" for h in range(heads))],
             attention_rows,
             f"Each cell: first-token top-1 share / mean weight on key 0, over queries q ≥ 1. All heads: top-1 share "
-            f"{_share(o['first_token_top1_share'])}, mean weight {_num(o['first_token_mass'])}.",
+            f"{_share(o['first_token_top1_share'])}, mean weight {_num(o['first_token_mass'])}"
+            + _sink_text(m["outliers"])
+            + ".",
         ),
         (
             "Deployable formats",

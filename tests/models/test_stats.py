@@ -63,3 +63,25 @@ def test_a_row_attending_nowhere_is_not_counted_as_key_zero():
     acc = OutlierAccumulator()
     acc.add_attention([probs])
     assert acc.summary()["first_token_top1_share"] == pytest.approx(4 / 8)
+
+
+def test_uniform_attention_puts_the_harmonic_share_on_key_0():
+    """The chance baseline is what OutlierAccumulator measures on uniform causal attention."""
+    import math
+
+    import pytest
+    import torch
+
+    from models.stats import OutlierAccumulator, uniform_first_key_share
+
+    T = 128
+    probs = torch.tril(torch.ones(T, T))
+    probs = (probs / probs.sum(-1, keepdim=True)).expand(1, 2, T, T)
+    acc = OutlierAccumulator()
+    acc.add_attention([probs])
+    harmonic = sum(1 / k for k in range(1, T + 1))
+    assert math.isclose(uniform_first_key_share(T), (harmonic - 1) / (T - 1))
+    assert math.isclose(acc.key0_mass / acc.n_queries, uniform_first_key_share(T), rel_tol=1e-6)
+    assert round(uniform_first_key_share(T), 4) == 0.0349
+    with pytest.raises(ValueError):
+        uniform_first_key_share(1)

@@ -146,6 +146,12 @@ def test_the_whole_quick_budget_runs(ckpt_dir, tmp_path):
     assert model["identity"]["attention"] == "softmax1" and model["identity"]["tied_head"] is True
     assert model["sensitivity"] is None  # nothing over 5 %
     assert (tmp_path / "card.html").exists() and (tmp_path / "card-attention-0.png").exists()
+    from models.stats import uniform_first_key_share
+
+    o = model["outliers"]
+    assert o["sink_chance"] == uniform_first_key_share(model["protocol"]["window"])
+    assert o["sink"] == ("sink" if o["summary"]["first_token_mass"] > o["sink_chance"] else "no sink")
+    assert "uniform attention over the window would put" in (tmp_path / "card.md").read_text()
 
 
 def test_the_card_decides_on_the_metric_it_is_given(ckpt_dir, tmp_path):

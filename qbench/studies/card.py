@@ -1210,18 +1210,22 @@ def _kv_rows(
     resolved: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     from qbench.eval.evidence import row_fields
+    from qbench.quant.kvschemes import float_read_share
     from qbench.studies.sweep import breaking_point_range
 
     rows = []
     for r in kv:
         block = r.get("kv") or {}
         change = _change(r)
+        window = (r.get("protocol") or {}).get("window")
+        reads = float_read_share(block, window) if block.get("scheme") and window else None
         rows.append(
             {
                 "bits": block.get("bits"),
                 "keep_sinks": block.get("keep_sinks", 0),
                 "label": block.get("label"),
                 "scheme": block.get("scheme"),
+                "float_reads": reads,  # shares of key / value reads served in float (kvschemes.float_read_share)
                 "perplexity": r["metrics"]["perplexity"],
                 "ppl_change_pct": change,
                 "status": r.get("status"),

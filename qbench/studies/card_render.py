@@ -78,6 +78,11 @@ def _verdict_class(row: Mapping[str, Any]) -> str:
     )
 
 
+def _float_reads(row: Mapping[str, Any]) -> str:
+    reads = row.get("float_reads")
+    return "-" if not reads else f"{reads['keys']:.0%} / {reads['values']:.0%}"
+
+
 def _sink_text(outliers: Mapping[str, Any]) -> str:
     """``; uniform attention: 0.0349 → no sink`` (the chance baseline of the share on key 0, models.stats)."""
     chance = outliers.get("sink_chance")
@@ -311,6 +316,7 @@ def _sections(
             _status(r),
             _kld(r),
             _top1(r),
+            _float_reads(r),
         ]
         for r in m["kv"]["rows"]
     ]
@@ -384,7 +390,17 @@ def _sections(
         ),
         (
             "KV cache",
-            ["bits", "sinks kept", "label", "ppl", "change [95 % CI]", f"≤ {limit}", "KLD", "top-1"],
+            [
+                "bits",
+                "sinks kept",
+                "label",
+                "ppl",
+                "change [95 % CI]",
+                f"≤ {limit}",
+                "KLD",
+                "top-1",
+                "float reads K / V",
+            ],
             kv_rows,
             _kv_caption(m["kv"]),
         ),
@@ -451,7 +467,9 @@ def _kv_caption(kv: Mapping[str, Any]) -> str:
         )
     text += (
         ". Sinks kept = the most-attended positions per layer kept in float (--kv-keep-sinks), chosen from the "
-        "float pass over the whole window (so those rows are not causal)."
+        "float pass over the whole window (so those rows are not causal). Float reads K / V: the share of the "
+        "window's (query, key) reads served by a float key / value — KIVI's residual and kept-first positions, "
+        "sinks not counted; a row with a large share measures the residual more than the quantiser."
     )
     reasons: dict[str, list[str]] = {}
     for skipped in kv.get("skipped") or []:
@@ -602,6 +620,7 @@ def _key_rows(m: Mapping[str, Any], i: int) -> dict[str, list[list[str]]]:
             f'<span class="{_verdict_class(r)}">{_e(_status(r))}</span>',
             _e(_kld(r)),
             _e(_top1(r)),
+            _e(_float_reads(r)),
         ]
         for j, r in enumerate(m["kv"]["rows"])
     ]

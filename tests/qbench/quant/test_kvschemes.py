@@ -754,3 +754,17 @@ def test_the_remedies_read_the_quantised_cache_causally_and_as_generation_does(k
         cache = kv.new_cache()
         parts = [kv(ids[:, :5], cache)] + [kv(ids[:, i : i + 1], cache) for i in range(5, 24)]
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_float_read_share_counts_the_kivi_residual_and_kept_positions():
+    """Brute force per query against the closed forms: keys Σ((t+1) mod R) / Σ(t+1), values Σ min(t+1, R) / Σ(t+1)."""
+    from qbench.quant.kvschemes import float_read_share
+
+    T, R = 128, 32
+    reads = sum(t + 1 for t in range(T))
+    got = float_read_share({"scheme": "kivi", "residual": R, "keep_first": 0}, T)
+    assert got["keys"] == sum((t + 1) % R for t in range(T)) / reads  # 1984 / 8256 ≈ 24 %
+    assert got["values"] == sum(min(t + 1, R) for t in range(T)) / reads  # 3600 / 8256 ≈ 44 %
+    kept = float_read_share({"scheme": "per-token", "keep_first": 1}, T)
+    assert kept == {"keys": T / reads, "values": T / reads}  # position 0, read by every query
+    assert float_read_share({"scheme": "fp8-e4m3", "keep_first": 0}, T) == {"keys": 0.0, "values": 0.0}

@@ -152,6 +152,12 @@ def test_the_whole_quick_budget_runs(ckpt_dir, tmp_path):
     assert o["sink_chance"] == uniform_first_key_share(model["protocol"]["window"])
     assert o["sink"] == ("sink" if o["summary"]["first_token_mass"] > o["sink_chance"] else "no sink")
     assert "uniform attention over the window would put" in (tmp_path / "card.md").read_text()
+    from qbench.quant.kvschemes import float_read_share
+
+    for row in model["kv"]["rows"]:  # each KV row says how many of its reads were float
+        block = {"scheme": row["scheme"], **model["kv"]["options"], "keep_first": 0}
+        assert row["float_reads"] == float_read_share(block, model["protocol"]["window"])
+    assert "float reads K / V" in (tmp_path / "card.md").read_text()
 
 
 def test_the_card_decides_on_the_metric_it_is_given(ckpt_dir, tmp_path):

@@ -1539,6 +1539,42 @@ def _verdict(
     }
 
 
+def _not_measured(
+    formats: Sequence[Mapping[str, Any]],
+    kv: Mapping[str, Any],
+    speed: bool,
+    protocol: Mapping[str, Any],
+    settings: Mapping[str, Any],
+) -> list[str]:
+    """What this card did not measure, from what it did: a person shipping the model needs the gaps as much as
+    the numbers (issue 35 §9)."""
+    measured = {f["scheme"] for f in formats}
+    missing = [f.label for f in FORMATS if f.scheme not in measured and _canonical(f.scheme) not in measured]
+    lines = [
+        "Algorithms: every format is round-to-nearest at its standard settings — no GPTQ, AWQ, SmoothQuant "
+        "search or learned rotation was applied (each would change these rows).",
+        f"Tasks: next-token quality on {protocol.get('corpus')}/{protocol.get('split')} only "
+        f"({protocol.get('tokens_scored'):,} tokens, window {protocol.get('window')}); no downstream task "
+        "(`qbench lm-eval` runs lm-evaluation-harness tasks on a quantised model).",
+    ]
+    if missing:
+        lines.append(
+            f"Formats not in the {settings.get('budget')} budget: {', '.join(missing)} (`--budget standard`)."
+        )
+    if not speed:
+        lines.append(
+            "Speed and memory: not measured in this budget (`--budget full`, or `qbench speed` on this machine)."
+        )
+    skipped = [str(r.get("label")) for r in kv.get("rows", []) if r.get("status") == "skipped"]
+    if skipped:
+        lines.append(f"KV rows skipped: {', '.join(skipped)} (the KV caption says why).")
+    lines.append(
+        "Hardware: fake quantisation computes in float on this machine; real kernels and other devices round "
+        "differently (speed and the real-kernel rows say where they were measured)."
+    )
+    return lines
+
+
 def _pct(x: float | None) -> str:
     return "NaN" if x is None else f"{x:+.2f} %"
 
@@ -1613,6 +1649,7 @@ def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, An
                 "sensitivity": sens,
                 "speed_measured": bool(entry.get("speed")),
                 "verdict": _verdict(formats, outliers, fp, sens, tolerance, metric),
+                "not_measured": _not_measured(formats, kv, bool(entry.get("speed")), p, settings),
             }
         )
     card = {

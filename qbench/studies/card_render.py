@@ -493,6 +493,8 @@ def markdown(card: Mapping[str, Any], figure_files: Mapping[str, str]) -> str:
                 parts += [f"![outlier profile]({figure_files[f'outliers-{i}']})", ""]
             if title.startswith("Attention") and f"attention-{i}" in figure_files:
                 parts += [f"![attention sink]({figure_files[f'attention-{i}']})", ""]
+        if m.get("not_measured"):
+            parts += ["### Not measured", "", *(f"- {line}" for line in m["not_measured"]), ""]
     if "breaking-points" in figure_files:
         parts += [
             "## Breaking-point curves",
@@ -677,6 +679,9 @@ def html(card: Mapping[str, Any], figs: Mapping[str, bytes]) -> str:
                         f"{m['name']}: attention sink per layer and head",
                     )
                 )
+        if m.get("not_measured"):
+            body.append("<h3>Not measured</h3>")
+            body.append("<ul>" + "".join(f"<li>{_code(line)}</li>" for line in m["not_measured"]) + "</ul>")
     if "breaking-points" in figs:
         body.append("<h2>Breaking-point curves</h2>")
         body.append(

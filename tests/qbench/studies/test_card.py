@@ -158,6 +158,12 @@ def test_the_whole_quick_budget_runs(ckpt_dir, tmp_path):
         block = {"scheme": row["scheme"], **model["kv"]["options"], "keep_first": 0}
         assert row["float_reads"] == float_read_share(block, model["protocol"]["window"])
     assert "float reads K / V" in (tmp_path / "card.md").read_text()
+    gaps = model["not_measured"]
+    assert any(line.startswith("Algorithms: every format is round-to-nearest") for line in gaps)
+    assert any("Formats not in the quick budget" in line for line in gaps)  # standard has more formats
+    assert any(line.startswith("Speed and memory: not measured") for line in gaps)
+    assert "### Not measured" in (tmp_path / "card.md").read_text()
+    assert "<h3>Not measured</h3>" in (tmp_path / "card.html").read_text()
 
 
 def test_the_card_decides_on_the_metric_it_is_given(ckpt_dir, tmp_path):

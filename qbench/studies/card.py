@@ -1081,6 +1081,46 @@ def _metric_info(key: str) -> dict[str, str]:
     return {"label": m.label, "definition": m.definition, "unit": m.unit, "better": m.better}
 
 
+_FORMAT_NAMES = {"int": "int", "fp8-e4m3": "FP8 E4M3", "mxfp8": "MXFP8", "mxfp6": "MXFP6", "mxfp4": "MXFP4"}
+
+
+def _granularity(g: Mapping[str, Any] | None) -> str:
+    kind = (g or {}).get("kind")
+    if kind == "per_group":
+        return f"g{g['group_size']}"
+    return {"per_tensor": "per tensor", "per_axis": "per channel", "per_token": "per token"}.get(
+        kind, str(kind)
+    )
+
+
+def quantised_text(scheme: Mapping[str, Any]) -> str:
+    """What a format row quantised, in words a deployment uses: ``W4 MXFP4 g32 + A4 MXFP4 g32 (dynamic); RTN``.
+    Weights and, where quantised, the activations entering each linear (dynamic: scales from each sequence's
+    own values; static: calibrated once) and the outputs; RTN: round-to-nearest, the only algorithm applied."""
+    fmt = str(scheme.get("format") or "int")
+    method, params = scheme.get("method"), scheme.get("params") or {}
+    name = "NF4" if method == "bnb-nf4" else _FORMAT_NAMES.get(fmt, fmt.upper())
+
+    def part(letter: str, bits: Any, g: Any) -> str:
+        return f"{letter}{bits} {name} {_granularity(g)}"
+
+    text = part("W", scheme.get("weight_bits"), scheme.get("weight_granularity"))
+    if scheme.get("weight_symmetric") is False:
+        text += " asymmetric"
+    if method == "smoothquant":
+        text = f"SmoothQuant α {params.get('alpha')} (calibrated), then {text}"
+    elif method == "llm-int8":
+        text += f", fp16 outlier columns above {params.get('threshold')}"
+    if scheme.get("act_bits") is None:
+        text += ", weight-only"
+    else:
+        scales = "static scales" if scheme.get("static") else "dynamic scales"
+        text += f" + {part('A', scheme.get('act_bits'), scheme.get('act_granularity'))} ({scales})"
+    if scheme.get("out_bits") is not None:
+        text += f" + O{scheme['out_bits']} {_granularity(scheme.get('out_granularity'))}"
+    return text + "; RTN"
+
+
 def _stat_for(scheme: Mapping[str, Any]) -> str:
     """Which float statistic explains a format's damage: int8 outputs see the residual stream's max |activation|
     (``max_abs``), one activation scale per tensor sees the linear inputs' crest factor (``input_crest``), a
@@ -1167,6 +1207,7 @@ def _format_row(
         "label": fmt.label,
         "scheme": name,
         "scheme_label": scheme.get("label"),
+        "quantised": quantised_text(scheme) if scheme.get("weight_bits") is not None else None,
         "note": fmt.note,
         "status": record.get("status"),
         "error": record.get("error"),

@@ -294,6 +294,7 @@ def _sections(
         [
             f["label"],
             f"`{f['scheme']}`",
+            f.get("quantised") or "-",
             _num(f["perplexity"], ".4f"),
             _change_ci(f),
             _status(f),
@@ -359,6 +360,7 @@ def _sections(
             [
                 "format",
                 "scheme",
+                "quantised",
                 "ppl",
                 "change [95 % CI]",
                 f"≤ {limit}",
@@ -597,6 +599,7 @@ def _key_rows(m: Mapping[str, Any], i: int) -> dict[str, list[list[str]]]:
         [
             _e(f["label"]),
             f"<code>{_e(f['scheme'])}</code>",
+            _e(f.get("quantised") or "-"),
             _v(f"models.{i}.formats.{j}.perplexity", f["perplexity"], _num(f["perplexity"], ".4f")),
             _v(f"models.{i}.formats.{j}.ppl_change_pct", f["ppl_change_pct"], _change_ci(f)),
             f'<span class="{_verdict_class(f)}">{_e(_status(f))}</span>',

@@ -321,3 +321,17 @@ def test_log_axes_get_plain_non_overlapping_tick_labels(lo, hi, labels):
         assert 2 <= len(major) <= 5 and all(lo <= float(m) <= hi for m in major)
     else:
         assert major == labels
+
+
+def test_each_format_row_says_what_it_quantised():
+    from qbench.quant.schemes import get_scheme
+    from qbench.studies.card import quantised_text
+
+    def text(name):
+        return quantised_text(get_scheme(name).to_dict())
+
+    assert text("mxfp4") == "W4 MXFP4 g32 + A4 MXFP4 g32 (dynamic scales); RTN"  # W4A4, not weight-only
+    assert text("zeropoint-int4") == "W4 int per channel asymmetric, weight-only; RTN"
+    assert text("absmax-coarse").endswith("+ O8 per tensor; RTN")
+    assert text("bnb-nf4").startswith("W4 NF4 g64, weight-only")
+    assert text("smoothquant").startswith("SmoothQuant α 0.5 (calibrated), then W8 int per tensor")

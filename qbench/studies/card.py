@@ -1753,22 +1753,58 @@ def _more_robust_change(found: Mapping[str, Mapping[str, Any] | None]) -> str | 
     return None
 
 
+def _below_others_float(
+    quantised: Mapping[str, float | None], floats: Mapping[str, float | None]
+) -> dict[str, list[str]]:
+    """Absolute quality beside relative damage: {model: the other models whose *float* perplexity is above this
+    model's quantised one} — a more damaged model can still be the better one to ship (same tokenizer, same
+    tokens: the card refuses models whose tokenizers differ)."""
+    out = {}
+    for name, q in quantised.items():
+        if q is None:
+            continue
+        others = [o for o, f in floats.items() if o != name and f is not None and q < f]
+        if others:
+            out[name] = others
+    return out
+
+
 def _comparison(models: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The same rows side by side. ``more_robust``: for a format or KV row the model with the decidedly smaller
     damage (:func:`_more_robust_change`), for a breaking point the lower one (``none`` is the worst), for a float
     statistic whose registry direction is ``lower`` the lower value; None when nothing tells them apart."""
     rows = []
 
-    def row(section: str, label: str, scheme: str | None, values: dict, more_robust: str | None) -> None:
+    def row(
+        section: str, label: str, scheme: str | None, values: dict, more_robust: str | None, **extra: Any
+    ) -> None:
         rows.append(
-            {"section": section, "row": label, "scheme": scheme, "values": values, "more_robust": more_robust}
+            {
+                "section": section,
+                "row": label,
+                "scheme": scheme,
+                "values": values,
+                "more_robust": more_robust,
+                **extra,
+            }
         )
+
+    floats = {m["name"]: m["fp"]["perplexity"] for m in models}
 
     for scheme in dict.fromkeys(f["scheme"] for m in models for f in m["formats"]):
         found = {m["name"]: next((f for f in m["formats"] if f["scheme"] == scheme), None) for m in models}
         values = {k: None if f is None else f["ppl_change_pct"] for k, f in found.items()}
         label = next(f["label"] for f in found.values() if f is not None)
-        row("formats", label, scheme, values, _more_robust_change(found))
+        quantised = {k: None if f is None else f["perplexity"] for k, f in found.items()}
+        row(
+            "formats",
+            label,
+            scheme,
+            values,
+            _more_robust_change(found),
+            perplexity=quantised,
+            below_others_float=_below_others_float(quantised, floats),
+        )
     for bits, keep in dict.fromkeys((r["bits"], r["keep_sinks"]) for m in models for r in m["kv"]["rows"]):
         found = {
             m["name"]: next(

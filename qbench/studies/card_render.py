@@ -528,6 +528,10 @@ def _cell(c: Mapping[str, Any], name: str) -> str:
     v = c["values"].get(name)
     if isinstance(v, str) and c["section"] == "kv":  # a row that model could not measure: "skipped"
         return v
+    if c["section"] == "formats" and (c.get("perplexity") or {}).get(name) is not None:
+        text = f"{_pct(v)} (ppl {c['perplexity'][name]:.2f})"  # relative damage and absolute quality
+        below = (c.get("below_others_float") or {}).get(name)
+        return text + (f", below {', '.join(below)} in float" if below else "")
     if c["section"] in ("formats", "kv"):
         return _pct(v)
     if c["section"] == "breaking points":

@@ -216,6 +216,12 @@ def test_two_models_side_by_side(ckpt_dir, hf_llama_dir, tmp_path, monkeypatch):
     changes = {m["name"]: m["formats"][0]["ppl_change_pct"] for m in (vanilla, llama)}
     assert coarse["values"] == changes
     assert coarse["more_robust"] is None  # both within 50 %: nothing to choose
+    # absolute quality beside the change: each model's quantised perplexity, and whom it still beats in float
+    floats = {m["name"]: m["fp"]["perplexity"] for m in (vanilla, llama)}
+    assert coarse["perplexity"] == {m["name"]: m["formats"][0]["perplexity"] for m in (vanilla, llama)}
+    for name, q in coarse["perplexity"].items():
+        others = [o for o, f in floats.items() if o != name and q < f]
+        assert coarse["below_others_float"].get(name, []) == others
     page = (tmp_path / "card.md").read_text()
     assert "## Side by side" in page and vanilla["name"] in page and llama["name"] in page
 

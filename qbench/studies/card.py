@@ -119,7 +119,7 @@ class Budget:
         return (
             f"{self.name}: {scored}, {len(self.formats)} formats, KV cache at "
             f"{'/'.join(map(str, self.kv_bits))} bits with and without sink protection, {sweep}, sensitivity by "
-            f"{self.sensitivity_by} of the first format over tolerance"
+            f"{self.sensitivity_by} of the smallest format over tolerance that a repair could pay for"
             + (", real-kernel speed" if self.speed else "")
         )
 
@@ -905,11 +905,9 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
                 sweep_config(cfg, model), on_record=on_sweep, command=cfg.command, loaded={model: lm}
             )
         sensitivity = None
-        first_bad = next(
-            (r for r in formats if r["status"] == "ok" and not _within(r, cfg.tolerance, cfg.metric)), None
-        )
-        if first_bad is not None:
-            sensitivity = _sensitivity(cfg, lm, first_bad["scheme"]["name"], progress, count)
+        target = repair_target(formats, fp, profile, cfg.tolerance, cfg.metric)
+        if target is not None:
+            sensitivity = _sensitivity(cfg, lm, target["scheme"]["name"], progress, count)
         speed = speed_record(cfg, lm, fp, plan.formats)
         per_model.append(
             {
@@ -1063,6 +1061,37 @@ def _sensitivity(cfg: CardConfig, lm: Any, scheme: str, progress: Progress, coun
     command = cfg.command or "qbench card"
     write_sensitivity(result, out, command)
     return {**result, "output": str(out)}
+
+
+def _deployed_bytes(
+    scheme: Mapping[str, Any], fp: Mapping[str, Any], profile: Mapping[str, Any]
+) -> int | None:
+    """:func:`weight_bytes` as the card's rows state it (every tensor not quantised in bf16)."""
+    heads = {
+        n for n, v in ((fp.get("linear_ranges") or {}).get("per_layer") or {}).items() if v.get("lm_head")
+    }
+    float_size = 2 if ((fp.get("protocol") or {}).get("dtype") or "float32") in ("bfloat16", "float16") else 4
+    return weight_bytes(
+        scheme, profile.get("linear_shapes") or {}, heads, fp.get("model_bytes") or 0, float_size, rest_size=2
+    )
+
+
+def repair_target(
+    formats: Sequence[Mapping[str, Any]],
+    fp: Mapping[str, Any],
+    profile: Mapping[str, Any],
+    tolerance: float,
+    metric: str = "ppl",
+) -> Mapping[str, Any] | None:
+    """The format a repair could pay for (issue 35 §1): the smallest (deployed bytes) of the formats that are not
+    within the tolerance, among those smaller than the smallest format that already is — a repair of anything
+    larger could never beat a format that passes as it is. None when nothing qualifies (no repair is run)."""
+    sized = [(r, _deployed_bytes(r["scheme"], fp, profile)) for r in formats if r.get("status") == "ok"]
+    sized = [(r, b) for r, b in sized if b]
+    passing = [b for r, b in sized if _within(r, tolerance, metric)]
+    limit = min(passing, default=math.inf)
+    failing = [(b, i, r) for i, (r, b) in enumerate(sized) if not _within(r, tolerance, metric) and b < limit]
+    return min(failing, key=lambda x: (x[0], x[1]))[2] if failing else None
 
 
 def _within(record: Mapping[str, Any], tolerance: float, metric: str = "ppl") -> bool:
@@ -1521,6 +1550,11 @@ def _verdict(
     repair = None
     if sens:
         repair = {"scheme": sens["scheme"], **sens["repair"], "command": sens["command"]}
+        # it pays when it is within and smaller than every format that passes as it is
+        beaten = smallest is None or (
+            repair.get("weight_bytes") is not None and repair["weight_bytes"] < smallest["weight_bytes"]
+        )
+        repair["pays"] = bool(repair["reached"] and beaten)
     from qbench.eval.evidence import tolerance_text
 
     limit = tolerance_text(tolerance, metric)
@@ -1563,11 +1597,18 @@ def _verdict(
         lines.append(f"Every format measured stays within {limit}.")
     if repair:
         state = "within" if repair["reached"] else "still NOT within"
+        size = f", {_bytes(repair.get('weight_bytes'))}" if repair.get("weight_bytes") else ""
+        if repair["pays"]:
+            worth = " — smaller than any format that passes as it is" if smallest else ""
+        elif repair["reached"]:
+            worth = f" — not smaller than {smallest['label']}, which passes as it is and is the better choice"
+        else:
+            worth = ""
         lines.append(
             f"Repair of `{repair['scheme']}`: keep {repair['count']} unit(s) in float "
             f"({repair['weight_share_float']:.1%} of the quantised weights): "
-            f"{_pct(repair['quantised_ppl_change_pct'])} → {_pct(repair['ppl_change_pct'])} ({state} tolerance); "
-            f"`{repair['command']}`."
+            f"{_pct(repair['quantised_ppl_change_pct'])} → {_pct(repair['ppl_change_pct'])}{size} ({state} "
+            f"tolerance{worth}); `{repair['command']}`."
         )
     return {
         "recommended": None
@@ -1645,6 +1686,14 @@ def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, An
         kv = _kv_rows(entry["kv"], tolerance, out, metric, resolved)
         outliers = _outlier_profile(fp, profile)
         sens = _sensitivity_section(entry.get("sensitivity"), fp, entry["source"], settings)
+        if sens:  # the repaired model's size, as the rows state theirs
+            target = next((r for r in entry["formats"] if r["scheme"]["name"] == sens["scheme"]), None)
+            if target is not None:
+                scheme = {
+                    **target["scheme"],
+                    "exclude": [*(target["scheme"].get("exclude") or []), *sens["repair"]["exclude"]],
+                }
+                sens["repair"]["weight_bytes"] = _deployed_bytes(scheme, fp, profile)
         models.append(
             {
                 "name": fp["model"]["name"],

@@ -341,3 +341,59 @@ def test_each_format_row_says_what_it_quantised():
     assert text("absmax-coarse").endswith("+ O8 per tensor; RTN")
     assert text("bnb-nf4").startswith("W4 NF4 g64, weight-only")
     assert text("smoothquant").startswith("SmoothQuant α 0.5 (calibrated), then W8 int per tensor")
+
+
+def test_the_repair_targets_the_smallest_failing_format_that_could_pay():
+    """Only a format smaller than every format that already passes is worth repairing; the smallest of those."""
+    from qbench.quant.schemes import get_scheme
+
+    fp = {
+        "model_bytes": 4 * 64 * 256 + 1000,
+        "protocol": {"dtype": "float32"},
+        "linear_ranges": {"per_layer": {}},
+    }
+    profile = {"linear_shapes": {"a": [64, 256]}}
+
+    def record(name, change, half=0.1):
+        return {
+            "status": "ok",
+            "scheme": {**get_scheme(name).to_dict(), "exclude": []},
+            "metrics": {"ppl_change_pct": change, "ppl_change_ci95": [change - half, change + half]},
+        }
+
+    int8, int4, int4_g = (
+        record("absmax-fine", 0.3),
+        record("zeropoint-int4", 5.0),
+        record("zeropoint-int4-g128", 3.0),
+    )
+    pick = card.repair_target
+    assert pick([int8, int4, int4_g], fp, profile, 1.0) is int4  # per-channel int4 is the smaller of the two
+    assert pick([int8, record("absmax-fine", 0.5)], fp, profile, 1.0) is None  # nothing fails
+    big_fail = record("absmax-fine", 4.0)
+    assert (
+        pick([record("zeropoint-int4", 0.2), big_fail], fp, profile, 1.0) is None
+    )  # larger than a passing one
+    assert pick([big_fail, int4], fp, profile, 1.0) is int4  # nothing passes: the smallest failing one
+
+
+def test_a_repair_pays_only_below_the_smallest_passing_format():
+    rows = [_row("int8", "absmax-fine", 0.5, 300), _row("int4", "zeropoint-int4", 5.0, 150)]
+    fp = {"outliers": {"max_abs": 1.0}, "linear_ranges": {"per_layer": {}}}
+    sens = {
+        "scheme": "zeropoint-int4",
+        "command": "qbench run …",
+        "repair": {
+            "reached": True,
+            "count": 1,
+            "weight_share_float": 0.2,
+            "quantised_ppl_change_pct": 5.0,
+            "ppl_change_pct": 0.8,
+            "exclude": ["x"],
+            "weight_bytes": 200,
+        },
+    }
+    verdict = card._verdict(rows, {}, fp, sens, 1.0)
+    assert verdict["repair"]["pays"] and "smaller than any format that passes" in " ".join(verdict["lines"])
+    sens["repair"]["weight_bytes"] = 320
+    verdict = card._verdict(rows, {}, fp, sens, 1.0)
+    assert not verdict["repair"]["pays"] and "is the better choice" in " ".join(verdict["lines"])

@@ -1595,6 +1595,18 @@ def _verdict(
         )
     elif not undecided:
         lines.append(f"Every format measured stays within {limit}.")
+    beyond = [f for f in formats if f.get("verdict") == "beyond" or f["status"] == "nonfinite"]
+    if len(beyond) > 1:  # every failing format, not only the worst
+        lines.append(
+            f"Beyond {limit}: "
+            + ", ".join(
+                f"{f['label']} ({'NaN/inf' if f['ppl_change_pct'] is None else _pct(f['ppl_change_pct'])})"
+                for f in sorted(
+                    beyond, key=lambda f: -(math.inf if f["ppl_change_pct"] is None else f["ppl_change_pct"])
+                )
+            )
+            + "."
+        )
     if repair:
         state = "within" if repair["reached"] else "still NOT within"
         size = f", {_bytes(repair.get('weight_bytes'))}" if repair.get("weight_bytes") else ""
@@ -1616,6 +1628,7 @@ def _verdict(
         else {k: smallest[k] for k in ("label", "scheme", "ppl_change_pct", "weight_bytes", "bytes_vs_bf16")},
         "avoid": avoid,
         "undecided": [f["label"] for f in undecided],
+        "beyond": [f["label"] for f in beyond],
         "repair": repair,
         "lines": lines,
     }

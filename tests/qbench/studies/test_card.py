@@ -93,6 +93,7 @@ def _row(label, scheme, change, nbytes, statistic="input_crest", status="ok"):
         "scheme": scheme,
         "ppl_change_pct": change,
         "within_tolerance": status == "ok" and change <= 1.0,
+        "verdict": "within" if status == "ok" and change <= 1.0 else "beyond",
         "weight_bytes": nbytes,
         "bytes_vs_bf16": nbytes / 400,
         "status": status,
@@ -120,6 +121,8 @@ def test_the_verdict_is_generated_from_the_rows():
     ]
     verdict = card._verdict(rows, {}, fp, None, 1.0)
     assert verdict["recommended"]["scheme"] == "zeropoint-int4"  # the fewest bytes within 1 %
+    assert verdict["beyond"] == ["coarse", "per-tensor"]  # every failing format is named, worst first below
+    assert "Beyond 1 %: coarse (+12.00 %), per-tensor (+3.00 %)." in verdict["lines"]
     avoid = verdict["avoid"]
     assert (avoid["scheme"], avoid["statistic"], avoid["value"], avoid["where"]) == (
         "absmax-coarse",

@@ -1083,7 +1083,7 @@ def repair_target(
     tolerance: float,
     metric: str = "ppl",
 ) -> Mapping[str, Any] | None:
-    """The format a repair could pay for (issue 35 §1): the smallest (deployed bytes) of the formats that are not
+    """The format a repair could pay for: the smallest (deployed bytes) of the formats that are not
     within the tolerance, among those smaller than the smallest format that already is — a repair of anything
     larger could never beat a format that passes as it is. None when nothing qualifies (no repair is run)."""
     sized = [(r, _deployed_bytes(r["scheme"], fp, profile)) for r in formats if r.get("status") == "ok"]
@@ -1642,7 +1642,7 @@ def _not_measured(
     settings: Mapping[str, Any],
 ) -> list[str]:
     """What this card did not measure, from what it did: a person shipping the model needs the gaps as much as
-    the numbers (issue 35 §9)."""
+    the numbers."""
     measured = {f["scheme"] for f in formats}
     missing = [f.label for f in FORMATS if f.scheme not in measured and _canonical(f.scheme) not in measured]
     lines = [

@@ -119,7 +119,7 @@ class Budget:
         return (
             f"{self.name}: {scored}, {len(self.formats)} formats, KV cache at "
             f"{'/'.join(map(str, self.kv_bits))} bits with and without sink protection, {sweep}, sensitivity by "
-            f"{self.sensitivity_by} of the smallest format over tolerance that a repair could pay for"
+            f"{self.sensitivity_by} of the format over tolerance that a repair could pay for"
             + (", real-kernel speed" if self.speed else "")
         )
 
@@ -1083,13 +1083,17 @@ def repair_target(
     tolerance: float,
     metric: str = "ppl",
 ) -> Mapping[str, Any] | None:
-    """The format a repair could pay for: the smallest (deployed bytes) of the formats that are not
-    within the tolerance, among those smaller than the smallest format that already is — a repair of anything
-    larger could never beat a format that passes as it is. None when nothing qualifies (no repair is run)."""
+    """The format a repair could pay for. When some format is within the tolerance: the smallest (deployed
+    bytes) of the failing formats smaller than the smallest passing one — a repair of anything larger could never
+    beat a format that passes as it is. When none is: the failing format damaged least (ties: the smaller), the
+    one a few float layers are most likely to bring within. None when nothing qualifies (no repair is run)."""
     sized = [(r, _deployed_bytes(r["scheme"], fp, profile)) for r in formats if r.get("status") == "ok"]
     sized = [(r, b) for r, b in sized if b]
     passing = [b for r, b in sized if _within(r, tolerance, metric)]
-    limit = min(passing, default=math.inf)
+    if not passing:
+        failing = [(r["metrics"]["ppl_change_pct"], b, i, r) for i, (r, b) in enumerate(sized)]
+        return min(failing, key=lambda x: x[:3])[3] if failing else None
+    limit = min(passing)
     failing = [(b, i, r) for i, (r, b) in enumerate(sized) if not _within(r, tolerance, metric) and b < limit]
     return min(failing, key=lambda x: (x[0], x[1]))[2] if failing else None
 

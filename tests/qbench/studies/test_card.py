@@ -376,7 +376,7 @@ def test_the_repair_targets_the_smallest_failing_format_that_could_pay():
     assert (
         pick([record("zeropoint-int4", 0.2), big_fail], fp, profile, 1.0) is None
     )  # larger than a passing one
-    assert pick([big_fail, int4], fp, profile, 1.0) is int4  # nothing passes: the smallest failing one
+    assert pick([big_fail, int4], fp, profile, 1.0) is big_fail  # nothing passes: the least damaged one
 
 
 def test_a_repair_pays_only_below_the_smallest_passing_format():

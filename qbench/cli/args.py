@@ -183,6 +183,19 @@ def tolerance_from_args(args: argparse.Namespace) -> float:
     return default_tolerance(args.metric) if args.tolerance is None else args.tolerance
 
 
+def add_seed_arguments(parser: argparse.ArgumentParser, runs: str) -> None:
+    """``--seed`` and ``--seeds`` of the commands that train (``qbench demo``, ``qbench recipes``); ``runs``
+    names what is trained once per seed and what the tables add."""
+    parser.add_argument("--seed", type=int, default=0, help="training and evaluation seed (default: 0)")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help=f"train {runs} with this many seeds (--seed, --seed+1, …); mean ± sd, and which rankings and "
+        "breaking points flip between seeds (default: 1)",
+    )
+
+
 def add_resolve_argument(parser: argparse.ArgumentParser, budget: str = "--tokens") -> None:
     """``--resolve [MAX_TOKENS]`` (``qbench.studies.resolve``), as every command with verdicts states it."""
     parser.add_argument(

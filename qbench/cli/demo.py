@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from models.errors import UserError
+from qbench.cli.args import add_seed_arguments
 from qbench.cli.base import add_output_argument, console, print_wide
 from qbench.cli.budgets import DEMO_LONG_STEPS, DEMO_STEPS, DEMO_TOKENS
 from qbench.cli.evaluate import (
@@ -36,14 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ckpt-root", help="checkpoint folder (default: ckpts/demo; --long: ckpts/demo-long)")
     add_output_argument(p, "results folder (default: results/demo; --long: results/demo-long)", metavar="DIR")
-    p.add_argument("--seed", type=int, default=0, help="training and evaluation seed (default: 0)")
-    p.add_argument(
-        "--seeds",
-        type=int,
-        default=1,
-        help="train both recipes with this many seeds (--seed, --seed+1, …); table.md adds mean ± sd and says "
-        "which rankings and breaking points flip between seeds; the card is of the first seed (default: 1)",
-    )
+    add_seed_arguments(p, "both recipes (the card is of the first seed)")
     p.add_argument("--no-sweep", action="store_true", help="skip the bit-width sweep (8→2 bits, KV cache)")
     p.add_argument(
         "--no-card",

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from models.errors import UserError
+from qbench.cli.args import add_seed_arguments
 from qbench.cli.base import add_output_argument, console
 from qbench.cli.budgets import DEMO_LONG_STEPS, DEMO_STEPS, DEMO_TOKENS
 from qbench.studies.recipes import DEFAULT_RECIPES  # torch-free: the parser stays light
@@ -36,14 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"optimiser steps of every run (default: {DEMO_STEPS}, the demo's; --long {DEMO_LONG_STEPS})",
     )
     parser.add_argument("--lr", type=float, default=4e-3, help="peak learning rate of every run")
-    parser.add_argument("--seed", type=int, default=0, help="training and evaluation seed (default: 0)")
-    parser.add_argument(
-        "--seeds",
-        type=int,
-        default=1,
-        help="train every recipe with this many seeds (--seed, --seed+1, …); tables show mean ± sd and say which "
-        "rankings and breaking points flip between seeds (default: 1)",
-    )
+    add_seed_arguments(parser, "every recipe")
     parser.add_argument(
         "--tokens", type=int, default=DEMO_TOKENS, help="evaluation token budget per model (the demo's)"
     )

@@ -336,6 +336,8 @@ class ModelEvaluation:
         self._fp_tokens: dict[str, torch.Tensor] | None = None  # the float cell's per-token evidence
         self._evidence: dict[str, bytes] = {}  # sidecars of records made but not yet written, by cell id
         self._protocol: dict[str, Any] | None = None
+        self._reference: ReferenceLogits | None = None
+        self._reference_known = False  # reference() looked up (its None means: recompute beside each cell)
         self.fp_reused = False  # whether fp_record() came from disk
 
     @property
@@ -511,7 +513,11 @@ class ModelEvaluation:
     def reference(self) -> ReferenceLogits | None:
         """The float model's logits on these windows, kept once for every cell of this model in this process
         (``qbench.eval.reference``); None where they are recomputed beside each cell instead."""
-        return reference_store(self.lm.model, self.windows.ids, output_width(self.lm.model), self.spec.device)
+        if not self._reference_known:
+            width = output_width(self.lm.model)
+            self._reference = reference_store(self.lm.model, self.windows.ids, width, self.spec.device)
+            self._reference_known = True
+        return self._reference
 
     def write(self, path: Path, record: dict[str, Any]) -> None:
         """Write ``record`` to ``path`` and its per-token evidence (held since :meth:`record`) beside it, the

@@ -216,8 +216,8 @@ def token_comparison(out: Tensor, ref: Tensor, chunk: int = 256) -> tuple[Tensor
     of two log-softmaxes (whose float32 rounding, ~10⁻⁶ of a logit, would swamp a 10⁻⁶ divergence), and the
     sums are normalised by Σ p so softmax's own rounding cancels. Agrees with a float64 evaluation of
     Σ p·(log p − log q) per token within 10⁻⁶·(√KL + KL) — 10⁻³ relative at KL = 10⁻⁶ — from KL ≈ 0.4 down to
-    5·10⁻⁹ (tests/qbench/eval/test_evidence.py), at a third of its cost. ``chunk`` tokens at a time, so the float32 temporaries are of a chunk (definitions:
-    ``qbench.eval.evidence``)."""
+    5·10⁻⁹ (tests/qbench/eval/test_evidence.py), at a third of its cost. ``chunk`` tokens at a time, so the
+    float32 temporaries are of a chunk (definitions: ``qbench.eval.evidence``)."""
     flat, base = out.reshape(-1, out.size(-1)), ref.reshape(-1, ref.size(-1))
     klds, same = [], []
     for i in range(0, flat.size(0), chunk):

@@ -1064,16 +1064,29 @@ def _sensitivity(cfg: CardConfig, lm: Any, scheme: str, progress: Progress, coun
 
 
 def _deployed_bytes(
-    scheme: Mapping[str, Any], fp: Mapping[str, Any], profile: Mapping[str, Any]
+    scheme: Mapping[str, Any],
+    fp: Mapping[str, Any],
+    profile: Mapping[str, Any],
+    rest_size: int | None = 2,
 ) -> int | None:
-    """:func:`weight_bytes` as the card's rows state it (every tensor not quantised in bf16)."""
+    """:func:`weight_bytes` of the float record's model: every tensor not quantised in bf16 (``rest_size`` 2, as
+    the card's rows state it) or at the evaluated float width (None)."""
     heads = {
         n for n, v in ((fp.get("linear_ranges") or {}).get("per_layer") or {}).items() if v.get("lm_head")
     }
-    float_size = 2 if ((fp.get("protocol") or {}).get("dtype") or "float32") in ("bfloat16", "float16") else 4
     return weight_bytes(
-        scheme, profile.get("linear_shapes") or {}, heads, fp.get("model_bytes") or 0, float_size, rest_size=2
+        scheme,
+        profile.get("linear_shapes") or {},
+        heads,
+        fp.get("model_bytes") or 0,
+        _float_size(fp),
+        rest_size=rest_size,
     )
+
+
+def _float_size(fp: Mapping[str, Any]) -> int:
+    """Bytes per element of the evaluated float model."""
+    return 2 if ((fp.get("protocol") or {}).get("dtype") or "float32") in ("bfloat16", "float16") else 4
 
 
 def repair_target(
@@ -1207,14 +1220,10 @@ def _format_row(
 ) -> dict[str, Any]:
     from qbench.eval.evidence import row_fields
 
-    heads = {
-        n for n, v in ((fp.get("linear_ranges") or {}).get("per_layer") or {}).items() if v.get("lm_head")
-    }
-    float_size = 2 if (fp["protocol"].get("dtype") or "float32") in ("bfloat16", "float16") else 4
-    shapes, fp_bytes = profile.get("linear_shapes") or {}, fp.get("model_bytes") or 0
-    nominal = weight_bytes(record["scheme"], shapes, heads, fp_bytes, float_size, rest_size=2)
-    held = weight_bytes(record["scheme"], shapes, heads, fp_bytes, float_size)  # the rest as evaluated
-    bf16_model = fp_bytes * 2 // float_size if fp_bytes else None
+    nominal = _deployed_bytes(record["scheme"], fp, profile)
+    held = _deployed_bytes(record["scheme"], fp, profile, rest_size=None)  # the rest as evaluated
+    fp_bytes = fp.get("model_bytes") or 0
+    bf16_model = fp_bytes * 2 // _float_size(fp) if fp_bytes else None
 
     scheme = record["scheme"]
     name = scheme["name"]

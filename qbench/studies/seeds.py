@@ -125,15 +125,8 @@ def summarise(
         out_recipes[recipe] = entry
     rankings = {}
     for col in columns:
-        orders = []
-        for i, _ in enumerate(seeds):
-            values = {
-                recipe: (
-                    out_recipes[recipe]["columns"][col]["ppl_change_pct"] or {"values": [None] * len(seeds)}
-                )["values"][i]
-                for recipe in recipes
-            }
-            orders.append(list(_order(values)))
+        changes = {recipe: per_seed(recipe, col, metric("ppl_change_pct")) for recipe in recipes}
+        orders = [list(_order({r: changes[r][i] for r in recipes})) for i in range(len(seeds))]
         rankings[col] = {"per_seed": orders, "stable": all(o == orders[0] for o in orders)}
     points = []
     if sweep is not None:

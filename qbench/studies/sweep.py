@@ -502,21 +502,20 @@ def _resolved_row(
     from qbench.eval.harness import run_grid
     from qbench.studies.resolve import resolve
 
-    baselines = {cfg.protocol.tokens: fp}
+    baseline = [fp]  # the float record of the last protocol evaluated
 
     def evaluate(tokens: int) -> dict[str, Any]:
         bigger = replace(cfg, protocol=replace(cfg.protocol, tokens=tokens))
         records = run_grid(
             _grid_spec(bigger, [model], [cell.scheme], kv), on_record=on_record, loaded={model: lm}
         )
-        baselines[tokens] = records[0]
+        baseline[0] = records[0]
         return records[-1]
 
     final, steps = resolve(
         record, evaluate, cfg.protocol.tokens, cfg.resolve_tokens or 0, cfg.tolerance, cfg.metric
     )
-    tokens = max(baselines) if steps else cfg.protocol.tokens
-    row = _row(cfg, cell, final, baselines[tokens])
+    row = _row(cfg, cell, final, baseline[0])
     if steps:
         row["resolved"] = steps
     return row

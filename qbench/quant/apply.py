@@ -21,6 +21,11 @@
   reference code); static scales the observed ranges of the transformed input and the output (``static.py``),
   passed to the layers as ``act_static=`` / ``out_static=``.
 - Hadamard: one seeded :class:`~qbench.quant.fake.HadamardRotation` per layer input dimension.
+- ``algo=gptq`` (``gptq.py``): each layer's input Hessian from the calibration windows run through the float model
+  (``calibrate.hessians``, cached per model and windows), carried into the layer's transformed input space
+  (H' = Mᵀ H M for x' = x · M, M = diag(1/s) · Rᵀ), GPTQ on W' = R(W · diag(s)); the layer is then built from the
+  weight that the transforms map onto Ŵ' and GPTQ's grid (``weight_qparams``), so fake and real layers round it
+  onto exactly GPTQ's codes.
 - A gated-attention export (``models.hf``: the gate packed into ``q_proj``'s extra heads, ``o_proj`` = [W_o, 0]) is
   first unpacked (``models.hf.unpack_gates``) so that every scale sees the queries, the gate and the output
   projection apart, as the checkpoint's layers are quantised: checkpoint and export agree under any scheme.
@@ -38,8 +43,15 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import UserError, unknown_choice
-from qbench.quant.calibrate import Observed, check_calibration, needs_calibration, observe, static_quantizers
-from qbench.quant.fake import FakeQuantLinear, HadamardRotation
+from qbench.quant.calibrate import (
+    Observed,
+    check_calibration,
+    hessians,
+    observe,
+    static_quantizers,
+)
+from qbench.quant.fake import FakeQuantLinear, HadamardRotation, transform_input, transform_weight
+from qbench.quant.primitives import QParams
 from qbench.quant.schemes import BNB_METHODS, QuantScheme, get_scheme
 
 MODES = ("fake", "real")
@@ -195,9 +207,12 @@ def _replacement(
     input_scale: Tensor | None,
     rotation: nn.Module | None,
     static: tuple[nn.Module | None, nn.Module | None] = (None, None),
+    solved: tuple[Tensor, QParams] | None = None,
 ) -> nn.Module:
     weight, bias = linear_weight(module)
     extra = {"act_static": static[0], "out_static": static[1]} if scheme.static else {}
+    if solved is not None:  # an algorithm's weight and grid (GPTQ): the layer rounds onto exactly its codes
+        weight, extra["weight_qparams"] = solved[0].to(weight.dtype), solved[1]
     if mode == "real" or scheme.method in BNB_METHODS:
         return _real_linear(weight, bias, scheme, input_scale=input_scale, rotation=rotation, **extra)
     return FakeQuantLinear(weight, bias, scheme, input_scale=input_scale, rotation=rotation, **extra)
@@ -210,8 +225,8 @@ def _calibrate(
     calibration: Tensor | None,
     rotations: dict,
 ) -> dict[str, Observed]:
-    """One calibration pass for SmoothQuant and/or static scales (``calibrate.py``); {} when none is needed."""
-    if not needs_calibration(scheme):
+    """One calibration pass for SmoothQuant and/or static scales (``calibrate.py``); {} when neither is needed."""
+    if not (scheme.method == "smoothquant" or scheme.static):  # GPTQ's Hessians: gptq_layers
         return {}
     why = "smoothquant" if scheme.method == "smoothquant" else f"scheme {scheme.name!r} (static scales)"
     observed = observe(
@@ -225,6 +240,58 @@ def _calibrate(
     if missing:
         raise UserError(f"{why}: layer {missing[0]!r} never ran during calibration; exclude it")
     return observed
+
+
+def _inverse_transform(weight: Tensor, input_scale: Tensor | None, rotation: nn.Module | None) -> Tensor:
+    """V with ``fake.transform_weight(V, s, R)`` = ``weight``: V = (weight · R) · diag(1/s) (R orthogonal)."""
+    v = weight
+    if rotation is not None:
+        v = v @ rotation.matrix().to(v.device)  # transform_weight applies v ↦ v · Rᵀ
+    return v / input_scale.float() if input_scale is not None else v
+
+
+def _transform_hessian(h: Tensor, input_scale: Tensor | None, rotation: nn.Module | None) -> Tensor:
+    """The Hessian of the transformed input x' = x · M (``fake.transform_input``): H' = Mᵀ H M, H symmetric."""
+    if input_scale is None and rotation is None:
+        return h
+    hm = transform_input(h, input_scale, rotation)  # H · M
+    return transform_input(hm.t().contiguous(), input_scale, rotation)  # Mᵀ · H · M
+
+
+def gptq_layers(
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    scheme: QuantScheme,
+    calibration: Tensor | None,
+    scales: dict[str, Tensor],
+    rotations: dict[str, nn.Module],
+) -> dict[str, tuple[Tensor, QParams]]:
+    """GPTQ of every layer (module docstring): name -> (the weight to build the layer from, GPTQ's qparams)."""
+    from qbench.quant.gptq import gptq_quantize
+
+    h = hessians(model, layers, check_calibration(calibration, f"scheme {scheme.name!r} (algo=gptq)"))
+    missing = sorted(set(layers) - set(h))
+    if missing:
+        raise UserError(
+            f"scheme {scheme.name!r} (algo=gptq): layer {missing[0]!r} never ran during calibration"
+        )
+    params = scheme.algo_params
+    out = {}
+    for name, module in layers.items():
+        weight = linear_weight(module)[0]
+        s, r = scales.get(name), rotations.get(name)
+        result = gptq_quantize(
+            transform_weight(weight, s, r),
+            _transform_hessian(h[name].to(weight.device), s, r),
+            scheme.weight_bits,
+            scheme.weight_granularity_for(weight.shape[1]),
+            scheme.weight_symmetric,
+            damp=float(params["damp"]),
+            block=int(params["block"]),
+            act_order=bool(params["act_order"]),
+        )
+        out[name] = (_inverse_transform(result.weight, s, r), result.qparams)
+    return out
 
 
 def _check_not_quantized(model: nn.Module) -> None:
@@ -263,12 +330,17 @@ def quantize(
     scales = {}
     if scheme.method == "smoothquant":
         scales = smoothquant_from_observed(layers, observed, float(scheme.param("alpha")))
+    solved = (
+        gptq_layers(model, layers, scheme, calibration, scales, rotations) if scheme.algo == "gptq" else {}
+    )
     memo = {}
     for name, module in layers.items():
         static = (
             static_quantizers(scheme, observed[name], scales.get(name)) if scheme.static else (None, None)
         )
-        memo[id(module)] = _replacement(module, scheme, mode, scales.get(name), rotations.get(name), static)
+        memo[id(module)] = _replacement(
+            module, scheme, mode, scales.get(name), rotations.get(name), static, solved.get(name)
+        )
     quantized = copy.deepcopy(model, memo)
     if scheme.quantize_lm_head and lm_head_names(model) & set(layers):
         config = getattr(quantized, "config", None)

@@ -19,6 +19,8 @@ them (``qbench.eval``). ``calib_seed=None`` takes the first N windows
 
 from __future__ import annotations
 
+import hashlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,8 +52,12 @@ class Observed:
 
 
 def needs_calibration(scheme: Any) -> bool:
-    """Whether ``quantize`` needs calibration windows for ``scheme`` (SmoothQuant or static scales)."""
-    return scheme.method == "smoothquant" or bool(getattr(scheme, "static", False))
+    """Whether ``quantize`` needs calibration windows for ``scheme`` (SmoothQuant, static scales, GPTQ)."""
+    return (
+        scheme.method == "smoothquant"
+        or bool(getattr(scheme, "static", False))
+        or getattr(scheme, "algo", "rtn") != "rtn"
+    )
 
 
 def select_windows(ids: Tensor, n: int, seed: int | None) -> Tensor:
@@ -176,3 +182,75 @@ def static_quantizers(
         )
         out = StaticQuantizer(qp, scheme.out_bits, scheme.out_symmetric)
     return act, out
+
+
+# ------------------------------------------------------------------------------------------- GPTQ's Hessians
+
+# model -> {(calibration fingerprint, weights fingerprint, layer names): {layer: H}}: a grid quantises one model
+# many times with the same windows; the Hessians of its float inputs are computed once (each (in, in) float32).
+_HESSIANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(model: nn.Module, calibration: Tensor, names: tuple[str, ...]) -> tuple:
+    """What the Hessians depend on: the windows (their bytes), the weights (storage and in-place version of every
+    parameter: an edit in place bumps the version) and the layers asked for."""
+    ids = calibration.detach().cpu().contiguous()
+    digest = hashlib.blake2b(ids.numpy().tobytes(), digest_size=16).hexdigest()
+    weights = tuple((p.data_ptr(), p._version) for p in model.parameters())
+    return (digest, tuple(ids.shape), weights, names)
+
+
+def hessians(model: nn.Module, layers: dict[str, nn.Module], calibration: Tensor) -> dict[str, Tensor]:
+    """Each layer's input Hessian H = (2/n) Σ x xᵀ over the calibration tokens, from the *float* model (GPTQ,
+    ``gptq.py``), cached per (model, windows, weights). Layers fed the very same input tensor (q/k/v after one
+    norm, gate/up) share one accumulator and one H. The model's train/eval flags come back as they were."""
+    from qbench.quant.gptq import HessianAccumulator
+
+    names = tuple(layers)
+    key = _fingerprint(model, calibration, names)
+    cached = _HESSIANS.get(model, {})
+    if key in cached:
+        return cached[key]
+    accumulators: dict[str, HessianAccumulator] = {}
+    last: dict[str, Any] = {"input": None, "owner": None}
+    shared: dict[str, str] = {}  # layer -> the layer whose accumulator it shares (decided in the first batch)
+    batch_index = {"i": 0}
+
+    def hook(name: str) -> Callable:
+        def pre(module: nn.Module, args: tuple) -> None:
+            x = args[0]
+            if batch_index["i"] == 0 and name not in accumulators and name not in shared:
+                if last["input"] is x:
+                    shared[name] = last["owner"]
+                else:
+                    accumulators[name] = HessianAccumulator(x.shape[-1], x.device)
+            if name in shared:
+                if last["input"] is not x:  # not the same input as in the first batch: cannot share
+                    raise RuntimeError(
+                        f"GPTQ calibration: {name!r} no longer shares its input with {shared[name]!r}"
+                    )
+                return
+            accumulators[name].add(x)
+            last["input"], last["owner"] = x, name
+
+        return pre
+
+    handles = [module.register_forward_pre_hook(hook(name)) for name, module in layers.items()]
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        with torch.no_grad():
+            for batch in calibration.to(_model_device(model)).split(CALIBRATION_BATCH):
+                model(batch)
+                batch_index["i"] += 1
+                last["input"] = None
+    finally:
+        for h in handles:
+            h.remove()
+        for m, training in modes.items():
+            m.training = training
+    out = {name: acc.hessian for name, acc in accumulators.items()}
+    out.update({name: out[owner] for name, owner in shared.items()})
+    _HESSIANS.setdefault(model, {}).clear()  # one entry per model: a new protocol replaces the old one
+    _HESSIANS[model][key] = out
+    return out

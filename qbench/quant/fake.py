@@ -12,6 +12,8 @@ than folding 1/s into the previous LayerNorm and R into the residual stream, as 
 elementwise division and a transform per call but works on any architecture; the quantisation error is the same.
 The real-kernel backend (``kernels.make_real_linear``) takes the same arguments and must compute the same function,
 using :func:`transform_weight` and :func:`transform_input` so that both sides quantise identical tensors.
+``weight_qparams`` (both sides): the grid an algorithm fixed for W' (GPTQ's scales and zero points, ``gptq.py``),
+used instead of the round-to-nearest choice; the weight passed is then already on that grid after the transforms.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from qbench.quant.formats import INT, fake_quantize_format
 from qbench.quant.granularity import Granularity, PerGroup, unit
 from qbench.quant.hadamard import apply_kron, odd_factor
 from qbench.quant.ops import fake_quantize, fake_quantize_activation
+from qbench.quant.primitives import QParams, dequantize, given_or_chosen, quantize
 from qbench.quant.schemes import QuantScheme
 
 
@@ -99,10 +102,17 @@ def pad_to_groups(w: Tensor, granularity: Granularity) -> Tensor:
     return w
 
 
-def fake_quantize_weight(w: Tensor, bits: int, granularity: Granularity, symmetric: bool) -> Tensor:
-    """``ops.fake_quantize`` of a weight, allowing a group size that does not divide the row (:func:`pad_to_groups`)."""
+def fake_quantize_weight(
+    w: Tensor, bits: int, granularity: Granularity, symmetric: bool, qparams: QParams | None = None
+) -> Tensor:
+    """``ops.fake_quantize`` of a weight, allowing a group size that does not divide the row (:func:`pad_to_groups`).
+    ``qparams``: the grid an algorithm fixed (GPTQ), in the padded block-grid shape; the weight is rounded onto it."""
     padded = pad_to_groups(w, granularity)
-    y = fake_quantize(padded, bits, granularity, symmetric)
+    if qparams is None:
+        y = fake_quantize(padded, bits, granularity, symmetric)
+    else:
+        qp = given_or_chosen(padded, bits, granularity, symmetric, qparams)
+        y = dequantize(quantize(padded, qp, bits, granularity, symmetric), qp, granularity, w.dtype)
     return y if padded is w else y[..., : w.shape[-1]].contiguous()
 
 
@@ -136,6 +146,7 @@ class FakeQuantLinear(Float32Buffers):
         rotation: nn.Module | None = None,
         act_static: nn.Module | None = None,
         out_static: nn.Module | None = None,
+        weight_qparams: QParams | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -145,7 +156,9 @@ class FakeQuantLinear(Float32Buffers):
             w = fake_quantize_format(w, scheme.format, scheme.weight_granularity, activation=False)
         elif scheme.weight_bits is not None:
             granularity = scheme.weight_granularity_for(self.in_features)  # a group ≥ the row: per channel
-            w = fake_quantize_weight(w, scheme.weight_bits, granularity, scheme.weight_symmetric)
+            w = fake_quantize_weight(
+                w, scheme.weight_bits, granularity, scheme.weight_symmetric, weight_qparams
+            )
         self.weight = nn.Parameter(w.to(weight.dtype), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.register_buffer(

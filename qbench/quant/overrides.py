@@ -13,7 +13,8 @@ granularity (token, tensor, channel); ``static`` calibrated activation/output sc
 activation granularity becomes per tensor, since a static scale cannot follow tokens — give ``agran=channel``
 for per channel); ``calib``/``calib_seed`` the calibration windows and their sampling seed; ``head`` also
 quantise the LM head; plus the base method's own parameters (``alpha`` for smoothquant, ``seed`` for hadamard,
-``threshold`` for llm-int8, ``blocksize`` for bnb-nf4). The bitsandbytes schemes take only ``head`` and their
+``threshold`` for llm-int8, ``blocksize`` for bnb-nf4); ``algo`` how the weights are rounded (``rtn``, the
+default, or ``gptq``) and GPTQ's settings ``damp`` (0.01), ``block`` (128), ``act_order`` (false). The bitsandbytes schemes take only ``head`` and their
 own parameters: their layers fix everything else.
 """
 
@@ -61,6 +62,24 @@ def _agran(text: str) -> Granularity:
     raise ValueError("token, tensor or channel")
 
 
+def _algo(text: str) -> str:
+    from qbench.quant.schemes import ALGOS  # schemes imports this module: looked up when parsing
+
+    if text in ALGOS:
+        return text
+    raise ValueError(" or ".join(ALGOS) + did_you_mean(text, ALGOS))
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("a number in (0, 1]") from None
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise ValueError("a number in (0, 1]")
+    return value
+
+
 def _count(text: str) -> int:
     if text.isdigit() and int(text) >= 1:
         return int(text)
@@ -100,6 +119,11 @@ KEYS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "calib": ("calib_windows", _count, "int>=1"),
     "calib_seed": ("calib_seed", _seed, "int|none"),
     "head": ("quantize_lm_head", _bool, "true|false"),
+    "algo": ("algo", _algo, "rtn|gptq"),
+    # GPTQ's settings (gptq.py): dampening as a fraction of mean diag H, columns per lazy update, act order
+    "damp": ("algo_params.damp", _fraction, "0<x<=1"),
+    "block": ("algo_params.block", _count, "int>=1"),
+    "act_order": ("algo_params.act_order", _bool, "true|false"),
 }
 BNB_KEYS = ("head",)  # what the bitsandbytes schemes accept besides their own parameters
 SYNTAX = (
@@ -181,10 +205,19 @@ def parse_overrides(spec: str, base: Any, full: str) -> dict[str, tuple[str, Any
 def _updates(base: Any, parsed: dict[str, tuple[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per key, the fields it sets (static=true on a per-token activation also sets per-tensor, see docstring)."""
     updates: dict[str, dict[str, Any]] = {}
+    from qbench.quant.schemes import algo_defaults
+
+    algo = parsed.get("algo", ("", base.algo))[1]
+    # the algorithm's settings start from its defaults when algo= changes it, else from the base's
+    algo_params = base.algo_params if algo == base.algo else algo_defaults(algo)
     for key, (_, value) in parsed.items():
         field = _valid_keys(base)[key][0]
         if field.startswith("params."):
             updates[key] = {"params": {**base.params, field.split(".", 1)[1]: value}}
+        elif field.startswith("algo_params."):
+            updates[key] = {"algo_params": {**algo_params, field.split(".", 1)[1]: value}}
+        elif key == "algo":
+            updates[key] = {"algo": value, "algo_params": {}}  # merged with the settings given beside it
         else:
             updates[key] = {field: value}
     static_on = parsed.get("static", ("", False))[1]
@@ -214,17 +247,26 @@ def apply_overrides(base: Any, spec: str, full: str | None = None) -> Any:
         raise UserError(f"scheme {full!r}: nothing after ':'; give overrides as {SYNTAX}")
     parsed = parse_overrides(spec, base, full)
     updates = _updates(base, parsed)
+    from qbench.quant.schemes import algo_defaults
+
+    algo = parsed.get("algo", ("", base.algo))[1]
+    start = {**algo_defaults(algo), **(base.algo_params if algo == base.algo else {})}
+
+    def differs(key: str, f: str, v: Any) -> bool:
+        if f == "algo_params":  # one setting: changed when it differs from the algorithm's (base's) value
+            name = _valid_keys(base)[key][0].split(".", 1)[1] if key != "algo" else None
+            return name is not None and start.get(name) != v[name]
+        return getattr(base, f) != v
+
     changed = {
-        key: fields
-        for key, fields in updates.items()
-        if any(getattr(base, f) != v for f, v in fields.items())
+        key: fields for key, fields in updates.items() if any(differs(key, f, v) for f, v in fields.items())
     }
     if not changed:
         return base
     merged: dict[str, Any] = {}
     for key in parsed:  # in the order given; params updates merge
         for f, v in changed.get(key, {}).items():
-            merged[f] = {**merged.get(f, {}), **v} if f == "params" else v
+            merged[f] = {**merged.get(f, {}), **v} if f in ("params", "algo_params") else v
     if "params" in merged:
         merged["params"] = {**base.params, **merged["params"]}
     items = sorted(f"{k}={_canonical_value(parsed[k][0], parsed[k][1])}" for k in changed)

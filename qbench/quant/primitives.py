@@ -142,6 +142,22 @@ def choose_qparams(x: Tensor, bits: int, granularity: Granularity, symmetric: bo
     return QParams(scale.reshape(grid), None if zp is None else zp.reshape(grid).to(torch.int32))
 
 
+def given_or_chosen(
+    x: Tensor, bits: int, granularity: Granularity, symmetric: bool, given: QParams | None
+) -> QParams:
+    """``given`` (a weight's qparams fixed by an algorithm such as GPTQ, ``gptq.py``) after checking it fits ``x``'s
+    block grid and symmetry, else :func:`choose_qparams` — the one place every weight quantiser picks its grid."""
+    if given is None:
+        return choose_qparams(x, bits, granularity, symmetric)
+    grid = tuple(n // b for n, b in zip(x.shape, block_sizes(x.shape, granularity)))
+    if tuple(given.scale.shape) != grid or (given.zero_point is None) != symmetric:
+        raise ValueError(
+            f"given weight qparams {tuple(given.scale.shape)} (zero point: {given.zero_point is not None}) do not "
+            f"fit a {tuple(x.shape)} weight with block grid {grid}, symmetric={symmetric}"
+        )
+    return given
+
+
 def _grid_to_blocked(
     qparams: QParams, shape: torch.Size, sizes: tuple[int, ...]
 ) -> tuple[Tensor, Tensor | None]:

@@ -64,6 +64,20 @@ _METHOD_PARAMS = {
     "smoothquant": {"alpha": 0.5},
     "hadamard": {"seed": 0},
 }
+# How the weights are rounded onto the scheme's grid: round-to-nearest (every format's default) or GPTQ's
+# Hessian-based error correction (``gptq.py``), with that algorithm's settings (``algo_params``).
+ALGOS = ("rtn", "gptq")
+_ALGO_PARAMS: dict[str, dict[str, Any]] = {
+    "rtn": {},
+    "gptq": {"damp": 0.01, "block": 128, "act_order": False},
+}
+
+
+def algo_defaults(algo: str) -> dict[str, Any]:
+    """The settings ``algo`` takes when none are given (unknown names give {}: the scheme check names them)."""
+    return dict(_ALGO_PARAMS.get(algo, {}))
+
+
 _PER_CHANNEL, _PER_TOKEN, _PER_TENSOR = PerAxis(0), PerToken(), PerTensor()  # immutable defaults
 
 
@@ -125,6 +139,8 @@ class QuantScheme:
     calib_windows: int = 8  # calibration windows of the train split (static scales, SmoothQuant)
     calib_seed: int | None = None  # None: the first calib_windows windows; an int: a seeded sample of them
     format: str = INT  # number format of quantised weights/activations: "int" or a ``formats.FORMATS`` name
+    algo: str = "rtn"  # how weights are rounded: ``ALGOS``; gptq calibrates on calib_windows train windows
+    algo_params: dict[str, Any] = field(default_factory=dict)  # the algorithm's settings (``_ALGO_PARAMS``)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -141,9 +157,20 @@ class QuantScheme:
                 f"known: {sorted(_METHOD_PARAMS[self.method]) or 'none'}"
             )
         object.__setattr__(self, "params", {**_METHOD_PARAMS[self.method], **self.params})
+        _check_algo(self)
+        object.__setattr__(self, "algo_params", {**_ALGO_PARAMS[self.algo], **self.algo_params})
 
     def __hash__(self) -> int:  # params is a dict; hash its items so schemes can key caches
-        return hash((self.name, self.method, tuple(sorted(self.params.items())), self.label))
+        return hash(
+            (
+                self.name,
+                self.method,
+                tuple(sorted(self.params.items())),
+                self.algo,
+                tuple(sorted(self.algo_params.items())),
+                self.label,
+            )
+        )
 
     def param(self, key: str) -> Any:
         return self.params[key]
@@ -168,6 +195,7 @@ class QuantScheme:
         return (
             label
             + ("-hadamard" if self.method == "hadamard" else "")
+            + ("" if self.algo == "rtn" else f"-{self.algo}")
             + ("-static" if self.static else "")
             + ("+head" if self.quantize_lm_head else "")
         )
@@ -186,6 +214,10 @@ class QuantScheme:
         for key in ("weight_granularity", "act_granularity", "out_granularity"):
             d[key] = d[key].to_dict()
         d["params"] = dict(self.params)
+        if self.algo == "rtn":  # today's rounding: records written before algorithms existed stay identical
+            del d["algo"], d["algo_params"]
+        else:
+            d["algo_params"] = dict(self.algo_params)
         d["label"] = self.label  # informative only; from_dict ignores it
         if self.format != INT and FORMATS[self.format].recipe:
             # The block-scale rule, in every record: nvfp4's changed (the E4M3 floor dropped, NVIDIA's recipe), so a
@@ -204,6 +236,42 @@ class QuantScheme:
             if isinstance(kwargs.get(key), dict):
                 kwargs[key] = granularity_from_dict(kwargs[key])
         return cls(**kwargs)
+
+
+def _check_algo(s: QuantScheme) -> None:
+    """GPTQ rounds integer weights of any width and granularity qbench's grids have; the bitsandbytes layers
+    quantise themselves and the float formats have no GPTQ grid here, so both are refused in one line."""
+    if s.algo not in ALGOS:
+        raise unknown_choice("weight rounding algorithm (algo)", s.algo, ALGOS)
+    unknown = set(s.algo_params) - set(_ALGO_PARAMS[s.algo])
+    if unknown:
+        known = sorted(_ALGO_PARAMS[s.algo])
+        hint = "; they are gptq settings: add algo=gptq" if set(unknown) <= set(_ALGO_PARAMS["gptq"]) else ""
+        raise UserError(
+            f"scheme {s.name!r}: unknown {s.algo} parameter(s) {sorted(unknown)}; known: {known or 'none'}{hint}"
+        )
+    if s.algo == "rtn":
+        return
+    where = f"scheme {s.name!r} (algo={s.algo})"
+    if s.method in BNB_METHODS:
+        raise UserError(f"{where}: {s.method} runs bitsandbytes' own rounding; use an integer qbench scheme")
+    if s.format != INT:
+        raise UserError(
+            f"{where}: {s.algo} rounds onto integer grids; format {s.format!r} is round-to-nearest only"
+        )
+    if s.weight_bits is None:
+        raise UserError(f"{where}: the weights stay float; {s.algo} has nothing to round")
+    g = s.weight_granularity
+    if not (isinstance(g, PerGroup | PerTensor) or (isinstance(g, PerAxis) and g.axis in (0, -2))):
+        raise UserError(f"{where}: weights per channel, per tensor or per group, not {g.label}")
+    params = {**_ALGO_PARAMS[s.algo], **s.algo_params}
+    damp, block, act_order = params["damp"], params["block"], params["act_order"]
+    if isinstance(damp, bool) or not isinstance(damp, int | float) or not 0 < damp <= 1:
+        raise UserError(f"{where}: damp must be a number in (0, 1] (a fraction of mean diag H), got {damp!r}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise UserError(f"{where}: block must be a positive integer (columns per lazy update), got {block!r}")
+    if not isinstance(act_order, bool):
+        raise UserError(f"{where}: act_order must be true or false, got {act_order!r}")
 
 
 def _word(granularity: Granularity, role: str) -> str:

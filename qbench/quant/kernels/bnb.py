@@ -255,10 +255,14 @@ def bnb_nf4_linear(
     return BnbLinear(layer.to(weight.device), f"nf4 (blocks of {blocksize})")
 
 
-def build_bnb(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
+def build_bnb(
+    weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams=None
+) -> nn.Module:
     """The registry's builder for bitsandbytes' schemes (``registry.REAL_KERNELS``)."""
-    if input_scale is not None or rotation is not None:
-        raise UserError(f"scheme {scheme.name!r}: bitsandbytes layers take no input scale or rotation")
+    if input_scale is not None or rotation is not None or weight_qparams is not None:
+        raise UserError(
+            f"scheme {scheme.name!r}: bitsandbytes layers take no input scale, rotation or given weight grid"
+        )
     if scheme.method == "llm-int8":
         return bnb_int8_linear(weight, bias, threshold=float(scheme.param("threshold")))
     return bnb_nf4_linear(weight, bias, blocksize=int(scheme.param("blocksize")))

@@ -12,6 +12,7 @@ from models.errors import UserError
 from qbench.quant.kernels.int4 import int4pack_available
 from qbench.quant.kernels.int8 import int_mm_available
 from qbench.quant.kernels.registry import PATH_LAYERS, REAL_KERNELS, real_kernel_for
+from qbench.quant.primitives import QParams
 from qbench.quant.schemes import QuantScheme
 
 
@@ -24,10 +25,12 @@ def make_real_linear(
     rotation: nn.Module | Tensor | None = None,
     act_static: nn.Module | None = None,
     out_static: nn.Module | None = None,
+    weight_qparams: QParams | None = None,
 ) -> nn.Module:
     """A real-kernel layer computing the same function as ``FakeQuantLinear(weight, bias, scheme, …)``.
 
-    ``act_static`` / ``out_static``: calibrated ``static.StaticQuantizer``s of a ``static=true`` scheme.
+    ``act_static`` / ``out_static``: calibrated ``static.StaticQuantizer``s of a ``static=true`` scheme;
+    ``weight_qparams``: the weight grid an algorithm fixed (GPTQ), used instead of round-to-nearest's choice.
     """
     if scheme.method == "smoothquant" and input_scale is None:
         raise UserError(f"scheme {scheme.name!r}: smoothquant needs calibrated input scales (input_scale)")
@@ -45,7 +48,8 @@ def make_real_linear(
         )
     module, function = kernel.builder.split(":")
     build = getattr(importlib.import_module(module), function)
-    return build(weight, bias, scheme, input_scale, rotation, act_static, out_static)
+    extra = {} if weight_qparams is None else {"weight_qparams": weight_qparams}
+    return build(weight, bias, scheme, input_scale, rotation, act_static, out_static, **extra)
 
 
 def kernel_paths(rows: tuple[int, ...] = (1, 512)) -> dict[str, str]:

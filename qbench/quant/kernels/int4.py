@@ -37,7 +37,7 @@ from qbench.quant.fake import transform_input, transform_weight
 from qbench.quant.granularity import PerAxis, PerGroup
 from qbench.quant.kernels import paths
 from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
-from qbench.quant.primitives import choose_qparams, quantize
+from qbench.quant.primitives import QParams, given_or_chosen, quantize
 
 BITS = 4
 KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes _weight_int4pack_mm_for_cpu accepts, largest first
@@ -110,6 +110,7 @@ class Int4Linear(RealLinear):
         *,
         input_scale: Tensor | None = None,
         rotation: nn.Module | Tensor | None = None,
+        weight_qparams: QParams | None = None,
     ) -> Int4Linear:
         """Quantise R(W · diag(s)) of an (out, in) float weight per output channel (``group_size=None``) or group."""
         out_features, in_features = weight.shape
@@ -117,7 +118,7 @@ class Int4Linear(RealLinear):
         granularity = PerAxis(0) if group_size is None else PerGroup(group)
         rotation = as_rotation(rotation, in_features)
         w = transform_weight(weight, check_input_scale(input_scale, in_features), rotation)
-        qp = choose_qparams(w, BITS, granularity, symmetric=False)
+        qp = given_or_chosen(w, BITS, granularity, False, weight_qparams)
         codes = quantize(w, qp, BITS, granularity, symmetric=False)  # (out, in) uint8 in [0, 15]
         scales = qp.scale.reshape(out_features, -1).contiguous()
         zeros = qp.zero_point.reshape(out_features, -1).to(torch.uint8).contiguous()

@@ -53,7 +53,7 @@ from qbench.quant.granularity import PerAxis, PerTensor, PerToken
 from qbench.quant.kernels import paths
 from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.kernels.registry import per_out_channel
-from qbench.quant.primitives import TINY, choose_qparams, quantize
+from qbench.quant.primitives import TINY, QParams, given_or_chosen, quantize
 
 QMAX = 127
 ACT_GRANULARITIES = ("per_token", "per_tensor")
@@ -244,6 +244,7 @@ class Int8Linear(RealLinear):
         fused: Fused = "auto",
         static_act_scale: Tensor | None = None,
         static_out_scale: Tensor | None = None,
+        weight_qparams: QParams | None = None,
     ) -> Int8Linear:
         """Quantise R(W · diag(s)) of an (out, in) float weight (``fake.transform_weight``)."""
         if weight_granularity not in WEIGHT_GRANULARITIES:
@@ -251,7 +252,7 @@ class Int8Linear(RealLinear):
         rotation = as_rotation(rotation, weight.shape[1])
         w = transform_weight(weight, check_input_scale(input_scale, weight.shape[1]), rotation)
         granularity = PerAxis(0) if weight_granularity == "per_channel" else PerTensor()
-        qp = choose_qparams(w, 8, granularity, symmetric=True)
+        qp = given_or_chosen(w, 8, granularity, True, weight_qparams)
         codes = quantize(w, qp, 8, granularity, symmetric=True)  # (out, in) int8
         w_scale = qp.scale.reshape(-1) if weight_granularity == "per_channel" else qp.scale.reshape(())
         b = None if bias is None else bias.detach().float().clone()
@@ -358,7 +359,9 @@ def int_mm_available(device: str = "cpu") -> bool:
         return False
 
 
-def build_w8a8(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
+def build_w8a8(
+    weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams=None
+) -> nn.Module:
     """The registry's builder for W8A8 schemes (``registry.REAL_KERNELS``)."""
     return Int8Linear.from_float(
         weight,
@@ -370,4 +373,5 @@ def build_w8a8(weight, bias, scheme, input_scale, rotation, act_static, out_stat
         rotation=rotation,
         static_act_scale=None if act_static is None else act_static.scale,
         static_out_scale=None if out_static is None else out_static.scale,
+        weight_qparams=weight_qparams,
     )

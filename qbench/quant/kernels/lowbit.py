@@ -36,7 +36,7 @@ from qbench.quant.granularity import Granularity, PerAxis, PerGroup
 from qbench.quant.kernels import paths
 from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.kernels.registry import PACKED_BITS  # the registry's predicates read it too
-from qbench.quant.primitives import choose_qparams, qrange, quantize
+from qbench.quant.primitives import QParams, given_or_chosen, qrange, quantize
 
 
 def _unit(bits: int) -> tuple[int, int]:
@@ -117,6 +117,7 @@ class LowBitLinear(RealLinear):
         *,
         input_scale: Tensor | None = None,
         rotation: nn.Module | Tensor | None = None,
+        weight_qparams: QParams | None = None,
     ) -> LowBitLinear:
         """Quantise R(W · diag(s)) of an (out, in) float weight per output channel (``PerAxis(0)``) or group."""
         out_features, in_features = weight.shape
@@ -127,7 +128,7 @@ class LowBitLinear(RealLinear):
         rotation = as_rotation(rotation, in_features)
         w = transform_weight(weight, check_input_scale(input_scale, in_features), rotation)
         w = pad_to_groups(w, granularity)  # a ragged last group: zero codes beyond the row, sliced off on use
-        qp = choose_qparams(w, bits, granularity, symmetric)
+        qp = given_or_chosen(w, bits, granularity, symmetric, weight_qparams)
         q = quantize(w, qp, bits, granularity, symmetric)
         codes = q.to(torch.int32) - qrange(bits, symmetric)[0]  # unsigned: symmetric q + qmax
         zeros = None if symmetric else qp.zero_point.reshape(out_features, -1).to(torch.uint8).contiguous()
@@ -174,7 +175,9 @@ class LowBitLinear(RealLinear):
         )
 
 
-def build_weight_only(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
+def build_weight_only(
+    weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams=None
+) -> nn.Module:
     """The registry's builder for W2/W3/W4 weight-only schemes: asymmetric int4 -> Int4Linear (torch's int4 kernel with bf16); int2/int3, symmetric int4 and a group that
     does not divide the row (a shorter last group) -> LowBitLinear."""
     g = scheme.weight_granularity_for(weight.shape[1])  # a group ≥ the row is per channel
@@ -182,7 +185,9 @@ def build_weight_only(weight, bias, scheme, input_scale, rotation, act_static, o
     if scheme.weight_bits == 4 and not scheme.weight_symmetric and not weight.shape[1] % (group or 1):
         from qbench.quant.kernels.int4 import Int4Linear
 
-        return Int4Linear.from_float(weight, bias, group, input_scale=input_scale, rotation=rotation)
+        return Int4Linear.from_float(
+            weight, bias, group, input_scale=input_scale, rotation=rotation, weight_qparams=weight_qparams
+        )
     return LowBitLinear.from_float(
         weight,
         bias,
@@ -191,4 +196,5 @@ def build_weight_only(weight, bias, scheme, input_scale, rotation, act_static, o
         scheme.weight_symmetric,
         input_scale=input_scale,
         rotation=rotation,
+        weight_qparams=weight_qparams,
     )

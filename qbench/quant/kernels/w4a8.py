@@ -35,7 +35,7 @@ from qbench.quant.kernels import paths
 from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.kernels.int4 import pack_int4, unpack_int4
 from qbench.quant.kernels.int8 import ACT_GRANULARITIES, quantize_activation
-from qbench.quant.primitives import choose_qparams, quantize
+from qbench.quant.primitives import QParams, given_or_chosen, quantize
 
 BITS = 4
 OFFSET = (
@@ -88,6 +88,7 @@ class Int4A8Linear(RealLinear):
         act: str = "per_token",
         input_scale: Tensor | None = None,
         rotation: nn.Module | Tensor | None = None,
+        weight_qparams: QParams | None = None,
     ) -> Int4A8Linear:
         """Quantise R(W · diag(s)) of an (out, in) float weight, absmax 4-bit per output channel or group."""
         out_features, in_features = weight.shape
@@ -102,7 +103,7 @@ class Int4A8Linear(RealLinear):
         # a group that does not divide the row: zero channels complete the last group, exactly as fake mode
         # quantises it (zeros change no absmax); the input is padded to match in forward
         w = pad_to_groups(w, granularity)
-        qp = choose_qparams(w, BITS, granularity, symmetric=True)
+        qp = given_or_chosen(w, BITS, granularity, True, weight_qparams)
         codes = quantize(w, qp, BITS, granularity, symmetric=True)  # int8 in [−7, 7]
         scales = qp.scale.reshape(out_features, -1).float().contiguous()
         b = None if bias is None else bias.detach().float().clone()
@@ -161,7 +162,9 @@ class Int4A8Linear(RealLinear):
         )
 
 
-def build_w4a8(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
+def build_w4a8(
+    weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams=None
+) -> nn.Module:
     """The registry's builder for W4A8 schemes (``registry.REAL_KERNELS``)."""
     g = scheme.weight_granularity_for(weight.shape[1])  # a group ≥ the row is per channel
     group = g.group_size if isinstance(g, PerGroup) else None
@@ -172,4 +175,5 @@ def build_w4a8(weight, bias, scheme, input_scale, rotation, act_static, out_stat
         act="per_token" if isinstance(scheme.act_granularity, PerToken) else "per_tensor",
         input_scale=input_scale,
         rotation=rotation,
+        weight_qparams=weight_qparams,
     )

@@ -23,7 +23,7 @@ from qbench.quant.fake import transform_input, transform_weight
 from qbench.quant.granularity import PerAxis, PerGroup
 from qbench.quant.kernels import paths
 from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
-from qbench.quant.primitives import choose_qparams, quantize
+from qbench.quant.primitives import QParams, given_or_chosen, quantize
 
 BITS = 8
 
@@ -61,6 +61,7 @@ class Int8WeightOnlyLinear(RealLinear):
         *,
         input_scale: Tensor | None = None,
         rotation: nn.Module | Tensor | None = None,
+        weight_qparams: QParams | None = None,
     ) -> Int8WeightOnlyLinear:
         """Quantise R(W · diag(s)) of an (out, in) float weight per output channel (``group_size=None``) or group."""
         out_features, in_features = weight.shape
@@ -69,7 +70,7 @@ class Int8WeightOnlyLinear(RealLinear):
         granularity = PerAxis(0) if group_size is None else PerGroup(group_size)
         rotation = as_rotation(rotation, in_features)
         w = transform_weight(weight, check_input_scale(input_scale, in_features), rotation)
-        qp = choose_qparams(w, BITS, granularity, symmetric=symmetric)
+        qp = given_or_chosen(w, BITS, granularity, symmetric, weight_qparams)
         codes = quantize(w, qp, BITS, granularity, symmetric=symmetric).contiguous()
         zeros = None if symmetric else qp.zero_point.reshape(out_features, -1).to(torch.uint8).contiguous()
         b = None if bias is None else bias.detach().float().clone()
@@ -105,10 +106,18 @@ class Int8WeightOnlyLinear(RealLinear):
         )
 
 
-def build_w8_weight_only(weight, bias, scheme, input_scale, rotation, act_static, out_static) -> nn.Module:
+def build_w8_weight_only(
+    weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams=None
+) -> nn.Module:
     """The registry's builder for W8 weight-only schemes (``registry.REAL_KERNELS``)."""
     g = scheme.weight_granularity_for(weight.shape[1])
     group = g.group_size if isinstance(g, PerGroup) else None
     return Int8WeightOnlyLinear.from_float(
-        weight, bias, group, scheme.weight_symmetric, input_scale=input_scale, rotation=rotation
+        weight,
+        bias,
+        group,
+        scheme.weight_symmetric,
+        input_scale=input_scale,
+        rotation=rotation,
+        weight_qparams=weight_qparams,
     )

@@ -1,0 +1,227 @@
+"""GPTQ (Frantar et al., "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained Transformers", ICLR 2023)
+on qbench's own integer grids: the codes and scales it returns are ordinary ``primitives.QParams`` codes, so the fake
+layer and every real kernel run them unchanged (``apply.quantize`` passes them as ``weight_qparams``).
+
+What is implemented, from the paper's §4 ("The Full Algorithm") and Algorithm 1:
+
+- The layer objective argmin_Ŵ ‖WX − ŴX‖², X the layer's calibration inputs (columns are tokens). Its Hessian is
+  H = 2XXᵀ; :class:`HessianAccumulator` keeps the running mean H = (2/n) Σ x xᵀ over the n calibration tokens, so
+  the scale of H does not depend on n (the dampening below is relative to it anyway).
+- Dampening λ = ``damp`` · mean(diag H) added to the diagonal (§4, "Cholesky Reformulation": 1 % of the average
+  diagonal value). Inputs that never fire (diag H = 0) get H_jj = 1 and their weight column quantises as is.
+- H⁻¹ through its Cholesky factor: U = chol(H⁻¹) upper-triangular, whose rows hold every quantity the
+  column-by-column update needs (Algorithm 1: for column j, err = (w_j − q_j) / U_jj; the remaining columns of the
+  block move by −err · U_j,j+1:).
+- Lazy batch updates (§4, "Lazy Batch-Updates"): the columns are processed in blocks of ``block`` (128); inside a
+  block the updates are applied column by column, the rest of the matrix is updated once per block with the
+  block's accumulated errors, W_:,rest −= E · U_block,rest. With groups a block is rounded up to whole groups,
+  so that a group's qparams see all of its columns' updates so far. The result equals the unbatched algorithm
+  (the paper's Eq. 2–3, one column at a time with H⁻¹ updated by Gaussian elimination) in exact arithmetic.
+- Quantisation grid: the scheme's bits, symmetry and granularity with qbench's qparams formulas
+  (``primitives.qparams_from_stats``). Per channel and per tensor, the qparams come from the original W; for
+  groups of g input channels they are chosen when the algorithm reaches the group's first column, from the
+  *updated* weights (the reference code's default), so that the grid of a group already contains the error
+  compensation from the groups before it. A group that does not divide the row leaves a shorter last group, as
+  round-to-nearest does (``fake.pad_to_groups``).
+- ``act_order`` (the reference code's ``--act-order``, the paper's discussion of LLaMA/OPT-66B outliers): columns
+  in order of decreasing diag H. With groups this uses the *static-groups* rule: every group's qparams are
+  computed from the original W before the permutation, so group membership stays contiguous in the original
+  column order and the result is stored exactly like round-to-nearest's (no group index per column).
+
+The Hessian here is the one of the *float* model's inputs for every layer (one calibration pass, cached per model
+and calibration windows so that a grid computes it once). The reference implementation instead runs the
+calibration through the blocks already quantised, so later layers see quantised inputs; that sequential variant
+costs one pass per block and a Hessian per scheme. The record's scheme says which (``hessian_inputs``: "float").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from qbench.quant.granularity import Granularity, PerAxis, PerGroup, PerTensor
+from qbench.quant.primitives import QParams, qparams_from_stats, qrange
+
+GPTQ_DEFAULTS = {"damp": 0.01, "block": 128, "act_order": False}
+
+
+class HessianAccumulator:
+    """Running mean of 2·x xᵀ over the rows x of the inputs it is given (float32, (in, in)).
+
+    ``add(x)`` takes any (..., in) tensor; rows are tokens. ``hessian`` is (2/n) Σ x xᵀ, n the tokens seen.
+    The running-mean update (H ← H·n/(n+m) + (2/(n+m))·XᵀX) keeps the sums in range for many tokens.
+    """
+
+    def __init__(self, dim: int, device: torch.device | None = None) -> None:
+        self.dim = dim
+        self.n = 0
+        self.h = torch.zeros(dim, dim, dtype=torch.float32, device=device)
+
+    def add(self, x: Tensor) -> None:
+        rows = x.detach().reshape(-1, self.dim).float()
+        m = rows.shape[0]
+        if m == 0:
+            return
+        total = self.n + m
+        self.h.mul_(self.n / total)
+        # 2/(n+m) · XᵀX, scaled before the product so that large activations stay in float32 range
+        scaled = rows * math.sqrt(2.0 / total)
+        self.h.addmm_(scaled.t(), scaled)
+        self.n = total
+
+    @property
+    def hessian(self) -> Tensor:
+        return self.h
+
+
+@dataclass(frozen=True)
+class GPTQResult:
+    """Codes (int8 symmetric / uint8 asymmetric, (out, in)), their qparams in the granularity's block-grid shape
+    (a ragged last group padded, as ``fake.pad_to_groups``), the dequantised weight Ŵ (float32, (out, in)), and
+    the statistics of the solve (``dead``: inputs with diag H = 0; ``damp``: the λ added)."""
+
+    codes: Tensor
+    qparams: QParams
+    weight: Tensor
+    dead: int
+    damp: float
+
+
+def _group_size(granularity: Granularity, cols: int) -> int | None:
+    """g for a grouped granularity, None for per channel / per tensor (qparams from the whole row / matrix)."""
+    if isinstance(granularity, PerGroup):
+        return None if granularity.group_size >= cols else granularity.group_size
+    if isinstance(granularity, PerTensor) or (
+        isinstance(granularity, PerAxis) and granularity.axis in (0, -2)
+    ):
+        return None
+    raise ValueError(f"GPTQ supports per-channel, per-tensor and grouped weights, not {granularity.label}")
+
+
+def _qparams(w: Tensor, bits: int, symmetric: bool, per_tensor: bool) -> tuple[Tensor, Tensor | None]:
+    """(scale, zero) of each row of ``w`` (out, k) — or of all of it when ``per_tensor`` — as (out, 1) / (1, 1)."""
+    dims = (0, 1) if per_tensor else (1,)
+    stats = (w.amin(dims, keepdim=True), w.amax(dims, keepdim=True))
+    return qparams_from_stats(stats, bits, symmetric)
+
+
+def _round(w: Tensor, scale: Tensor, zero: Tensor | None, qmin: int, qmax: int) -> Tensor:
+    """Codes of ``w`` on the grid (scale, zero): clamp(round(w / s) + z, qmin, qmax), as float (half to even)."""
+    q = torch.round(w / scale)
+    if zero is not None:
+        q = q + zero
+    return q.clamp_(qmin, qmax)
+
+
+def gptq_quantize(
+    weight: Tensor,
+    hessian: Tensor,
+    bits: int,
+    granularity: Granularity,
+    symmetric: bool,
+    *,
+    damp: float = GPTQ_DEFAULTS["damp"],
+    block: int = GPTQ_DEFAULTS["block"],
+    act_order: bool = GPTQ_DEFAULTS["act_order"],
+    dtype: torch.dtype = torch.float32,
+) -> GPTQResult:
+    """GPTQ of one (out, in) weight given its input Hessian (in, in) (module docstring). Neither input is modified.
+
+    ``dtype``: the arithmetic of the solve (float32; float64 for tests against a reference)."""
+    if weight.ndim != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
+        raise ValueError(
+            f"gptq_quantize: weight (out, in) and hessian (in, in), got {weight.shape}, {hessian.shape}"
+        )
+    rows, cols = weight.shape
+    group = _group_size(granularity, cols)
+    per_tensor = isinstance(granularity, PerTensor)
+    qmin, qmax = qrange(bits, symmetric)
+    w = weight.detach().to(dtype).clone()
+    h = hessian.detach().to(dtype).clone()
+
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+
+    # qparams fixed before the solve: per channel / tensor from the original W; static groups (act order)
+    n_groups = 1 if group is None else -(-cols // group)
+    scales = torch.empty(rows if not per_tensor else 1, n_groups, dtype=torch.float32, device=w.device)
+    zeros = None if symmetric else torch.empty_like(scales)
+
+    def set_group(g: int, source: Tensor) -> None:
+        s, z = _qparams(source.float(), bits, symmetric, per_tensor)
+        scales[:, g : g + 1] = s
+        if zeros is not None:
+            zeros[:, g : g + 1] = z
+
+    if group is None:
+        set_group(0, w)
+    elif act_order:
+        for g in range(n_groups):
+            set_group(g, w[:, g * group : (g + 1) * group])
+
+    perm = torch.argsort(torch.diagonal(h), descending=True) if act_order else None
+    if perm is not None:
+        w, h = w[:, perm], h[perm][:, perm]
+    lam = damp * float(torch.diagonal(h).mean())
+    h.diagonal().add_(lam)
+    # U = chol(H⁻¹), upper: the reference's Cholesky reformulation (H⁻¹ = UᵀU)
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+
+    if group is not None and not act_order:
+        block = group * -(-block // group)  # whole groups per block (see the loop)
+    codes = torch.zeros_like(w)
+    col_group = torch.arange(cols, device=w.device) if perm is None else perm  # original column index
+    for start in range(0, cols, block):
+        end = min(start + block, cols)
+        w1 = w[:, start:end].clone()
+        err1 = torch.zeros_like(w1)
+        u1 = u[start:end, start:end]
+        for i in range(end - start):
+            j = int(col_group[start + i])
+            if group is not None and not act_order and j % group == 0:
+                # a group's grid from the current (updated) weights of its columns (dynamic groups); blocks are
+                # whole groups, so all of them are in w1 and up to date, as in the unbatched algorithm
+                set_group(j // group, w1[:, i : i + group])
+            g = 0 if group is None else j // group
+            s = scales[:, g].to(dtype)
+            z = None if zeros is None else zeros[:, g].to(dtype)
+            col = w1[:, i]
+            q = _round(col, s, z, qmin, qmax)
+            codes[:, start + i] = q
+            deq = s * (q - (0 if z is None else z))
+            e = (col - deq) / u1[i, i]
+            w1[:, i:] -= e.unsqueeze(1) * u1[i, i:].unsqueeze(0)
+            err1[:, i] = e
+        w[:, end:] -= err1 @ u[start:end, end:]
+
+    if perm is not None:
+        codes = codes[:, torch.argsort(perm)]
+    code_dtype = torch.int8 if symmetric else torch.uint8
+    zp = None if zeros is None else zeros.to(torch.int32)
+    qparams = QParams(scales.contiguous(), None if zp is None else zp.contiguous())
+    deq = _dequantize(codes, qparams, group, cols)
+    return GPTQResult(codes.to(code_dtype), qparams, deq, int(dead.sum()), lam)
+
+
+def _dequantize(codes: Tensor, qparams: QParams, group: int | None, cols: int) -> Tensor:
+    """Ŵ = s · (q − z) per column's group (float32)."""
+    index = (
+        torch.zeros(cols, dtype=torch.long, device=codes.device)
+        if group is None
+        else (torch.arange(cols, device=codes.device) // group)
+    )
+    s = qparams.scale.float()[:, index]
+    q = codes.float()
+    if qparams.zero_point is not None:
+        q = q - qparams.zero_point.float()[:, index]
+    return q * s
+
+
+def layer_error(weight: Tensor, quantised: Tensor, hessian: Tensor) -> float:
+    """The GPTQ objective from the Hessian: ‖(W − Ŵ)X‖² / n = ½ tr(ΔW H ΔWᵀ) for H = (2/n) XXᵀ (per token)."""
+    delta = weight.double() - quantised.double()
+    return float(0.5 * torch.einsum("oi,ij,oj->", delta, hessian.double(), delta))

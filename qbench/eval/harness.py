@@ -176,6 +176,8 @@ class GridSpec:
                 "seed": scheme.calib_seed,
                 "selection": "first windows" if scheme.calib_seed is None else "seeded sample",
             }
+            if scheme.algo == "gptq":  # what the Hessians are of (qbench.quant.gptq's docstring)
+                record["calibration"]["hessian"] = "float model's inputs, (2/n) sum x x^T per layer"
         return record
 
 

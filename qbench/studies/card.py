@@ -75,6 +75,12 @@ FORMATS: tuple[Format, ...] = (
         "no Hadamard W4A8 scheme is registered: hadamard-absmax-coarse overridden to int4 weights per channel, "
         "int8 activations per token, float outputs",
     ),
+    # The post-training algorithm a practitioner tries first on the low-bit rows (qbench.quant.gptq): the same
+    # grid and storage as the round-to-nearest row above it, the rounding chosen by GPTQ on train windows.
+    Format("int4 per-channel weight-only + GPTQ", "zeropoint-int4:algo=gptq"),
+    Format("int4 g128 weight-only + GPTQ", "zeropoint-int4-g128:algo=gptq"),
+    Format("W4A8 g32 + GPTQ", "absmax-w4a8-g32:algo=gptq"),
+    Format("int3 g128 weight-only + GPTQ", "zeropoint-int3-g128:algo=gptq"),
 )
 QUICK_FORMATS = (
     "absmax-fine",
@@ -1142,7 +1148,8 @@ def _granularity(g: Mapping[str, Any] | None) -> str:
 def quantised_text(scheme: Mapping[str, Any]) -> str:
     """What a format row quantised, in words a deployment uses: ``W4 MXFP4 g32 + A4 MXFP4 g32 (dynamic); RTN``.
     Weights and, where quantised, the activations entering each linear (dynamic: scales from each sequence's
-    own values; static: calibrated once) and the outputs; RTN: round-to-nearest, the only algorithm applied."""
+    own values; static: calibrated once) and the outputs; then how the weights were rounded: RTN
+    (round-to-nearest) or GPTQ (with its calibration windows)."""
     fmt = str(scheme.get("format") or "int")
     method, params = scheme.get("method"), scheme.get("params") or {}
     name = "NF4" if method == "bnb-nf4" else _FORMAT_NAMES.get(fmt, fmt.upper())
@@ -1164,6 +1171,11 @@ def quantised_text(scheme: Mapping[str, Any]) -> str:
         text += f" + {part('A', scheme.get('act_bits'), scheme.get('act_granularity'))} ({scales})"
     if scheme.get("out_bits") is not None:
         text += f" + O{scheme['out_bits']} {_granularity(scheme.get('out_granularity'))}"
+    if scheme.get("algo") == "gptq":
+        windows = (scheme.get("calibration") or {}).get("windows", scheme.get("calib_windows"))
+        return (
+            text + f"; GPTQ ({windows} train windows, damp {(scheme.get('algo_params') or {}).get('damp')})"
+        )
     return text + "; RTN"
 
 
@@ -1620,6 +1632,7 @@ def _verdict(
             )
             + "."
         )
+    lines += _algorithm_lines(formats, limit)
     if repair:
         state = "within" if repair["reached"] else "still NOT within"
         size = f", {_bytes(repair.get('weight_bytes'))}" if repair.get("weight_bytes") else ""
@@ -1647,6 +1660,30 @@ def _verdict(
     }
 
 
+def _algorithm_lines(formats: Sequence[Mapping[str, Any]], limit: str) -> list[str]:
+    """Per post-training algorithm row whose round-to-nearest row was measured too: whether the algorithm rescues
+    a format that round-to-nearest fails (its verdict turns from beyond to within), or what it changed."""
+    by_scheme = {f["scheme"]: f for f in formats}
+    lines = []
+    for f in formats:
+        base, _, spec = f["scheme"].partition(":")
+        items = [i for i in spec.split(",") if i and i != "algo=gptq"]
+        if "algo=gptq" not in spec.split(","):
+            continue
+        rtn = by_scheme.get(base + (":" + ",".join(items) if items else ""))
+        if rtn is None or f["status"] != "ok" or rtn["status"] != "ok":
+            continue
+        change = f"{_pct(rtn['ppl_change_pct'])} → {_pct(f['ppl_change_pct'])}"
+        if rtn.get("verdict") == "beyond" and f.get("verdict") == "within":
+            lines.append(
+                f"GPTQ rescues {rtn['label']}: {change}, within {limit} where round-to-nearest is not."
+            )
+        elif rtn.get("verdict") == "beyond":
+            state = "undecided" if f.get("verdict") == "undecided" else "still beyond"
+            lines.append(f"GPTQ does not rescue {rtn['label']}: {change} ({state} {limit}).")
+    return lines
+
+
 def _not_measured(
     formats: Sequence[Mapping[str, Any]],
     kv: Mapping[str, Any],
@@ -1658,9 +1695,15 @@ def _not_measured(
     the numbers."""
     measured = {f["scheme"] for f in formats}
     missing = [f.label for f in FORMATS if f.scheme not in measured and _canonical(f.scheme) not in measured]
+    gptq = [f["label"] for f in formats if ":algo=gptq" in f["scheme"] or ",algo=gptq" in f["scheme"]]
     lines = [
-        "Algorithms: every format is round-to-nearest at its standard settings — no GPTQ, AWQ, SmoothQuant "
-        "search or learned rotation was applied (each would change these rows).",
+        (
+            f"Algorithms: GPTQ in the rows that say so ({', '.join(gptq)}); every other format is round-to-nearest"
+            if gptq
+            else "Algorithms: every format is round-to-nearest at its standard settings (`--budget standard` adds "
+            "GPTQ rows)"
+        )
+        + " — no AWQ, SmoothQuant α search or learned rotation was applied (each would change these rows).",
         f"Tasks: next-token quality on {protocol.get('corpus')}/{protocol.get('split')} only "
         f"({protocol.get('tokens_scored'):,} tokens, window {protocol.get('window')}); no downstream task "
         "(`qbench lm-eval` runs lm-evaluation-harness tasks on a quantised model).",

@@ -332,6 +332,24 @@ def test_log_axes_get_plain_non_overlapping_tick_labels(lo, hi, labels):
         assert major == labels
 
 
+def test_the_verdict_says_when_gptq_rescues_a_format():
+    rows = [
+        _row("int4", "zeropoint-int4", 8.0, 100),
+        _row("int4 + GPTQ", "zeropoint-int4:algo=gptq", 0.5, 100),
+        _row("int3", "zeropoint-int3-g128", 30.0, 80),
+        _row("int3 + GPTQ", "zeropoint-int3-g128:algo=gptq", 9.0, 80),
+        _row("int2 + GPTQ", "zeropoint-int2-g64:algo=gptq", 9.0, 60),  # no round-to-nearest row: no line
+    ]
+    lines = card._verdict(rows, {}, {"linear_ranges": {"per_layer": {}}}, None, 1.0)["lines"]
+    assert "GPTQ rescues int4: +8.00 % → +0.50 %, within 1 % where round-to-nearest is not." in lines
+    assert "GPTQ does not rescue int3: +30.00 % → +9.00 % (still beyond 1 %)." in lines
+    assert not any("int2" in line and "GPTQ" in line and "rescue" in line for line in lines)
+    gaps = card._not_measured(rows, {}, False, {"tokens_scored": 10, "window": 5}, {"budget": "standard"})
+    assert gaps[0].startswith(
+        "Algorithms: GPTQ in the rows that say so (int4 + GPTQ, int3 + GPTQ, int2 + GPTQ)"
+    )
+
+
 def test_each_format_row_says_what_it_quantised():
     from qbench.quant.schemes import get_scheme
     from qbench.studies.card import quantised_text
@@ -344,6 +362,9 @@ def test_each_format_row_says_what_it_quantised():
     assert text("absmax-coarse").endswith("+ O8 per tensor; RTN")
     assert text("bnb-nf4").startswith("W4 NF4 g64, weight-only")
     assert text("smoothquant").startswith("SmoothQuant α 0.5 (calibrated), then W8 int per tensor")
+    assert text("zeropoint-int4:algo=gptq") == (
+        "W4 int per channel asymmetric, weight-only; GPTQ (8 train windows, damp 0.01)"
+    )
 
 
 def test_the_repair_targets_the_smallest_failing_format_that_could_pay():

@@ -21,6 +21,9 @@
   reference code); static scales the observed ranges of the transformed input and the output (``static.py``),
   passed to the layers as ``act_static=`` / ``out_static=``.
 - Hadamard: one seeded :class:`~qbench.quant.fake.HadamardRotation` per layer input dimension.
+- ``algo=awq`` (``awq.py``): each group of layers reading one input gets AWQ's searched input scale s (applied in
+  the layer, as SmoothQuant's: ``input_scale``) and each layer a clipped weight grid (``weight_qparams``), both
+  from the same cached calibration statistics as GPTQ.
 - ``algo=gptq`` (``gptq.py``): each layer's input Hessian from the calibration windows run through the float model
   (``calibrate.hessians``, cached per model and windows), carried into the layer's transformed input space
   (H' = Mᵀ H M for x' = x · M, M = diag(1/s) · Rᵀ), GPTQ on W' = R(W · diag(s)); the layer is then built from the
@@ -46,7 +49,7 @@ from models.errors import UserError, unknown_choice
 from qbench.quant.calibrate import (
     Observed,
     check_calibration,
-    hessians,
+    input_statistics,
     observe,
     static_quantizers,
 )
@@ -207,7 +210,7 @@ def _replacement(
     input_scale: Tensor | None,
     rotation: nn.Module | None,
     static: tuple[nn.Module | None, nn.Module | None] = (None, None),
-    solved: tuple[Tensor, QParams] | None = None,
+    solved: tuple[Tensor, QParams | None] | None = None,
 ) -> nn.Module:
     weight, bias = linear_weight(module)
     extra = {"act_static": static[0], "out_static": static[1]} if scheme.static else {}
@@ -269,12 +272,7 @@ def gptq_layers(
     """GPTQ of every layer (module docstring): name -> (the weight to build the layer from, GPTQ's qparams)."""
     from qbench.quant.gptq import gptq_quantize
 
-    h = hessians(model, layers, check_calibration(calibration, f"scheme {scheme.name!r} (algo=gptq)"))
-    missing = sorted(set(layers) - set(h))
-    if missing:
-        raise UserError(
-            f"scheme {scheme.name!r} (algo=gptq): layer {missing[0]!r} never ran during calibration"
-        )
+    h = _statistics(model, layers, scheme, calibration)
     params = scheme.algo_params
     out = {}
     for name, module in layers.items():
@@ -282,7 +280,7 @@ def gptq_layers(
         s, r = scales.get(name), rotations.get(name)
         result = gptq_quantize(
             transform_weight(weight, s, r),
-            _transform_hessian(h[name].to(weight.device), s, r),
+            _transform_hessian(h[name].hessian.to(weight.device), s, r),
             scheme.weight_bits,
             scheme.weight_granularity_for(weight.shape[1]),
             scheme.weight_symmetric,
@@ -292,6 +290,55 @@ def gptq_layers(
         )
         out[name] = (_inverse_transform(result.weight, s, r), result.qparams)
     return out
+
+
+def _statistics(
+    model: nn.Module, layers: dict[str, nn.Module], scheme: QuantScheme, calibration: Tensor | None
+) -> dict[str, object]:
+    """Each layer's calibration statistics (``calibrate.input_statistics``), every layer seen."""
+    why = f"scheme {scheme.name!r} (algo={scheme.algo})"
+    stats = input_statistics(model, layers, check_calibration(calibration, why))
+    missing = sorted(set(layers) - set(stats))
+    if missing:
+        raise UserError(f"{why}: layer {missing[0]!r} never ran during calibration; exclude it")
+    return stats
+
+
+def awq_layers(
+    model: nn.Module, layers: dict[str, nn.Module], scheme: QuantScheme, calibration: Tensor | None
+) -> tuple[dict[str, Tensor], dict[str, tuple[Tensor, QParams]]]:
+    """AWQ (``awq.py``): (each layer's input scale s, {name: (its float weight, the clipped grid of W · diag(s), or
+    None where no clipping is searched)}); layers reading one input (one shared accumulator) share one s."""
+    from qbench.quant.awq import clipped, search_clip, search_scale
+
+    stats = _statistics(model, layers, scheme, calibration)
+    grid, clip = int(scheme.algo_params["grid"]), bool(scheme.algo_params["clip"])
+    groups: dict[int, list[str]] = {}
+    for name in layers:
+        groups.setdefault(id(stats[name]), []).append(name)
+    scales, solved = {}, {}
+    for names in groups.values():
+        acc = stats[names[0]]
+        weights = {n: linear_weight(layers[n])[0] for n in names}
+        dim = next(iter(weights.values())).shape[1]
+        granularity = scheme.weight_granularity_for(dim)
+        s, _, _ = search_scale(
+            list(weights.values()),
+            acc.hessian,
+            acc.abs_mean,
+            scheme.weight_bits,
+            granularity,
+            scheme.weight_symmetric,
+            grid,
+        )
+        h_s = acc.hessian.float() / (s.unsqueeze(0) * s.unsqueeze(1))
+        for n, w in weights.items():
+            w_s = w.float() * s.to(w.device)
+            qp = None  # not clipped: round-to-nearest's own grid of W · diag(s)
+            if clip and clipped(n):
+                qp = search_clip(w_s, h_s, scheme.weight_bits, granularity, scheme.weight_symmetric, grid)
+            scales[n], solved[n] = s.to(w.device), (w, qp)
+    return scales, solved
 
 
 def _check_not_quantized(model: nn.Module) -> None:
@@ -330,9 +377,11 @@ def quantize(
     scales = {}
     if scheme.method == "smoothquant":
         scales = smoothquant_from_observed(layers, observed, float(scheme.param("alpha")))
-    solved = (
-        gptq_layers(model, layers, scheme, calibration, scales, rotations) if scheme.algo == "gptq" else {}
-    )
+    solved = {}
+    if scheme.algo == "gptq":
+        solved = gptq_layers(model, layers, scheme, calibration, scales, rotations)
+    elif scheme.algo == "awq":
+        scales, solved = awq_layers(model, layers, scheme, calibration)
     memo = {}
     for name, module in layers.items():
         static = (

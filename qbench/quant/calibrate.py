@@ -201,9 +201,15 @@ def _fingerprint(model: nn.Module, calibration: Tensor, names: tuple[str, ...]) 
 
 
 def hessians(model: nn.Module, layers: dict[str, nn.Module], calibration: Tensor) -> dict[str, Tensor]:
-    """Each layer's input Hessian H = (2/n) Σ x xᵀ over the calibration tokens, from the *float* model (GPTQ,
-    ``gptq.py``), cached per (model, windows, weights). Layers fed the very same input tensor (q/k/v after one
-    norm, gate/up) share one accumulator and one H. The model's train/eval flags come back as they were."""
+    """Each layer's input Hessian (:func:`input_statistics`)."""
+    return {name: acc.hessian for name, acc in input_statistics(model, layers, calibration).items()}
+
+
+def input_statistics(model: nn.Module, layers: dict[str, nn.Module], calibration: Tensor) -> dict[str, Any]:
+    """Each layer's ``gptq.HessianAccumulator``: its input Hessian H = (2/n) Σ x xᵀ and mean |x| per channel over
+    the calibration tokens, from the *float* model (GPTQ, ``gptq.py``; AWQ, ``awq.py``), cached per (model,
+    windows, weights). Layers fed the very same input tensor (q/k/v after one norm, gate/up) share one
+    accumulator (the same object). The model's train/eval flags come back as they were."""
     from qbench.quant.gptq import HessianAccumulator
 
     names = tuple(layers)
@@ -249,7 +255,7 @@ def hessians(model: nn.Module, layers: dict[str, nn.Module], calibration: Tensor
             h.remove()
         for m, training in modes.items():
             m.training = training
-    out = {name: acc.hessian for name, acc in accumulators.items()}
+    out: dict[str, Any] = dict(accumulators)
     out.update({name: out[owner] for name, owner in shared.items()})
     _HESSIANS.setdefault(model, {}).clear()  # one entry per model: a new protocol replaces the old one
     _HESSIANS[model][key] = out

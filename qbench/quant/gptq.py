@@ -49,7 +49,7 @@ GPTQ_DEFAULTS = {"damp": 0.01, "block": 128, "act_order": False}
 
 
 class HessianAccumulator:
-    """Running mean of 2·x xᵀ over the rows x of the inputs it is given (float32, (in, in)).
+    """Running mean of 2·x xᵀ over the rows x of the inputs it is given (float32, (in, in)), and of |x| per channel.
 
     ``add(x)`` takes any (..., in) tensor; rows are tokens. ``hessian`` is (2/n) Σ x xᵀ, n the tokens seen.
     The running-mean update (H ← H·n/(n+m) + (2/(n+m))·XᵀX) keeps the sums in range for many tokens.
@@ -59,6 +59,7 @@ class HessianAccumulator:
         self.dim = dim
         self.n = 0
         self.h = torch.zeros(dim, dim, dtype=torch.float32, device=device)
+        self.abs_sum = torch.zeros(dim, dtype=torch.float64, device=device)  # AWQ's s_X (``abs_mean``)
 
     def add(self, x: Tensor) -> None:
         rows = x.detach().reshape(-1, self.dim).float()
@@ -66,6 +67,7 @@ class HessianAccumulator:
         if m == 0:
             return
         total = self.n + m
+        self.abs_sum += rows.abs().sum(0, dtype=torch.float64)
         self.h.mul_(self.n / total)
         # 2/(n+m) · XᵀX, scaled before the product so that large activations stay in float32 range
         scaled = rows * math.sqrt(2.0 / total)
@@ -75,6 +77,11 @@ class HessianAccumulator:
     @property
     def hessian(self) -> Tensor:
         return self.h
+
+    @property
+    def abs_mean(self) -> Tensor:
+        """Each input channel's mean |x| over the tokens seen (float32, (in,))."""
+        return (self.abs_sum / max(self.n, 1)).float()
 
 
 @dataclass(frozen=True)

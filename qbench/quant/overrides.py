@@ -14,7 +14,8 @@ activation granularity becomes per tensor, since a static scale cannot follow to
 for per channel); ``calib``/``calib_seed`` the calibration windows and their sampling seed; ``head`` also
 quantise the LM head; plus the base method's own parameters (``alpha`` for smoothquant, ``seed`` for hadamard,
 ``threshold`` for llm-int8, ``blocksize`` for bnb-nf4); ``algo`` how the weights are rounded (``rtn``, the
-default, or ``gptq``) and GPTQ's settings ``damp`` (0.01), ``block`` (128), ``act_order`` (false). The bitsandbytes schemes take only ``head`` and their
+default, ``gptq`` or ``awq``), GPTQ's settings ``damp`` (0.01), ``block`` (128), ``act_order`` (false) and AWQ's
+``grid`` (20) and ``clip`` (true). The bitsandbytes schemes take only ``head`` and their
 own parameters: their layers fix everything else.
 """
 
@@ -80,6 +81,12 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _grid(text: str) -> int:
+    if text.isdigit() and int(text) >= 2:
+        return int(text)
+    raise ValueError("an integer ≥ 2")
+
+
 def _count(text: str) -> int:
     if text.isdigit() and int(text) >= 1:
         return int(text)
@@ -119,11 +126,14 @@ KEYS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "calib": ("calib_windows", _count, "int>=1"),
     "calib_seed": ("calib_seed", _seed, "int|none"),
     "head": ("quantize_lm_head", _bool, "true|false"),
-    "algo": ("algo", _algo, "rtn|gptq"),
+    "algo": ("algo", _algo, "rtn|gptq|awq"),
     # GPTQ's settings (gptq.py): dampening as a fraction of mean diag H, columns per lazy update, act order
     "damp": ("algo_params.damp", _fraction, "0<x<=1"),
     "block": ("algo_params.block", _count, "int>=1"),
     "act_order": ("algo_params.act_order", _bool, "true|false"),
+    # AWQ's settings (awq.py): points of the α search (and of the clipping search), whether to search clipping
+    "grid": ("algo_params.grid", _grid, "int>=2"),
+    "clip": ("algo_params.clip", _bool, "true|false"),
 }
 BNB_KEYS = ("head",)  # what the bitsandbytes schemes accept besides their own parameters
 SYNTAX = (

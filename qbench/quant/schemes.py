@@ -64,12 +64,14 @@ _METHOD_PARAMS = {
     "smoothquant": {"alpha": 0.5},
     "hadamard": {"seed": 0},
 }
-# How the weights are rounded onto the scheme's grid: round-to-nearest (every format's default) or GPTQ's
-# Hessian-based error correction (``gptq.py``), with that algorithm's settings (``algo_params``).
-ALGOS = ("rtn", "gptq")
+# How the weights are rounded onto the scheme's grid: round-to-nearest (every format's default), GPTQ's
+# Hessian-based error correction (``gptq.py``) or AWQ's activation-aware scales and clipping (``awq.py``), with
+# that algorithm's settings (``algo_params``).
+ALGOS = ("rtn", "gptq", "awq")
 _ALGO_PARAMS: dict[str, dict[str, Any]] = {
     "rtn": {},
     "gptq": {"damp": 0.01, "block": 128, "act_order": False},
+    "awq": {"grid": 20, "clip": True},
 }
 
 
@@ -246,7 +248,8 @@ def _check_algo(s: QuantScheme) -> None:
     unknown = set(s.algo_params) - set(_ALGO_PARAMS[s.algo])
     if unknown:
         known = sorted(_ALGO_PARAMS[s.algo])
-        hint = "; they are gptq settings: add algo=gptq" if set(unknown) <= set(_ALGO_PARAMS["gptq"]) else ""
+        owner = next((a for a in ("gptq", "awq") if set(unknown) <= set(_ALGO_PARAMS[a])), None)
+        hint = f"; they are {owner} settings: add algo={owner}" if owner and owner != s.algo else ""
         raise UserError(
             f"scheme {s.name!r}: unknown {s.algo} parameter(s) {sorted(unknown)}; known: {known or 'none'}{hint}"
         )
@@ -259,12 +262,23 @@ def _check_algo(s: QuantScheme) -> None:
         raise UserError(
             f"{where}: {s.algo} rounds onto integer grids; format {s.format!r} is round-to-nearest only"
         )
+    if s.algo == "awq" and s.method != "rtn":
+        raise UserError(
+            f"{where}: AWQ sets each layer's input scale itself; it does not combine with {s.method}"
+        )
     if s.weight_bits is None:
         raise UserError(f"{where}: the weights stay float; {s.algo} has nothing to round")
     g = s.weight_granularity
     if not (isinstance(g, PerGroup | PerTensor) or (isinstance(g, PerAxis) and g.axis in (0, -2))):
         raise UserError(f"{where}: weights per channel, per tensor or per group, not {g.label}")
     params = {**_ALGO_PARAMS[s.algo], **s.algo_params}
+    if s.algo == "awq":
+        grid, clip = params["grid"], params["clip"]
+        if isinstance(grid, bool) or not isinstance(grid, int) or grid < 2:
+            raise UserError(f"{where}: grid must be an integer ≥ 2 (points of the α search), got {grid!r}")
+        if not isinstance(clip, bool):
+            raise UserError(f"{where}: clip must be true or false, got {clip!r}")
+        return
     damp, block, act_order = params["damp"], params["block"], params["act_order"]
     if isinstance(damp, bool) or not isinstance(damp, int | float) or not 0 < damp <= 1:
         raise UserError(f"{where}: damp must be a number in (0, 1] (a fraction of mean diag H), got {damp!r}")

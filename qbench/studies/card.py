@@ -76,11 +76,14 @@ FORMATS: tuple[Format, ...] = (
         "int8 activations per token, float outputs",
     ),
     # The post-training algorithm a practitioner tries first on the low-bit rows (qbench.quant.gptq): the same
-    # grid and storage as the round-to-nearest row above it, the rounding chosen by GPTQ on train windows.
+    # grid and storage as the round-to-nearest row above it, the rounding (AWQ: and input scales) chosen on train
+    # windows (qbench.quant.awq for AWQ).
     Format("int4 per-channel weight-only + GPTQ", "zeropoint-int4:algo=gptq"),
     Format("int4 g128 weight-only + GPTQ", "zeropoint-int4-g128:algo=gptq"),
     Format("W4A8 g32 + GPTQ", "absmax-w4a8-g32:algo=gptq"),
     Format("int3 g128 weight-only + GPTQ", "zeropoint-int3-g128:algo=gptq"),
+    Format("int4 per-channel weight-only + AWQ", "zeropoint-int4:algo=awq"),
+    Format("int4 g128 weight-only + AWQ", "zeropoint-int4-g128:algo=awq"),
 )
 QUICK_FORMATS = (
     "absmax-fine",
@@ -1171,11 +1174,13 @@ def quantised_text(scheme: Mapping[str, Any]) -> str:
         text += f" + {part('A', scheme.get('act_bits'), scheme.get('act_granularity'))} ({scales})"
     if scheme.get("out_bits") is not None:
         text += f" + O{scheme['out_bits']} {_granularity(scheme.get('out_granularity'))}"
+    windows = (scheme.get("calibration") or {}).get("windows", scheme.get("calib_windows"))
+    params = scheme.get("algo_params") or {}
     if scheme.get("algo") == "gptq":
-        windows = (scheme.get("calibration") or {}).get("windows", scheme.get("calib_windows"))
-        return (
-            text + f"; GPTQ ({windows} train windows, damp {(scheme.get('algo_params') or {}).get('damp')})"
-        )
+        return text + f"; GPTQ ({windows} train windows, damp {params.get('damp')})"
+    if scheme.get("algo") == "awq":
+        clip = ", clipping searched" if params.get("clip") else ""
+        return text + f"; AWQ ({windows} train windows, α grid {params.get('grid')}{clip})"
     return text + "; RTN"
 
 
@@ -1666,22 +1671,30 @@ def _algorithm_lines(formats: Sequence[Mapping[str, Any]], limit: str) -> list[s
     by_scheme = {f["scheme"]: f for f in formats}
     lines = []
     for f in formats:
-        base, _, spec = f["scheme"].partition(":")
-        items = [i for i in spec.split(",") if i and i != "algo=gptq"]
-        if "algo=gptq" not in spec.split(","):
+        algo = _algo_of(f["scheme"])
+        if algo is None:
             continue
+        base, _, spec = f["scheme"].partition(":")
+        items = [i for i in spec.split(",") if i and i != f"algo={algo}"]
         rtn = by_scheme.get(base + (":" + ",".join(items) if items else ""))
         if rtn is None or f["status"] != "ok" or rtn["status"] != "ok":
             continue
+        name = algo.upper()
         change = f"{_pct(rtn['ppl_change_pct'])} → {_pct(f['ppl_change_pct'])}"
         if rtn.get("verdict") == "beyond" and f.get("verdict") == "within":
             lines.append(
-                f"GPTQ rescues {rtn['label']}: {change}, within {limit} where round-to-nearest is not."
+                f"{name} rescues {rtn['label']}: {change}, within {limit} where round-to-nearest is not."
             )
         elif rtn.get("verdict") == "beyond":
             state = "undecided" if f.get("verdict") == "undecided" else "still beyond"
-            lines.append(f"GPTQ does not rescue {rtn['label']}: {change} ({state} {limit}).")
+            lines.append(f"{name} does not rescue {rtn['label']}: {change} ({state} {limit}).")
     return lines
+
+
+def _algo_of(scheme: str) -> str | None:
+    """The post-training algorithm a scheme name asks for (``…:algo=gptq``), None for round-to-nearest."""
+    items = scheme.partition(":")[2].split(",")
+    return next((i.split("=", 1)[1] for i in items if i.startswith("algo=") and i != "algo=rtn"), None)
 
 
 def _not_measured(
@@ -1695,15 +1708,17 @@ def _not_measured(
     the numbers."""
     measured = {f["scheme"] for f in formats}
     missing = [f.label for f in FORMATS if f.scheme not in measured and _canonical(f.scheme) not in measured]
-    gptq = [f["label"] for f in formats if ":algo=gptq" in f["scheme"] or ",algo=gptq" in f["scheme"]]
+    algos = [f["label"] for f in formats if _algo_of(f["scheme"])]
     lines = [
         (
-            f"Algorithms: GPTQ in the rows that say so ({', '.join(gptq)}); every other format is round-to-nearest"
-            if gptq
+            f"Algorithms: GPTQ or AWQ in the rows that say so ({', '.join(algos)}); every other format is "
+            "round-to-nearest"
+            if algos
             else "Algorithms: every format is round-to-nearest at its standard settings (`--budget standard` adds "
-            "GPTQ rows)"
+            "GPTQ and AWQ rows)"
         )
-        + " — no AWQ, SmoothQuant α search or learned rotation was applied (each would change these rows).",
+        + " — no SmoothQuant α search, residual-stream rotation (QuaRot) or learned rotation was applied (each "
+        "would change these rows).",
         f"Tasks: next-token quality on {protocol.get('corpus')}/{protocol.get('split')} only "
         f"({protocol.get('tokens_scored'):,} tokens, window {protocol.get('window')}); no downstream task "
         "(`qbench lm-eval` runs lm-evaluation-harness tasks on a quantised model).",

@@ -243,6 +243,7 @@ def test_scheme_names_records_and_refusals():
     assert needs_calibration(s) and not needs_calibration(get_scheme("zeropoint-int4"))
     for bad, match in (
         ("zeropoint-int4:damp=0.1", "gptq settings: add algo=gptq"),
+        ("zeropoint-int4:grid=5", "awq settings: add algo=awq"),
         ("zeropoint-int4:algo=gtpq", "did you mean 'gptq'"),
         ("zeropoint-int4:algo=gptq,damp=2", r"damp takes a number in \(0, 1\]"),
         ("mxfp4:algo=gptq", "integer grids"),

@@ -346,8 +346,11 @@ def test_the_verdict_says_when_gptq_rescues_a_format():
     assert not any("int2" in line and "GPTQ" in line and "rescue" in line for line in lines)
     gaps = card._not_measured(rows, {}, False, {"tokens_scored": 10, "window": 5}, {"budget": "standard"})
     assert gaps[0].startswith(
-        "Algorithms: GPTQ in the rows that say so (int4 + GPTQ, int3 + GPTQ, int2 + GPTQ)"
+        "Algorithms: GPTQ or AWQ in the rows that say so (int4 + GPTQ, int3 + GPTQ, int2 + GPTQ)"
     )
+    rows = [_row("int4", "zeropoint-int4", 8.0, 100), _row("int4 + AWQ", "zeropoint-int4:algo=awq", 0.5, 100)]
+    lines = card._verdict(rows, {}, {"linear_ranges": {"per_layer": {}}}, None, 1.0)["lines"]
+    assert "AWQ rescues int4: +8.00 % → +0.50 %, within 1 % where round-to-nearest is not." in lines
 
 
 def test_each_format_row_says_what_it_quantised():
@@ -362,6 +365,7 @@ def test_each_format_row_says_what_it_quantised():
     assert text("absmax-coarse").endswith("+ O8 per tensor; RTN")
     assert text("bnb-nf4").startswith("W4 NF4 g64, weight-only")
     assert text("smoothquant").startswith("SmoothQuant α 0.5 (calibrated), then W8 int per tensor")
+    assert text("zeropoint-int4:algo=awq").endswith("; AWQ (8 train windows, α grid 20, clipping searched)")
     assert text("zeropoint-int4:algo=gptq") == (
         "W4 int per channel asymmetric, weight-only; GPTQ (8 train windows, damp 0.01)"
     )

@@ -56,6 +56,7 @@ COMMAND_MODULES = (
     "emergence",
     "reproduce",
     "recipes",
+    "algorithms",
     "train",
     "data",
 )

@@ -29,6 +29,7 @@ WRITERS = {
     "emergence",
     "reproduce",
     "recipes",
+    "algorithms",
     "data",
 }
 TOKEN_DEFAULTS = {  # command -> (option dest, its budget)
@@ -43,6 +44,7 @@ TOKEN_DEFAULTS = {  # command -> (option dest, its budget)
     "demo": ("tokens", DEMO_TOKENS),
     "reproduce": ("eval_tokens", PAPER_TOKENS),
     "recipes": ("tokens", DEMO_TOKENS),
+    "algorithms": ("tokens", EVAL_TOKENS),
     "speed": ("tokens", TIMING_TOKENS),
 }
 BUDGET_DESTS = {"tokens", "eval_tokens", "model_tokens"}

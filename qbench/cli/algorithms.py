@@ -1,0 +1,66 @@
+"""``qbench algorithms``: round-to-nearest, GPTQ, AWQ and Hadamard rotations side by side per low-bit format."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from qbench.cli.args import add_model_arguments
+from qbench.cli.base import SEED_HELP, add_output_argument, console
+from qbench.cli.budgets import EVAL_TOKENS
+
+NAME = "algorithms"
+HELP = "post-training algorithms (RTN, GPTQ, AWQ, Hadamard) side by side per low-bit format; one table"
+
+FORMAT_CHOICES = "int4, int4-g128, int3-g128, w4a8, w4a4"
+ALGORITHM_CHOICES = "rtn, gptq, awq, hadamard, hadamard+gptq"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p, tokens=EVAL_TOKENS, many=True)
+    p.add_argument(
+        "--formats",
+        default=FORMAT_CHOICES.replace(" ", ""),
+        help="comma list of low-bit formats: int4 (per channel), int4-g128, int3-g128, w4a8 (per channel / per "
+        "token), w4a4",
+    )
+    p.add_argument(
+        "--algorithms",
+        default=ALGORITHM_CHOICES.replace(" ", ""),
+        help="comma list of algorithms, rtn required (the others are compared with it); GPTQ and AWQ "
+        "calibrate on 8 windows of the train split",
+    )
+    add_output_argument(
+        p, "the records, algorithms.json and table.md", default="results/algorithms", metavar="DIR"
+    )
+    p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
+    p.add_argument(
+        "--attention", action="store_true", help="also record attention statistics (slower; default: off)"
+    )
+
+
+def run(args: argparse.Namespace) -> int | None:
+    from dataclasses import replace
+
+    from qbench.cli.evaluate import grid_spec, print_record
+    from qbench.studies.algorithms import AlgorithmsConfig, run_algorithms
+
+    cfg = AlgorithmsConfig(
+        models=tuple(args.ckpt),
+        formats=tuple(f.strip() for f in args.formats.split(",") if f.strip()),
+        algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
+        output_path=Path(args.output_path),
+        command=getattr(args, "command_line", ""),
+    )
+    cfg.check()
+    # the grid's own options, as `qbench grid` builds them (float model, protocol, seed, loading)
+    args.scheme, args.mode, args.exclude, args.quantize_lm_head = None, None, None, False
+    args.no_attention, args.kv_bits, args.kv_scheme = not args.attention, None, None
+    args.kv_keep_first, args.kv_keep_sinks = None, None
+
+    def spec_for(schemes: list[str]):
+        return replace(grid_spec(args, list(args.ckpt)), schemes=schemes)
+
+    result = run_algorithms(cfg, spec_for, on_record=print_record)
+    console.print(f"table: {cfg.output_path / 'table.md'} ({result['wall_seconds']:.0f} s)")
+    return None

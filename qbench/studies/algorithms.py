@@ -1,0 +1,347 @@
+"""``qbench algorithms``: the post-training algorithms a practitioner tries first, side by side on one grid.
+
+For each model and each low-bit format (:data:`FORMATS`: int4 per channel, int4 g128, int3 g128, W4A8, W4A4) the
+same weights are quantised with every algorithm of :data:`ALGORITHMS` — round-to-nearest, GPTQ
+(``qbench.quant.gptq``), AWQ (``qbench.quant.awq``), an in-layer Hadamard rotation before round-to-nearest and
+before GPTQ — and scored on the same tokens by the harness (records, per-token evidence, reuse as in ``qbench
+grid``). The table (``table.md``, generated from ``algorithms.json``) gives per cell the perplexity change against
+the float model with its 95 % interval, the mean KL divergence, and the time the quantisation took (the cell's wall
+time minus its evaluation, calibration included); per format which algorithm is best, decided from *paired*
+intervals on the same tokens (the per-token NLL of each algorithm against round-to-nearest's).
+
+With several models, the first is the baseline (the model one already has, e.g. ``vanilla``) and each other model
+(a training-time remedy) is compared with round-to-nearest against the baseline's best algorithm: *below* when its
+interval lies wholly below the baseline's, *above* when wholly above, else *overlapping* (the models differ, so
+these intervals are not paired).
+
+The rotation is the in-layer Hadamard of the ``hadamard-*`` schemes (each linear's input and weight rows rotated
+inside the layer), not QuaRot's rotation of the residual stream with folded norms; the table says so.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from models.errors import UserError, unknown_choice
+from models.io import atomic_write_json, atomic_write_text
+
+# (label, the round-to-nearest scheme, the same grid after the in-layer Hadamard rotation)
+FORMATS: tuple[tuple[str, str, str], ...] = (
+    ("int4 per channel", "zeropoint-int4", "hadamard-zeropoint-int4"),
+    ("int4 g128", "zeropoint-int4-g128", "hadamard-zeropoint-int4:group=128"),
+    ("int3 g128", "zeropoint-int3-g128", "hadamard-zeropoint-int4:group=128,w=3"),
+    ("W4A8 per channel/token", "absmax-w4a8", "hadamard-absmax-coarse:agran=token,group=none,o=none,w=4"),
+    (
+        "W4A4 per channel/token",
+        "absmax-fine:a=4,w=4",
+        "hadamard-absmax-coarse:a=4,agran=token,group=none,o=none,w=4",
+    ),
+)
+ALGORITHMS = ("rtn", "gptq", "awq", "hadamard", "hadamard+gptq")
+ALGORITHM_LABELS = {
+    "rtn": "RTN",
+    "gptq": "GPTQ",
+    "awq": "AWQ",
+    "hadamard": "Hadamard + RTN",
+    "hadamard+gptq": "Hadamard + GPTQ",
+}
+FORMAT_LABELS = tuple(f[0] for f in FORMATS)
+FORMAT_KEYS = {"int4": 0, "int4-g128": 1, "int3-g128": 2, "w4a8": 3, "w4a4": 4}  # --formats names
+
+
+def _with(name: str, item: str) -> str:
+    return f"{name}{',' if ':' in name else ':'}{item}"
+
+
+def scheme_for(format_index: int, algo: str) -> str:
+    """The canonical scheme name of one (format, algorithm) cell."""
+    from qbench.quant.schemes import get_scheme
+
+    if algo not in ALGORITHMS:
+        raise unknown_choice("algorithm", algo, ALGORITHMS)
+    _, rtn, rotated = FORMATS[format_index]
+    name = {
+        "rtn": rtn,
+        "gptq": _with(rtn, "algo=gptq"),
+        "awq": _with(rtn, "algo=awq"),
+        "hadamard": rotated,
+        "hadamard+gptq": _with(rotated, "algo=gptq"),
+    }[algo]
+    return get_scheme(name).name
+
+
+@dataclass(frozen=True)
+class AlgorithmsConfig:
+    models: tuple[str, ...]
+    formats: tuple[str, ...] = tuple(FORMAT_KEYS)
+    algorithms: tuple[str, ...] = ALGORITHMS
+    output_path: Path = Path("results/algorithms")
+    command: str = ""
+
+    def format_indices(self) -> list[int]:
+        out = []
+        for key in self.formats:
+            if key not in FORMAT_KEYS:
+                raise unknown_choice("--formats", key, tuple(FORMAT_KEYS))
+            out.append(FORMAT_KEYS[key])
+        return out
+
+    def check(self) -> None:
+        self.format_indices()
+        for algo in self.algorithms:
+            if algo not in ALGORITHMS:
+                raise unknown_choice("--algorithms", algo, ALGORITHMS)
+        if "rtn" not in self.algorithms:
+            raise UserError("--algorithms must include rtn: every other algorithm is compared with it")
+
+
+def schemes(cfg: AlgorithmsConfig) -> list[str]:
+    return [scheme_for(i, a) for i in cfg.format_indices() for a in cfg.algorithms]
+
+
+def _tokens(output_path: Path, record: Mapping[str, Any]) -> Any:
+    from qbench.eval.evidence import read
+
+    path = output_path / record["model"]["name"] / "record.json"  # the sidecar lies beside the record
+    data = read(path, record)
+    return None if data is None else data["nll"]
+
+
+def _paired(a: Any, b: Any) -> list[float] | None:
+    """95 % interval (percent) of ppl(a) / ppl(b) − 1 on the same tokens, windows as clusters."""
+    if a is None or b is None or a.shape != b.shape:
+        return None
+    from qbench.eval.evidence import paired_metrics
+
+    return paired_metrics(a, b)["ppl_change_ci95"]
+
+
+def _cell(record: Mapping[str, Any]) -> dict[str, Any]:
+    m = record.get("metrics") or {}
+    ok = record.get("status") == "ok"
+    quant_s = None
+    if record.get("wall_seconds") is not None and record.get("eval_seconds") is not None:
+        quant_s = max(float(record["wall_seconds"]) - float(record["eval_seconds"]), 0.0)
+    return {
+        "scheme": record["scheme"]["name"],
+        "status": record.get("status"),
+        "error": record.get("error"),
+        "ppl": m.get("perplexity") if ok else None,
+        "ppl_change_pct": m.get("ppl_change_pct") if ok else None,
+        "ppl_change_ci95": m.get("ppl_change_ci95") if ok else None,
+        "kld_mean": m.get("kld_mean") if ok else None,
+        "top1_agreement": m.get("top1_agreement") if ok else None,
+        "quantize_seconds": quant_s,
+        "eval_seconds": record.get("eval_seconds"),
+    }
+
+
+def build(cfg: AlgorithmsConfig, records: Sequence[Mapping[str, Any]], output_path: Path) -> dict[str, Any]:
+    """The comparison (algorithms.json's content) from the grid's records."""
+    by_key = {(r["model"]["name"], r["scheme"]["name"]): r for r in records}
+    fps = [r for r in records if r["scheme"]["name"] == "fp"]
+    models = list(dict.fromkeys(r["model"]["name"] for r in fps))
+    rows = []
+    for model in models:
+        for i in cfg.format_indices():
+            cells, nll = {}, {}
+            for algo in cfg.algorithms:
+                record = by_key.get((model, scheme_for(i, algo)))
+                if record is None:
+                    continue
+                cells[algo] = _cell(record)
+                nll[algo] = _tokens(output_path, record) if record.get("status") == "ok" else None
+            for algo, cell in cells.items():  # paired against round-to-nearest on the same tokens
+                cell["vs_rtn_ci95"] = None if algo == "rtn" else _paired(nll.get(algo), nll.get("rtn"))
+                ci = cell["vs_rtn_ci95"]
+                cell["vs_rtn"] = (
+                    None if ci is None else ("better" if ci[1] < 0 else "worse" if ci[0] > 0 else "undecided")
+                )
+            ranked = sorted(
+                (a for a, c in cells.items() if c["ppl_change_pct"] is not None),
+                key=lambda a: cells[a]["ppl_change_pct"],
+            )
+            best = ranked[0] if ranked else None
+            tie = []
+            if best is not None:
+                for other in ranked[1:]:
+                    ci = _paired(nll.get(best), nll.get(other))
+                    if ci is None or ci[1] >= 0:  # not decidedly better than this one
+                        tie.append(other)
+            rows.append(
+                {
+                    "model": model,
+                    "format": FORMATS[i][0],
+                    "cells": cells,
+                    "best": best,
+                    "best_tied_with": tie,
+                }
+            )
+    remedies = _remedies(rows, models)
+    fp0 = fps[0] if fps else {}
+    return {
+        "command": cfg.command,
+        "models": models,
+        "formats": [FORMATS[i][0] for i in cfg.format_indices()],
+        "algorithms": list(cfg.algorithms),
+        "schemes": {
+            FORMATS[i][0]: {a: scheme_for(i, a) for a in cfg.algorithms} for i in cfg.format_indices()
+        },
+        "fp_perplexity": {r["model"]["name"]: (r.get("metrics") or {}).get("perplexity") for r in fps},
+        "protocol": fp0.get("protocol"),
+        "env": fp0.get("env"),
+        "machine": machine_line(),
+        "seed": fp0.get("seed"),
+        "rows": rows,
+        "remedies": remedies,
+    }
+
+
+def _remedies(rows: list[dict[str, Any]], models: list[str]) -> list[dict[str, Any]]:
+    """Each other model's round-to-nearest against the first model's best algorithm, per format."""
+    if len(models) < 2:
+        return []
+    base = {r["format"]: r for r in rows if r["model"] == models[0]}
+    out = []
+    for r in rows:
+        if r["model"] == models[0] or r["format"] not in base or base[r["format"]]["best"] is None:
+            continue
+        b = base[r["format"]]
+        best = b["cells"][b["best"]]
+        mine = r["cells"].get("rtn")
+        if mine is None or mine["ppl_change_ci95"] is None or best["ppl_change_ci95"] is None:
+            relation = "not measured"
+        elif mine["ppl_change_ci95"][1] < best["ppl_change_ci95"][0]:
+            relation = "below"
+        elif mine["ppl_change_ci95"][0] > best["ppl_change_ci95"][1]:
+            relation = "above"
+        else:
+            relation = "overlapping"
+        out.append(
+            {
+                "model": r["model"],
+                "format": r["format"],
+                "rtn_ppl_change_pct": None if mine is None else mine["ppl_change_pct"],
+                "baseline": models[0],
+                "baseline_best": b["best"],
+                "baseline_best_ppl_change_pct": best["ppl_change_pct"],
+                "relation": relation,
+            }
+        )
+    return out
+
+
+def machine_line() -> str:
+    """The processor and the instruction-set flags that decide kernel paths (lscpu's model name and flags)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    shown = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags]
+    return f"{model}; flags {', '.join(shown) or 'none of avx2/avx512/amx'}"
+
+
+def _fmt_pct(x: float | None) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x:+.2f} %"
+
+
+def _cell_text(cell: Mapping[str, Any] | None) -> str:
+    if cell is None:
+        return "not run"
+    if cell["status"] != "ok":
+        return str(cell["status"])
+    ci = cell["ppl_change_ci95"]
+    half = "" if ci is None else f" ±{(ci[1] - ci[0]) / 2:.2f}"
+    text = f"{_fmt_pct(cell['ppl_change_pct'])}{half}"
+    if cell["kld_mean"] is not None:
+        text += f"; KLD {cell['kld_mean']:.3f}"
+    secs = cell["quantize_seconds"]
+    if secs is not None:
+        text += f"; {secs:.0f} s"
+    if cell.get("vs_rtn") and cell["vs_rtn"] != "undecided":
+        text += f" ({cell['vs_rtn']})"
+    return text
+
+
+def render(result: Mapping[str, Any]) -> str:
+    """table.md from algorithms.json's content."""
+    algos = result["algorithms"]
+    protocol = result.get("protocol") or {}
+    env = result.get("env") or {}
+    sw = env.get("software") or {}
+    lines = [
+        "# Post-training algorithms side by side",
+        "",
+        f"Command: `{result['command']}`",
+        "",
+        f"Machine: {result['machine']}, {env.get('threads')} threads; torch {sw.get('torch')}, transformers "
+        f"{sw.get('transformers')}; git {env.get('git_commit')}; seed {result.get('seed')}.",
+        "",
+        f"Protocol: token-level perplexity on {protocol.get('corpus')}/{protocol.get('split')}, "
+        f"{protocol.get('tokens_scored')} tokens, window {protocol.get('window')}, stride {protocol.get('stride')}, "
+        f"{protocol.get('dtype')}. Each cell: perplexity change against the float model ± the half-width of its 95 % "
+        "interval (paired, windows as clusters); mean KL divergence from the float model (nats); seconds to "
+        "quantise (the cell's wall time minus its evaluation: calibration forward, Hessians and solves; a grid "
+        "computes the Hessians once per model, so the first GPTQ/AWQ cell carries them); (better) / (worse): the "
+        "paired 95 % interval of its perplexity against round-to-nearest's on the same tokens lies wholly below / "
+        "above zero. Calibration: 8 windows of the train split. Hadamard: the in-layer rotation of the "
+        "`hadamard-*` schemes, not QuaRot's residual-stream rotation.",
+        "",
+    ]
+    header = "| model | format | " + " | ".join(ALGORITHM_LABELS[a] for a in algos) + " | best |"
+    lines += [header, "|" + "---|" * (len(algos) + 3)]
+    for row in result["rows"]:
+        best = "-" if row["best"] is None else ALGORITHM_LABELS[row["best"]]
+        if row["best_tied_with"]:
+            best += " (tied with " + ", ".join(ALGORITHM_LABELS[a] for a in row["best_tied_with"]) + ")"
+        cells = " | ".join(_cell_text(row["cells"].get(a)) for a in algos)
+        lines.append(f"| {row['model']} | {row['format']} | {cells} | {best} |")
+    fp = result.get("fp_perplexity") or {}
+    lines += ["", "Float perplexity: " + ", ".join(f"{m} {p:.3f}" for m, p in fp.items() if p) + "."]
+    if result.get("remedies"):
+        base = result["models"][0]
+        lines += [
+            "",
+            f"## Training-time remedies with round-to-nearest against {base}'s best post-training algorithm",
+            "",
+            "| model | format | its RTN change | "
+            + f"{base}'s best | relation (95 % intervals; different models, not paired) |",
+            "|---|---|---|---|---|",
+        ]
+        for r in result["remedies"]:
+            lines.append(
+                f"| {r['model']} | {r['format']} | {_fmt_pct(r['rtn_ppl_change_pct'])} | "
+                f"{ALGORITHM_LABELS[r['baseline_best']]} {_fmt_pct(r['baseline_best_ppl_change_pct'])} | "
+                f"{r['relation']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def run_algorithms(cfg: AlgorithmsConfig, spec_for: Any, on_record: Any = None) -> dict[str, Any]:
+    """Evaluate the grid (``spec_for(schemes)`` -> the harness's GridSpec of these models), then write
+    ``algorithms.json`` and ``table.md`` under ``cfg.output_path``."""
+    from qbench.eval.harness import run_grid
+
+    cfg.check()
+    spec = spec_for(schemes(cfg))
+    start = time.perf_counter()
+    records = run_grid(spec, on_record=on_record)
+    result = build(cfg, records, Path(spec.output_path))
+    result["wall_seconds"] = time.perf_counter() - start
+    out = Path(cfg.output_path)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "algorithms.json", result)
+    atomic_write_text(out / "table.md", render(result))
+    return result

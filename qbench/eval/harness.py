@@ -178,6 +178,10 @@ class GridSpec:
             }
             if scheme.algo == "gptq":  # what the Hessians are of (qbench.quant.gptq's docstring)
                 record["calibration"]["hessian"] = "float model's inputs, (2/n) sum x x^T per layer"
+            elif scheme.algo == "awq":  # what the scale and clipping searches read (qbench.quant.awq)
+                record["calibration"]["statistics"] = (
+                    "float model's inputs: mean |x| per channel and (2/n) sum x x^T per layer"
+                )
         return record
 
 

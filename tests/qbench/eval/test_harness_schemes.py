@@ -92,3 +92,12 @@ def test_cli_takes_overrides_and_explains_them(tmp_path, ckpt_dir, capsys):
     assert "w takes an integer 2–8 or none" in capsys.readouterr().err
     assert main(["ls", "schemes"]) == 0
     assert "NAME:key=value" in capsys.readouterr().out.replace("\n", " ")
+
+
+def test_algorithm_records_say_what_their_statistics_are_of(tmp_path, ckpt_dir):
+    spec = grid(tmp_path, ckpt_dir, ["zeropoint-int4:algo=gptq", "zeropoint-int4:algo=awq"])
+    gptq, awq = (spec.scheme_record(s) for s in spec.schemes)
+    assert gptq["algo"] == "gptq" and gptq["algo_params"] == {"damp": 0.01, "block": 128, "act_order": False}
+    assert gptq["calibration"]["hessian"].startswith("float model's inputs")
+    assert awq["calibration"]["statistics"].startswith("float model's inputs: mean |x|")
+    assert rebuilt(gptq) == get_scheme("zeropoint-int4:algo=gptq")

@@ -63,9 +63,23 @@ def _agran(text: str) -> Granularity:
     raise ValueError("token, tensor or channel")
 
 
-def _algo(text: str) -> str:
-    from qbench.quant.schemes import ALGOS  # schemes imports this module: looked up when parsing
+# How the weights are rounded onto the scheme's grid: round-to-nearest (every format's default), GPTQ's
+# Hessian-based error correction (``gptq.py``) or AWQ's activation-aware scales and clipping (``awq.py``), with
+# that algorithm's settings (``algo_params``).
+ALGOS = ("rtn", "gptq", "awq")
+_ALGO_PARAMS: dict[str, dict[str, Any]] = {
+    "rtn": {},
+    "gptq": {"damp": 0.01, "block": 128, "act_order": False},
+    "awq": {"grid": 20, "clip": True},
+}
 
+
+def algo_defaults(algo: str) -> dict[str, Any]:
+    """The settings ``algo`` takes when none are given (unknown names give {}: the scheme check names them)."""
+    return dict(_ALGO_PARAMS.get(algo, {}))
+
+
+def _algo(text: str) -> str:
     if text in ALGOS:
         return text
     raise ValueError(" or ".join(ALGOS) + did_you_mean(text, ALGOS))
@@ -215,8 +229,6 @@ def parse_overrides(spec: str, base: Any, full: str) -> dict[str, tuple[str, Any
 def _updates(base: Any, parsed: dict[str, tuple[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per key, the fields it sets (static=true on a per-token activation also sets per-tensor, see docstring)."""
     updates: dict[str, dict[str, Any]] = {}
-    from qbench.quant.schemes import algo_defaults
-
     algo = parsed.get("algo", ("", base.algo))[1]
     # the algorithm's settings start from its defaults when algo= changes it, else from the base's
     algo_params = base.algo_params if algo == base.algo else algo_defaults(algo)
@@ -257,8 +269,6 @@ def apply_overrides(base: Any, spec: str, full: str | None = None) -> Any:
         raise UserError(f"scheme {full!r}: nothing after ':'; give overrides as {SYNTAX}")
     parsed = parse_overrides(spec, base, full)
     updates = _updates(base, parsed)
-    from qbench.quant.schemes import algo_defaults
-
     algo = parsed.get("algo", ("", base.algo))[1]
     start = {**algo_defaults(algo), **(base.algo_params if algo == base.algo else {})}
 

@@ -53,7 +53,7 @@ from qbench.quant.granularity import (
     is_static_granularity,
     unit,
 )
-from qbench.quant.overrides import apply_overrides
+from qbench.quant.overrides import _ALGO_PARAMS, ALGOS, algo_defaults, apply_overrides  # noqa: F401
 
 METHODS = ("rtn", "llm-int8", "bnb-nf4", "smoothquant", "hadamard")
 BNB_METHODS = ("llm-int8", "bnb-nf4")  # run by bitsandbytes in either mode: no fake emulation
@@ -64,22 +64,6 @@ _METHOD_PARAMS = {
     "smoothquant": {"alpha": 0.5},
     "hadamard": {"seed": 0},
 }
-# How the weights are rounded onto the scheme's grid: round-to-nearest (every format's default), GPTQ's
-# Hessian-based error correction (``gptq.py``) or AWQ's activation-aware scales and clipping (``awq.py``), with
-# that algorithm's settings (``algo_params``).
-ALGOS = ("rtn", "gptq", "awq")
-_ALGO_PARAMS: dict[str, dict[str, Any]] = {
-    "rtn": {},
-    "gptq": {"damp": 0.01, "block": 128, "act_order": False},
-    "awq": {"grid": 20, "clip": True},
-}
-
-
-def algo_defaults(algo: str) -> dict[str, Any]:
-    """The settings ``algo`` takes when none are given (unknown names give {}: the scheme check names them)."""
-    return dict(_ALGO_PARAMS.get(algo, {}))
-
-
 _PER_CHANNEL, _PER_TOKEN, _PER_TENSOR = PerAxis(0), PerToken(), PerTensor()  # immutable defaults
 
 

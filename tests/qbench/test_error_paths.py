@@ -69,8 +69,14 @@ def test_bitsandbytes_layers_refuse_a_rotation_or_input_scale():
     from qbench.quant.schemes import SCHEMES
 
     weight = torch.randn(32, 64)
-    for kwargs in ({"rotation": torch.eye(64)}, {"input_scale": torch.ones(64)}):
-        with pytest.raises(UserError, match="bitsandbytes layers take no input scale or rotation"):
+    from qbench.quant.granularity import PerAxis
+    from qbench.quant.primitives import choose_qparams
+
+    grid = choose_qparams(weight, 8, PerAxis(0), True)
+    for kwargs in ({"rotation": torch.eye(64)}, {"input_scale": torch.ones(64)}, {"weight_qparams": grid}):
+        with pytest.raises(
+            UserError, match="bitsandbytes layers take no input scale, rotation or given weight"
+        ):
             make_real_linear(weight, None, SCHEMES.get("llm-int8"), **kwargs)
 
 

@@ -275,12 +275,16 @@ def gptq_layers(
     h = _statistics(model, layers, scheme, calibration)
     params = scheme.algo_params
     out = {}
+    transformed: dict[tuple[int, int, int], Tensor] = {}  # q/k/v share one H and rotation: carried over once
     for name, module in layers.items():
         weight = linear_weight(module)[0]
         s, r = scales.get(name), rotations.get(name)
+        key = (id(h[name]), id(s), id(r))
+        if key not in transformed:
+            transformed[key] = _transform_hessian(h[name].hessian.to(weight.device), s, r)
         result = gptq_quantize(
             transform_weight(weight, s, r),
-            _transform_hessian(h[name].hessian.to(weight.device), s, r),
+            transformed[key],
             scheme.weight_bits,
             scheme.weight_granularity_for(weight.shape[1]),
             scheme.weight_symmetric,

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from qbench.quant.fake import fake_quantize_weight, pad_to_groups
 from qbench.quant.granularity import Granularity, PerGroup, PerTensor
-from qbench.quant.primitives import QParams, qparams_from_stats
+from qbench.quant.primitives import QParams, qparams_from_stats, qrange
 
 AWQ_DEFAULTS = {"grid": 20, "clip": True}
 MAX_SHRINK = (
@@ -125,12 +125,12 @@ def search_clip(
     lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
     peak = torch.maximum(hi, -lo)
     best_err = best_lo = best_hi = None
+    qmin, qmax = qrange(bits, symmetric)
     for i in range(int(MAX_SHRINK * grid)):
         r = 1 - i / grid
         c_lo, c_hi = torch.maximum(lo, -r * peak), torch.minimum(hi, r * peak)
         scale, zero = qparams_from_stats((c_lo, c_hi), bits, symmetric)
         q = torch.round(blocks / scale) + (0 if zero is None else zero)
-        qmin, qmax = (-(2 ** (bits - 1) - 1), 2 ** (bits - 1) - 1) if symmetric else (0, 2**bits - 1)
         deq = (q.clamp(qmin, qmax) - (0 if zero is None else zero)) * scale
         delta = (deq - blocks).reshape(out, n_groups, g)
         if per_tensor:

@@ -75,6 +75,10 @@ def _same_value(a: Any, b: Any) -> bool:
         return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
     if a is b:
         return True
+    if isinstance(a, nn.Module) and isinstance(b, nn.Module):
+        # a module held outside ``_modules`` (transformers keeps hub-kernel function wrappers in a plain dict,
+        # ``_kernel_funcs``): compared as a module, since deepcopy makes a new one without value equality
+        return _same_held_module(a, b)
     key = getattr(type(a), "computation_key", None)
     if callable(key) and type(a) is type(b):  # a stateful helper that names what decides its output
         return _same_value(a.computation_key(), b.computation_key())
@@ -88,6 +92,22 @@ def _same_value(a: Any, b: Any) -> bool:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # an object without a usable equality: a difference (no replay, never a wrong one)
         return False
+
+
+_COMPARING: set[tuple[int, int]] = set()  # module pairs under comparison through plain attributes
+
+
+def _same_held_module(a: nn.Module, b: nn.Module) -> bool:
+    """``same_module`` for a module reached through a plain attribute; a pair met again while it is being compared
+    (an attribute pointing back up the tree) counts as a difference: no replay, never a wrong one."""
+    pair = (id(a), id(b))
+    if pair in _COMPARING:
+        return False
+    _COMPARING.add(pair)
+    try:
+        return same_module(a, b)
+    finally:
+        _COMPARING.discard(pair)
 
 
 def _same_node(a: nn.Module, b: nn.Module) -> bool:

@@ -35,8 +35,9 @@ Where the cache is intercepted:
   keys/values: the (key, value) the function receives is what the model's cache stores (after RoPE, before
   GQA's repeat). The wrapper computes each query's view explicitly (``kvschemes.hf_attention``; schemes that
   never read a written position in float hand the stored keys/values to the wrapped implementation).
-- Transformers models whose attention module computes attention itself (Falcon, Bloom, MPT, GPT-Neo, XGLM)
-  keep their implementation name — renaming it would change their code path: Falcon tests
+- Transformers models whose attention module computes attention itself (Bloom, MPT, GPT-Neo, XGLM; Falcon
+  before transformers 5.25, which moved it onto the interface) keep their implementation name — renaming it
+  would change their code path: such a Falcon tests
   ``_attn_implementation == "sdpa"`` and, failing it, adds an sdpa-style boolean mask to eager scores and sees
   future tokens. Instead each attention module is handed a stand-in cache (``_QuantisingCache``) as its cache
   argument; the module calls ``cache.update(key, value, layer)`` with exactly what a cache stores and attends

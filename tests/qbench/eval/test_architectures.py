@@ -254,9 +254,25 @@ def test_a_kv_cache_that_cannot_be_reached_is_refused(family_models, monkeypatch
 
 
 def test_falcon_keeps_its_implementation_and_its_causal_mask(family_models):
+    """Falcon's attention computes itself before transformers 5.25 (its name must stay "sdpa": eager would add an
+    sdpa-style mask and see the future) and goes through the attention registry from 5.25 (wrapped, as Llama).
+    Either way the float model keeps "sdpa" and the quantised copy stays causal."""
+    import qbench.quant.kv as kvmod
+
     model = _model(family_models, "falcon")
     kv = apply_kv(model, KVConfig(2, "per-token"))
-    assert kv.config._attn_implementation == model.config._attn_implementation == "sdpa"
+    registry = kvmod._uses_attention_registry(model.transformer.h[0].self_attention)
+    assert model.config._attn_implementation == "sdpa"
+    assert kv.config._attn_implementation == (f"{kvmod.KV_PREFIX}sdpa" if registry else "sdpa")
+    ids, _ = test_inputs()
+    changed = ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % model.config.vocab_size
+    with torch.no_grad():
+        a, b = kv(input_ids=ids).logits, kv(input_ids=changed).logits
+    torch.testing.assert_close(
+        a[:, :-1], b[:, :-1], rtol=0, atol=0
+    )  # the last token never reaches earlier ones
+    assert not torch.equal(a[:, -1], b[:, -1])
 
 
 def test_a_cache_during_generation_is_read_back_quantised(family_models):

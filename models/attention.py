@@ -28,6 +28,8 @@ from models.flash_softmax1 import softmax1_flash
 
 # softmax-1 on a fused kernel through the row logsumexp (models.flash_softmax1); False forces the extra-key path.
 SOFTMAX1_FLASH = True
+# attention_two_version under KIVI's masks through kivi_band_attention; False forces the explicit two-matrix path.
+KIVI_BANDED = True
 # attention_two_version works on blocks of queries whose (B, nh, rows, L) score matrix has at most this many
 # elements (2^24 float32 = 64 MiB per temporary), so long windows do not hold several full T × L matrices.
 QUERY_BLOCK_ELEMENTS = 2**24
@@ -174,7 +176,9 @@ def attention_two_version(
     mask: Tensor | None = None,
     scale: float | None = None,
     remedy: RemedyParams | None = None,
-) -> tuple[Tensor, Tensor]:
+    residual: int | None = None,
+    need_probs: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """Attention over a cache that holds some positions quantised and some in float, *as each query saw it*.
 
     A streaming quantised cache (KIVI's float residual, a value window) holds key j in float for early queries
@@ -191,8 +195,25 @@ def attention_two_version(
     the remedies (``clipped``, ``softpick``, ``sink-logit``) normalise the selected scores with ``remedy``'s
     parameters as :func:`remedy_attention_reference` does.
     Scores and probabilities in float32. Returns (output (B, nh, T, hs) in q's dtype, probs on the real keys).
+
+    ``residual``: the masks are KIVI's with that float residual R, from position 0 (the caller vouches for it:
+    ``KVSchemeQuantizer.read`` sets ``CacheView.residual``). Then, when the probabilities are not needed
+    (``need_probs=False``), the window is causal and on the CPU, :func:`kivi_band_attention` computes the same
+    output in O(T·R) explicit work plus one flash pass, and the probabilities come back None.
     """
     T, L = q.size(2), k.size(2)
+    if (
+        KIVI_BANDED
+        and residual is not None
+        and not need_probs
+        and past == 0
+        and T == L
+        and remedy is None
+        and kind in ("softmax", "softmax1", "sink")
+        and q.device.type == "cpu"
+        and causal_mask(mask, T)
+    ):
+        return kivi_band_attention(q, k, k_hat, v, v_hat, residual, kind, sink_k, sink_v, scale=scale), None
     rows = max(1, QUERY_BLOCK_ELEMENTS // max(1, q.size(0) * q.size(1) * L))
     if T > rows:  # bound the (B, nh, T, L) float32 temporaries: blocks of queries, each a full matrix product
         outs, probs = [], []
@@ -247,6 +268,145 @@ def attention_two_version(
     if extra is not None:
         out = out + extra
     return out.to(q.dtype), probs
+
+
+def attention_received(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kind: str = "softmax",
+    sink_k: Tensor | None = None,
+    sink_v: Tensor | None = None,
+    *,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor] | None:
+    """Causal attention over float keys/values and the attention each position receives, summed over heads and
+    queries: (output (B, nh, T, hs), received (B, T)) — what the KV sink finder's float pass needs, without the
+    probabilities themselves. The output comes from one flash pass with its row logsumexp (softmax-1's or the
+    sink's extra key merged into it); the received sums recompute each block of queries' scores once,
+    P[t, j] = exp(s[t, j] − lse_t). None where it does not apply (not on the CPU, or another kind): the caller
+    then takes the explicit path. Equal to summing :func:`attention_reference`'s probabilities (tested)."""
+    if q.device.type != "cpu" or kind not in ("softmax", "softmax1", "sink") or q.shape != k.shape:
+        return None
+    B, nh, T, hs = q.shape
+    scale = 1.0 / math.sqrt(hs) if scale is None else scale
+    qf, kf, vf = q.float(), k.float(), v.float()
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qf, kf, vf, 0.0, True, scale=scale)
+    out, lse = out.float(), lse.float()[..., None]  # (B, nh, T, 1)
+    extra = _extra_kv(kind, q, sink_k, sink_v) if kind != "softmax" else None
+    if extra is not None:  # one more always-visible key: renormalise the real keys' part and add its value
+        e_logit = (qf @ extra[0].float().transpose(-2, -1)) * scale
+        total = torch.logaddexp(lse, e_logit)
+        out = out * torch.exp(lse - total) + torch.exp(e_logit - total) * extra[1].float()
+        lse = total
+    received = qf.new_zeros(B, T)
+    rows = max(1, QUERY_BLOCK_ELEMENTS // max(1, B * nh * T))
+    j = torch.arange(T, device=q.device)
+    for start in range(0, T, rows):
+        stop = min(T, start + rows)
+        s = (qf[:, :, start:stop] @ kf.transpose(-2, -1)) * scale
+        p = torch.exp(s - lse[:, :, start:stop]).masked_fill(
+            j[None, :] > torch.arange(start, stop)[:, None], 0
+        )
+        received += p.sum(dim=(1, 2))
+    return out.to(q.dtype), received
+
+
+def causal_mask(mask: Tensor | None, T: int) -> bool:
+    """Whether ``mask`` (None, or boolean broadcastable to (B, nh, T, T)) is exactly the causal mask."""
+    if mask is None:
+        return True
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-2:] != (T, T):
+        return False
+    causal = torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
+    return bool((mask == causal).all())
+
+
+def kivi_band_attention(
+    q: Tensor,
+    k: Tensor,
+    k_hat: Tensor,
+    v: Tensor,
+    v_hat: Tensor,
+    residual: int,
+    kind: str = "softmax",
+    sink_k: Tensor | None = None,
+    sink_v: Tensor | None = None,
+    *,
+    scale: float | None = None,
+) -> Tensor:
+    """:func:`attention_two_version` under KIVI's masks, without a T × T matrix.
+
+    KIVI (Liu et al., ICML 2024, §3.3) with float residual R: after n tokens, keys below ⌊n/R⌋·R and values
+    below n − R are quantised. Query t (n = t + 1) therefore reads
+
+    - far positions j ≤ t − R: key and value quantised (⌊(t+1)/R⌋·R > t + 1 − R > j);
+    - its band t − R < j ≤ t: value float; key quantised iff j < ⌊(t+1)/R⌋·R.
+
+    The far part is causal attention of queries R … T−1 over k̂, v̂ shifted by R: one flash pass returning its
+    row logsumexp. The band lies inside query t's block of R queries and the block before it, so it is explicit
+    attention of each block of R queries over 2R keys. The two (and softmax-1's or the sink's extra key) merge by
+    their logsumexps. Kept positions (``keep_first``, sinks) hold k̂ = k and v̂ = v, so they need no case.
+    q, k, k_hat, v, v_hat: (B, nh, T, hs) from position 0, causal; float32 arithmetic; returns (B, nh, T, hs).
+    """
+    B, nh, T, hs = q.shape
+    R = residual
+    scale = 1.0 / math.sqrt(hs) if scale is None else scale
+    qf = q.float()
+    # far: queries R … T−1 over positions 0 … T−1−R (query t sees j ≤ t − R), both quantised
+    out_far = qf.new_zeros(B, nh, T, hs)
+    lse_far = qf.new_full((B, nh, T), float("-inf"))
+    if T > R:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qf[:, :, R:], k_hat[:, :, : T - R].float(), v_hat[:, :, : T - R].float(), 0.0, True, scale=scale
+        )
+        out_far[:, :, R:], lse_far[:, :, R:] = o.float(), lse.float()
+    # band: block b holds queries bR … bR+R−1 and reads keys bR−R … bR+R−1 (c = 0 … 2R−1 in the slab)
+    nb = -(-T // R)
+    pad = nb * R - T
+
+    def slabs(x: Tensor) -> Tensor:  # (B, nh, nb, 2R, hs): block b's keys, zero rows before 0 and past T
+        x = F.pad(x.float(), (0, 0, R, pad))
+        return x.unfold(2, 2 * R, R).transpose(-2, -1)
+
+    qb = F.pad(qf, (0, 0, 0, pad)).view(B, nh, nb, R, hs)
+    r = torch.arange(R, device=q.device)[:, None]
+    c = torch.arange(2 * R, device=q.device)[None, :]
+    band = (c > r) & (c <= r + R)  # t − R < j ≤ t
+    band = band & (c >= R - R * torch.arange(nb, device=q.device)[:, None, None])  # j ≥ 0 (block 0)
+    quantised = (c < R) | (r == R - 1)  # j < ⌊(t+1)/R⌋·R: the previous block, or all at a block's last query
+    lowest = torch.finfo(torch.float32).min
+    # one block range at a time bounds the (B, nh, blocks, R, 2R) temporaries as QUERY_BLOCK_ELEMENTS does
+    step = max(1, QUERY_BLOCK_ELEMENTS // max(1, B * nh * R * 2 * R))
+    out_band, m_band, l_band = [], [], []
+    ks_f, ks_q, vs = slabs(k), slabs(k_hat), slabs(v)
+    for start in range(0, nb, step):
+        blocks = slice(start, min(nb, start + step))
+        s_f = (qb[:, :, blocks] @ ks_f[:, :, blocks].transpose(-2, -1)) * scale
+        s_q = (qb[:, :, blocks] @ ks_q[:, :, blocks].transpose(-2, -1)) * scale
+        scores = torch.where(quantised, s_q, s_f).masked_fill(~band[blocks], lowest)
+        m = scores.amax(-1, keepdim=True)
+        p = torch.exp(scores - m)
+        out_band.append(p @ vs[:, :, blocks])
+        m_band.append(m)
+        l_band.append(p.sum(-1, keepdim=True))
+    o_n = torch.cat(out_band, 2).reshape(B, nh, nb * R, hs)[:, :, :T]
+    m_n = torch.cat(m_band, 2).reshape(B, nh, nb * R, 1)[:, :, :T]
+    l_n = torch.cat(l_band, 2).reshape(B, nh, nb * R, 1)[:, :, :T]
+    lse_f = lse_far[..., None]
+    terms = [lse_f, m_n]
+    extra = _extra_kv(kind, q, sink_k, sink_v) if kind != "softmax" else None
+    if extra is not None:
+        e_logit = (qf @ extra[0].float().transpose(-2, -1)) * scale  # (B, nh, T, 1)
+        terms.append(e_logit)
+    top = torch.stack(terms).amax(0)
+    w_f, w_n = torch.exp(lse_f - top), torch.exp(m_n - top)
+    num = w_f * out_far + w_n * o_n
+    den = w_f + w_n * l_n
+    if extra is not None:
+        w_e = torch.exp(e_logit - top)
+        num, den = num + w_e * extra[1].float(), den + w_e
+    return (num / den).to(q.dtype)
 
 
 # ------------------------------------------------------------------------------------- training-time remedies

@@ -57,6 +57,9 @@ class CacheView(NamedTuple):
     v_hat: Tensor
     key_quantised: Tensor
     value_quantised: Tensor
+    # KIVI's float residual R when the masks are exactly KIVI's from position 0 (one pass over a window): lets
+    # ``attention_two_version`` take its banded path; None for any other layout
+    residual: int | None = None
 
 
 class QuantizedKVCache(KVCache):

@@ -19,6 +19,7 @@ from models.attention import (
     REMEDY_KINDS,
     RemedyParams,
     attention_fast,
+    attention_received,
     attention_reference,
     attention_two_version,
     attention_with_past,
@@ -183,6 +184,12 @@ class CausalSelfAttention(nn.Module):
             if not hasattr(cache, "append_read"):
                 raise ValueError("a model with a quantised KV cache generates with model.new_cache()")
             past, view = cache.pos, cache.append_read(layer, k, v, self.kv_transform)
+        if self.kv_transform.observing and self.probs_hook is None and kv is None:
+            # the sink finder's float pass: the attention received, without materialising the probabilities
+            fast = attention_received(q, k, v, self.kind, self.sink_k, self.sink_v)
+            if fast is not None:
+                self.kv_transform.add_received(fast[1])
+                return fast[0]
         if self.kv_transform.reads_one_version and self.probs_hook is None:
             # Every position a query may see is stored (or kept float) the moment it is written: the stored
             # version alone, on the fused kernels.
@@ -197,7 +204,10 @@ class CausalSelfAttention(nn.Module):
             q, view.k, view.k_hat, view.v, view.v_hat, view.key_quantised, view.value_quantised,
             self.kind, self.sink_k, self.sink_v, past=past,
             remedy=self._remedy_params() if self.kind in REMEDY_KINDS else None,
+            residual=view.residual, need_probs=self.probs_hook is not None or self.kv_transform.observing,
         )  # fmt: skip
+        if probs is None:
+            return y
         self.kv_transform.observe(probs)
         if self.probs_hook is not None and kv is None:
             self.probs_hook(probs.to(q.dtype))

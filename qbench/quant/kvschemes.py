@@ -498,12 +498,20 @@ class KVSchemeQuantizer:
             return CacheView(k, k, v, v, none, none)
         keep = self.keep_mask(B, L, k.device, offset)
         k_hat, v_hat = self.stored(k, v, keep, offset)
-        return CacheView(k, k_hat, v, v_hat, *self.masks(past, L, keep, k.device, offset))
+        banded = self.scheme.name == "kivi" and past == 0 and offset == 0
+        return CacheView(
+            k, k_hat, v, v_hat, *self.masks(past, L, keep, k.device, offset),
+            residual=self.config.residual if banded else None,
+        )  # fmt: skip
 
     def observe(self, probs: Tensor) -> None:
         """During the sink finder's float pass: add up the attention each position receives (B, L)."""
         if self.observing:
-            got = probs.detach().float().sum(dim=(1, 2))
+            self.add_received(probs.detach().float().sum(dim=(1, 2)))
+
+    def add_received(self, got: Tensor) -> None:
+        """During the sink finder's float pass: add (B, L) attention received, summed over heads and queries."""
+        if self.observing:
             if got.dim() == 1:
                 got = got[None]
             self.received = got if self.received is None else self.received + got
@@ -536,7 +544,7 @@ def hf_attention(
     position depends only on its own group). Limitation: a sliding-window cache (Mistral) drops old positions;
     decoding through it, a KIVI key group whose start was dropped is re-quantised from its remaining members,
     which differs slightly from the one-pass scoring (exact for the per-token and fp8 schemes)."""
-    from models.attention import attention_two_version
+    from models.attention import attention_received, attention_two_version, causal_mask
 
     for unsupported in ("softcap", "s_aux", "sinks"):
         if kwargs.get(unsupported) is not None:
@@ -568,6 +576,12 @@ def hf_attention(
         n_rep = query.size(1) // key.size(1)
         k, k_hat, v, v_hat = (t.repeat_interleave(n_rep, dim=1) for t in (k, k_hat, v, v_hat))
     mask = None if attention_mask is None else attention_mask[..., :L]
+    if quantizer.observing and "eager" not in base_name and T == L and causal_mask(mask, T):
+        # the sink finder's float pass: the attention received, without materialising the probabilities
+        fast = attention_received(query, k, v, "softmax1" if softmax_one else "softmax", scale=scaling)
+        if fast is not None:
+            quantizer.add_received(fast[1])
+            return fast[0].transpose(1, 2).contiguous(), None
     if mask is None and T == 1:
         mask = torch.ones(1, 1, 1, L, dtype=torch.bool, device=query.device)
     out, probs = attention_two_version(
@@ -582,9 +596,12 @@ def hf_attention(
         past=L - T,
         mask=mask,
         scale=scaling,
+        residual=view.residual,
+        # eager implementations hand back their weights (output_attentions); the others never return any
+        need_probs=quantizer.observing or "eager" in base_name,
     )
     quantizer.observe(probs)
-    return out.transpose(1, 2).contiguous(), probs.to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None if probs is None else probs.to(query.dtype)
 
 
 # ----------------------------------------------------------------------------------------------- sinks

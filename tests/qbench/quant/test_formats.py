@@ -545,3 +545,34 @@ def test_listing_schemes_imports_no_torch():
     code = "import sys; from qbench.quant.schemes import SCHEMES; assert len(SCHEMES) > 10; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("shape", [(7, 3, 40), (1000,), (5, 64)])
+def test_rounding_in_chunks_is_bitwise_the_one_pass_result(monkeypatch, shape):
+    """ELEMENTWISE_CHUNK splits elementwise rounding (and MX rows) for speed only: the values, signs of zero and
+    NaNs are those of one pass, for ragged last chunks and non-contiguous input too."""
+    import qbench.quant.formats as formats
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 5
+    flat = x.view(-1)
+    flat[3], flat[11], flat[17] = float("nan"), float("inf"), -0.0
+    inputs = [x, x.transpose(0, -1) if x.ndim > 1 else x[::2]]
+
+    def run() -> list[torch.Tensor]:
+        return [
+            f(t)
+            for t in inputs
+            for f in (
+                lambda t: formats.round_to_minifloat(t, 2, 1, 6.0),
+                lambda t: formats.round_to_element(t, formats.E3M2),
+                lambda t: formats.fake_quantize_mx(t, formats.E2M1, 8),
+                lambda t: formats.fake_quantize_nvfp4(t, 8),
+            )
+        ]
+
+    monkeypatch.setattr(formats, "ELEMENTWISE_CHUNK", 2**40)
+    whole = run()
+    monkeypatch.setattr(formats, "ELEMENTWISE_CHUNK", 37)  # not a divisor of any size: ragged chunks
+    for a, b in zip(whole, run(), strict=True):
+        assert torch.equal(a.nan_to_num(123.0), b.nan_to_num(123.0))
+        assert torch.equal(torch.signbit(a), torch.signbit(b)) and torch.equal(a.isnan(), b.isnan())

@@ -98,9 +98,15 @@ def test_one_pass_equals_kivi_algorithm_1_token_by_token(kind, bits, G, R):
     k[..., 1] *= 8.0  # an outlier channel, as KIVI's keys have
     sink_k, sink_v = torch.randn(2, 6, generator=gen(5)), torch.randn(2, 6, generator=gen(6))
     view = KVSchemeQuantizer(KVConfig(bits, f"kivi:group={G},residual={R}")).read(k, v)
-    got, _ = attention_two_version(q, *view, kind, sink_k, sink_v)
+    got, _ = attention_two_version(q, *view[:6], kind, sink_k, sink_v)
     expected = kivi_streaming_reference(q, k, v, bits, G, R, kind, sink_k, sink_v)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    # the banded path (far part on the flash kernel, each query's band explicit) against the same reference
+    banded, probs = attention_two_version(
+        q, *view[:6], kind, sink_k, sink_v, residual=view.residual, need_probs=False
+    )
+    assert view.residual == R and probs is None
+    torch.testing.assert_close(banded, expected, rtol=1e-4, atol=1e-5)
     float_out, _ = attention_reference(q, k, v, kind, sink_k, sink_v)
     assert (got - float_out).abs().max() > 1e-3  # the cache was quantised
 
@@ -110,11 +116,74 @@ def test_query_blocks_give_the_whole_matrix_result(monkeypatch):
 
     q, k, v = (torch.randn(2, 2, 13, 6, generator=gen(i)) for i in range(3))
     view = KVSchemeQuantizer(KVConfig(2, "kivi:group=3,residual=3")).read(k, v)
-    whole, whole_probs = attention_two_version(q, *view, "softmax1")
+    whole, whole_probs = attention_two_version(q, *view[:6], "softmax1")
+    banded, _ = attention_two_version(q, *view[:6], "softmax1", residual=3, need_probs=False)
     monkeypatch.setattr(models.attention, "QUERY_BLOCK_ELEMENTS", 2 * 2 * 13 * 4)  # blocks of 4 queries
-    blocked, blocked_probs = attention_two_version(q, *view, "softmax1")
+    blocked, blocked_probs = attention_two_version(q, *view[:6], "softmax1")
     torch.testing.assert_close(blocked, whole, rtol=0, atol=1e-6)
     torch.testing.assert_close(blocked_probs, whole_probs, rtol=0, atol=1e-7)
+    # the banded path in ranges of blocks (here one block of 3 queries at a time) as in one
+    monkeypatch.setattr(models.attention, "QUERY_BLOCK_ELEMENTS", 2 * 2 * 3 * 6)
+    banded_blocks, _ = attention_two_version(q, *view[:6], "softmax1", residual=3, need_probs=False)
+    torch.testing.assert_close(banded_blocks, banded, rtol=0, atol=1e-6)
+    torch.testing.assert_close(banded, whole, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["kivi", "kivi:group=4,residual=8"])
+@pytest.mark.parametrize("keep", [dict(), dict(keep_first=3), dict(keep_sinks=2)])
+def test_banded_kivi_equals_the_explicit_path_with_kept_positions(spec, keep):
+    """Kept positions (keep_first, the sinks) are float in both versions: the banded path needs no case for them,
+    and a window that is not a multiple of R (nor of G) ends in a part block."""
+    q, k, v = (torch.randn(2, 3, 45, 8, generator=gen(i)) for i in range(3))
+    k[..., 2] *= 6.0
+    quantizer = KVSchemeQuantizer(KVConfig(2, spec, **keep))
+    if "keep_sinks" in keep:
+        quantizer.sinks = torch.tensor([[5, 17], [0, 40]])
+    R = quantizer.config.residual
+    if R >= 45:  # KIVI's default residual of 128 keeps this short window float: shorten it for the test
+        quantizer = KVSchemeQuantizer(KVConfig(2, "kivi:group=4,residual=16", **keep))
+        quantizer.sinks = torch.tensor([[5, 17], [0, 40]]) if "keep_sinks" in keep else None
+    view = quantizer.read(k, v)
+    explicit, _ = attention_two_version(q, *view[:6], "softmax")
+    banded, probs = attention_two_version(q, *view[:6], "softmax", residual=view.residual, need_probs=False)
+    assert probs is None
+    torch.testing.assert_close(banded, explicit, rtol=1e-5, atol=2e-6)
+    float_out, _ = attention_reference(q, k, v, "softmax")
+    assert (banded - float_out).abs().max() > 1e-2  # the cache was quantised
+
+
+def test_banded_kivi_is_only_taken_where_it_is_exact():
+    """Probabilities asked for, a chunk after a past, another mask, or the switch off: the explicit path."""
+    import models.attention
+
+    q, k, v = (torch.randn(1, 2, 20, 8, generator=gen(i)) for i in range(3))
+    view = KVSchemeQuantizer(KVConfig(2, "kivi:group=2,residual=4")).read(k, v)
+    assert attention_two_version(q, *view[:6], residual=4, need_probs=True)[1] is not None
+    window = torch.ones(20, 20, dtype=torch.bool).tril() & ~torch.ones(20, 20, dtype=torch.bool).tril(-8)
+    assert (
+        attention_two_version(q, *view[:6], mask=window[None, None], residual=4, need_probs=False)[1]
+        is not None
+    )
+    causal = torch.ones(20, 20, dtype=torch.bool).tril()[None, None]
+    assert attention_two_version(q, *view[:6], mask=causal, residual=4, need_probs=False)[1] is None
+    models.attention.KIVI_BANDED = False
+    try:
+        assert attention_two_version(q, *view[:6], residual=4, need_probs=False)[1] is not None
+    finally:
+        models.attention.KIVI_BANDED = True
+    assert KVSchemeQuantizer(KVConfig(2, "kivi:group=2,residual=4")).read(k, v, past=4).residual is None
+
+
+@pytest.mark.parametrize("kind", ["softmax", "softmax1", "sink"])
+def test_attention_received_sums_the_reference_probabilities(kind):
+    from models.attention import attention_received
+
+    q, k, v = (torch.randn(2, 3, 33, 8, generator=gen(i)) * 2 for i in range(3))
+    sink_k, sink_v = torch.randn(3, 8, generator=gen(5)), torch.randn(3, 8, generator=gen(6))
+    out, probs = attention_reference(q, k, v, kind, sink_k, sink_v)
+    got_out, received = attention_received(q, k, v, kind, sink_k, sink_v)
+    torch.testing.assert_close(got_out, out, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(received, probs.sum(dim=(1, 2)), rtol=1e-5, atol=1e-5)
 
 
 def test_kivi_masks_follow_the_residual_and_the_value_window():

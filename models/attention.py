@@ -303,12 +303,12 @@ def attention_received(
     rows = max(1, QUERY_BLOCK_ELEMENTS // max(1, B * nh * T))
     j = torch.arange(T, device=q.device)
     for start in range(0, T, rows):
-        stop = min(T, start + rows)
-        s = (qf[:, :, start:stop] @ kf.transpose(-2, -1)) * scale
-        p = torch.exp(s - lse[:, :, start:stop]).masked_fill(
-            j[None, :] > torch.arange(start, stop)[:, None], 0
-        )
-        received += p.sum(dim=(1, 2))
+        stop = min(
+            T, start + rows
+        )  # queries start … stop−1 see keys 0 … stop−1 at most: the rest is not computed
+        s = (qf[:, :, start:stop] @ kf[:, :, :stop].transpose(-2, -1)) * scale
+        future = j[None, :stop] > torch.arange(start, stop, device=q.device)[:, None]
+        received[:, :stop] += torch.exp(s - lse[:, :, start:stop]).masked_fill(future, 0).sum(dim=(1, 2))
     return out.to(q.dtype), received
 
 

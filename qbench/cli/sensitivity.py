@@ -52,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", default="fake", help="fake | real")
     parser.add_argument("--by", default="layer", help=f"unit quantised alone: {' | '.join(BY)}")
     add_tolerance_arguments(parser, "repair target:")
+    parser.add_argument(
+        "--no-minimise",
+        action="store_true",
+        help="stop the repair once within the tolerance, without trying to drop each kept unit (default: "
+        "minimise; the quick card does not)",
+    )
     parser.add_argument("--top", type=int, default=10, help="units in the printed and markdown table")
     add_output_argument(
         parser, "output folder (default: qbench_sensitivity/<model>/<scheme>)", "--out", metavar="DIR"
@@ -142,6 +148,7 @@ def _with_progress(spec, args: argparse.Namespace, lm) -> dict:
             on_cell=on_cell,
             on_units=lambda n: progress.update(units, total=n),
             lm=lm,
+            minimise=not args.no_minimise,
         )
 
 

@@ -111,6 +111,8 @@ class Budget:
     sweep_bits: tuple[int, ...] = ()
     sensitivity_by: str = "type"
     speed: bool = False
+    # the repair's backward pass (dropping each kept unit that is not needed); quick stops after the forward pass
+    repair_minimise: bool = True
 
     def describe(self, tokens: int | None = None) -> str:
         """The budget in words; ``tokens``: what the card scored when ``--tokens`` overrode the budget's own."""
@@ -129,6 +131,7 @@ class Budget:
             f"{self.name}: {scored}, {len(self.formats)} formats, KV cache at "
             f"{'/'.join(map(str, self.kv_bits))} bits with and without sink protection, {sweep}, sensitivity by "
             f"{self.sensitivity_by} of the format over tolerance that a repair could pay for"
+            + ("" if self.repair_minimise else " (repair not minimised)")
             + (", real-kernel speed" if self.speed else "")
         )
 
@@ -143,7 +146,7 @@ QUICK_TOKENS, STANDARD_TOKENS, FULL_TOKENS = 4096, 8192, 32768
 def _budgets() -> dict[str, Budget]:
     everything = tuple(f.scheme for f in FORMATS)
     return {
-        "quick": Budget("quick", QUICK_TOKENS, QUICK_FORMATS, (4, 2)),
+        "quick": Budget("quick", QUICK_TOKENS, QUICK_FORMATS, (4, 2), repair_minimise=False),
         "standard": Budget(
             "standard",
             STANDARD_TOKENS,
@@ -916,7 +919,7 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
         sensitivity = None
         target = repair_target(formats, fp, profile, cfg.tolerance, cfg.metric)
         if target is not None:
-            sensitivity = _sensitivity(cfg, lm, target["scheme"]["name"], progress, count)
+            sensitivity = _sensitivity(cfg, lm, target, progress, count)
         speed = speed_record(cfg, lm, fp, plan.formats)
         per_model.append(
             {
@@ -1035,10 +1038,15 @@ def _new_cells_only(progress: Progress, seen: set[str]) -> Callable[[dict[str, A
     return on_record
 
 
-def _sensitivity(cfg: CardConfig, lm: Any, scheme: str, progress: Progress, count: dict[str, int]) -> dict:
-    """``qbench sensitivity``'s map and repair of ``scheme`` (by the budget's unit), in
-    ``DIR/sensitivity/<model>/<scheme>/`` with its cells under ``cells/``."""
+def _sensitivity(
+    cfg: CardConfig, lm: Any, target: dict[str, Any], progress: Progress, count: dict[str, int]
+) -> dict:
+    """``qbench sensitivity``'s map and repair of ``target``'s scheme (by the budget's unit), in
+    ``DIR/sensitivity/<model>/<scheme>/`` with its cells under ``cells/``. The repair starts from ``target``,
+    the card's own record of that format (not evaluated again); the quick budget's repair is not minimised."""
     from qbench.studies.sensitivity import sensitivity, write_sensitivity
+
+    scheme = target["scheme"]["name"]
 
     out = Path(cfg.output_path) / "sensitivity" / lm.name / _slug(scheme)
     # the card's own float record (same protocol and statistics): the study does not evaluate the float model again
@@ -1066,6 +1074,8 @@ def _sensitivity(cfg: CardConfig, lm: Any, scheme: str, progress: Progress, coun
         on_cell=on_cell,
         on_units=on_units,
         lm=lm,
+        minimise=cfg.plan.repair_minimise,
+        quantised=target,
     )
     command = cfg.command or "qbench card"
     write_sensitivity(result, out, command)
@@ -1531,6 +1541,7 @@ def _sensitivity_section(
         "correlation": sens["correlation"],
         "repair": {
             "reached": r["reached"],
+            "minimised": r.get("minimised", True),  # studies before the option always minimised
             "exclude": r["exclude"],
             "count": r["count"],
             "weight_share_float": r["weight_share_float"],
@@ -1651,7 +1662,13 @@ def _verdict(
             f"Repair of `{repair['scheme']}`: keep {repair['count']} unit(s) in float "
             f"({repair['weight_share_float']:.1%} of the quantised weights): "
             f"{_pct(repair['quantised_ppl_change_pct'])} → {_pct(repair['ppl_change_pct'])}{size} ({state} "
-            f"tolerance{worth}); `{repair['command']}`."
+            f"tolerance{worth}"
+            + (
+                ""
+                if repair.get("minimised", True)
+                else "; not minimised: units were added until within, none tried for removal (standard does)"
+            )
+            + f"); `{repair['command']}`."
         )
     return {
         "recommended": None

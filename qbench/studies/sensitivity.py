@@ -39,7 +39,7 @@ from typing import Any
 
 from models.errors import UserError, unknown_choice
 from models.io import atomic_write_json, atomic_write_text
-from qbench.eval.harness import GridSpec, environment, run_grid
+from qbench.eval.harness import GridSpec, environment, kv_identity, run_grid
 from qbench.eval.load import LoadedModel, load_model
 from qbench.eval.metric_registry import UNIT_STATISTICS
 from qbench.eval.prefix import BlockPrefix
@@ -170,6 +170,7 @@ class _Study:
     targets: list[str]
     on_cell: OnCell | None = None
     prefix: BlockPrefix | None = None  # the float model's block outputs, replayed (qbench.eval.prefix)
+    quantised: dict[str, Any] | None = None  # the fully quantised cell, when the caller measured it already
 
     def cell(self, key: str, exclude: Sequence[str], phase: str) -> dict[str, Any]:
         """The record of the model quantised except ``exclude``, in ``cells/<key>/`` (reused when finished)."""
@@ -199,6 +200,10 @@ class _Study:
     def kept_cell(self, kept: Sequence[str]) -> dict[str, Any]:
         """The model quantised except the units ``kept`` (their patterns, as ``--exclude`` takes them)."""
         if not kept:
+            if self.quantised is not None:  # the caller's own cell of this scheme on this protocol
+                if self.on_cell:
+                    self.on_cell("repair", self.quantised, True)
+                return self.quantised
             return self.cell("all", (), "repair")
         digest = hashlib.sha256("\n".join(kept).encode()).hexdigest()[:12]
         return self.cell(f"repair-{len(kept)}-{digest}", kept, "repair")
@@ -233,9 +238,15 @@ def _within(record: dict[str, Any], tolerance: float, metric: str = "ppl") -> bo
 
 
 def repair(
-    study: _Study, ranked: Sequence[dict[str, Any]], tolerance: float, metric: str = "ppl"
+    study: _Study,
+    ranked: Sequence[dict[str, Any]],
+    tolerance: float,
+    metric: str = "ppl",
+    minimise: bool = True,
 ) -> dict[str, Any]:
     """Greedy forward by measured sensitivity, then a backward pass; every set is evaluated (module docstring).
+    ``minimise=False`` stops after the forward pass: the set is measured within the tolerance, but a unit it
+    keeps may not be needed (``minimised`` in the result says which).
 
     Each distinct set is measured once: the backward pass's first trial (dropping the unit added last) is the
     forward pass's previous set, already measured and known to fail, so it is looked up, not evaluated or
@@ -258,7 +269,7 @@ def repair(
             break
         kept = [*kept, unit["name"]]
         current = measure(kept)
-    if _within(current, tolerance, metric) and len(kept) > 1:
+    if minimise and _within(current, tolerance, metric) and len(kept) > 1:
         for name in reversed(list(kept)):  # least sensitive first
             trial = [k for k in kept if k != name]
             record = measure(trial)
@@ -269,6 +280,7 @@ def repair(
         "tolerance_pct": tolerance,
         "metric": metric,
         "reached": _within(current, tolerance, metric),
+        "minimised": minimise,
         "exclude": kept,
         "count": len(kept),
         "ppl": m["perplexity"],
@@ -319,6 +331,8 @@ def sensitivity(
     on_units: Callable[[int], None] | None = None,
     lm: LoadedModel | None = None,
     replay: bool = True,
+    minimise: bool = True,
+    quantised: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The sensitivity map and the verified repair of ``spec``'s one model under its one scheme and mode.
 
@@ -330,6 +344,11 @@ def sensitivity(
     ``replay``: a cell whose first changed decoder block is b starts from the float model's stored output of
     block b-1 (``qbench.eval.prefix``: the same perplexity, blocks 0..b-1 not recomputed); off, every cell runs
     the whole model (for measuring what the replay saves).
+
+    ``minimise``: the repair's backward pass (try dropping each kept unit); off, the forward pass only.
+    ``quantised``: the record of the fully quantised model on the same protocol (a card measured it among its
+    formats): the repair starts from it instead of evaluating it again; refused when its scheme or protocol
+    differs from the study's.
     """
     from qbench.quant.apply import select_layers
 
@@ -360,6 +379,20 @@ def sensitivity(
     records = [study.unit_cell(unit) for unit in units]  # the first one also writes the float record
     kv_only = study.cell("kv-only", study.targets, "kv") if spec.kv is not None else None
     fp = _read_fp(spec, lm)
+    if quantised is not None:
+        same = (
+            quantised.get("scheme") == spec.scheme_record(spec.schemes[0])
+            and quantised.get("model") == fp["model"]
+            and quantised.get("seed") == spec.seed
+            and quantised.get("protocol") == fp["protocol"]
+            and kv_identity(quantised.get("kv")) == spec.kv_record()
+            and quantised.get("mode") == spec.modes[0]
+        )
+        if not same:
+            raise ValueError(
+                "sensitivity(quantised=...) must be the study's scheme, mode, KV cache and protocol"
+            )
+        study.quantised = quantised
     per_layer = _per_layer_statistics(study, fp)
     entries = [_entry(u, r, unit_statistics(u, per_layer)) for u, r in zip(units, records, strict=True)]
     ranked = sorted(entries, key=lambda e: -damage(e))  # stable: model order among equal damage
@@ -384,7 +417,7 @@ def sensitivity(
         "correlation": correlations(ranked),
         "correlation_definition": "Spearman's rho (average ranks for ties) of each float-model statistic with "
         "the unit's perplexity change; None with < 3 units or a constant side",
-        "repair": (fixed := repair(study, ranked, tolerance, metric)),
+        "repair": (fixed := repair(study, ranked, tolerance, metric, minimise)),
         "timing": {
             "units": len(units),
             # every cell this study measures, by phase: the units, the KV-only cell, the repair's distinct sets
@@ -501,6 +534,7 @@ def report(result: dict[str, Any], top: int = 10) -> str:
     corr = "\n".join(f"| {s} | {_fmt(v, '+.2f')} |" for s, v in result["correlation"].items())
     excl = " ".join(f"--exclude '{name}'" for name in r["exclude"]) or "(nothing)"
     verdict = "within" if r["reached"] else "NOT within"
+    minimised = "" if r.get("minimised", True) else "; not minimised: no kept unit was tried for removal"
     from qbench.eval.evidence import tolerance_text
 
     metric = r.get("metric", "ppl")  # repairs before --metric were on perplexity
@@ -518,7 +552,7 @@ def report(result: dict[str, Any], top: int = 10) -> str:
         f"{change_text(r['quantised_ppl_change_pct'], ppl_tolerance)}. Kept in float ({r['count']} units, "
         f"{r['weight_share_float']:.1%} of the quantised weights): {excl} → measured "
         f"{change_text(r['ppl_change_pct'], ppl_tolerance)} ({verdict} tolerance; {len(r['steps'])} "
-        "distinct sets evaluated).\n\n"
+        f"distinct sets evaluated{minimised}).\n\n"
         f"Time: {t['units']} units, {_fmt(t['seconds_per_unit'], '.2f')} s per unit cell "
         f"(quantise + evaluate; {result['env'].get('processor')}, {result['env'].get('threads')} threads)."
         f"{_cells_text(t)}\n"

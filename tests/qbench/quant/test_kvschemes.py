@@ -175,9 +175,13 @@ def test_banded_kivi_is_only_taken_where_it_is_exact():
 
 
 @pytest.mark.parametrize("kind", ["softmax", "softmax1", "sink"])
-def test_attention_received_sums_the_reference_probabilities(kind):
+@pytest.mark.parametrize("blocks", [False, True])
+def test_attention_received_sums_the_reference_probabilities(kind, blocks, monkeypatch):
+    import models.attention
     from models.attention import attention_received
 
+    if blocks:  # queries in blocks of 5, each over the keys it can see only
+        monkeypatch.setattr(models.attention, "QUERY_BLOCK_ELEMENTS", 2 * 3 * 33 * 5)
     q, k, v = (torch.randn(2, 3, 33, 8, generator=gen(i)) * 2 for i in range(3))
     sink_k, sink_v = torch.randn(3, 8, generator=gen(5)), torch.randn(3, 8, generator=gen(6))
     out, probs = attention_reference(q, k, v, kind, sink_k, sink_v)

@@ -85,6 +85,39 @@ def test_the_repair_measures_each_set_once_and_counts_only_those(monkeypatch):
     assert calls == ["repair"] * 4
 
 
+def test_a_repair_that_is_not_minimised_stops_after_its_forward_pass(monkeypatch):
+    monkeypatch.setattr(sens, "_weight_share", lambda study, kept: 0.0)
+    a, b, c = "h.0.*", "h.1.*", "h.2.*"
+    changes = {frozenset(): 9.0, frozenset({a}): 3.0, frozenset({a, b}): 0.5, frozenset({b}): 0.6}
+    ranked = [{"name": n, "ppl_change_pct": d} for n, d in ((a, 5.0), (b, 2.0), (c, 0.1))]
+    result = repair(_TableStudy(changes, lambda *c: None), ranked, 1.0, minimise=False)
+    # within after {a, b}; the backward pass would have found {b} alone, and is not run
+    assert result["exclude"] == [a, b] and result["reached"] and not result["minimised"]
+    assert [step["exclude"] for step in result["steps"]] == [[], [a], [a, b]]
+    assert repair(_TableStudy(changes, lambda *c: None), ranked, 1.0)["minimised"]
+
+
+def test_the_fully_quantised_record_of_the_caller_is_not_evaluated_again(planted_ckpt, tmp_path):
+    """A card has the format's record already: the repair starts from it (no ``all`` cell), and a record of
+    another scheme is refused."""
+    from dataclasses import replace
+
+    from qbench.eval.harness import run_grid
+
+    spec = _spec(planted_ckpt, tmp_path / "cells")
+    full = run_grid(replace(spec, output_path=tmp_path / "format"))[-1]
+    cells = []
+    result = sensitivity(
+        spec, tolerance=0.1, quantised=full, minimise=False, on_cell=lambda *c: cells.append(c)
+    )
+    assert not (tmp_path / "cells" / "all").exists()
+    assert result["repair"]["quantised_ppl_change_pct"] == full["metrics"]["ppl_change_pct"]
+    assert next(reused for phase, _, reused in cells if phase == "repair") is True
+    other = run_grid(replace(spec, schemes=["absmax-coarse"], output_path=tmp_path / "other"))[-1]
+    with pytest.raises(ValueError, match="the study's scheme"):
+        sensitivity(spec, tolerance=0.1, quantised=other)
+
+
 def test_units_by_layer_block_and_type():
     model = trained_like(micro_config("llama"))
     targets = [f"transformer.h.{b}.{k}" for b in (0, 1) for k in ("attn.q_proj", "mlp.down_proj")]

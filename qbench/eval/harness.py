@@ -42,6 +42,7 @@ from qbench.eval.metrics import (
     Protocol,
     Windows,
     delimiter_ids,
+    joined_hidden,
     linear_ranges,
     make_windows,
     massive_activations,
@@ -480,12 +481,14 @@ class ModelEvaluation:
             keep=self.reference(),  # the cells compare with these logits: computed once, here
         )
         eval_seconds = time.perf_counter() - start
+        hidden: list[list[torch.Tensor]] = []  # the outlier pass's block outputs: no second pass for massive
         outliers = outlier_metrics(
             self.lm.model,
             self.windows,
             self.spec.protocol.outlier_windows,
             attention=self.spec.attention,
             device=self.spec.device,
+            hidden=hidden,
         )
         massive = massive_activations(
             self.lm.model,
@@ -493,7 +496,9 @@ class ModelEvaluation:
             self.spec.protocol.outlier_windows,
             device=self.spec.device,
             delimiter_ids=delimiter_ids(self.lm.tokenizer),
+            hidden=joined_hidden(hidden),
         )
+        del hidden
         ranges = linear_ranges(
             self.lm.model, self.windows, self.spec.protocol.outlier_windows, device=self.spec.device
         )

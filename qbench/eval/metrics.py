@@ -311,8 +311,11 @@ def outlier_metrics(
     batch_size: int = 4,
     attention: bool = True,
     device: str = "cpu",
+    hidden: list[list[Tensor]] | None = None,
 ) -> dict[str, Any]:
-    """``models.stats`` statistics of the first ``n_windows`` windows, summary plus per-layer curves."""
+    """``models.stats`` statistics of the first ``n_windows`` windows, summary plus per-layer curves.
+    ``hidden``: a list that receives each batch's block outputs, so :func:`massive_activations` can read them
+    instead of running the windows again (:func:`joined_hidden`)."""
     acc = OutlierAccumulator()
     ids = windows.ids[:n_windows]
     rows = forward_rows(model, batch_size, ids.size(1), attention)
@@ -321,7 +324,14 @@ def outlier_metrics(
             obs.attention = _AttentionSink(acc)  # reduce each layer's (B, nh, T, T) map as it arrives
             forward_observed(model, ids[start : start + rows].to(device), obs)
         acc.add_hidden(obs.hidden)
+        if hidden is not None:
+            hidden.append(list(obs.hidden))
     return {**acc.summary(), "per_layer": acc.per_layer(), "windows": len(ids)}
+
+
+def joined_hidden(batches: list[list[Tensor]]) -> list[Tensor]:
+    """Per layer, the block outputs of every batch joined along the window axis (as one pass would give them)."""
+    return [torch.cat(parts) for parts in zip(*batches, strict=True)]
 
 
 # ------------------------------------------------------------------------------------- massive activations
@@ -351,8 +361,10 @@ def massive_activations(
     top_k: int = 3,
     device: str = "cpu",
     delimiter_ids: set[int] | None = None,
+    hidden: list[Tensor] | None = None,
 ) -> dict[str, Any]:
-    """Sun et al.'s massive activations in each block's output over ``n_windows`` windows.
+    """Sun et al.'s massive activations in each block's output over ``n_windows`` windows (``hidden``: those
+    block outputs when a pass over the same windows already recorded them, e.g. :func:`outlier_metrics`').
 
     Per layer: the ``top_k`` largest |activation| and the median |activation| over all tokens and channels. An
     activation is *massive* when |x| > 100 and |x| > 1000 × that layer's median. Each massive activation is
@@ -361,10 +373,12 @@ def massive_activations(
     channels that hold a massive activation anywhere — the coordinates ``qbench intervene`` edits.
     """
     ids = windows.ids[:n_windows].to(device)
-    with observe_any(model) as obs:
-        forward_observed(model, ids, obs)
+    if hidden is None:
+        with observe_any(model) as obs:
+            forward_observed(model, ids, obs)
+        hidden = obs.hidden
     layers = []
-    for index, h in enumerate(obs.hidden):  # (B, T, C)
+    for index, h in enumerate(hidden):  # (B, T, C)
         mag = h.float().abs()
         top = torch.topk(mag.flatten(), top_k).values.tolist()
         median = mag.median().item()
@@ -520,19 +534,49 @@ def attention_sink_per_head(
     """The attention sink per layer and head over the first ``n_windows`` windows: ``top1_share[l][h]`` = the share
     of head h's queries q ≥ 1 whose largest weight is on key 0 (and non-zero), ``mass[l][h]`` = its mean weight on
     key 0 — ``first_token_top1_share`` and ``first_token_mass`` (``models.stats``) before averaging over heads."""
+    return _sink_per_head(model, windows, n_windows, batch_size, device)[0]
+
+
+def attention_sink_and_massive_sites(
+    model: nn.Module,
+    windows: Windows,
+    tokenizer: Any,
+    n_windows: int = 8,
+    batch_size: int = 4,
+    device: str = "cpu",
+    limit: int = 8,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(:func:`attention_sink_per_head`, :func:`massive_activation_sites`) from one pass over the windows."""
+    per_head, hidden = _sink_per_head(model, windows, n_windows, batch_size, device, keep_hidden=True)
+    ids = windows.ids[:n_windows].to(device)
+    return per_head, _massive_sites(joined_hidden(hidden), ids, tokenizer, limit)
+
+
+@torch.no_grad()
+def _sink_per_head(
+    model: nn.Module,
+    windows: Windows,
+    n_windows: int,
+    batch_size: int,
+    device: str,
+    keep_hidden: bool = False,
+) -> tuple[dict[str, Any], list[list[Tensor]]]:
     sink = _PerHeadSink()
     ids = windows.ids[:n_windows]
     rows = forward_rows(model, batch_size, ids.size(1), attention=True)
+    hidden: list[list[Tensor]] = []
     for start in range(0, len(ids), rows):
         sink.layer = 0
         with observe_any(model, attention=True) as obs:
             obs.attention = sink
             forward_observed(model, ids[start : start + rows].to(device), obs)
+        if keep_hidden:
+            hidden.append(list(obs.hidden))
     return {
         "windows": len(ids),
         "top1_share": [(h / n).tolist() if n else [] for h, n in zip(sink.hits, sink.queries, strict=True)],
         "mass": [(m / n).tolist() if n else [] for m, n in zip(sink.mass, sink.queries, strict=True)],
-    }
+    }, hidden
 
 
 @torch.no_grad()
@@ -550,8 +594,12 @@ def massive_activation_sites(
     ids = windows.ids[:n_windows].to(device)
     with observe_any(model) as obs:
         forward_observed(model, ids, obs)
+    return _massive_sites(obs.hidden, ids, tokenizer, limit)
+
+
+def _massive_sites(hidden: list[Tensor], ids: Tensor, tokenizer: Any, limit: int) -> list[dict[str, Any]]:
     out = []
-    for index, h in enumerate(obs.hidden):
+    for index, h in enumerate(hidden):
         mag = h.float().abs()
         median = mag.median().item()
         is_massive = (mag > MASSIVE_ABS) & (mag > MASSIVE_RATIO * median)

@@ -731,7 +731,7 @@ def profile_record(evaluation: Any, fp: dict[str, Any], device: str) -> tuple[di
     (its ``cell_id``), else computed and written atomically. Returns (record, reused)."""
     from models.io import atomic_write_json
     from qbench.eval.harness import environment
-    from qbench.eval.metrics import attention_sink_per_head, massive_activation_sites
+    from qbench.eval.metrics import attention_sink_and_massive_sites
 
     path = profile_path(evaluation.spec.output_path, evaluation.name)
     try:
@@ -753,8 +753,13 @@ def profile_record(evaluation: Any, fp: dict[str, Any], device: str) -> tuple[di
         "model": fp["model"],
         "protocol": fp["protocol"],
         "architecture": architecture(lm),
-        "attention_per_head": attention_sink_per_head(lm.model, windows, n, device=device),
-        "massive_sites": massive_activation_sites(lm.model, windows, lm.tokenizer, n, device=device),
+        **dict(
+            zip(
+                ("attention_per_head", "massive_sites"),
+                attention_sink_and_massive_sites(lm.model, windows, lm.tokenizer, n, device=device),
+                strict=True,
+            )
+        ),
         "linear_shapes": linear_shapes(lm.model),
         "env": environment(device),
         "wall_seconds": 0.0,

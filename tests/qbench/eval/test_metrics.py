@@ -155,3 +155,35 @@ def test_the_per_head_sink_and_the_massive_sites_refine_the_summaries(tokenizer)
     assert first["positions"] == [0] and len(first["sites"]) == 2
     assert {s["channel"] for s in first["sites"]} == {9} and first["sites"][0]["value"] > 4000
     assert first["sites"][0]["token"] == tokenizer.decode([int(w.ids[0, 0])])
+
+
+def test_one_pass_statistics_equal_their_separate_passes(tokenizer):
+    """The float cell reads the massive activations from the outlier pass's block outputs, and the card's profile
+    takes the per-head sink and the massive sites from one pass: the same findings as separate passes."""
+    from qbench.eval.metrics import (
+        attention_sink_and_massive_sites,
+        attention_sink_per_head,
+        joined_hidden,
+        massive_activation_sites,
+    )
+
+    model = trained_like(micro_config())
+    with torch.no_grad():
+        model.transformer.wpe.weight[0, 9] = 5000.0
+    w = make_windows(tokenizer, Protocol(tokens=32 * 3, window=32), context=32)
+    hidden = []
+    outlier_metrics(model, w, n_windows=3, batch_size=2, attention=True, hidden=hidden)
+    assert len(hidden) == 2  # two batches, joined per layer along the windows
+    joined = massive_activations(model, w, n_windows=3, hidden=joined_hidden(hidden))
+    alone = massive_activations(model, w, n_windows=3)
+    for a, b in zip(joined["layers"], alone["layers"], strict=True):
+        assert (a["count"], a["channels"], a["positions"]) == (b["count"], b["channels"], b["positions"])
+        assert a["top"] == pytest.approx(b["top"], rel=1e-5) and a["median"] == pytest.approx(
+            b["median"], rel=1e-5
+        )
+    heads, sites = attention_sink_and_massive_sites(model, w, tokenizer, n_windows=3, batch_size=2)
+    assert heads == attention_sink_per_head(model, w, n_windows=3, batch_size=2)
+    separate = massive_activation_sites(model, w, tokenizer, n_windows=3)
+    assert [(s["count"], s["channels"], s["positions"]) for s in sites] == [
+        (s["count"], s["channels"], s["positions"]) for s in separate
+    ]

@@ -873,9 +873,13 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
         profile, _ = profile_record(evaluation, fp, cfg.device)
         formats = []
         resolved: dict[str, list[dict[str, Any]]] = {}  # the final record's cell id -> --resolve's steps
+        # scheme name -> its record on the card's own tokens: the repair reuses that one, since a row --resolve
+        # re-evaluated on more tokens no longer shares the sensitivity study's protocol
+        at_budget: dict[str, dict[str, Any]] = {}
         for scheme in plan.formats:
             record, reused = cell_record(spec, evaluation, scheme, "fake")
             progress.cell(record, reused)
+            at_budget[record["scheme"]["name"]] = record
             formats.append(
                 _resolve_row(
                     cfg,
@@ -924,7 +928,7 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
         sensitivity = None
         target = repair_target(formats, fp, profile, cfg.tolerance, cfg.metric)
         if target is not None:
-            sensitivity = _sensitivity(cfg, lm, target, progress, count)
+            sensitivity = _sensitivity(cfg, lm, at_budget[target["scheme"]["name"]], progress, count)
         speed = speed_record(cfg, lm, fp, plan.formats)
         per_model.append(
             {
@@ -1048,7 +1052,7 @@ def _sensitivity(
 ) -> dict:
     """``qbench sensitivity``'s map and repair of ``target``'s scheme (by the budget's unit), in
     ``DIR/sensitivity/<model>/<scheme>/`` with its cells under ``cells/``. The repair starts from ``target``,
-    the card's own record of that format (not evaluated again); the quick budget's repair is not minimised."""
+    the card's own record of that format on its own tokens (not evaluated again); the quick budget's repair is not minimised."""
     from qbench.studies.sensitivity import sensitivity, write_sensitivity
 
     scheme = target["scheme"]["name"]

@@ -216,6 +216,8 @@ def evaluate(
     device: str = "cpu",
     output_path: str | Path | None = None,
     name: str | None = None,
+    calib_data: str | None = None,
+    calib_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Evaluate one (model, scheme, mode) cell and return its record (``scheme=None``: the float baseline).
 
@@ -224,11 +226,13 @@ def evaluate(
     ``qbench run`` (``corpus`` = ``--data``; ``split`` None: validation of a registered corpus, all of a file).
     ``dtype``: what the model is evaluated in (None: a path loads in float32, a model object stays in its own);
     a model object in another dtype, or on another ``device``, is evaluated as a cast copy, never modified.
-    The record names the dtype actually used. A bad argument is a one-line error naming it.
+    The record names the dtype actually used. ``calib_data`` / ``calib_tokens``: a calibrated scheme's windows,
+    as ``--calib-data`` / ``--calib-tokens`` give them. A bad argument is a one-line error naming it.
     """
     from qbench.eval.harness import GridSpec, ModelEvaluation, check_modes
     from qbench.eval.load import check_device, parse_dtype
     from qbench.eval.metrics import Protocol
+    from qbench.quant.calibrate import CalibrationData
 
     check_modes([mode])
     _int_at_least("tokens", tokens, 2)
@@ -242,6 +246,7 @@ def evaluate(
         raise TypeError(f"device must be a string such as 'cpu' or 'cuda:0', got {_shown(device)}")
     check_device(device)
     exclude = _patterns(exclude)
+    calibration = CalibrationData(calib_data, calib_tokens)
     lm, dtype = _as_loaded(model_or_ckpt, tokenizer, dtype, device, name)
     protocol = Protocol(corpus=corpus, split=split, tokens=tokens, window=window, batch_size=batch_size)
     with tempfile.TemporaryDirectory(prefix="qbench-evaluate-") as scratch:
@@ -257,6 +262,7 @@ def evaluate(
             exclude=exclude,
             attention=attention,
             quantize_lm_head=quantize_lm_head,
+            calibration=calibration,
         )
         evaluation = ModelEvaluation(spec, lm.source, lm=lm)
         return evaluation.fp_record() if scheme is None else evaluation.quantised_record(scheme, mode)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from qbench.cli.args import add_model_arguments
+from qbench.cli.args import add_calibration_arguments, add_model_arguments
 from qbench.cli.base import SEED_HELP, add_output_argument, console
 from qbench.cli.budgets import EVAL_TOKENS
 
@@ -28,8 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--algorithms",
         default=ALGORITHM_CHOICES.replace(" ", ""),
         help="comma list of algorithms, rtn required (the others are compared with it); GPTQ and AWQ "
-        "calibrate on 8 windows of the train split",
+        "calibrate on 8 windows of the train split (--calib-data, --calib-tokens)",
     )
+    add_calibration_arguments(p)
     add_output_argument(
         p, "the records, algorithms.json and table.md", default="results/algorithms", metavar="DIR"
     )

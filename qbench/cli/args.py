@@ -158,6 +158,31 @@ def kv_from_args(args: argparse.Namespace) -> KVConfig | None:
     return KVConfig(bits, scheme or "kivi", keep_first or 0, keep_sinks or 0)
 
 
+def add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
+    """--calib-data and --calib-tokens: where calibrated schemes (GPTQ, AWQ, SmoothQuant, static scales) and an
+    fp8 ``scale=calib`` KV cache take their windows (``qbench.quant.calibrate.CalibrationData``)."""
+    parser.add_argument(
+        "--calib-data",
+        metavar="CORPUS",
+        help="calibration text: a registered corpus (its train split) or a local file or folder (all of it) "
+        "(default: the train split of --data, kept apart from the scored validation split)",
+    )
+    parser.add_argument(
+        "--calib-tokens",
+        type=int,
+        metavar="N",
+        help="calibration tokens, rounded up to whole windows of --window (default: each scheme's calib= "
+        "windows, 8)",
+    )
+
+
+def calibration_from_args(args: argparse.Namespace):
+    """The ``CalibrationData`` the options ask for (the default: the train split, each scheme's windows)."""
+    from qbench.quant.calibrate import CalibrationData
+
+    return CalibrationData(getattr(args, "calib_data", None), getattr(args, "calib_tokens", None))
+
+
 def add_tolerance_arguments(parser: argparse.ArgumentParser, what: str = "breaking-point") -> None:
     """``--tolerance`` and ``--metric``, as every command deciding against a tolerance states them."""
     parser.add_argument(

@@ -9,6 +9,7 @@ import argparse
 from pathlib import Path
 
 from qbench.cli.args import (
+    add_calibration_arguments,
     add_model_arguments,
     add_resolve_argument,
     add_tolerance_arguments,
@@ -58,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="replace a card of other models or settings in --output-path (the records it was built from stay)",
     )
     p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
+    add_calibration_arguments(p)
 
 
 def config(args: argparse.Namespace):
@@ -83,6 +85,8 @@ def config(args: argparse.Namespace):
         allow_unsafe_weights=args.allow_unsafe_weights,
         command=getattr(args, "command_line", None),
         overwrite=args.overwrite,
+        calib_data=args.calib_data,
+        calib_tokens=args.calib_tokens,
     )
     from dataclasses import replace
 

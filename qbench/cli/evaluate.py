@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from qbench.cli.args import add_kv_arguments, add_model_arguments
+from qbench.cli.args import add_calibration_arguments, add_kv_arguments, add_model_arguments
 from qbench.cli.base import SEED_HELP, add_output_argument, console, print_wide
 from qbench.cli.budgets import EVAL_TOKENS
 
@@ -33,10 +33,11 @@ def add_eval_arguments(p: argparse.ArgumentParser, many: bool = False) -> None:
         help="quantise the LM head too (default: float, as in the paper); results named <scheme>+head",
     )
     add_kv_arguments(p)
+    add_calibration_arguments(p)
 
 
 def grid_spec(args: argparse.Namespace, models: list[str]):
-    from qbench.cli.args import kv_from_args, protocol_from_args
+    from qbench.cli.args import calibration_from_args, kv_from_args, protocol_from_args
     from qbench.eval.harness import GridSpec, check_modes, expand_schemes
 
     protocol = protocol_from_args(args)
@@ -56,6 +57,7 @@ def grid_spec(args: argparse.Namespace, models: list[str]):
         trust_remote_code=args.trust_remote_code,
         allow_unsafe_weights=args.allow_unsafe_weights,
         kv=kv,
+        calibration=calibration_from_args(args),
     )
 
 

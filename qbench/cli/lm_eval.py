@@ -6,7 +6,13 @@ import argparse
 from pathlib import Path
 
 from models.io import atomic_write_json
-from qbench.cli.args import add_load_arguments, console, load_from_args
+from qbench.cli.args import (
+    add_calibration_arguments,
+    add_load_arguments,
+    calibration_from_args,
+    console,
+    load_from_args,
+)
 from qbench.cli.base import add_output_argument
 
 NAME = "lm-eval"
@@ -22,7 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--limit", type=float, help="documents per task (a fraction if < 1; default: every document)"
     )
-    parser.add_argument("--data", default="embedded", help="corpus whose train split calibrates smoothquant")
+    parser.add_argument(
+        "--data",
+        default="embedded",
+        help="corpus whose train split calibrates a calibrated scheme (smoothquant, static, GPTQ, AWQ) when "
+        "--calib-data is not given (default: embedded)",
+    )
+    add_calibration_arguments(parser)
     parser.add_argument("--bootstrap-iters", type=int, default=0, help="stderr bootstrap (0: none, fast)")
     add_output_argument(parser, "also write the result to this JSON file", "--json", metavar="FILE")
 
@@ -31,6 +43,7 @@ def run(args: argparse.Namespace) -> None:
     from qbench.studies.lm_eval_adapter import check_request, run_lm_eval
 
     check_request(args.scheme, args.mode)  # a typo fails before the model loads
+    calibration = calibration_from_args(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     lm = load_from_args(args)
@@ -44,6 +57,7 @@ def run(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         bootstrap_iters=args.bootstrap_iters,
         calibration_corpus=args.data,
+        calibration=calibration,
     )
     console.print(f"[bold]{lm.name}[/] {result['qbench']['scheme']['name']} ({result['qbench']['mode']})")
     for task, metrics in result["results"].items():

@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING
 from models.errors import UserError
 from models.io import atomic_write_json
 from qbench.cli.args import (
+    add_calibration_arguments,
     add_kv_arguments,
     add_model_arguments,
     add_tolerance_arguments,
+    calibration_from_args,
     console,
     kv_from_args,
     load_from_args,
@@ -48,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--json", metavar="FILE", help="also write the score to this JSON file (default: not written)"
     )
     add_kv_arguments(parser)
+    add_calibration_arguments(parser)
     parser.add_argument(
         "--breaking-points",
         action="store_true",
@@ -74,6 +77,7 @@ def run(args: argparse.Namespace) -> None:
     schemes = expand_schemes(args.scheme or ["paper"])  # a typo fails before the model loads
     protocol = protocol_from_args(args)
     kv = kv_from_args(args)
+    calibration = calibration_from_args(args)
     existing_sweep = read_sweep(args.sweep) if args.sweep else None
     sweep_cfg = _sweep_config(args, protocol, kv) if args.breaking_points and not args.sweep else None
     lm = load_from_args(args)
@@ -86,6 +90,7 @@ def run(args: argparse.Namespace) -> None:
         exclude=args.exclude or (),
         attention=not args.no_attention,
         kv=kv,
+        calibration=calibration,
     )
     console.print(f"[bold]{lm.name}[/]  fp perplexity {_fmt(result['fp_perplexity'])}", highlight=False)
     for name, entry in result["schemes"].items():

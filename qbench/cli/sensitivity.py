@@ -19,9 +19,11 @@ from pathlib import Path
 
 from models.errors import UserError
 from qbench.cli.args import (
+    add_calibration_arguments,
     add_kv_arguments,
     add_model_arguments,
     add_tolerance_arguments,
+    calibration_from_args,
     console,
     kv_from_args,
     load_from_args,
@@ -67,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantize-lm-head", action="store_true", help="the LM head is a unit too (default: float)"
     )
     add_kv_arguments(parser)
+    add_calibration_arguments(parser)
 
 
 def _spec(args: argparse.Namespace, lm, out: Path):
@@ -89,6 +92,7 @@ def _spec(args: argparse.Namespace, lm, out: Path):
         trust_remote_code=args.trust_remote_code,
         allow_unsafe_weights=args.allow_unsafe_weights,
         kv=kv_from_args(args),
+        calibration=calibration_from_args(args),
     )
 
 

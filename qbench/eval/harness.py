@@ -54,6 +54,7 @@ from qbench.eval.metrics import (
 from qbench.eval.prefix import BlockPrefix
 from qbench.eval.reference import ReferenceLogits, reference_store
 from qbench.quant.apply import MODES
+from qbench.quant.calibrate import CalibrationData
 from qbench.quant.kv import KVConfig
 from qbench.quant.primitives import NonFiniteError
 from qbench.quant.schemes import PAPER_SCHEMES
@@ -130,6 +131,8 @@ class GridSpec:
     allow_empty: bool = (
         False  # an exclude list may keep every layer float (sensitivity's KV-only, repair cells)
     )
+    # where calibrated schemes and an fp8 scale=calib cache take their windows (--calib-data, --calib-tokens)
+    calibration: CalibrationData = field(default_factory=CalibrationData)
 
     def scheme(self, name: str) -> Any:
         """The registered scheme, with the LM head quantised too when asked (then named ``<scheme>+head``) and
@@ -154,9 +157,7 @@ class GridSpec:
         record = self.kv.to_dict()
         if kv_calibrated(self.kv):
             record["calibration"] = {
-                "corpus": self.protocol.corpus,
-                "split": "train",
-                "windows": KV_CALIB_WINDOWS,
+                **self.calibration.describe(self.protocol.corpus, KV_CALIB_WINDOWS),
                 "selection": "first windows",
                 "statistic": "per layer: max |k| / max_normal, max |v| / max_normal",
             }
@@ -171,9 +172,7 @@ class GridSpec:
         record = {**scheme.to_dict(), "exclude": list(self.exclude)}
         if needs_calibration(scheme):
             record["calibration"] = {
-                "corpus": self.protocol.corpus,
-                "split": "train",
-                "windows": scheme.calib_windows,
+                **self.calibration.describe(self.protocol.corpus, scheme.calib_windows),
                 "seed": scheme.calib_seed,
                 "selection": "first windows" if scheme.calib_seed is None else "seeded sample",
             }
@@ -399,18 +398,17 @@ class ModelEvaluation:
         layer the scheme would quantise, a calibrated scheme or KV cache whose calibration split the scored split
         contains, and a KV cache whose kept positions or float residual cover the window."""
         from qbench.quant.apply import select_layers
-        from qbench.quant.calibrate import check_calibration_disjoint
 
-        protocol = self.spec.protocol
+        protocol, calibration = self.spec.protocol, self.spec.calibration
         for name in self.spec.schemes:
             if name != FLOAT_SCHEME:
                 scheme = self.spec.scheme(name)
                 select_layers(self.lm.model, scheme, self.spec.exclude, self.spec.allow_empty)
                 if _needs_calibration(scheme):
-                    check_calibration_disjoint(protocol.corpus, protocol.split, f"scheme {name}")
+                    calibration.check_disjoint(protocol.corpus, protocol.split, f"scheme {name}")
         kv = self.spec.kv
         if kv_calibrated(kv):
-            check_calibration_disjoint(protocol.corpus, protocol.split, f"KV scheme {kv.label}")
+            calibration.check_disjoint(protocol.corpus, protocol.split, f"KV scheme {kv.label}")
         window = self.windows.window
         if kv is not None and kv.keep_first >= self.windows.window:
             raise UserError(
@@ -704,7 +702,9 @@ class ModelEvaluation:
 
         if not kv_calibrated(self.spec.kv):
             return None
-        ids = kv_calibration_windows(self.lm.tokenizer, self.spec.protocol, self.windows.window)
+        ids = kv_calibration_windows(
+            self.lm.tokenizer, self.spec.protocol, self.windows.window, self.spec.calibration
+        )
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         scales = calibrate_kv_scales(model, ids.to(device).split(CALIBRATION_BATCH))
         layers = sorted(scales)
@@ -717,31 +717,54 @@ class ModelEvaluation:
     def _calibration(self, scheme: Any) -> torch.Tensor:
         """Calibration windows (SmoothQuant, static scales): ``scheme.calib_windows`` windows of the *train*
         split (never the evaluated text), the evaluation's window length (``calibration_windows``)."""
-        return calibration_windows(self.lm.tokenizer, self.spec.protocol, self.windows.window, scheme)
+        return calibration_windows(
+            self.lm.tokenizer, self.spec.protocol, self.windows.window, scheme, self.spec.calibration
+        )
 
 
-def calibration_windows(tokenizer: Any, protocol: Protocol, window: int, scheme: Any) -> torch.Tensor:
-    """The train-split windows a calibrated scheme uses: the first N (``calib_seed=None``), or a seeded sample of N
-    from the first ``POOL_FACTOR``·N (``calibrate.select_windows``). One definition for the harness and lm-eval."""
+def calibration_windows(
+    tokenizer: Any,
+    protocol: Protocol,
+    window: int,
+    scheme: Any,
+    calibration: CalibrationData | None = None,
+) -> torch.Tensor:
+    """The windows a calibrated scheme uses, cut from ``calibration``'s text (default: the train split of the
+    scored corpus) like evaluation windows: the first N (``calib_seed=None``), or a seeded sample of N from the
+    first ``POOL_FACTOR``·N (``calibrate.select_windows``); N is the scheme's ``calib`` or ``--calib-tokens``
+    rounded up to whole windows. Fewer windows than N when the text holds fewer. One definition for the harness
+    and lm-eval."""
     from dataclasses import replace
 
     from qbench.quant.calibrate import POOL_FACTOR, select_windows
 
-    n = scheme.calib_windows * (1 if scheme.calib_seed is None else POOL_FACTOR)
-    train = replace(
-        protocol, split="train", tokens=n * window, window=window
+    calibration = calibration or CalibrationData()
+    wanted = calibration.windows(scheme.calib_windows, window)
+    n = wanted * (1 if scheme.calib_seed is None else POOL_FACTOR)
+    source = replace(
+        protocol,
+        corpus=calibration.corpus(protocol.corpus),
+        split=calibration.split(),
+        tokens=n * window,
+        window=window,
     )  # each window predicts `window`
-    ids = make_windows(tokenizer, train, window).ids
-    return select_windows(ids, scheme.calib_windows, scheme.calib_seed)
+    ids = make_windows(tokenizer, source, window).ids
+    return select_windows(ids, wanted, scheme.calib_seed)
 
 
-def kv_calibration_windows(tokenizer: Any, protocol: Protocol, window: int) -> torch.Tensor:
-    """The train windows an fp8 ``scale=calib`` cache is calibrated on: the first ``KV_CALIB_WINDOWS`` windows of
-    the train split (:func:`calibration_windows`' protocol), ``window`` tokens each."""
+def kv_calibration_windows(
+    tokenizer: Any, protocol: Protocol, window: int, calibration: CalibrationData | None = None
+) -> torch.Tensor:
+    """The windows an fp8 ``scale=calib`` cache is calibrated on: the first ``KV_CALIB_WINDOWS`` windows (or
+    ``--calib-tokens``' worth) of :func:`calibration_windows`' text, ``window`` tokens each."""
     from types import SimpleNamespace
 
     return calibration_windows(
-        tokenizer, protocol, window, SimpleNamespace(calib_windows=KV_CALIB_WINDOWS, calib_seed=None)
+        tokenizer,
+        protocol,
+        window,
+        SimpleNamespace(calib_windows=KV_CALIB_WINDOWS, calib_seed=None),
+        calibration,
     )
 
 

@@ -71,6 +71,76 @@ def select_windows(ids: Tensor, n: int, seed: int | None) -> Tensor:
 CALIBRATION_SPLIT = "train"  # where calibration windows come from (harness.calibration_windows)
 
 
+@dataclass(frozen=True)
+class CalibrationData:
+    """Where calibration windows come from and how many tokens they hold (``--calib-data``, ``--calib-tokens``).
+
+    ``data`` None: the scored corpus's train split (the default). A registered corpus or a ``qbench data prepare``
+    folder: its train split. A user's own file or folder: all of it (it is not the scored text, so nothing of it
+    is held out). ``tokens`` None: each scheme's ``calib`` windows; a number: that many tokens, rounded up to whole
+    windows of the evaluation's length (llm-compressor's ``num_calibration_samples`` × ``max_seq_length``, said
+    in tokens). A seeded scheme (``calib_seed``) samples its windows from ``POOL_FACTOR`` times as many."""
+
+    data: str | None = None
+    tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens is not None and (isinstance(self.tokens, bool) or self.tokens < 1):
+            raise UserError(f"--calib-tokens must be a positive number of tokens, got {self.tokens!r}")
+        if self.data is not None:
+            from trainers.data import get_corpus
+
+            get_corpus(self.data)  # an unknown name or a missing path: its one-line error now, not mid-grid
+
+    def corpus(self, scored: Any) -> str:
+        """The corpus the windows are cut from while ``scored`` is evaluated."""
+        return str(scored) if self.data is None else self.data
+
+    def split(self) -> str:
+        """The split of :meth:`corpus` the windows are cut from."""
+        if self.data is None:
+            return CALIBRATION_SPLIT
+        from trainers.data import default_split
+
+        return CALIBRATION_SPLIT if default_split(self.data) == "validation" else "all"
+
+    def windows(self, default: int, window: int) -> int:
+        """Windows of ``window`` tokens to calibrate on: ``tokens`` rounded up to whole windows, else ``default``
+        (the scheme's ``calib``)."""
+        return default if self.tokens is None else -(-self.tokens // window)
+
+    def describe(self, scored: Any, default: int) -> dict[str, Any]:
+        """The calibration protocol as records state it: corpus, split, and the windows (or the tokens asked for,
+        when ``--calib-tokens`` decides the windows once the window length is known)."""
+        out: dict[str, Any] = {"corpus": self.corpus(scored), "split": self.split()}
+        if self.tokens is None:
+            out["windows"] = default
+        else:  # the windows follow from the record's protocol.window: ceil(requested_tokens / window)
+            out["requested_tokens"] = self.tokens
+        return out
+
+    def check_disjoint(self, scored: Any, scored_split: str | None, what: str) -> None:
+        """Refuse calibration on the scored text (:func:`check_calibration_disjoint`): the default data, or
+        ``--calib-data`` naming the scored corpus itself."""
+        if self.data is None or _same_corpus(self.data, scored):
+            if self.data is not None and self.split() == "all":
+                raise UserError(
+                    f"{what}: --calib-data {self.data!r} is the scored corpus itself (all of it is calibration "
+                    "text); calibrate on another file, or leave --calib-data out to use the train split"
+                )
+            check_calibration_disjoint(scored, scored_split, what)
+
+
+def _same_corpus(a: Any, b: Any) -> bool:
+    """Whether two corpus names or paths name the same text (paths compared once resolved)."""
+    from pathlib import Path
+
+    if str(a) == str(b):
+        return True
+    pa, pb = Path(str(a)), Path(str(b))
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
 def check_calibration_disjoint(corpus: Any, scored_split: str | None, what: str) -> str:
     """The split ``what`` (a calibrated scheme or KV cache) may calibrate on while ``scored_split`` of ``corpus``
     is scored: :data:`CALIBRATION_SPLIT` when the two are disjoint, else a one-line error. Only the validation

@@ -206,6 +206,15 @@ class CardConfig:
     # --resolve: re-evaluate undecided format and KV rows at doubling tokens up to this many (None: off)
     resolve_tokens: int | None = None
     overwrite: bool = False  # replace a card of other models or settings in output_path (their records stay)
+    # where the calibrated rows (GPTQ, AWQ, fp8 scale=calib) take their windows: qbench.quant.calibrate's
+    # CalibrationData (None, None: the train split of ``corpus``, each scheme's windows)
+    calib_data: str | None = None
+    calib_tokens: int | None = None
+
+    def calibration(self) -> Any:
+        from qbench.quant.calibrate import CalibrationData
+
+        return CalibrationData(self.calib_data, self.calib_tokens)
 
     @property
     def plan(self) -> Budget:
@@ -250,6 +259,7 @@ def _spec(cfg: CardConfig, model: str, schemes: list[str], kv: Any = None, **kw:
         trust_remote_code=cfg.trust_remote_code,
         allow_unsafe_weights=cfg.allow_unsafe_weights,
         kv=kv,
+        calibration=cfg.calibration(),
         **kw,
     )
 
@@ -377,6 +387,7 @@ def validate(cfg: CardConfig) -> None:
         get_scheme(scheme)
     if cfg.kv_scheme is not None:
         kv_widths(plan, cfg.kv_scheme)
+    cfg.calibration()  # a bad --calib-data or --calib-tokens: its one-line error before a model loads
     check_distinct(cfg.models)
     if plan.sweep_families:
         from qbench.studies import sweep
@@ -1193,13 +1204,21 @@ def quantised_text(scheme: Mapping[str, Any]) -> str:
         text += f" + {part('A', scheme.get('act_bits'), scheme.get('act_granularity'))} ({scales})"
     if scheme.get("out_bits") is not None:
         text += f" + O{scheme['out_bits']} {_granularity(scheme.get('out_granularity'))}"
-    windows = (scheme.get("calibration") or {}).get("windows", scheme.get("calib_windows"))
+    calibration = scheme.get("calibration") or {}
+    split = calibration.get("split", "train")
+    if "requested_tokens" in calibration:  # --calib-tokens: the windows follow from the window length
+        windows = f"{calibration['requested_tokens']:,} calibration tokens"
+    else:
+        n = calibration.get("windows", scheme.get("calib_windows"))
+        windows = f"{n} windows" if split == "all" else f"{n} {split} windows"
+    if split == "all":  # --calib-data: a user's own file or folder, all of it
+        windows += f" of {Path(str(calibration.get('corpus'))).name}"
     params = scheme.get("algo_params") or {}
     if scheme.get("algo") == "gptq":
-        return text + f"; GPTQ ({windows} train windows, damp {params.get('damp')})"
+        return text + f"; GPTQ ({windows}, damp {params.get('damp')})"
     if scheme.get("algo") == "awq":
         clip = ", clipping searched" if params.get("clip") else ""
-        return text + f"; AWQ ({windows} train windows, α grid {params.get('grid')}{clip})"
+        return text + f"; AWQ ({windows}, α grid {params.get('grid')}{clip})"
     return text + "; RTN"
 
 
@@ -1675,7 +1694,8 @@ def _verdict(
             + (
                 ""
                 if repair.get("minimised", True)
-                else "; not minimised: units were added until within, none tried for removal (standard does)"
+                else "; not minimised: the shortest within prefix of the sensitivity ranking, found by bisection, none "
+                "tried for removal (standard does)"
             )
             + f"); `{repair['command']}`."
         )

@@ -33,6 +33,7 @@ from qbench.eval.adapters import context_length, first_parameter, is_ours
 from qbench.eval.harness import calibration_windows, check_modes, environment
 from qbench.eval.load import LoadedModel
 from qbench.eval.metrics import Protocol
+from qbench.quant.calibrate import CalibrationData
 
 FLOAT = ("fp", "float", "none")
 
@@ -63,10 +64,15 @@ def as_transformers(lm: LoadedModel) -> nn.Module:
     return hf.to(device=reference.device, dtype=reference.dtype)
 
 
-def _calibration(lm: LoadedModel, model: nn.Module, corpus: str, scheme: Any) -> torch.Tensor:
-    """Calibration windows (SmoothQuant, static scales), as the harness takes them: ``scheme.calib_windows``
-    windows of the corpus's *train* split, the model's context long (``harness.calibration_windows``)."""
-    return calibration_windows(lm.tokenizer, Protocol(corpus=corpus), context_length(model), scheme)
+def _calibration(
+    lm: LoadedModel, model: nn.Module, corpus: str, scheme: Any, calibration: CalibrationData | None = None
+) -> torch.Tensor:
+    """Calibration windows (SmoothQuant, static scales, GPTQ, AWQ), as the harness takes them: the scheme's
+    ``calib`` windows (or ``--calib-tokens``) of the corpus's *train* split or of ``--calib-data``, the model's
+    context long (``harness.calibration_windows``)."""
+    return calibration_windows(
+        lm.tokenizer, Protocol(corpus=corpus), context_length(model), scheme, calibration
+    )
 
 
 def _is_float(scheme: str | None) -> bool:
@@ -83,7 +89,11 @@ def check_request(scheme: str | None, mode: str) -> None:
 
 
 def quantised_transformers(
-    lm: LoadedModel, scheme: str | None, mode: str = "fake", calibration_corpus: str = "embedded"
+    lm: LoadedModel,
+    scheme: str | None,
+    mode: str = "fake",
+    calibration_corpus: str = "embedded",
+    calibration: CalibrationData | None = None,
 ) -> tuple[nn.Module, dict]:
     """(the transformers model quantised with ``scheme`` — or float for fp/None —, the scheme's record)."""
     from qbench.quant import get_scheme, quantize
@@ -102,12 +112,16 @@ def quantised_transformers(
         )
     model = as_transformers(lm)
     calibrated = needs_calibration(config)
-    calibration = _calibration(lm, model, calibration_corpus, config) if calibrated else None
+    source = calibration or CalibrationData()
+    windows = _calibration(lm, model, calibration_corpus, config, source) if calibrated else None
     record = config.to_dict()
     if calibrated:
-        record["calibration"] = {"corpus": calibration_corpus, "split": "train", "windows": len(calibration)}
-        record["calibration"]["seed"] = config.calib_seed
-    return quantize(model, config, mode=mode, calibration=calibration), record
+        record["calibration"] = {
+            **source.describe(calibration_corpus, config.calib_windows),
+            "windows": len(windows),
+            "seed": config.calib_seed,
+        }
+    return quantize(model, config, mode=mode, calibration=windows), record
 
 
 def _task_manager(tasks: Sequence[str], include_path: str | Path | None) -> Any:
@@ -149,6 +163,7 @@ def run_lm_eval(
     batch_size: int = 1,
     bootstrap_iters: int = 0,
     calibration_corpus: str = "embedded",
+    calibration: CalibrationData | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``lm`` quantised with ``scheme`` on lm-eval ``tasks``; lm-eval's results plus qbench provenance.
 
@@ -165,7 +180,7 @@ def run_lm_eval(
 
     start = time.perf_counter()
     manager = _task_manager(tasks, include_path)
-    model, scheme_record = quantised_transformers(lm, scheme, mode, calibration_corpus)
+    model, scheme_record = quantised_transformers(lm, scheme, mode, calibration_corpus, calibration)
     wrapped = HFLM(pretrained=model, tokenizer=lm.tokenizer, batch_size=batch_size)
     out = lm_eval.simple_evaluate(
         model=wrapped,

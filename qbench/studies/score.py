@@ -34,6 +34,7 @@ from qbench.eval.harness import GridSpec, ModelEvaluation, expand_schemes
 from qbench.eval.load import LoadedModel
 from qbench.eval.metrics import Protocol
 from qbench.quant import PAPER_SCHEMES
+from qbench.quant.calibrate import CalibrationData
 from qbench.quant.kv import KVConfig
 
 DEFINITION = "fp_perplexity / geometric mean of the quantised perplexities = exp(-mean log ppl_ratio)"
@@ -99,10 +100,13 @@ def score(
     exclude: Sequence[str] = (),
     attention: bool = True,
     kv: KVConfig | None = None,
+    calibration: CalibrationData | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``lm`` in float and under each scheme (fake-quant) and summarise (module docstring).
 
     With ``kv`` every scheme runs with that KV-cache quantisation (``<scheme>+kv4``; ``fp`` = the cache alone).
+    ``calibration``: where calibrated schemes take their windows (default: the train split of the protocol's
+    corpus, each scheme's windows).
 
     Records go to ``output_path`` in the grid's layout; with None they go to a temporary folder and are dropped.
     Returns the summary with ``robustness``, per-scheme ``perplexity``/``ppl_ratio``/``ppl_change_pct``/
@@ -111,7 +115,7 @@ def score(
     names = expand_schemes(schemes)
     if output_path is None:
         with tempfile.TemporaryDirectory(prefix="qbench-score-") as tmp:
-            return score(lm, protocol, names, tmp, device, exclude, attention, kv)
+            return score(lm, protocol, names, tmp, device, exclude, attention, kv, calibration)
     spec = GridSpec(
         models=[lm.source],
         schemes=names,
@@ -123,6 +127,7 @@ def score(
         exclude=tuple(exclude),
         attention=attention,
         kv=kv,
+        calibration=calibration or CalibrationData(),
     )
     evaluation = ModelEvaluation(spec, lm.source, lm=lm)
     fp = evaluation.fp_record()

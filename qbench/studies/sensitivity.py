@@ -21,7 +21,8 @@
    (``qbench.eval.prefix``; the same perplexity to the last bit, found by comparison, never assumed).
 4. Repair: from the fully quantised model, while its change exceeds ``tolerance`` %, keep the next most
    sensitive unit in float and evaluate again; once within, try dropping each kept unit, least sensitive first,
-   keeping a drop when the measured change stays within. Every step is a measured cell, so the reported
+   keeping a drop when the measured change stays within (``minimise=False``: the shortest within prefix of
+   the ranking, by bisection, and no drops). Every step is a measured cell, so the reported
    perplexity is the one ``qbench run --exclude <each name>`` gives on the same protocol.
 """
 
@@ -245,8 +246,9 @@ def repair(
     minimise: bool = True,
 ) -> dict[str, Any]:
     """Greedy forward by measured sensitivity, then a backward pass; every set is evaluated (module docstring).
-    ``minimise=False`` stops after the forward pass: the set is measured within the tolerance, but a unit it
-    keeps may not be needed (``minimised`` in the result says which).
+    ``minimise=False`` replaces both by a bisection for the shortest within prefix of the ranking
+    (:func:`_shortest_prefix`, log2(units) cells): the set is measured within the tolerance, but a unit it keeps
+    may not be needed (``minimised`` in the result says which).
 
     Each distinct set is measured once: the backward pass's first trial (dropping the unit added last) is the
     forward pass's previous set, already measured and known to fail, so it is looked up, not evaluated or
@@ -264,10 +266,13 @@ def repair(
 
     kept: list[str] = []
     current = full = measure(kept)
-    for unit in ranked:
+    names = [unit["name"] for unit in ranked]
+    if not minimise and names and not _within(full, tolerance, metric):
+        kept, current = _shortest_prefix(names, measure, tolerance, metric)
+    for name in names if minimise else ():
         if _within(current, tolerance, metric):
             break
-        kept = [*kept, unit["name"]]
+        kept = [*kept, name]
         current = measure(kept)
     if minimise and _within(current, tolerance, metric) and len(kept) > 1:
         for name in reversed(list(kept)):  # least sensitive first
@@ -290,6 +295,31 @@ def repair(
         "quantised_ppl_change_pct": full["metrics"]["ppl_change_pct"],
         "steps": steps,
     }
+
+
+def _shortest_prefix(
+    names: Sequence[str],
+    measure: Callable[[list[str]], dict[str, Any]],
+    tolerance: float,
+    metric: str,
+) -> tuple[list[str], dict[str, Any]]:
+    """(the shortest prefix of ``names`` measured within the tolerance, its record), by bisection over the
+    prefix length: log2(n) cells where adding units one at a time takes up to n. The empty prefix is known to
+    fail; the whole list (everything the study can keep in float) is measured only when no shorter one is
+    within. Bisection assumes keeping one more unit in float never makes the model worse: where that does not
+    hold the prefix found may not be the shortest, and it is still a measured cell."""
+    lo, hi = 0, len(names)  # the prefix of length lo fails; the answer is in (lo, hi]
+    found: dict[str, Any] | None = None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        record = measure(list(names[:mid]))
+        if _within(record, tolerance, metric):
+            hi, found = mid, record
+        else:
+            lo = mid
+    if found is None:
+        found = measure(list(names[:hi]))
+    return list(names[:hi]), found
 
 
 def _step(kept: Sequence[str], record: dict[str, Any]) -> dict[str, Any]:
@@ -534,7 +564,12 @@ def report(result: dict[str, Any], top: int = 10) -> str:
     corr = "\n".join(f"| {s} | {_fmt(v, '+.2f')} |" for s, v in result["correlation"].items())
     excl = " ".join(f"--exclude '{name}'" for name in r["exclude"]) or "(nothing)"
     verdict = "within" if r["reached"] else "NOT within"
-    minimised = "" if r.get("minimised", True) else "; not minimised: no kept unit was tried for removal"
+    minimised = (
+        ""
+        if r.get("minimised", True)
+        else "; not minimised: the shortest within prefix of the ranking, found by bisection; no kept unit "
+        "was tried for removal"
+    )
     from qbench.eval.evidence import tolerance_text
 
     metric = r.get("metric", "ppl")  # repairs before --metric were on perplexity

@@ -3,6 +3,7 @@ scheme, calibration windows/seed/corpus are recorded, and a record is reused onl
 
 import json
 
+import pytest
 import torch
 
 from qbench.eval.harness import GridSpec, calibration_windows, record_path, run_grid
@@ -101,3 +102,77 @@ def test_algorithm_records_say_what_their_statistics_are_of(tmp_path, ckpt_dir):
     assert gptq["calibration"]["hessian"].startswith("float model's inputs")
     assert awq["calibration"]["statistics"].startswith("float model's inputs: mean |x|")
     assert rebuilt(gptq) == get_scheme("zeropoint-int4:algo=gptq")
+
+
+def test_calib_data_and_calib_tokens_choose_the_windows_and_are_recorded(tmp_path, ckpt_dir):
+    from dataclasses import replace
+
+    import pytest
+
+    from models.errors import UserError
+    from qbench.quant.calibrate import CalibrationData
+
+    own = tmp_path / "calib.txt"  # a user's own calibration text, not the scored corpus
+    own.write_text(
+        "\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(60))
+    )
+    lm = load_model(str(ckpt_dir))
+    scheme = get_scheme("absmax-fine:static=true,calib=3")
+    data = CalibrationData(str(own), tokens=70)  # rounded up to 3 windows of 32
+    assert data.split() == "all" and data.windows(3, 32) == 3
+    assert CalibrationData("embedded").split() == "train" and CalibrationData(tokens=64).windows(8, 32) == 2
+    windows = calibration_windows(lm.tokenizer, SMALL, 32, scheme, data)
+    expected = make_windows(
+        lm.tokenizer, Protocol(corpus=str(own), split="all", tokens=3 * 32, window=32), 32
+    )
+    assert torch.equal(windows, expected.ids)
+    default = calibration_windows(lm.tokenizer, SMALL, 32, scheme)
+    assert not torch.equal(windows, default)  # not the train split of the scored corpus
+
+    spec = replace(grid(tmp_path, ckpt_dir, ["absmax-fine:static=true,calib=3"]), calibration=data)
+    _, cell = run_grid(spec)
+    assert cell["status"] == "ok", cell["error"]
+    assert cell["scheme"]["calibration"] == {
+        "corpus": str(own),
+        "split": "all",
+        "requested_tokens": 70,
+        "seed": None,
+        "selection": "first windows",
+    }
+    seen = []
+    run_grid(grid(tmp_path, ckpt_dir, spec.schemes), on_record=lambda r, reused: seen.append(reused))
+    assert seen == [True, False]  # the default calibration is another cell: not reused for it
+
+    for bad, message in (
+        (0, "--calib-tokens must be a positive"),
+        (True, "--calib-tokens must be a positive"),
+    ):
+        with pytest.raises(UserError, match=message):
+            CalibrationData(tokens=bad)
+    with pytest.raises(UserError, match="did you mean 'embedded'"):
+        CalibrationData("embeded")
+    scored = replace(spec, protocol=replace(SMALL, corpus=str(own)), calibration=CalibrationData(str(own)))
+    from qbench.eval.harness import ModelEvaluation
+
+    with pytest.raises(UserError, match="is the scored corpus itself"):
+        ModelEvaluation(scored, str(ckpt_dir), lm=lm).check()
+
+
+def test_calib_options_on_the_command_line(tmp_path, ckpt_dir, capsys):
+    from qbench.cli import main
+
+    own = tmp_path / "calib.txt"
+    own.write_text("\n\n".join(f"Line {i} of calibration text for the static scales." for i in range(80)))
+    argv = ["run", "--ckpt", str(ckpt_dir), "--tokens", "128", "--batch-size", "2", "--no-attention"]
+    argv += ["--scheme", "absmax-fine:static=true", "--output-path", str(tmp_path / "out")]
+    assert main([*argv, "--calib-data", str(own), "--calib-tokens", "64"]) == 0
+    record = json.loads(next((tmp_path / "out").rglob("absmax-fine@static=true__fake.json")).read_text())
+    assert record["scheme"]["calibration"]["corpus"] == str(own)
+    assert record["scheme"]["calibration"]["requested_tokens"] == 64
+    assert main([*argv, "--calib-tokens", "-5"]) == 2
+    err = capsys.readouterr().err
+    assert "--calib-tokens must be a positive number of tokens, got -5" in err and "Traceback" not in err
+    for command in ("run", "grid", "algorithms", "sensitivity", "score", "card", "lm-eval"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "--calib-data" in capsys.readouterr().out, command

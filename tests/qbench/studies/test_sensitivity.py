@@ -97,6 +97,27 @@ def test_a_repair_that_is_not_minimised_stops_after_its_forward_pass(monkeypatch
     assert repair(_TableStudy(changes, lambda *c: None), ranked, 1.0)["minimised"]
 
 
+def test_a_repair_that_is_not_minimised_bisects_for_the_shortest_within_prefix(monkeypatch):
+    monkeypatch.setattr(sens, "_weight_share", lambda study, kept: 0.0)
+    names = [f"h.{i}.*" for i in range(7)]
+    ranked = [{"name": n, "ppl_change_pct": 7.0 - i} for i, n in enumerate(names)]
+
+    def table(shortest):  # prefixes of at least `shortest` units are within 1 %, shorter ones are not
+        return {frozenset(names[:k]): (0.5 if k >= shortest else 5.0 - k * 0.5) for k in range(8)}
+
+    result = repair(_TableStudy(table(6), lambda *c: None), ranked, 1.0, minimise=False)
+    assert result["exclude"] == names[:6] and result["reached"] and not result["minimised"]
+    # 3 cells besides the fully quantised one (lengths 3, 5, 6), where adding one unit at a time takes 6
+    assert [len(step["exclude"]) for step in result["steps"]] == [0, 3, 5, 6]
+    for shortest in range(1, 8):  # the bisection finds the same set as the one-at-a-time forward pass
+        found = repair(_TableStudy(table(shortest), lambda *c: None), ranked, 1.0, minimise=False)
+        assert found["exclude"] == names[:shortest] and found["reached"]
+        assert len(found["steps"]) <= 1 + 3 + (shortest == 7)  # the whole list: measured last
+    unreachable = {frozenset(names[:k]): 5.0 for k in range(8)}
+    result = repair(_TableStudy(unreachable, lambda *c: None), ranked, 1.0, minimise=False)
+    assert not result["reached"] and result["exclude"] == names  # the whole list measured, still beyond
+
+
 def test_the_fully_quantised_record_of_the_caller_is_not_evaluated_again(planted_ckpt, tmp_path):
     """A card has the format's record already: the repair starts from it (no ``all`` cell), and a record of
     another scheme is refused."""

@@ -82,7 +82,7 @@ from qbench.quant.format_specs import (  # noqa: F401 (re-exported: the descript
     get_format,
 )
 from qbench.quant.granularity import Granularity, PerGroup, PerTensor, per_sequence
-from qbench.quant.primitives import TINY, block_dims, block_sizes, blocked, check_input
+from qbench.quant.primitives import TINY, block_dims, block_sizes, blocked, check_input, true_div
 
 _PER_TENSOR = PerTensor()
 # Elementwise chains (frexp, ldexp, round, clamp) over an activation of a batch (tens of MB) run at the speed of
@@ -139,7 +139,7 @@ def fake_quantize_fp8(x: Tensor, element: ElementFormat, granularity: Granularit
         return x.clone()
     xb = blocked(x, block_sizes(x.shape, granularity)).to(_compute_dtype(x))
     amax = xb.abs().amax(block_dims(x.ndim), keepdim=True)
-    scale = (amax / element.max_normal).clamp_min(TINY)
+    scale = true_div(amax, element.max_normal).clamp_min(TINY)
     return (round_to_element(xb / scale, element) * scale).reshape(x.shape).to(x.dtype)
 
 
@@ -222,10 +222,10 @@ def quantize_nvfp4(
     check_input(x, "quantize_nvfp4")
     floor = _nvfp4_floor(recipe)
     v = x.to(_compute_dtype(x))
-    s_t = (_tensor_amax(v, tensor_granularity) / (E4M3.max_normal * E2M1.max_normal)).clamp_min(TINY)
+    s_t = true_div(_tensor_amax(v, tensor_granularity), E4M3.max_normal * E2M1.max_normal).clamp_min(TINY)
     xb = _last_dim_blocks(v, block_size)
     s_t = s_t.unsqueeze(-1)  # broadcasts against the (..., blocks, k) view
-    block_scale = xb.abs().amax(-1, keepdim=True) / E2M1.max_normal / s_t
+    block_scale = true_div(xb.abs().amax(-1, keepdim=True), E2M1.max_normal) / s_t
     s_b = round_to_element(block_scale.clamp(floor, E4M3.max_normal), E4M3)
     # A zero scale cannot divide: its block is stored as zeros. xb · 0 keeps each zero's sign, and stays NaN
     # for a NaN element (whose tensor scale is NaN anyway, so s_b is never 0 there).

@@ -69,7 +69,7 @@ from models.errors import UserError
 from models.hf import base_attention, register_gated, ungated
 from qbench.quant.kv_options import GRANULARITIES, KV_BITS  # noqa: F401 - GRANULARITIES: the former names
 from qbench.quant.kvschemes import KVSchemeQuantizer as KVQuantizer  # the quantiser attached per layer
-from qbench.quant.primitives import TINY, check_finite
+from qbench.quant.primitives import TINY, check_finite, true_div
 
 # Informative to_dict keys; from_dict ignores them.
 _INFO_KEYS = ("label", "keys", "values", "range", "statistics", "causal", "description", "calibration")
@@ -142,7 +142,7 @@ def fake_quantize_minmax(x: Tensor, bits: int, dim: int) -> Tensor:
     lo, hi = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
     check_finite((lo, hi), "KV-cache quantisation")
     qmax = 2**bits - 1
-    scale = ((hi - lo) / qmax).clamp_min(TINY)
+    scale = true_div(hi - lo, qmax).clamp_min(TINY)
     q = (xf - lo).div_(scale).round_().clamp_(0, qmax)
     return q.mul_(scale).add_(lo).to(x.dtype)
 

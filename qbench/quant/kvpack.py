@@ -27,7 +27,7 @@ from torch import Tensor
 
 from models.errors import UserError
 from qbench.quant.formats import E4M3, E5M2
-from qbench.quant.primitives import TINY, check_finite
+from qbench.quant.primitives import TINY, check_finite, true_div
 
 FP8_ELEMENTS = {"fp8-e4m3": E4M3, "fp8-e5m2": E5M2}
 
@@ -45,7 +45,7 @@ def ggml_codes(xb: Tensor, bits: int, symmetric: bool) -> tuple[Tensor, Tensor, 
     if symmetric and bits == 8:  # quantize_row_q8_0_ref
         amax = xf.abs().amax(-1, keepdim=True)
         check_finite((-amax, amax), "KV-cache quantisation")
-        d = amax / 127
+        d = true_div(amax, 127)
         inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
         return torch.trunc(xf * inv + torch.sign(xf) * 0.5), d.half(), None  # roundf: half away from zero
     levels = 2**bits - 1
@@ -53,12 +53,12 @@ def ggml_codes(xb: Tensor, bits: int, symmetric: bool) -> tuple[Tensor, Tensor, 
         half = 2 ** (bits - 1)
         m = xf.gather(-1, xf.abs().argmax(-1, keepdim=True))
         check_finite((-m.abs(), m.abs()), "KV-cache quantisation")
-        d = m / -half
+        d = true_div(m, -half)
         inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
         return torch.floor(xf * inv + (half + 0.5)).clamp_max(levels), d.half(), None
     lo, hi = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)  # quantize_row_q4_1_ref / q5_1
     check_finite((lo, hi), "KV-cache quantisation")
-    d = (hi - lo) / levels
+    d = true_div(hi - lo, levels)
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     return torch.floor((xf - lo) * inv + 0.5).clamp(0, levels), d.half(), lo.half()
 
@@ -166,7 +166,7 @@ def _minmax_codes(x: Tensor, bits: int, dim: int) -> tuple[Tensor, Tensor, Tenso
     lo, hi = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
     check_finite((lo, hi), "KV-cache quantisation")
     qmax = 2**bits - 1
-    scale = ((hi - lo) / qmax).clamp_min(TINY)
+    scale = true_div(hi - lo, qmax).clamp_min(TINY)
     return (xf - lo).div_(scale).round_().clamp_(0, qmax), scale, lo
 
 

@@ -60,7 +60,7 @@ from qbench.quant.kv_options import KV_SCHEME_SYNTAX
 from qbench.quant.kvpack import FP8_ELEMENTS as PACK_FP8_ELEMENTS
 from qbench.quant.kvpack import ggml_quantize_blocks, pack
 from qbench.quant.overrides import parse_items
-from qbench.quant.primitives import TINY, check_finite
+from qbench.quant.primitives import TINY, check_finite, true_div
 
 
 @dataclass(frozen=True)
@@ -298,7 +298,7 @@ def minmax_quantize(
         lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
     check_finite((lo, hi), "KV-cache quantisation")
     qmax = 2**bits - 1
-    scale = ((hi - lo) / qmax).clamp_min(TINY)
+    scale = true_div(hi - lo, qmax).clamp_min(TINY)
     q = (xf - lo).div_(scale).round_().clamp_(0, qmax)
     return q.mul_(scale).add_(lo).to(x.dtype)
 

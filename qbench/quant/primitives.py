@@ -33,6 +33,19 @@ from qbench.quant.granularity import WHOLE, Granularity
 TINY = torch.finfo(torch.float32).tiny
 
 
+def true_div(x: Tensor, d: float) -> Tensor:
+    """x / d rounded as IEEE division on every device, so a scale is the same float on CPU and CUDA.
+
+    CUDA torch turns division by a Python number (a CPU scalar) into multiplication by its reciprocal
+    (``div_true_kernel_cuda``), which differs from x / d in the last bit for a third of inputs when d is 3, 15,
+    127 or 448 — enough to move codes at rounding ties. A 0-dim tensor on x's device is not a CPU scalar, so it
+    keeps the true division; CPU torch already divides exactly (float32), so CPU input is left as is.
+    """
+    if x.device.type == "cpu":
+        return x / d
+    return x / torch.full((), d, dtype=x.dtype, device=x.device)
+
+
 @dataclass(frozen=True, eq=False)
 class QParams:
     """Scale (float32) and zero point (int32, ``None`` when symmetric), both in the block-grid shape."""
@@ -91,8 +104,8 @@ def qparams_from_stats(
     _, qmax = qrange(bits, symmetric)
     lo, hi = stats[0].float().clamp_max(0), stats[1].float().clamp_min(0)
     if symmetric:
-        return (torch.maximum(hi, -lo) / qmax).clamp_min(TINY), None  # max|x| = max(max x, −min x)
-    scale = ((hi - lo) / qmax).clamp_min(TINY)
+        return true_div(torch.maximum(hi, -lo), qmax).clamp_min(TINY), None  # max|x| = max(max x, −min x)
+    scale = true_div(hi - lo, qmax).clamp_min(TINY)
     return scale, torch.round(-lo / scale).clamp(0, qmax)
 
 

@@ -79,6 +79,11 @@ class Candidate:
 # --------------------------------------------------------------------------------------------- timing
 
 
+# what building or running one candidate may raise (a scheme with no kernel on this device, a kernel the
+# device's library refuses): recorded as that row's error, so one broken backend never hides the others
+CANDIDATE_ERRORS = (UserError, RuntimeError, NotImplementedError, ValueError, TypeError)
+
+
 def _warm_up(candidates: list[Candidate]) -> None:
     """Run each candidate once; a failure (missing kernel, unsupported scheme) becomes the record's error."""
     for c in candidates:
@@ -86,7 +91,7 @@ def _warm_up(candidates: list[Candidate]) -> None:
             continue
         try:
             c.fn()
-        except (UserError, RuntimeError, NotImplementedError, ValueError, TypeError) as err:
+        except CANDIDATE_ERRORS as err:
             c.fn, c.error = None, f"{type(err).__name__}: {err}".splitlines()[0][:200]
 
 
@@ -117,7 +122,7 @@ def _scheme_candidates(
             name = f"{scheme} [{mode}]"
             try:
                 q = _quantized(model, scheme, mode, calibration).eval()
-            except (UserError, NotImplementedError) as err:
+            except CANDIDATE_ERRORS as err:
                 out.append(
                     Candidate(kind, name, None, scheme, mode, mode, error=str(err).splitlines()[0][:200])
                 )
@@ -505,8 +510,8 @@ def _generate_records(
         c = Candidate("generate", f"{scheme} [real]", None, scheme, "real", "real")
         try:
             q = _quantized(gen_model, scheme, "real", calibration).eval()
-        except (UserError, NotImplementedError) as err:
-            c.error = str(err).splitlines()[0][:200]
+        except CANDIDATE_ERRORS as err:
+            c.error = f"{type(err).__name__}: {err}".splitlines()[0][:200]
         else:
             c.fn = partial(greedy_generate, q, prompt, new_tokens)
             c.backend, c.weight_bytes = _backend_of(q, "real"), partial(model_bytes, q)

@@ -30,10 +30,11 @@ only for large inputs, where a one-off compile (~10–20 s cold, cached on disk 
 is plain eager torch. All give the same codes (tested). Compiled CPU kernels fix their OpenMP thread count when
 first compiled.
 
-CUDA: the same code runs on CUDA tensors. cuBLAS int8 GEMM needs M > 16 and K, N multiples of 8, and a
-row-major (K, N) second operand; :func:`int_mm` pads with zeros where needed (exact) and slices the result. Where
-``torch._int_mm`` is missing for a device, it falls back to a float32 matmul of the codes, exact while
-K · 127² < 2²⁴ (K ≤ 1040) and float32-rounded beyond.
+CUDA: the same code runs on CUDA tensors. cuBLAS int8 GEMM needs M > 16 and K, N multiples of 8 (torch's
+checks) and a row-major (K, N) second operand, and cuBLASLt still refuses some legal shapes (M = 17 on an H200,
+CUDA 13); :func:`int_mm` pads with zeros to M ≥ 32 and multiples of 8 (exact), slices the result, and where
+cuBLAS refuses a shape anyway — or a device has no ``torch._int_mm`` — computes the same int32 result with
+float32 matmuls over K-chunks of 1024, exact for every K (:data:`EXACT_FLOAT_K`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from models.errors import UserError, unknown_choice
 from qbench.quant.fake import transform_input, transform_weight
@@ -53,7 +55,7 @@ from qbench.quant.granularity import PerAxis, PerTensor, PerToken
 from qbench.quant.kernels import paths
 from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.kernels.registry import per_out_channel
-from qbench.quant.primitives import TINY, QParams, given_or_chosen, quantize
+from qbench.quant.primitives import TINY, QParams, given_or_chosen, quantize, true_div
 
 QMAX = 127
 ACT_GRANULARITIES = ("per_token", "per_tensor")
@@ -67,25 +69,74 @@ Fused = bool | Literal["auto"]
 # ------------------------------------------------------------------------------------------ integer GEMM
 
 
+# cuBLAS shapes known to work for int8 (torch checks M > 16 and K, N multiples of 8, but cuBLASLt refuses M = 17
+# on some GPU/CUDA pairs — CUBLAS_STATUS_NOT_SUPPORTED on an H200 with CUDA 13; torch's own fix pads M < 32 to 32)
+CUBLAS_MIN_M, CUBLAS_MULTIPLE = 32, 8
+# float32 holds every integer up to 2^24 exactly, and 1024 products of int8 codes sum to at most 1024 · 128² = 2^24:
+# a float matmul over K-chunks of 1024 is exact in any summation order (also under TF32, whose 10-bit mantissa
+# holds every int8 code and whose products accumulate in float32)
+EXACT_FLOAT_K = 1024
+# (device, padded M, K, N) that cuBLAS refused in this process: later calls go straight to the float path
+_cublas_refused: set[tuple[str, int, int, int]] = set()
+_padded_weights = WeakIdKeyDictionary()  # b -> (b._version, padded contiguous copy)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def pad_for_cublas(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """Zero-pad a (M, K) and b (K, N) to cuBLAS int8 shapes: M ≥ 17, K and N multiples of 8. Exact."""
+    """Zero-pad a (M, K) and b (K, N) to cuBLAS int8 shapes (M ≥ 32, all three multiples of 8). Exact.
+
+    b is returned row-major contiguous: a transposed (column-major) b silently gave wrong results on some cuBLAS
+    paths. b is normally a layer's stored weight (the same tensor every call), so its padded contiguous copy is
+    kept (keyed by identity, invalidated when the tensor is written to) instead of being rebuilt per call."""
     (m, k), n = a.shape, b.shape[1]
-    pad_m, pad_k, pad_n = max(0, 17 - m), -k % 8, -n % 8
+    pad_m = max(CUBLAS_MIN_M, _round_up(m, CUBLAS_MULTIPLE)) - m
+    pad_k, pad_n = -k % CUBLAS_MULTIPLE, -n % CUBLAS_MULTIPLE
     if pad_m or pad_k:
         a = F.pad(a, (0, pad_k, 0, pad_m))
-    if pad_k or pad_n:
-        b = F.pad(b, (0, pad_n, 0, pad_k))
-    return a, b.contiguous()  # a transposed (column-major) b silently gave wrong results on some cuBLAS paths
+    if torch.compiler.is_compiling():  # no identity cache inside a traced graph
+        return a, F.pad(b, (0, pad_n, 0, pad_k)).contiguous()
+    if not (pad_k or pad_n) and b.is_contiguous():
+        return a, b
+    cached = _padded_weights.get(b)  # one extra int8 copy of such a weight on the device
+    if cached is None or cached[0] != b._version:
+        cached = (b._version, F.pad(b, (0, pad_n, 0, pad_k)).contiguous())
+        _padded_weights[b] = cached
+    return a, cached[1]
+
+
+def float_int_mm(a: Tensor, b: Tensor) -> Tensor:
+    """Exact int8 (M, K) × (K, N) → int32 by float32 matmuls over K-chunks of ``EXACT_FLOAT_K`` (see there)."""
+    acc = None
+    for k0 in range(0, a.shape[1], EXACT_FLOAT_K):
+        part = (a[:, k0 : k0 + EXACT_FLOAT_K].float() @ b[k0 : k0 + EXACT_FLOAT_K].float()).to(torch.int32)
+        acc = part if acc is None else acc.add_(part)
+    return acc if acc is not None else torch.zeros(a.shape[0], b.shape[1], dtype=torch.int32, device=a.device)
 
 
 def int_mm(a: Tensor, b: Tensor) -> Tensor:
     """Exact int8 (M, K) × int8 (K, N) → int32 (M, N) on any device (see the module docstring for CUDA)."""
     if a.device.type == "cpu":
         return torch._int_mm(a, b)  # any shape on CPU
-    if a.device.type == "cuda":
-        m, n = a.shape[0], b.shape[1]
-        return torch._int_mm(*pad_for_cublas(a, b))[:m, :n]
-    return (a.float() @ b.float()).round_().to(torch.int32)  # documented fallback (mps, xpu, …)
+    if a.device.type != "cuda":
+        return float_int_mm(a, b)  # mps, xpu, …: no integer GEMM in torch
+    m, n = a.shape[0], b.shape[1]
+    pa, pb = pad_for_cublas(a, b)
+    key = (str(a.device), pa.shape[0], pa.shape[1], pb.shape[1])
+    if torch.compiler.is_compiling():
+        return torch._int_mm(pa, pb)[:m, :n]
+    if key not in _cublas_refused:
+        try:
+            return torch._int_mm(pa, pb)[:m, :n]
+        except (
+            RuntimeError
+        ) as err:  # a shape cuBLASLt has no int8 kernel for: not sticky, the context lives on
+            if "CUBLAS_STATUS_NOT_SUPPORTED" not in str(err):
+                raise
+            _cublas_refused.add(key)
+    return float_int_mm(a, b)
 
 
 # ------------------------------------------------------------------------------------ activation quantiser
@@ -94,7 +145,7 @@ def int_mm(a: Tensor, b: Tensor) -> Tensor:
 def absmax_scale(x: Tensor, per_token: bool) -> Tensor:
     """s = max(amax / 127, TINY): per row (…, T, 1) when ``per_token``, else per sequence (B, 1, 1) of (B, T, K)."""
     amax = x.abs().amax(dim=-1 if per_token else (-2, -1), keepdim=True)
-    return (amax / QMAX).clamp_min(TINY)
+    return true_div(amax, QMAX).clamp_min(TINY)
 
 
 def quantize_activation(x: Tensor, per_token: bool) -> tuple[Tensor, Tensor]:

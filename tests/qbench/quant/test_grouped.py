@@ -140,3 +140,16 @@ def test_real_int2_model_matches_fake_and_keeps_the_float_model(hf_llama_dir):
         real = quantize(model, "zeropoint-int2-g64:group=16", mode="real")(ids).logits
     torch.testing.assert_close(real, fake, rtol=1e-4, atol=1e-4)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["zeropoint-int2-g64", "zeropoint-int3-g128", "zeropoint-int4-g32:sym=true"])
+def test_packed_layer_builds_and_runs_on_cuda(name):
+    # packing builds its shift vectors on the codes' device (a CPU arange met CUDA codes in qbench speed)
+    w, b = weight().cuda(), torch.randn(8).cuda()
+    real = make_real_linear(w, b, get_scheme(name))
+    cpu = make_real_linear(w.cpu(), b.cpu(), get_scheme(name))
+    assert torch.equal(real.dequantized_weight().cpu(), cpu.dequantized_weight())
+    x = torch.randn(2, 5, 256, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(real(x.cuda()).cpu(), cpu(x), rtol=1e-5, atol=1e-5)

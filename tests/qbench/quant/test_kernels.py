@@ -17,7 +17,7 @@ from qbench.quant.fake import FakeQuantLinear, HadamardRotation
 from qbench.quant.granularity import PerAxis, PerGroup, PerTensor, PerToken
 from qbench.quant.kernels import available_backends, make_real_linear
 from qbench.quant.kernels.int4 import Int4Linear, pack_int4, unpack_int4
-from qbench.quant.kernels.int8 import Int8Linear, int_mm, pad_for_cublas
+from qbench.quant.kernels.int8 import EXACT_FLOAT_K, Int8Linear, float_int_mm, int_mm, pad_for_cublas
 from qbench.quant.primitives import fake_quantize
 from qbench.quant.schemes import SCHEMES, QuantScheme
 
@@ -132,10 +132,43 @@ def test_int_mm_cublas_padding_is_exact(shape):
     a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
     b = torch.randint(-127, 128, (k, n), dtype=torch.int8)
     pa, pb = pad_for_cublas(a, b)
-    assert pa.shape[0] >= 17 and pa.shape[1] % 8 == 0 and pb.shape[1] % 8 == 0 and pb.is_contiguous()
+    assert pa.shape[0] >= 32 and not pa.shape[0] % 8 and not pa.shape[1] % 8 and not pb.shape[1] % 8
+    assert pb.is_contiguous()
     expected = a.int() @ b.int()
     assert torch.equal(torch._int_mm(pa, pb)[:m, :n], expected)
     assert torch.equal(int_mm(a, b), expected)
+    assert torch.equal(float_int_mm(a, b), expected)
+
+
+def test_float_int_mm_is_exact_beyond_float32s_integers():
+    # one K-chunk of extremes sums to 1024 · 128² = 2^24 (the last exact float32 integer); 3 chunks and a ragged
+    # one give a sum that no single float32 matmul holds exactly
+    k = 3 * EXACT_FLOAT_K + 5
+    a = torch.full((3, k), -128, dtype=torch.int8)
+    a[1] = 127
+    b = torch.full((k, 2), -128, dtype=torch.int8)
+    want = a.long() @ b.long()
+    assert int(want.abs().max()) > 2**24
+    assert torch.equal(float_int_mm(a, b).long(), want)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-128, 128, (5, 2000), generator=gen, dtype=torch.int8)
+    b = torch.randint(-128, 128, (9, 2000), generator=gen, dtype=torch.int8).t()  # a layer's (in, out) view
+    assert torch.equal(float_int_mm(a, b), torch._int_mm(a, b.contiguous()))
+    assert float_int_mm(a[:, :0], b[:0]).shape == (5, 9)
+
+
+def test_padded_weight_is_cached_per_tensor_until_it_is_written():
+    w = torch.ones(45, 60, dtype=torch.int8).t()  # (in, out) transposed view, as Int8Linear stores it
+    x = torch.ones(3, 60, dtype=torch.int8)
+    first, again = pad_for_cublas(x, w)[1], pad_for_cublas(x, w)[1]
+    assert first is again and first.shape == (64, 48) and first.is_contiguous()
+    w.add_(1)  # an in-place write bumps the version: the cached copy would be stale
+    fresh = pad_for_cublas(x, w)[1]
+    assert fresh is not first and int(fresh[0, 0]) == 2
+    legal = torch.ones(64, 48, dtype=torch.int8)
+    assert (
+        pad_for_cublas(torch.ones(3, 64, dtype=torch.int8), legal)[1] is legal
+    )  # legal, contiguous: no copy
 
 
 @pytest.mark.slow

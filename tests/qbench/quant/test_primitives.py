@@ -1,5 +1,6 @@
 """Primitives: exact definitions, fake == dequantise(quantise) exactly, the half-step error bound, edge cases."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,6 +16,7 @@ from qbench.quant.primitives import (
     fake_quantize,
     qrange,
     quantize,
+    true_div,
 )
 
 
@@ -146,3 +148,27 @@ def test_group_scales_have_the_block_grid_shape():
     assert choose_qparams(w, 4, PerGroup(3), False).scale.shape == (4, 4)
     assert choose_qparams(w, 8, PerAxis(0), True).scale.shape == (4, 1)
     assert choose_qparams(torch.randn(2, 3, 5), 8, PerToken(), True).scale.shape == (2, 3, 1)
+
+
+def test_true_div_is_ieee_division():
+    # the reference the CUDA branch must reproduce: float32 x / d correctly rounded (numpy), which x · (1/d) —
+    # what CUDA torch does for a Python divisor — misses for about a third of inputs when d = 3
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(0))
+    want = torch.from_numpy(x.numpy() / np.float32(3))
+    assert torch.equal(true_div(x, 3), want)
+    assert not torch.equal(x * (1 / 3), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("granularity", [PerTensor(), PerToken(), PerGroup(32)])
+def test_fake_quantize_on_cuda_is_bit_exact_with_cpu(bits, symmetric, granularity):
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(bits)) * 3 + 0.25
+    assert torch.equal(
+        fake_quantize(x.cuda(), bits, granularity, symmetric).cpu(),
+        fake_quantize(x, bits, granularity, symmetric),
+    )
+    q = choose_qparams(x.cuda(), bits, granularity, symmetric)
+    assert torch.equal(q.scale.cpu(), choose_qparams(x, bits, granularity, symmetric).scale)

@@ -135,6 +135,25 @@ def atomic_output(path: str | os.PathLike) -> Iterator[IO[bytes]]:
         yield f
 
 
+def cuda_fp32_matmul() -> str:
+    """How CUDA computes float32 matmuls here: "tf32" or "ieee" — part of a CUDA record, since TF32 rounds each
+    input to a 10-bit mantissa (~1e-3 relative: larger than most differences a fake-quantised cell is read for).
+
+    TF32 is on when torch allows it or when the environment forces it: ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``
+    (set by NVIDIA's PyTorch containers) overrides torch's flag; ``NVIDIA_TF32_OVERRIDE=0`` turns it off in
+    cuBLAS whatever torch says."""
+    import torch
+
+    if os.environ.get("NVIDIA_TF32_OVERRIDE") == "0":
+        return "ieee"
+    if os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE") == "1":
+        return "tf32"
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)  # torch ≥ 2.9's spelling
+    if precision in ("ieee", "tf32"):
+        return precision
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
 def cpu_model() -> str:
     """The processor's marketing name (Linux /proc/cpuinfo), else what platform reports."""
     import platform

@@ -32,7 +32,14 @@ from typing import Any
 import torch
 
 from models.errors import UserError, unknown_choice
-from models.io import atomic_write_bytes, atomic_write_json, cpu_model, git_commit, software_versions
+from models.io import (
+    atomic_write_bytes,
+    atomic_write_json,
+    cpu_model,
+    cuda_fp32_matmul,
+    git_commit,
+    software_versions,
+)
 from qbench.eval.adapters import context_length
 from qbench.eval.evidence import bits_per_byte, sidecar_path
 from qbench.eval.evidence import encode as encode_evidence
@@ -105,6 +112,7 @@ def environment(device: str) -> dict[str, Any]:
         "git_commit": git_commit(),
         "device": device,
         "cuda": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
+        "cuda_fp32_matmul": cuda_fp32_matmul() if device.startswith("cuda") else None,
         "threads": torch.get_num_threads(),
         "platform": platform.platform(),
         "processor": cpu_model(),

@@ -27,6 +27,7 @@ steps reporting tokens/s and MFU — and exits 0 when that passes. The summary g
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -266,6 +267,10 @@ def _real_vs_fake() -> dict[str, Any]:
     """Every real CUDA layer against its fake layer on the *same* input (each fake layer's recorded input),
     ≤ 1e-5 of the output's range; then whole-model perplexity, real vs fake, within 1e-3 relative.
 
+    The fake layer runs on the CPU (its quantiser is bit-exact with CUDA's, ``test_primitives``): a CUDA float32
+    matmul may be TF32 (``models.io.cuda_fp32_matmul``: torch's flag or an environment override), and on the first
+    H200 run fake-on-CUDA differed from the exact integer layers by 9.25e-4 of the range — TF32's size of error.
+
     Whole-model logits are not compared elementwise: on an untrained model one activation code landing a step
     apart (the fake path rounds its float32 dot products, the real path is exact) grows through the layers —
     measured on the CPU kernels, ``small`` preset, 4 × 256 tokens: per-layer difference ≤ 5e-7, logits 2 % of
@@ -275,6 +280,7 @@ def _real_vs_fake() -> dict[str, Any]:
     import torch.nn.functional as F
 
     from models import build, preset_config
+    from models.io import cuda_fp32_matmul
     from qbench.quant import quantize
     from qbench.quant.apply import real_kernels
 
@@ -306,8 +312,8 @@ def _real_vs_fake() -> dict[str, Any]:
                 h.remove()
             worst = 0.0
             for n, layer in real_layers.items():
-                want = fake_layers[n](inputs[n])
-                got = layer(inputs[n])
+                want = copy.deepcopy(fake_layers[n]).cpu()(inputs[n].cpu())
+                got = layer(inputs[n]).cpu()
                 worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
             real_logits = real_model(x)
         ppl_ratio = math.exp(nll(real_logits) - nll(fake_logits))
@@ -316,6 +322,7 @@ def _real_vs_fake() -> dict[str, Any]:
             "max_rel_layer_diff": worst,
             "ppl_ratio": ppl_ratio,
             "kernels": kernels,
+            "fp32_matmul": cuda_fp32_matmul(),
         }
         # absmax-coarse also quantises each output per sequence: a dot product the fake path rounds across a
         # code boundary lands one output step (1/127 of the range) apart
@@ -393,7 +400,7 @@ def cpu_checks(checks: Checks, work: Path) -> None:
 
 
 def summary(checks: Checks, device: str, dry_run: bool, started: float) -> dict[str, Any]:
-    from models.io import git_commit, software_versions
+    from models.io import cuda_fp32_matmul, git_commit, software_versions
 
     return {
         "device": device,
@@ -403,6 +410,10 @@ def summary(checks: Checks, device: str, dry_run: bool, started: float) -> dict[
         "seconds": round(time.perf_counter() - started, 1),
         "checks": checks.results,
         "software": software_versions(),
+        "cuda_fp32_matmul": cuda_fp32_matmul() if torch.cuda.is_available() else None,
+        "tf32_environment": {
+            k: os.environ.get(k) for k in ("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "NVIDIA_TF32_OVERRIDE")
+        },
         "git_commit": git_commit(),
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

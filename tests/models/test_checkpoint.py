@@ -68,3 +68,26 @@ def test_missing_and_corrupt_files_are_named(tmp_path, tokenizer):
 def test_tokenizer_larger_than_vocabulary_is_refused(tmp_path, tokenizer):
     with pytest.raises(UserError, match="vocab_size is 97"):
         save_checkpoint(tmp_path, build(micro()), tokenizer)
+
+
+def test_cuda_fp32_matmul_names_tf32_wherever_it_comes_from(monkeypatch):
+    import torch
+
+    from models.io import cuda_fp32_matmul
+
+    for var in ("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "NVIDIA_TF32_OVERRIDE"):
+        monkeypatch.delenv(var, raising=False)
+    assert cuda_fp32_matmul() == "ieee"  # torch's default
+    matmul, before = torch.backends.cuda.matmul, torch.backends.cuda.matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "tf32"  # torch's own switch (not an attribute monkeypatch can restore)
+        assert cuda_fp32_matmul() == "tf32"
+    finally:
+        matmul.fp32_precision = before
+    assert cuda_fp32_matmul() == "ieee"
+    monkeypatch.setenv(
+        "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1"
+    )  # NVIDIA's containers: torch's flag is overridden
+    assert cuda_fp32_matmul() == "tf32"
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # cuBLAS itself refuses TF32
+    assert cuda_fp32_matmul() == "ieee"

@@ -32,7 +32,7 @@ first compiled.
 
 CUDA: the same code runs on CUDA tensors. cuBLAS int8 GEMM needs M > 16 and K, N multiples of 8 (torch's
 checks) and a row-major (K, N) second operand, and cuBLASLt still refuses some legal shapes (M = 17 on an H200,
-CUDA 13); :func:`int_mm` pads with zeros to M ≥ 32 and multiples of 8 (exact), slices the result, and where
+CUDA 13); :func:`int_mm` pads with zeros to M a multiple of 32, K and N of 8 (exact), slices the result, and where
 cuBLAS refuses a shape anyway — or a device has no ``torch._int_mm`` — computes the same int32 result with
 float32 matmuls over K-chunks of 1024, exact for every K (:data:`EXACT_FLOAT_K`).
 """
@@ -69,9 +69,10 @@ Fused = bool | Literal["auto"]
 # ------------------------------------------------------------------------------------------ integer GEMM
 
 
-# cuBLAS shapes known to work for int8 (torch checks M > 16 and K, N multiples of 8, but cuBLASLt refuses M = 17
-# on some GPU/CUDA pairs — CUBLAS_STATUS_NOT_SUPPORTED on an H200 with CUDA 13; torch's own fix pads M < 32 to 32)
-CUBLAS_MIN_M, CUBLAS_MULTIPLE = 32, 8
+# cuBLAS int8 shapes: torch checks M > 16 and K, N multiples of 8, but cuBLASLt on an H200 with CUDA 13 refused
+# M = 17, 40 and 80 at K = 64 and 72 (CUBLAS_STATUS_NOT_SUPPORTED) while M = 32 and 1024 ran at every K tried;
+# torch's own fix pads M < 32 to 32. So M is padded to a multiple of 32, K and N to multiples of 8.
+CUBLAS_M_MULTIPLE, CUBLAS_MULTIPLE = 32, 8
 # float32 holds every integer up to 2^24 exactly, and 1024 products of int8 codes sum to at most 1024 · 128² = 2^24:
 # a float matmul over K-chunks of 1024 is exact in any summation order (also under TF32, whose 10-bit mantissa
 # holds every int8 code and whose products accumulate in float32)
@@ -86,13 +87,13 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def pad_for_cublas(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """Zero-pad a (M, K) and b (K, N) to cuBLAS int8 shapes (M ≥ 32, all three multiples of 8). Exact.
+    """Zero-pad a (M, K) and b (K, N) to cuBLAS int8 shapes (M a multiple of 32, K and N of 8). Exact.
 
     b is returned row-major contiguous: a transposed (column-major) b silently gave wrong results on some cuBLAS
     paths. b is normally a layer's stored weight (the same tensor every call), so its padded contiguous copy is
     kept (keyed by identity, invalidated when the tensor is written to) instead of being rebuilt per call."""
     (m, k), n = a.shape, b.shape[1]
-    pad_m = max(CUBLAS_MIN_M, _round_up(m, CUBLAS_MULTIPLE)) - m
+    pad_m = _round_up(max(m, 1), CUBLAS_M_MULTIPLE) - m
     pad_k, pad_n = -k % CUBLAS_MULTIPLE, -n % CUBLAS_MULTIPLE
     if pad_m or pad_k:
         a = F.pad(a, (0, pad_k, 0, pad_m))

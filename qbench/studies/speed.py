@@ -141,6 +141,11 @@ def _backend_of(model: nn.Module, mode: str) -> str:
     names = real_kernels(model)
     from qbench.quant.kernels import NATIVE_LAYERS, native
 
+    first = next(iter([*model.parameters(), *model.buffers()]), None)
+    device = first.device if first is not None else torch.device("cpu")
+    if device.type != "cpu":  # the C kernels are CPU-only: on a GPU every layer takes its torch path
+        int8 = " (W8A8: torch._int_mm)" if "Int8Linear" in names else ""
+        return f"{'+'.join(names) or 'real'}, torch on {device.type}{int8}"
     if native.available() and set(names) & set(NATIVE_LAYERS):
         # the int8 GEMMs' build (qbench env says which path runs at which row count)
         vnni = " + AVX-512 VNNI" if native.vnni() else ""
@@ -805,11 +810,14 @@ def _section_title(title: str, rec: dict[str, Any]) -> str:
             f"{rec['model']}, {rec['new_tokens']} new tokens after {rec['prompt_tokens']}, batch 1, KV cache"
             f" ({rec['via']})"
         )
-    if rec["kind"] in ("model", "generate") and rec.get("native_isa"):
+    on_cpu = rec.get("device", "cpu") == "cpu"
+    if (
+        rec["kind"] in ("model", "generate") and rec.get("native_isa") and on_cpu
+    ):  # the C kernels are CPU-only
         shape += f", C kernels: {rec['native_isa']}"
     malloc = "" if rec.get("malloc_env") else " (MALLOC_* env not set: timings include page faults)"
     cpu = f", {rec['cpu']}" if rec.get("cpu") else ""
-    if rec.get("device", "cpu") != "cpu":
+    if not on_cpu:
         cpu = f", {rec['device']}"
     return (
         f"{title}: {shape}, {rec['threads']} thread(s){cpu}, {rec['repeats']} interleaved repeats{malloc}\n"

@@ -41,3 +41,21 @@ def test_a_failing_check_fails_the_run(tmp_path, monkeypatch):
     assert gpu_check.main(["--dry-run", "--out", str(out)]) == 1
     (check,) = json.loads(out.read_text())["checks"]
     assert not check["ok"] and "planted failure" in check["error"]
+
+
+def test_render_writes_the_summary_as_markdown_beside_it(tmp_path, monkeypatch, capsys):
+    def mixed(checks, work):
+        checks.run("int-mm", lambda: {"shapes_exact": 3, "cublas_refused_padded_mkn": [[40, 64, 48]]})
+        checks.run("always-fails", lambda: gpu_check._assert(False, "planted failure"))
+
+    monkeypatch.setattr(gpu_check, "cpu_checks", mixed)
+    out = tmp_path / "s.json"
+    assert gpu_check.main(["--dry-run", "--output-path", str(out)]) == 1
+    assert gpu_check.main(["--render", str(out)]) == 0
+    md = (tmp_path / "s.md").read_text()
+    assert "**1/2 checks passed**" in md
+    assert "| int-mm" in md and "40×64×48" in md
+    assert "FAIL" in md and "planted failure" in md
+    assert gpu_check.main(["--render", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing.json" in err[0]

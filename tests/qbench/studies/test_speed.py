@@ -268,3 +268,15 @@ def test_speed_on_cuda():
         assert rec["error"] is None and rec["device"] == "cuda" and rec["ms"] > 0, kind
     kv = [r for r in recs if r["kind"] == "kv"]
     assert all(r["error"] is None and r["device"] == "cuda" and r["tokens_per_s"] > 0 for r in kv), kv
+
+
+def test_a_layer_off_the_cpu_is_never_labelled_with_the_cpu_kernels():
+    # the first H200 table named "C AVX2 + AVX-512 VNNI" (the host CPU's build) beside CUDA timings
+    from torch import nn
+
+    from qbench.quant import quantize
+    from qbench.studies.speed import _backend_of
+
+    q = quantize(nn.Sequential(nn.Linear(64, 64)), "absmax-fine", mode="real")
+    assert "torch on" not in _backend_of(q, "real")
+    assert _backend_of(q.to("meta"), "real") == "Int8Linear, torch on meta (W8A8: torch._int_mm)"

@@ -524,8 +524,19 @@ def _generate_records(
     extra = {**common, "model": name, "new_tokens": new_tokens, "prompt_tokens": PROMPT_TOKENS, "via": how}
     extra["repeats"] = repeats  # capped: one call generates every token
     records = _measure(candidates, repeats, fp32.name, extra)
-    for rec in records:
+    from qbench.studies.overhead import linear_kernel_ms
+
+    for rec, cand in zip(records, candidates, strict=True):
         rec["tokens_per_s"] = new_tokens / (rec["ms_min"] * 1e-3) if rec["ms_min"] else None
+        # the linear layers' kernels alone per step against the measured time per token (the 16-token prompt's
+        # prefill spread over the steps): what the rest — attention, norms, Python — costs
+        net = getattr(cand.fn, "args", (None,))[0] if cand.fn is not None else None
+        on_cpu = common["device"] == "cpu"  # CUDA kernels run asynchronously: not timed one by one here
+        kernels = linear_kernel_ms(net) if on_cpu and rec["ms_min"] and isinstance(net, nn.Module) else None
+        per_token = rec["ms_min"] / new_tokens if rec["ms_min"] else None
+        rec["linear_kernels_ms"] = kernels
+        rec["ms_per_token"] = per_token
+        rec["linear_share"] = kernels / per_token if kernels and per_token else None
     return records
 
 
@@ -618,6 +629,10 @@ def run_speed(
             if layer and bandwidth:
                 weight = torch.randn(shape[1], shape[0], device=device)
                 records += _measure(_bandwidth_candidates(weight), repeats, "copy (clone)", common)
+            if layer:
+                from qbench.studies.overhead import call_overhead_records
+
+                records += call_overhead_records(common)
             if model or ckpt:
                 net, name, context, vocab = _load_model(model, ckpt)
                 net = net.to(device)
@@ -697,6 +712,7 @@ def format_speed_table(records: Sequence[dict[str, Any]], tablefmt: str = "simpl
     for kind, title in (
         ("layer", "per layer"),
         ("bandwidth", "fake-quant bandwidth"),
+        ("overhead", "per-call overhead at decode"),
         ("model", "whole model, prefill"),
         ("generate", "whole model, generation"),
         ("kv", "KV cache, generation"),
@@ -706,6 +722,16 @@ def format_speed_table(records: Sequence[dict[str, Any]], tablefmt: str = "simpl
             continue
         if kind == "kv":
             sections += _kv_sections(rows, tablefmt)
+            continue
+        if kind == "overhead":
+            from qbench.studies.overhead import overhead_table
+
+            r0 = rows[0]
+            head = (
+                f"per-call overhead at decode: {r0['shape'][0]}→{r0['shape'][1]}, 1 row, {r0['threads']} thread(s), "
+                f"{r0['cpu']}, median of {r0['calls']} interleaved calls (overhead = layer − its bound C call)\n"
+            )
+            sections.append(head + ("\n" if tablefmt == "github" else "") + overhead_table(rows, tablefmt))
             continue
         head = _section_title(title, rows[0]) + ("\n" if tablefmt == "github" else "")  # md: a blank line
         if kind == "bandwidth":
@@ -731,7 +757,14 @@ def format_speed_table(records: Sequence[dict[str, Any]], tablefmt: str = "simpl
                 _fmt(r.get("speedup_best"), ".2f"),
                 _fmt(r["weight_bytes"] and r["weight_bytes"] / 2**20, ".2f"),
                 _fmt(r["bytes_vs_fp32"], ".3f"),
-                *([_fmt(r.get("tokens_per_s"), ".1f")] if kind == "generate" else []),
+                *(
+                    [
+                        _fmt(r.get("tokens_per_s"), ".1f"),
+                        _fmt(r.get("linear_share") and 100 * r["linear_share"], ".0f"),
+                    ]
+                    if kind == "generate"
+                    else []
+                ),
                 _short(r["error"]),
             ]
             for r in rows
@@ -744,7 +777,7 @@ def format_speed_table(records: Sequence[dict[str, Any]], tablefmt: str = "simpl
             "speed-up (min)",
             "MiB",
             "× fp32 bytes",
-            *(["tokens/s (best)"] if kind == "generate" else []),
+            *(["tokens/s (best)", "% linear kernels"] if kind == "generate" else []),
             "note",
         ]
         sections.append(head + tabulate(table, headers, tablefmt=tablefmt))

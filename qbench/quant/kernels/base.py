@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from models.errors import UserError
 from qbench.quant.float32 import Float32Buffers
+from qbench.quant.kernels import paths
 
 CODE_DTYPES = (torch.int8, torch.uint8)  # what the kernels read codes as (packed nibbles, bit-packed, int8)
 
@@ -83,6 +84,9 @@ class RealLinear(nn.Module):
     out_features: int
 
     def forward(self, x: Tensor) -> Tensor:
+        y = paths.run_fast(self, x)  # decode: the kept kernel call (paths.py), when it applies to x
+        if y is not None:
+            return y
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"{type(self).__name__} expects (..., {self.in_features}) input, got {tuple(x.shape)}"
@@ -95,6 +99,16 @@ class RealLinear(nn.Module):
 
     def _forward(self, x: Tensor) -> Tensor:
         raise NotImplementedError
+
+    def fast_direct(self) -> bool:
+        """Whether the bound C kernel's output is this layer's whole output for an input as given (no input
+        transform, no output quantisation), so a decode call may go straight to it (``paths.run_fast``)."""
+        return False
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if not name.startswith("_"):  # a changed option or tensor may change what a forward must do
+            self.__dict__.pop("_fast", None)
+        super().__setattr__(name, value)
 
     def store(
         self,
@@ -136,6 +150,7 @@ class RealLinear(nn.Module):
     def invalidate(self) -> None:
         """Forget what was derived from the stored tensors (bound C calls, kernel-format weights)."""
         self.__dict__.pop("_native_call", None)
+        self.__dict__.pop("_fast", None)
 
     def derived_tensors(self) -> tuple[Tensor | None, ...]:
         """Tensors built from the stored ones and held besides them (kernel-format copies), for :meth:`nbytes`."""

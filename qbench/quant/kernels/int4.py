@@ -156,6 +156,9 @@ class Int4Linear(RealLinear):
         w = self.dequantized_weight().to(x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
+    def fast_direct(self) -> bool:
+        return self.rotation is None and self.input_scale is None
+
     # ---------------------------------------------------------------------------------- CPU bf16 fast path
 
     def kernel_group(self) -> int | None:

@@ -350,6 +350,15 @@ class Int8Linear(RealLinear):
             )
         return y.reshape(*lead, self.out_features).to(x.dtype)
 
+    def fast_direct(self) -> bool:
+        return (
+            self.fused == "auto"
+            and self.static_act_scale is None
+            and self.rotation is None
+            and self.input_scale is None
+            and not self.out_quant
+        )
+
     # ------------------------------------------------ static (calibrated) scales — SCHEME's part, kept apart
     # A static per-tensor activation scale s_a (and output scale s_o) from calibration (``qbench.quant.static``):
     # q_x = clamp(round(x' / s_a), ±127) — values beyond the calibrated range saturate —, then the same integer

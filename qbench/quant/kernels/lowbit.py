@@ -170,6 +170,10 @@ class LowBitLinear(RealLinear):
         w = self.dequantized_weight().to(x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
+    def fast_direct(self) -> bool:
+        whole_groups = self.scales.shape[1] * self.group == self.in_features  # else x is padded per call
+        return self.rotation is None and self.input_scale is None and whole_groups
+
     def extra_repr(self) -> str:
         gran = "per output channel" if self.group == self.in_features else f"per group of {self.group}"
         kind = "absmax" if self.symmetric else "zeropoint"

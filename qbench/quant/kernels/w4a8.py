@@ -144,6 +144,9 @@ class Int4A8Linear(RealLinear):
                 return y
         return self._torch_forward(x, per_token)
 
+    def fast_direct(self) -> bool:
+        return self.rotation is None and self.input_scale is None and self.padded_features == self.in_features
+
     def _torch_forward(self, x: Tensor, per_token: bool) -> Tensor:
         """Fake mode's arithmetic on the stored codes: F.linear(s_x · q, Ŵ) + b (any device and dtype)."""
         lead = x.shape[:-1]

@@ -97,6 +97,9 @@ class Int8WeightOnlyLinear(RealLinear):
             x, self.dequantized_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
         )
 
+    def fast_direct(self) -> bool:
+        return self.rotation is None and self.input_scale is None
+
     def extra_repr(self) -> str:
         gran = "per output channel" if self.scales.shape[1] == 1 else f"per group of {self.group}"
         kind = "absmax" if self.zeros is None else "zeropoint"

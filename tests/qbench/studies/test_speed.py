@@ -91,7 +91,12 @@ def test_generate_records(records):
     for name in ("absmax-fine [real]", "zeropoint-int4 [real]", "absmax-w4a8 [real]"):
         assert gen[name]["error"] is None and gen[name]["tokens_per_s"] > 0, name
         assert gen[name]["via"] == "qbench models.KVCache" and gen[name]["new_tokens"] == 4
+        # the linear layers' kernels alone per step, against the measured time per token
+        rec = gen[name]
+        assert 0 < rec["linear_kernels_ms"] and rec["ms_per_token"] == rec["ms_min"] / 4
+        assert rec["linear_share"] == rec["linear_kernels_ms"] / rec["ms_per_token"]
     assert "no real kernel" in gen["absmax-fine-perchannel [real]"]["error"]
+    assert gen["absmax-fine-perchannel [real]"]["linear_share"] is None
 
 
 def test_kv_records(records):
@@ -280,3 +285,25 @@ def test_a_layer_off_the_cpu_is_never_labelled_with_the_cpu_kernels():
     q = quantize(nn.Sequential(nn.Linear(64, 64)), "absmax-fine", mode="real")
     assert "torch on" not in _backend_of(q, "real")
     assert _backend_of(q.to("meta"), "real") == "Int8Linear, torch on meta (W8A8: torch._int_mm)"
+
+
+def test_call_overhead_records_time_generic_fast_and_the_bare_kernel():
+    from qbench.quant.kernels import native, paths
+    from qbench.studies.overhead import OVERHEAD_SCHEMES, call_overhead_records
+    from qbench.studies.speed import format_speed_table
+
+    common = {"threads": 1, "cpu": "test cpu", "device": "cpu"}
+    if not native.available():
+        assert call_overhead_records(common, shape=(64, 48), calls=20) == []
+        return
+    run_fast = paths.run_fast
+    recs = call_overhead_records(common, shape=(64, 48), calls=20)
+    assert paths.run_fast is run_fast  # restored
+    assert [r["name"] for r in recs] == list(OVERHEAD_SCHEMES)
+    for r in recs:
+        assert r["kind"] == "overhead" and r["error"] is None and r["kept"], r
+        assert min(r["generic_us"], r["fast_us"], r["kernel_us"]) > 0
+        assert r["overhead_fast_us"] == r["fast_us"] - r["kernel_us"]
+    table = format_speed_table(recs)
+    assert "per-call overhead at decode: 64→48, 1 row" in table and "LowBitLinear c-gemv" in table
+    assert call_overhead_records({**common, "device": "cuda"}) == []

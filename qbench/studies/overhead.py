@@ -8,6 +8,8 @@ clock hits all three alike) and their medians kept:
 - ``fast_us``: the layer as it runs (its kept decode call, ``paths.run_fast``);
 - ``kernel_us``: the bound C call alone on the same row (the ctypes call and its output allocation included).
 
+All on the decode GEMV (``paths.force("c-gemv")``), the path a bound call serves at one row.
+
 ``overhead_generic_us`` and ``overhead_fast_us`` are the first two minus ``kernel_us``: the per-call work that
 is not the kernel. Only CPU float32 with the C kernels built has such a path; elsewhere there is no record.
 """
@@ -68,7 +70,9 @@ def call_overhead_records(
     for scheme in schemes:
         layer = quantize(linear, scheme, mode="real")[0]
         rec = {**common, "kind": "overhead", "name": scheme, "shape": [k, n], "rows": 1, "calls": calls}
-        with torch.inference_mode():
+        # the decode GEMV, forced: what a measured dispatch picks at one row differs by CPU, and only a bound C
+        # call has a fast path to compare (a kind without a GEMV in this build records why)
+        with torch.inference_mode(), paths.force("c-gemv"):
             layer(x)
             kernel = _kernel_call(layer, x.view(1, k))
             kept = layer.__dict__.get("_fast") is not None

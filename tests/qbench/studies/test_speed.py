@@ -301,9 +301,13 @@ def test_call_overhead_records_time_generic_fast_and_the_bare_kernel():
     assert paths.run_fast is run_fast  # restored
     assert [r["name"] for r in recs] == list(OVERHEAD_SCHEMES)
     for r in recs:
-        assert r["kind"] == "overhead" and r["error"] is None and r["kept"], r
-        assert min(r["generic_us"], r["fast_us"], r["kernel_us"]) > 0
+        assert r["kind"] == "overhead", r
+        if r["error"] is not None:  # a weight-only kind in the portable build: no GEMV, no bound call
+            assert r["error"] == "no bound C call on this build" and not r["kept"] and native.isa() == "C", r
+            continue
+        assert r["kept"] and min(r["generic_us"], r["fast_us"], r["kernel_us"]) > 0, r
         assert r["overhead_fast_us"] == r["fast_us"] - r["kernel_us"]
+    assert recs[0]["error"] is None  # W8A8 has a GEMV in every build
     table = format_speed_table(recs)
     assert "per-call overhead at decode: 64→48, 1 row" in table and "LowBitLinear c-gemv" in table
     assert call_overhead_records({**common, "device": "cuda"}) == []

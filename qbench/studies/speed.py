@@ -511,6 +511,10 @@ def _generate_records(
     bf16 = Candidate("generate", f"{name} bf16", partial(greedy_generate, gen16, prompt, new_tokens))
     bf16.backend, bf16.weight_bytes = "torch", partial(model_bytes, gen16)
     candidates = [fp32, bf16]
+    nets: dict[str, nn.Module] = {
+        fp32.name: gen_model,
+        bf16.name: gen16,
+    }  # what each candidate generates with
     for scheme in schemes:
         c = Candidate("generate", f"{scheme} [real]", None, scheme, "real", "real")
         try:
@@ -518,7 +522,7 @@ def _generate_records(
         except CANDIDATE_ERRORS as err:
             c.error = f"{type(err).__name__}: {err}".splitlines()[0][:200]
         else:
-            c.fn = partial(greedy_generate, q, prompt, new_tokens)
+            c.fn, nets[c.name] = partial(greedy_generate, q, prompt, new_tokens), q
             c.backend, c.weight_bytes = _backend_of(q, "real"), partial(model_bytes, q)
         candidates.append(c)
     extra = {**common, "model": name, "new_tokens": new_tokens, "prompt_tokens": PROMPT_TOKENS, "via": how}
@@ -526,13 +530,13 @@ def _generate_records(
     records = _measure(candidates, repeats, fp32.name, extra)
     from qbench.studies.overhead import linear_kernel_ms
 
-    for rec, cand in zip(records, candidates, strict=True):
+    on_cpu = common["device"] == "cpu"  # CUDA kernels run asynchronously: not timed one by one here
+    for rec in records:
         rec["tokens_per_s"] = new_tokens / (rec["ms_min"] * 1e-3) if rec["ms_min"] else None
         # the linear layers' kernels alone per step against the measured time per token (the 16-token prompt's
         # prefill spread over the steps): what the rest — attention, norms, Python — costs
-        net = getattr(cand.fn, "args", (None,))[0] if cand.fn is not None else None
-        on_cpu = common["device"] == "cpu"  # CUDA kernels run asynchronously: not timed one by one here
-        kernels = linear_kernel_ms(net) if on_cpu and rec["ms_min"] and isinstance(net, nn.Module) else None
+        timed = on_cpu and rec["ms_min"] and rec["name"] in nets
+        kernels = linear_kernel_ms(nets[rec["name"]]) if timed else None
         per_token = rec["ms_min"] / new_tokens if rec["ms_min"] else None
         rec["linear_kernels_ms"] = kernels
         rec["ms_per_token"] = per_token
@@ -843,10 +847,8 @@ def _section_title(title: str, rec: dict[str, Any]) -> str:
             f"{rec['model']}, {rec['new_tokens']} new tokens after {rec['prompt_tokens']}, batch 1, KV cache"
             f" ({rec['via']})"
         )
-    on_cpu = rec.get("device", "cpu") == "cpu"
-    if (
-        rec["kind"] in ("model", "generate") and rec.get("native_isa") and on_cpu
-    ):  # the C kernels are CPU-only
+    on_cpu = rec.get("device", "cpu") == "cpu"  # the C kernels are CPU-only
+    if rec["kind"] in ("model", "generate") and rec.get("native_isa") and on_cpu:
         shape += f", C kernels: {rec['native_isa']}"
     malloc = "" if rec.get("malloc_env") else " (MALLOC_* env not set: timings include page faults)"
     cpu = f", {rec['cpu']}" if rec.get("cpu") else ""

@@ -125,15 +125,14 @@ def int_mm(a: Tensor, b: Tensor) -> Tensor:
         return float_int_mm(a, b)  # mps, xpu, …: no integer GEMM in torch
     m, n = a.shape[0], b.shape[1]
     pa, pb = pad_for_cublas(a, b)
-    key = (str(a.device), pa.shape[0], pa.shape[1], pb.shape[1])
     if torch.compiler.is_compiling():
         return torch._int_mm(pa, pb)[:m, :n]
+    key = (str(a.device), pa.shape[0], pa.shape[1], pb.shape[1])
     if key not in _cublas_refused:
         try:
             return torch._int_mm(pa, pb)[:m, :n]
-        except (
-            RuntimeError
-        ) as err:  # a shape cuBLASLt has no int8 kernel for: not sticky, the context lives on
+        except RuntimeError as err:
+            # a shape cuBLASLt has no int8 kernel for: the error is not sticky, the CUDA context lives on
             if "CUBLAS_STATUS_NOT_SUPPORTED" not in str(err):
                 raise
             _cublas_refused.add(key)

@@ -60,9 +60,8 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     if c.shape[-1] % k:
         c = F.pad(c, (0, k - c.shape[-1] % k))
     c = c.unflatten(-1, (-1, k))  # (..., units, k)
-    word = (c << (torch.arange(k, dtype=torch.int32, device=c.device) * bits)).sum(
-        -1, dtype=torch.int32
-    )  # ≤ 24 bits
+    shifts = torch.arange(k, dtype=torch.int32, device=c.device) * bits
+    word = (c << shifts).sum(-1, dtype=torch.int32)  # ≤ 24 bits
     out = torch.stack([(word >> (8 * j)) & 0xFF for j in range(nbytes)], dim=-1)  # (..., units, bytes)
     return out.flatten(-2).to(torch.uint8)
 
@@ -72,9 +71,8 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
     k, nbytes = _unit(bits)
     b = packed.to(torch.int32).unflatten(-1, (-1, nbytes))  # (..., units, bytes)
     word = (b << (torch.arange(nbytes, dtype=torch.int32, device=b.device) * 8)).sum(-1, dtype=torch.int32)
-    codes = (word.unsqueeze(-1) >> (torch.arange(k, dtype=torch.int32, device=word.device) * bits)) & (
-        (1 << bits) - 1
-    )
+    shifts = torch.arange(k, dtype=torch.int32, device=b.device) * bits
+    codes = (word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return codes.flatten(-2)[..., :n].to(torch.uint8)
 
 

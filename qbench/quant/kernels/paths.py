@@ -444,23 +444,30 @@ def _path(
     return _traced_choice(kind, False, k, n, groups)
 
 
-class _Bound:
-    """A layer's kernel call with the layer's constant arguments (pointers, shapes) bound, cached on the layer.
+class _LayerLocal:
+    """State a layer derives from its own stored tensors (raw pointers): never copied or pickled with the layer
+    — a copy or an unpickled layer rebuilds its own on first use."""
 
-    Why: at decode a small layer's forward is dominated by Python (checks, attribute lookups, argument
-    conversion), not by the kernel. ``key`` holds the stored tensors' data pointers, so replacing or moving a
-    buffer rebuilds the call. Never copied or pickled with its layer (a copy rebuilds it on first use)."""
-
-    __slots__ = ("call", "key")
-
-    def __init__(self, key: tuple, call: Callable[..., Tensor] | None) -> None:
-        self.key, self.call = key, call
+    __slots__ = ()
 
     def __deepcopy__(self, memo: dict) -> None:
         return None
 
     def __reduce__(self) -> tuple:
         return (type(None), ())
+
+
+class _Bound(_LayerLocal):
+    """A layer's kernel call with the layer's constant arguments (pointers, shapes) bound, cached on the layer.
+
+    Why: at decode a small layer's forward is dominated by Python (checks, attribute lookups, argument
+    conversion), not by the kernel. ``key`` holds the stored tensors' data pointers, so replacing or moving a
+    buffer rebuilds the call."""
+
+    __slots__ = ("call", "key")
+
+    def __init__(self, key: tuple, call: Callable[..., Tensor] | None) -> None:
+        self.key, self.call = key, call
 
 
 def _bound(owner: object, stored: tuple[Tensor | None, ...], make: Callable[[], Callable[..., Tensor]]):
@@ -498,21 +505,40 @@ class _FastEntry:
         self.checks = tuple((t, t.data_ptr()) for t in tensors if t is not None)
 
 
-class _FastTable:
+class _FastTable(_LayerLocal):
     """A layer's fast calls per row class (1 row; 2–16 rows), for inputs with ``k`` features. Dropped with the
-    other derived state (``RealLinear.invalidate``: a cast, a device move, a loaded state dict, a new attribute);
-    never copied or pickled with its layer (a copy builds its own on first use)."""
+    other derived state (``RealLinear.invalidate``: a cast, a device move, a loaded state dict, a new attribute)."""
 
     __slots__ = ("entries", "k")
 
     def __init__(self, k: int) -> None:
         self.k, self.entries = k, {}
 
-    def __deepcopy__(self, memo: dict) -> None:
-        return None
 
-    def __reduce__(self) -> tuple:
-        return (type(None), ())
+def rows_per_scale(x: Tensor, rows: int, per_token: bool) -> int:
+    """Rows sharing one activation scale for a layer input ``x`` of ``rows`` rows: 1 per token, else one
+    sequence — the rows of one leading batch element of a (B, T, K) input, all rows of a ≤ 2-d one."""
+    return 1 if per_token else (rows if x.dim() <= 2 else rows // x.shape[0])
+
+
+def _scaled_run(call: Callable[..., Tensor | None], k: int, per_token: bool, gemv: bool):
+    """A kept decode call for a layer quantising its activations (W8A8, W4A8): the layer's (…, K) input as is."""
+
+    def run(x: Tensor, rows: int) -> Tensor | None:
+        out = call(x.view(rows, k), rows_per_scale(x, rows, per_token), gemv)
+        return None if out is None else out.view(*x.shape[:-1], -1)
+
+    return run
+
+
+def _plain_run(call: Callable[[Tensor], Tensor | None], k: int):
+    """A kept decode call for a weight-only layer (float activations)."""
+
+    def run(x: Tensor, rows: int) -> Tensor | None:
+        out = call(x.view(rows, k))
+        return None if out is None else out.view(*x.shape[:-1], -1)
+
+    return run
 
 
 def run_fast(owner: object, x: Tensor) -> Tensor | None:
@@ -600,16 +626,16 @@ def int8_forward(
     if input_scale is not None:
         x3 = x3 / input_scale
     x2 = x3.reshape(B * T, K).contiguous()
-    rows_per_scale = 1 if per_token else T
+    per_scale = 1 if per_token else T
     if path == "int-mm":
         if not stored_ok(w_t.t(), w_scale, bias):
             return None
         if torch.compiler.is_compiling():
-            q, sx = torch.ops.qbench.quantize_rows(x2, rows_per_scale)
+            q, sx = torch.ops.qbench.quantize_rows(x2, per_scale)
             acc = torch._int_mm(q, w_t)
             return torch.ops.qbench.scale_output(acc, sx, w_scale.reshape(-1), bias).reshape(B, T, -1)
         # eager: the ctypes wrappers (no op dispatch), the epilogue written over _int_mm's own int32 output
-        q, sx = native.quantize_rows(x2, rows_per_scale)
+        q, sx = native.quantize_rows(x2, per_scale)
         acc = torch._int_mm(q, w_t)
         _record(owner, path)
         return native.scale_output(acc, sx, w_scale.reshape(-1).contiguous(), bias, in_place=True).reshape(
@@ -620,7 +646,7 @@ def int8_forward(
         if not stored_ok(w, w_scale, bias):
             return None
         gemv = path == "c-gemv"
-        return torch.ops.qbench.w8a8_forward(x2, rows_per_scale, w, w_scale.reshape(-1), bias, gemv).reshape(
+        return torch.ops.qbench.w8a8_forward(x2, per_scale, w, w_scale.reshape(-1), bias, gemv).reshape(
             B, T, -1
         )
     call = _bound(owner, (w, w_scale, bias), lambda: _int8_call(w, w_scale, bias))
@@ -628,16 +654,9 @@ def int8_forward(
         return None
     _record(owner, path)
     gemv = path == "c-gemv"
-    if input_scale is None:
-
-        def run(
-            x: Tensor, rows: int
-        ) -> Tensor:  # the layer's own (…, K) input: per sequence = per leading row
-            per = 1 if per_token else (rows if x.dim() <= 2 else rows // x.shape[0])
-            return call(x.view(rows, K), per, gemv).view(*x.shape[:-1], -1)
-
-        _keep_fast(owner, K, B * T, path, run, (w, w_scale, bias))
-    return call(x2, rows_per_scale, gemv).reshape(B, T, -1)
+    if input_scale is None:  # x3 is then the layer's own input: the call alone is its output
+        _keep_fast(owner, K, B * T, path, _scaled_run(call, K, per_token, gemv), (w, w_scale, bias))
+    return call(x2, per_scale, gemv).reshape(B, T, -1)
 
 
 def _w4a8_call(
@@ -673,37 +692,29 @@ def w4a8_forward(
     )
     if path == "torch":
         return None
-    rows_per_scale = 1 if per_token else (rows if x.dim() <= 2 else rows // x.shape[0])
+    per_scale = rows_per_scale(x, rows, per_token)
     if path == "int-mm":  # the nibbles unpacked to int8 once per call, then oneDNN's int8 GEMM (native.py)
         if not stored_ok(w4, scales, bias):
             return None
         x2 = x.reshape(rows, k).contiguous()
         if torch.compiler.is_compiling():
-            return torch.ops.qbench.w4a8_int_mm(x2, rows_per_scale, w4, scales, bias).reshape(
-                *x.shape[:-1], -1
-            )
-        y = native.w4a8_int_mm(x2, rows_per_scale, w4, scales, bias)
+            return torch.ops.qbench.w4a8_int_mm(x2, per_scale, w4, scales, bias).reshape(*x.shape[:-1], -1)
+        y = native.w4a8_int_mm(x2, per_scale, w4, scales, bias)
         _record(owner, path)
         return y.reshape(*x.shape[:-1], -1)
     if torch.compiler.is_compiling():  # the layer checked the group size (w4a8.kernel_group_ok)
         if not stored_ok(w4, scales, bias):
             return None
         x2 = x.reshape(rows, k)
-        y = torch.ops.qbench.w4a8_forward(x2, rows_per_scale, w4, scales, bias, path == "c-gemv")
+        y = torch.ops.qbench.w4a8_forward(x2, per_scale, w4, scales, bias, path == "c-gemv")
         return y.reshape(*x.shape[:-1], -1)
     call = _bound(owner, (w4, scales, bias), lambda: _w4a8_call(w4, scales, bias))
     gemv = path == "c-gemv"
-    y = None if call is None else call(x.reshape(rows, k).contiguous(), rows_per_scale, gemv)
+    y = None if call is None else call(x.reshape(rows, k).contiguous(), per_scale, gemv)
     if y is None:
         return None
     _record(owner, path)
-
-    def run(x: Tensor, rows: int) -> Tensor | None:
-        per = 1 if per_token else (rows if x.dim() <= 2 else rows // x.shape[0])
-        out = call(x.view(rows, k), per, gemv)
-        return None if out is None else out.view(*x.shape[:-1], -1)
-
-    _keep_fast(owner, k, rows, path, run, (w4, scales, bias))
+    _keep_fast(owner, k, rows, path, _scaled_run(call, k, per_token, gemv), (w4, scales, bias))
     return y.reshape(*x.shape[:-1], -1)
 
 
@@ -763,12 +774,7 @@ def weight_only_forward(
             return None
         y = call(x2)  # None: this group size has no loop here (the kernel declined): dequantise instead
         if y is not None:
-
-            def run(x: Tensor, rows: int) -> Tensor | None:
-                out = call(x.view(rows, k))
-                return None if out is None else out.view(*x.shape[:-1], -1)
-
-            _keep_fast(owner, k, x2.shape[0], path, run, (codes, scales, zeros, bias))
+            _keep_fast(owner, k, x2.shape[0], path, _plain_run(call, k), (codes, scales, zeros, bias))
     if y is None:
         if not stored_ok(codes, scales, zeros, bias):
             return None
@@ -830,12 +836,8 @@ def lowbit_forward(
                 lambda: _lowbit_call(codes, bits, scales, zeros, zconst, bias, padded),
             )
             y = call(xp)
-            if padded == k:
-
-                def run(x: Tensor, rows: int) -> Tensor:
-                    return call(x.view(rows, k)).view(*x.shape[:-1], -1)
-
-                _keep_fast(owner, k, x2.shape[0], path, run, (codes, scales, zeros, bias))
+            if padded == k:  # else x is padded to whole groups per call: no direct call to keep
+                _keep_fast(owner, k, x2.shape[0], path, _plain_run(call, k), (codes, scales, zeros, bias))
     else:
         w = torch.ops.qbench.lowbit_dequantize(codes, bits, scales, zeros, zconst, padded, k)
         y = F.linear(x2, w, bias)

@@ -133,11 +133,14 @@ def test_autograd_other_dtypes_and_strided_inputs_take_the_generic_forward():
         assert _kept(layer)[1] is not entry
 
 
+def _two_layers(kind: str) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
+    """Two layers of one ``kind`` with different weights, and one decode row for them."""
+    case = next(c for c in KEEPING if c.kind == kind)
+    return build(case)[0], build(case, seed=5)[0], inputs(1, case.in_features)
+
+
 def test_new_weights_a_cast_and_an_attribute_drop_the_kept_call():
-    case = next(c for c in KEEPING if c.kind == "w8a8")
-    layer, _ = build(case)
-    other, _ = build(case, seed=5)
-    x = inputs(1, case.in_features)
+    layer, other, x = _two_layers("w8a8")
     with torch.inference_mode():
         layer(x)
         layer.load_state_dict(other.state_dict())
@@ -152,10 +155,7 @@ def test_new_weights_a_cast_and_an_attribute_drop_the_kept_call():
 
 
 def test_a_swapped_storage_is_caught_by_its_pointer():
-    case = next(c for c in KEEPING if c.kind == "lowbit")
-    layer, _ = build(case)
-    other, _ = build(case, seed=5)
-    x = inputs(1, case.in_features)
+    layer, other, x = _two_layers("lowbit")
     with torch.inference_mode():
         layer(x)
         layer.scales.data = other.scales.clone()  # not a setattr on the layer: only the pointer shows it

@@ -50,6 +50,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="own",
         help="our models decode with their own KV cache (own) or exported to transformers (transformers)",
     )
+    p.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="whole-model generation: also time the same model in llama.cpp at matched bits (needs "
+        "pip install 'qbench[llama-cpp]'; a checkpoint is written as GGUF and quantised by llama.cpp, a .gguf "
+        "runs as given)",
+    )
+    p.add_argument(
+        "--llama-cpp-type",
+        action="append",
+        metavar="TYPE",
+        help="with --llama-cpp: a llama.cpp file type (repeatable; default F32, BF16, Q8_0, Q4_0, Q4_1, Q4_K_M)",
+    )
     p.add_argument("--no-layer", action="store_true", help="skip the per-layer and bandwidth figures")
     p.add_argument(
         "--no-kv", action="store_true", help="skip the KV-cache figures (packed vs float cache in generation)"
@@ -162,6 +175,16 @@ def run(args: argparse.Namespace) -> None:
 
         kv_configs = parse_kv_configs(args.kv_scheme, args.kv_bits)
     schemes = expand_schemes(args.scheme) if args.scheme else None
+    llama_cpp_types: list[str] = []
+    if args.llama_cpp_type and not args.llama_cpp:
+        raise UserError("--llama-cpp-type needs --llama-cpp")
+    if args.llama_cpp:
+        from qbench.studies.llamacpp import check_types, require_llama_cpp
+
+        if args.no_model or args.no_generate:
+            raise UserError("--llama-cpp times whole-model generation: drop --no-model / --no-generate")
+        llama_cpp_types = check_types(args.llama_cpp_type)
+        require_llama_cpp()
     if not all(v in os.environ for v in MALLOC_ENV):
         err_console.print(
             "[dim]tip: MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 qbench speed ... "
@@ -187,6 +210,7 @@ def run(args: argparse.Namespace) -> None:
         kv_configs=kv_configs,
         kv_contexts=args.kv_contexts,
         kv_new_tokens=args.kv_new_tokens,
+        llama_cpp_types=llama_cpp_types,
     )
     if args.output_path:
         payload = {"records": records, "software": software_versions(), "git_commit": git_commit()}

@@ -59,18 +59,34 @@ def gguf_summary(path: Path) -> dict[str, Any]:
     }
 
 
+def _fixed_config(config: Any) -> Any:
+    """transformers (5.x) reads a GPT-2 GGUF's ``context_length`` into ``n_ctx`` and ``feed_forward_length`` into
+    an attribute of that name, while GPT2Config sizes the model from ``n_positions`` and ``n_inner``: any GPT-2
+    GGUF whose context is not 1024 (or whose MLP is not 4× wide) fails to load. Carry both over."""
+    if getattr(config, "model_type", None) == "gpt2":
+        if getattr(config, "n_ctx", None):
+            config.n_positions = config.n_ctx
+        width = getattr(config, "feed_forward_length", None)
+        if width and width != 4 * config.n_embd:
+            config.n_inner = width
+    return config
+
+
 def load_gguf(
     path: Path, torch_dtype: torch.dtype, dtype: str, device: str
 ) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
     """A ``.gguf`` file as (model dequantised to ``torch_dtype``, tokenizer from the file, description); the
     caller (``load.load_model``) adds the weights' fingerprint."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     summary = gguf_summary(path)
     arch = summary["architecture"]
     kwargs = {"gguf_file": path.name, "local_files_only": True}
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch_dtype, **kwargs)
+        config = _fixed_config(AutoConfig.from_pretrained(str(path.parent), **kwargs))
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), config=config, dtype=torch_dtype, **kwargs
+        )
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
     except (OSError, ValueError, KeyError, NotImplementedError, RuntimeError) as e:
         import transformers

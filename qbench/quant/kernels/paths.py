@@ -17,7 +17,8 @@ what runs. Paths (:data:`PATHS`):
 - ``torch``: the layer's torch path (any device and dtype).
 
 Default choice on CPU with float32 input and the kernels built: measured, per shape class, at a layer's first
-forward (:func:`_measure`; cached on disk per machine). ``QBENCH_DISPATCH=rule`` (and a class not measured
+forward (:func:`_measure`; cached on disk per machine), each timed call starting with the CPU caches flushed
+(weights come from memory, as in a model's step). ``QBENCH_DISPATCH=rule`` (and a class not measured
 yet, e.g. while tracing) takes the fixed rule (:func:`rule`): ≤ ``DECODE_ROWS`` rows the GEMV; more rows the
 GEMM (weight-only: ``c-dequant``), except W8A8 and per-channel W4A8 on CPUs with AVX-512 VNNI or AMX, where
 ``torch._int_mm`` is faster (AVX2-only CPUs have no fast ``_int_mm``: 0.01–0.07× float32 measured on AMD EPYC
@@ -66,6 +67,12 @@ FORCE_ENV = "QBENCH_FORCE_PATH"
 DISPATCH_ENV = "QBENCH_DISPATCH"  # "rule": the fixed rule below; anything else (default): measured per class
 MEASURE_BUDGET_S = 0.005  # per shape class: repeat a candidate only while the class has spent less than this
 MEASURE_RUNS = 5  # at most, per candidate
+# How a class is timed, part of the cache key: a change of protocol measures again instead of trusting old choices.
+# "cold": the caches are flushed before every timed call. A decode step streams each layer's weights from memory
+# once, so a candidate timed on weights already in cache is judged on the wrong thing: on Zen 4 hot timing chose
+# torch._int_mm for gpt2-130m's W8A8 layers (2-3x faster than the C GEMV hot), while in the model's step, weights
+# cold, the C GEMV made a token 1.4x faster (10.2 against 14.9 ms).
+MEASURE_PROTOCOL = "cold"
 Shape = tuple[int, int, int]  # a layer's (in_features, out_features, weight groups)
 PATHS = ("c-gemv", "c-gemm", "int-mm", "c-dequant", "torch")
 KINDS = ("w8a8", "w4a8", "w4", "w8", "lowbit")
@@ -219,7 +226,9 @@ def machine_key() -> str:
     compiler's version (a changed kernel or compiler is measured again, not judged by its predecessor's times)."""
     cc = compiler()
     sources = source_digest(native.NATIVE_SOURCES) + (compiler_version(cc) if cc else "no compiler")
-    text = "|".join((cpu_model(), " ".join(sorted(cpu_flags())), torch.__version__, sources))
+    text = "|".join(
+        (cpu_model(), " ".join(sorted(cpu_flags())), torch.__version__, sources, MEASURE_PROTOCOL)
+    )
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
@@ -286,9 +295,33 @@ def _save(key: str, entry: dict) -> None:
         pass  # a read-only cache folder: the choice holds for this process
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (Linux sysfs; 32 MiB where it cannot be read)."""
+    sizes = []
+    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        with contextlib.suppress(OSError, ValueError):
+            text = size.read_text().strip().upper()
+            scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 * 2**20)
+
+
+@functools.cache
+def _eviction_buffer() -> Tensor:
+    # twice the last-level cache (at most 512 MiB): writing it all pushes every earlier line out
+    return torch.zeros(min(2 * last_level_cache_bytes(), 512 * 2**20), dtype=torch.uint8)
+
+
+def flush_caches() -> None:
+    """Push the CPU caches' contents out (read and write a buffer twice their size), so that the next call
+    finds its weights in memory, as a layer of a model's decode step does."""
+    _eviction_buffer().add_(1)
+
+
 def _measure(owner: object, kind: str, rows: int, shape: Shape, run: Callable[[], Tensor | None]) -> None:
     """Time every C path ``kind`` offers on this call (``run`` is the layer's forward, run under :func:`force`)
-    and save the fastest for the class. A path that declines or falls back is not a candidate."""
+    and save the fastest for the class. A path that declines or falls back is not a candidate. Every timed
+    call starts with the caches flushed (:data:`MEASURE_PROTOCOL`)."""
     times: dict[str, float] = {}
     spent = 0.0
     for path in (p for p in offered(kind) if p != "torch"):
@@ -296,6 +329,7 @@ def _measure(owner: object, kind: str, rows: int, shape: Shape, run: Callable[[]
         with force(path):
             for i in range(MEASURE_RUNS):
                 owner.__dict__.pop("last_path", None)
+                flush_caches()
                 start = time.perf_counter()
                 try:
                     y = run()

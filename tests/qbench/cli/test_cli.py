@@ -104,6 +104,9 @@ def test_compare_evaluates_a_bare_checkpoint_name(ckpt_dir, tmp_path, monkeypatc
         (["run"], "--ckpt"),
         (["run", "--ckpt", "CKPT", "--window", "1"], "--window must be at least 2"),
         (["run", "--ckpt", "CKPT", "--device", "gpu"], "unknown device"),
+        (["speed", "--llama-cpp-type", "Q8_0"], "--llama-cpp-type needs --llama-cpp"),
+        (["speed", "--llama-cpp", "--llama-cpp-type", "Q4_K_S"], "did you mean 'Q4_K_M'"),
+        (["speed", "--llama-cpp", "--no-generate"], "drop --no-model / --no-generate"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, ckpt_dir, tmp_path, capsys):

@@ -43,9 +43,36 @@ def test_export_refuses_a_folder_that_is_not_empty(ckpt_dir, occupied, tmp_path,
     code, _, _ = _cli(["export", ckpt_dir, "--output-path", occupied, "--overwrite"], capsys)
     assert code == 0 and "model_type" in json.loads((occupied / "config.json").read_text())
     code, _, err = _cli(["export", ckpt_dir, tmp_path / "a", "--output-path", tmp_path / "b"], capsys)
-    assert code == 2 and "two output folders" in err
+    assert code == 2 and "two output paths" in err
     code, _, err = _cli(["export", ckpt_dir], capsys)
     assert code == 2 and "--output-path" in err
+
+
+def test_export_gguf_writes_one_file_and_never_over_another(ckpt_dir, tokenizer, tmp_path, capsys):
+    pytest.importorskip("gguf")
+    from models.checkpoint import save_checkpoint
+    from qbench.eval.load import load_model
+    from tests.qbench.conftest import micro_config, trained_like
+
+    out = tmp_path / "model.gguf"
+    code, _, err = _cli(
+        ["export", ckpt_dir, out, "--format", "gguf"], capsys
+    )  # softmax-1: no llama.cpp graph
+    assert code == 2 and "softmax1" in err and not out.exists()
+    ckpt_dir = tmp_path / "micro_llama"
+    save_checkpoint(ckpt_dir, trained_like(micro_config("llama")), tokenizer, provenance={"training": None})
+    code, printed, _ = _cli(["export", ckpt_dir, out, "--format", "gguf"], capsys)
+    assert code == 0 and out.is_file() and "MiB" in printed
+    assert load_model(str(out)).description["gguf"]["file_type"] == "ALL_F32"  # transformers reads it back
+    before = out.stat().st_mtime_ns
+    code, _, err = _cli(["export", ckpt_dir, "--output-path", out, "--format", "gguf"], capsys)
+    assert code == 2 and "--overwrite" in err and out.stat().st_mtime_ns == before
+    code, _, _ = _cli(["export", ckpt_dir, out, "--format", "gguf", "--overwrite"], capsys)
+    assert code == 0
+    code, _, err = _cli(["export", ckpt_dir, tmp_path / "model.bin", "--format", "gguf"], capsys)
+    assert code == 2 and "ending in .gguf" in err
+    code, _, err = _cli(["export", ckpt_dir, tmp_path / "x", "--format", "ggfu"], capsys)
+    assert code == 2 and "did you mean 'gguf'" in err
 
 
 def test_ckpt_dot_is_named_after_the_folder(ckpt_dir, tmp_path, monkeypatch, capsys):

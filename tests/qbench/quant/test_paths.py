@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 
 import pytest
 import torch
@@ -244,12 +245,37 @@ def test_the_measured_choices_are_keyed_on_the_kernels_sources(monkeypatch):
     from qbench.quant.kernels import build
 
     before = paths.machine_key()
-    monkeypatch.setattr(paths, "source_digest", lambda names: "another kernel")
+    assert _key_with(monkeypatch, "source_digest", lambda names: "another kernel") != before
+    assert paths.machine_key() == before == paths.machine_key()
+    assert build.source_digest(native.NATIVE_SOURCES) == build.source_digest(native.NATIVE_SOURCES)
+
+
+@pytest.mark.skipif(not native.available(), reason="no C kernels: nothing to measure")
+def test_every_timed_call_of_the_measurement_starts_with_the_caches_flushed(measuring, monkeypatch):
+    """A decode step reads each layer's weights from memory: a candidate timed with its weights still in cache
+    from the previous run is judged on the wrong thing (hot timing chose torch._int_mm where the C GEMV is faster
+    in the model's step). Each timed call follows a flush, and the protocol is part of the cache key."""
+    events = []
+    real_clock = time.perf_counter
+    monkeypatch.setattr(paths, "flush_caches", lambda: events.append("flush"))
+    monkeypatch.setattr(paths.time, "perf_counter", lambda: events.append("clock") or real_clock())
+    case = MEASURED_CASES[0]
+    real, _ = build(case)
+    _forward(real, inputs(1, case.in_features), None)
+    starts = [i for i, e in enumerate(events) if e == "clock"][::2]  # start, stop, start, stop ...
+    assert starts and all(events[i - 1] == "flush" for i in starts)
+    assert paths.last_level_cache_bytes() >= 2**20 and paths._eviction_buffer().numel() >= 2**21
+    monkeypatch.undo()  # the real clock and flush again
+    before = paths.machine_key()
+    assert _key_with(monkeypatch, "MEASURE_PROTOCOL", "hot") != before
+
+
+def _key_with(monkeypatch, attribute, value):
+    """The cache key with one of its ingredients changed (then restored, the cached key cleared both times)."""
+    monkeypatch.setattr(paths, attribute, value)
     paths.machine_key.cache_clear()
     try:
-        assert paths.machine_key() != before
+        return paths.machine_key()
     finally:
         monkeypatch.undo()
         paths.machine_key.cache_clear()
-    assert paths.machine_key() == before == paths.machine_key()
-    assert build.source_digest(native.NATIVE_SOURCES) == build.source_digest(native.NATIVE_SOURCES)

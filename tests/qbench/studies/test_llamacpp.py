@@ -1,0 +1,97 @@
+"""llama.cpp beside qbench in ``qbench speed``: type names, the missing-package message, the matched ratio, and
+(where llama-cpp-python is installed) the rows a tiny model's generation figure gains."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from models.errors import UserError
+from qbench.studies import llamacpp
+
+
+def test_types_are_checked_with_a_suggestion():
+    assert llamacpp.check_types(None) == list(llamacpp.LLAMA_CPP_TYPES)
+    assert llamacpp.check_types(["q8_0", "Q4_K_M"]) == ["Q8_0", "Q4_K_M"]
+    with pytest.raises(UserError, match=r"unknown llama\.cpp type 'Q9_0'.*did you mean"):
+        llamacpp.check_types(["Q9_0"])
+
+
+def test_every_type_is_matched_with_a_registered_scheme():
+    from qbench.quant.schemes import SCHEMES
+
+    assert set(llamacpp.MATCHED) == set(llamacpp.LLAMA_CPP_TYPES)
+    for match in llamacpp.MATCHED.values():
+        assert match in ("fp32", "bf16") or match.split(":")[0] in SCHEMES.names()
+
+
+def test_missing_package_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if not installed
+    with pytest.raises(UserError, match=r"pip install 'qbench\[llama-cpp\]'"):
+        llamacpp.require_llama_cpp()
+
+
+def test_annotate_divides_the_matched_qbench_row():
+    records = [
+        {"kind": "generate", "name": "m fp32", "tokens_per_s": 100.0},
+        {"kind": "generate", "name": "absmax-fine [real]", "tokens_per_s": 999.0},  # float head: not matched
+        {"kind": "generate", "name": "absmax-fine:head=true [real]", "tokens_per_s": 150.0},
+        {"kind": "generate", "name": "llama.cpp F32", "llama_cpp_type": "F32", "tokens_per_s": 200.0},
+        {"kind": "generate", "name": "llama.cpp Q8_0", "llama_cpp_type": "Q8_0", "tokens_per_s": 300.0},
+        {"kind": "generate", "name": "llama.cpp Q4_0", "llama_cpp_type": "Q4_0", "tokens_per_s": None},
+    ]
+    llamacpp.annotate(records, "m")
+    f32, q8, q4 = records[3:]
+    assert f32["qbench_match"] == "m fp32" and f32["qbench_vs_llama_cpp"] == pytest.approx(0.5)
+    assert q8["qbench_match"] == "absmax-fine:head=true [real]"
+    assert q8["qbench_vs_llama_cpp"] == pytest.approx(0.5)
+    assert q4["qbench_vs_llama_cpp"] is None  # llama.cpp row failed: no ratio, not a zero
+
+
+def test_generation_rows_from_llama_cpp(tmp_path):
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    from qbench.studies.speed import format_speed_table, run_speed
+
+    records = run_speed(
+        threads=1,
+        repeats=1,
+        schemes=["absmax-fine"],
+        modes=["real"],
+        layer=False,
+        model="tiny",
+        model_tokens=16,
+        new_tokens=4,
+        kv=False,
+        llama_cpp_types=["F32", "Q8_0"],
+    )
+    rows = {r["name"]: r for r in records if r["kind"] == "generate"}
+    f32, q8 = rows["llama.cpp F32"], rows["llama.cpp Q8_0"]
+    for rec in (f32, q8):
+        assert rec["error"] is None and rec["tokens_per_s"] > 0 and rec["speedup"] > 0
+        assert rec["backend"].startswith("llama-cpp-python") and rec["qbench_vs_llama_cpp"] > 0
+    assert set(f32["gguf_tensor_types"]) == {"F32"}
+    assert "Q8_0" in q8["gguf_tensor_types"] and q8["weight_bytes"] < f32["weight_bytes"]
+    # the matched scheme (its head quantised, as llama.cpp's is) was added to the generation figure
+    assert q8["qbench_match"] == "absmax-fine:head=true [real]" and f32["qbench_match"] == "tiny fp32"
+    assert rows["absmax-fine:head=true [real]"]["error"] is None
+    table = format_speed_table(records)
+    assert "llama.cpp Q8_0" in table and "qbench / llama.cpp" in table
+
+
+def test_generator_follows_the_greedy_protocol(tmp_path):
+    pytest.importorskip("llama_cpp")
+    from models import build, preset_config
+    from models.gguf_export import write_gguf
+
+    model = build(preset_config("tiny"), seed=0).eval()
+    path = write_gguf(model, tmp_path / "m.gguf", None, placeholder_vocab=True)
+    gen = llamacpp.LlamaCppGenerator(path, threads=1, context=32)
+    try:
+        first = gen.generate([1, 2, 3, 4], 6)
+        again = gen.generate([1, 2, 3, 4], 6)  # the cache is cleared: the same prompt gives the same tokens
+    finally:
+        gen.close()
+    assert len(first) == 6 and first == again
+    assert all(0 <= t < model.config.vocab_size for t in first)

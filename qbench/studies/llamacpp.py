@@ -185,14 +185,45 @@ def prepare(
     return files
 
 
-def workdir() -> tempfile.TemporaryDirectory:
-    """Where the GGUFs live while they are timed (removed afterwards; a 135M model's six files are ~1.5 GB)."""
-    return tempfile.TemporaryDirectory(prefix="qbench-llama-cpp-")
+@dataclass
+class Engine:
+    """One llama.cpp type ready to time: its generator, or why there is none; ``fields`` go into its record."""
+
+    type_name: str
+    backend: str
+    generator: LlamaCppGenerator | None
+    error: str | None
+    fields: dict[str, Any]
 
 
-def version() -> str:
+@contextlib.contextmanager
+def engines(
+    model: Any, ckpt: str | None, types: Sequence[str], threads: int, context: int
+) -> Iterator[list[Engine]]:
+    """Every requested type as an :class:`Engine` (``prepare``'s GGUFs in a temporary folder, removed afterwards
+    with the generators closed: a 135M model's six files are ~1.5 GB)."""
     llama_cpp = require_llama_cpp()
-    return f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}"
+    backend = f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}"
+    system = system_info()
+    with tempfile.TemporaryDirectory(prefix="qbench-llama-cpp-") as tmp:
+        loaded: list[Engine] = []
+        try:
+            for type_name, file in prepare(model, None, ckpt, Path(tmp), types, threads).items():
+                fields = {"llama_cpp_type": type_name, "gguf_tensor_types": None, "llama_cpp_system": system}
+                generator, error = None, file if isinstance(file, str) else None
+                if error is None:
+                    try:
+                        generator = LlamaCppGenerator(file, threads, context)
+                    except (ValueError, RuntimeError) as err:
+                        error = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+                    else:
+                        fields["gguf_tensor_types"] = tensor_types(file)
+                loaded.append(Engine(type_name, backend, generator, error, fields))
+            yield loaded
+        finally:
+            for engine in loaded:
+                if engine.generator is not None:
+                    engine.generator.close()
 
 
 def system_info() -> str:

@@ -44,7 +44,6 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -515,38 +514,19 @@ def _generate_records(
         return _generation(model, name, vocab, new_tokens, repeats, schemes, common, via)
     from qbench.studies import llamacpp
 
-    with llamacpp.workdir() as tmp:
-        files = llamacpp.prepare(model, None, ckpt, Path(tmp), llama_cpp_types, common["threads"])
-        matched = llamacpp.matched_schemes([t for t in files if t in llamacpp.MATCHED])
+    with llamacpp.engines(
+        model, ckpt, llama_cpp_types, common["threads"], PROMPT_TOKENS + new_tokens
+    ) as loaded:
+        matched = llamacpp.matched_schemes([e.type_name for e in loaded if e.type_name in llamacpp.MATCHED])
         schemes = [*schemes, *(m for m in matched if m not in schemes)]
-        context = PROMPT_TOKENS + new_tokens
-        generators: list[llamacpp.LlamaCppGenerator] = []
-        extra: list[tuple[Candidate, dict[str, Any]]] = []
-        for type_name, file in files.items():
-            c = Candidate("generate", f"llama.cpp {type_name}", None, backend=llamacpp.version())
-            fields: dict[str, Any] = {
-                "llama_cpp_type": type_name,
-                "gguf_tensor_types": None,
-                "llama_cpp_system": llamacpp.system_info(),
-            }
-            if isinstance(file, str):
-                c.error = file
-            else:
-                try:
-                    gen = llamacpp.LlamaCppGenerator(file, common["threads"], context)
-                except (ValueError, RuntimeError) as err:
-                    c.error = f"{type(err).__name__}: {err}".splitlines()[0][:200]
-                else:
-                    generators.append(gen)
-                    c.fn = gen.generate  # bound to the prompt in _generation, which owns it
-                    c.weight_bytes = gen.weight_bytes()
-                    fields["gguf_tensor_types"] = llamacpp.tensor_types(file)
-            extra.append((c, fields))
-        try:
-            records = _generation(model, name, vocab, new_tokens, repeats, schemes, common, via, extra)
-        finally:
-            for gen in generators:
-                gen.close()
+        extra = []
+        for e in loaded:
+            c = Candidate("generate", f"llama.cpp {e.type_name}", None, backend=e.backend, error=e.error)
+            if e.generator is not None:
+                c.fn = e.generator.generate  # bound to the prompt in _generation, which owns it
+                c.weight_bytes = e.generator.weight_bytes()
+            extra.append((c, e.fields))
+        records = _generation(model, name, vocab, new_tokens, repeats, schemes, common, via, extra)
     llamacpp.annotate(records, name)
     return records
 

@@ -24,15 +24,16 @@ HELP = "one page per model: outliers, attention sink, deployable formats, breaki
 
 def budget_help() -> str:
     """What each budget measures, from the budgets themselves (``qbench.studies.card`` imports no torch)."""
-    from qbench.studies.card import BUDGETS, FORMATS, KV_KEEP_SINKS
+    from qbench.studies.card import BUDGETS, FORMATS, KV_KEEP_SINKS, KV_MIN_WINDOW
 
     labels = {f.scheme: f.label for f in FORMATS}
     quick = BUDGETS["quick"]
     return (
         "; ".join(b.describe() for b in BUDGETS.values())
         + f". Quick's formats: {', '.join(labels[s] for s in quick.formats)}; standard and full: all "
-        f"{len(FORMATS)} ({', '.join(f.label for f in FORMATS)}). The KV rows come plain and with "
-        f"--kv-keep-sinks {KV_KEEP_SINKS}"
+        f"{len(FORMATS)} ({', '.join(f.label for f in FORMATS)}). KV rows on windows of at least "
+        f"{KV_MIN_WINDOW:,} tokens (the model's context when shorter); --kv-scheme replaces them by one scheme at "
+        f"the budget's widths, plain and with --kv-keep-sinks {KV_KEEP_SINKS}"
     )
 
 
@@ -47,8 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_resolve_argument(p, "the budget's tokens")
     p.add_argument(
         "--kv-scheme",
-        help="the KV rows' KV-cache scheme, NAME[:key=value,…] as run's --kv-scheme (default: the sweep's: kivi, "
-        "with residual 32 on windows ≤ 128 and per-token on windows ≤ 32)",
+        help="one KV-cache scheme for every KV row, NAME[:key=value,…] as run's --kv-scheme (default: the "
+        "budget's rows: KIVI as deployed — residual 32 on windows ≤ 128, per-token blocks on windows ≤ 32 — "
+        "per-token blocks and FP8 E4M3 side by side)",
     )
     add_output_argument(
         p, "card.md/.json/.html and the records they are built from", default="qbench_card", metavar="DIR"

@@ -723,3 +723,26 @@ def float_read_share(block: dict, window: int) -> dict[str, float] | None:
         "keys": (keys & visible).sum().item() / reads,
         "values": (values & visible).sum().item() / reads,
     }
+
+
+def cache_bytes(config: Any, kv_heads: int, head_dim: int, context: int, float_bytes: int = 2) -> int:
+    """Bytes one attention layer's KV cache holds after ``context`` tokens of one sequence, as deployed: the
+    positions the scheme has made final in their packed form (:func:`pack`: codes, scales, minima), the rest —
+    KIVI's float residual, kept first positions and sinks — at ``float_bytes`` per value (fp16/bf16). A kept
+    position is counted both ways (an upper bound by its codes: one token of the context per kept position).
+    The per-token scheme packs rows of ``kv_heads × head_dim`` values in whole blocks; FP8 stores one byte a value
+    whatever its scale (the layer's scale itself not counted). Bytes as ``qbench.quant.kvpack`` stores them."""
+    from dataclasses import replace
+
+    packed_config = replace(config, keep_first=0, keep_sinks=0)
+    if config.scheme in PACK_FP8_ELEMENTS:
+        packed_config = replace(packed_config, scale=1.0)  # bytes do not depend on the scale
+    quantizer = KVSchemeQuantizer(packed_config)
+    x = torch.randn(1, kv_heads, context, head_dim, generator=torch.Generator().manual_seed(0))
+    total = 0
+    for values, final in ((False, quantizer.keys_final(context)), (True, quantizer.values_final(context))):
+        if final:
+            total += pack(quantizer, x[:, :, :final], values).nbytes
+        total += (context - final) * kv_heads * head_dim * float_bytes
+    kept = config.keep_first + config.keep_sinks
+    return total + 2 * min(kept, context) * kv_heads * head_dim * float_bytes

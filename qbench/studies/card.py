@@ -36,7 +36,7 @@ from models.errors import UserError, unknown_choice
 from qbench.eval.metric_registry import BY_KEY
 
 CARD_VERSION = 1
-PROFILE_VERSION = 2  # 2: linear_shapes (the nominal bytes of each format)
+PROFILE_VERSION = 3  # 2: linear_shapes (the nominal bytes of each format); 3: the KV cache geometry
 DEFAULT_TOLERANCE = 1.0
 LINEAR_TABLE_ROWS = 12  # linear layers in the card's table, by input crest factor (all are in card.json)
 KV_KEEP_SINKS = 1  # sink protection in the KV rows: the most-attended position per layer kept float
@@ -52,6 +52,8 @@ class Format:
 
 
 HADAMARD_W4A8 = "hadamard-absmax-coarse:w=4,o=none,agran=token,group=none"
+# Labels say what each row quantises, as a deployment names it: W<bits>A<bits> when activations are quantised too
+# (the MX and NVFP4 rows quantise both, block by block), "weight-only" when they stay float.
 FORMATS: tuple[Format, ...] = (
     Format("W8A8 per-channel/per-token", "absmax-fine"),
     Format("W8A8 per-tensor", "absmax-moderate"),
@@ -60,14 +62,17 @@ FORMATS: tuple[Format, ...] = (
     Format("int4 g128 weight-only", "zeropoint-int4-g128"),
     Format("W4A8 g32", "absmax-w4a8-g32"),
     Format("int3 g128 weight-only", "zeropoint-int3-g128"),
-    Format("FP8 E4M3 per-tensor", "fp8-e4m3"),
-    Format("FP8 E4M3 row-wise", "fp8-e4m3-rowwise"),
-    Format("MXFP8", "mxfp8"),
-    Format("MXFP6", "mxfp6"),
-    Format("MXFP4", "mxfp4"),
-    Format("NVFP4", "nvfp4"),
+    Format("W8A8 FP8 E4M3 per-tensor", "fp8-e4m3"),
+    Format("W8A8 FP8 E4M3 row-wise", "fp8-e4m3-rowwise"),
+    Format("W8A8 MXFP8", "mxfp8"),
+    Format("W6A6 MXFP6", "mxfp6"),
+    Format("W4A4 MXFP4", "mxfp4"),
+    # weight-only MXFP4 as gpt-oss ships its experts (activations in bf16): an override of the W4A4 scheme
+    Format("W4 weight-only MXFP4", "mxfp4:a=none"),
+    Format("W4A4 NVFP4", "nvfp4"),
+    Format("W4 weight-only NVFP4", "nvfp4:a=none"),
     Format("LLM.int8", "llm-int8"),
-    Format("NF4", "bnb-nf4"),
+    Format("NF4 weight-only", "bnb-nf4"),
     Format("SmoothQuant W8A8", "smoothquant"),
     Format(
         "Hadamard + W4A8",
@@ -94,8 +99,36 @@ QUICK_FORMATS = (
     "absmax-w4a8-g32",
     "fp8-e4m3",
     "mxfp4",
+    "mxfp4:a=none",
     "nvfp4",
 )
+
+
+@dataclass(frozen=True)
+class KVRow:
+    """One KV-cache row of a budget: ``scheme`` a KV scheme name (``"kivi"``: KIVI as deployed at the card's KV
+    window, ``qbench.studies.sweep.default_kv_scheme``), its ``bits``, and ``keep_sinks`` positions kept float."""
+
+    scheme: str
+    bits: int
+    keep_sinks: int = 0
+
+
+def _kv_rows(kivi: tuple[int, ...], kivi_sinks: tuple[int, ...], per_token: tuple[int, ...]) -> tuple:
+    """KIVI (keys per channel, values per token: the scheme of the KIVI paper and Hugging Face's quantised
+    cache), llama.cpp-style per-token blocks (``-ctk q4_0``) and FP8 E4M3 (vLLM's ``kv_cache_dtype=fp8``): the
+    three ways a KV cache is deployed today, side by side."""
+    return (
+        *(KVRow("kivi", b) for b in kivi),
+        *(KVRow("kivi", b, KV_KEEP_SINKS) for b in kivi_sinks),
+        *(KVRow("per-token", b) for b in per_token),
+        KVRow("fp8-e4m3", 8),
+    )
+
+
+# A KV row is read at a deployed context: windows of at least this many tokens (the model's context when shorter).
+# On short windows most reads hit KIVI's float residual and the row measures the residual, not the quantiser.
+KV_MIN_WINDOW = 1024
 
 
 @dataclass(frozen=True)
@@ -105,7 +138,7 @@ class Budget:
     name: str
     tokens: int
     formats: tuple[str, ...]  # scheme names of FORMATS, in FORMATS' order
-    kv_bits: tuple[int, ...]
+    kv_rows: tuple[KVRow, ...]
     sweep_families: tuple[str, ...] = ()
     sweep_axes: tuple[str, ...] = ()
     sweep_bits: tuple[int, ...] = ()
@@ -113,6 +146,16 @@ class Budget:
     speed: bool = False
     # the repair's backward pass (dropping each kept unit that is not needed); quick stops after the forward pass
     repair_minimise: bool = True
+    # formats a repair is tried on, in turn, until one pays (within and smaller than what already passes)
+    repair_candidates: int = 1
+    # a sensitivity map (by type, no repair) of the most damaged format beyond the tolerance: the layers "avoid"
+    # names
+    avoid_map: bool = False
+
+    @property
+    def kv_bits(self) -> tuple[int, ...]:
+        """Every KV width the budget's rows use, widest first."""
+        return tuple(sorted({r.bits for r in self.kv_rows}, reverse=True))
 
     def describe(self, tokens: int | None = None) -> str:
         """The budget in words; ``tokens``: what the card scored when ``--tokens`` overrode the budget's own."""
@@ -127,13 +170,38 @@ class Budget:
             if self.sweep_families
             else "no sweep"
         )
-        return (
-            f"{self.name}: {scored}, {len(self.formats)} formats, KV cache at "
-            f"{'/'.join(map(str, self.kv_bits))} bits with and without sink protection, {sweep}, sensitivity by "
-            f"{self.sensitivity_by} of the format over tolerance that a repair could pay for"
-            + ("" if self.repair_minimise else " (repair not minimised)")
-            + (", real-kernel speed" if self.speed else "")
+        tries = (
+            f"up to {self.repair_candidates} formats in turn" if self.repair_candidates > 1 else "one format"
         )
+        return (
+            f"{self.name}: {scored}, {len(self.formats)} formats, KV cache {describe_kv_rows(self.kv_rows)}, "
+            f"{sweep}, sensitivity by {self.sensitivity_by} of {tries} over tolerance that a repair could pay "
+            "for"
+            + ("" if self.repair_minimise else " (repair not minimised)")
+            + (" and of the most damaged format" if self.avoid_map else "")
+            + ", per-layer kernel speed"
+            + (" and whole-model real-kernel speed" if self.speed else "")
+        )
+
+
+def describe_kv_rows(rows: Sequence[KVRow]) -> str:
+    """``KIVI at 4/2 bits (2 also with 1 sink kept), per-token at 4, FP8 E4M3`` (widths in the rows' order)."""
+    names = {"kivi": "KIVI", "per-token": "per-token", "fp8-e4m3": "FP8 E4M3"}
+    parts = []
+    for scheme in dict.fromkeys(r.scheme for r in rows):
+        plain = [r.bits for r in rows if r.scheme == scheme and not r.keep_sinks]
+        sinks = [r for r in rows if r.scheme == scheme and r.keep_sinks]
+        name = names.get(scheme, scheme)
+        text = (
+            name
+            if scheme.startswith("fp8") and plain == [8]
+            else f"{name} at {'/'.join(map(str, plain))} bits"
+        )
+        if sinks:
+            kept = sinks[0].keep_sinks
+            text += f" ({'/'.join(str(r.bits) for r in sinks)} also with {kept} sink{'s' if kept > 1 else ''} kept)"
+        parts.append(text)
+    return ", ".join(parts)
 
 
 # Tokens per budget: quick and standard their own (qbench.cli.budgets.CARD_QUICK_TOKENS, CARD_STANDARD_TOKENS:
@@ -146,26 +214,32 @@ QUICK_TOKENS, STANDARD_TOKENS, FULL_TOKENS = 4096, 8192, 32768
 def _budgets() -> dict[str, Budget]:
     everything = tuple(f.scheme for f in FORMATS)
     return {
-        "quick": Budget("quick", QUICK_TOKENS, QUICK_FORMATS, (4, 2), repair_minimise=False),
+        "quick": Budget(
+            "quick", QUICK_TOKENS, QUICK_FORMATS, _kv_rows((4, 2), (2,), (4,)), repair_minimise=False
+        ),
         "standard": Budget(
             "standard",
             STANDARD_TOKENS,
             everything,
-            (8, 4, 3, 2),
+            _kv_rows((8, 4, 3, 2), (4, 2), (4, 2)),
             ("absmax-coarse",),
             ("w", "a", "o", "all"),
             (8, 6, 4, 3, 2),
+            repair_candidates=2,
+            avoid_map=True,
         ),
         "full": Budget(
             "full",
             FULL_TOKENS,
             everything,
-            (8, 4, 3, 2),
+            _kv_rows((8, 4, 3, 2), (8, 4, 3, 2), (8, 4, 3, 2)),
             ("absmax-coarse", "absmax-fine"),
             ("w", "a", "o", "all"),
             (8, 7, 6, 5, 4, 3, 2),
             sensitivity_by="layer",
             speed=True,
+            repair_candidates=3,
+            avoid_map=True,
         ),
     }
 
@@ -265,13 +339,29 @@ def _spec(cfg: CardConfig, model: str, schemes: list[str], kv: Any = None, **kw:
 
 
 def kv_configs(cfg: CardConfig, window: int) -> list[Any]:
-    """The KV rows: each bit width of the budget that the scheme stores, plain and with ``KV_KEEP_SINKS`` sinks
-    kept float."""
+    """The KV rows at the KV window ``window``: the budget's rows (``"kivi"`` as deployed at that window), or with
+    ``--kv-scheme`` that scheme at every budget width it stores, plain and with ``KV_KEEP_SINKS`` sinks kept. One
+    row per label (on windows of 32 tokens or fewer the default KIVI is per-token blocks too)."""
     from qbench.quant.kv import KVConfig
     from qbench.studies.sweep import default_kv_scheme
 
-    scheme = cfg.kv_scheme or default_kv_scheme(window)
-    return [KVConfig(b, scheme, 0, k) for b in kv_widths(cfg.plan, scheme) for k in (0, KV_KEEP_SINKS)]
+    if cfg.kv_scheme is None:
+        configs = [
+            KVConfig(r.bits, default_kv_scheme(window) if r.scheme == "kivi" else r.scheme, 0, r.keep_sinks)
+            for r in cfg.plan.kv_rows
+        ]
+    else:
+        widths = kv_widths(cfg.plan, cfg.kv_scheme)
+        configs = [KVConfig(b, cfg.kv_scheme, 0, k) for b in widths for k in (0, KV_KEEP_SINKS)]
+    return list({c.label: c for c in configs}.values())
+
+
+def kv_window(model: Any, window: int) -> int:
+    """The KV rows' window: the evaluation window when it is at least :data:`KV_MIN_WINDOW` tokens, else that many
+    or the model's whole context when it is shorter (the card says so)."""
+    from qbench.eval.adapters import context_length
+
+    return window if window >= KV_MIN_WINDOW else max(window, min(context_length(model), KV_MIN_WINDOW))
 
 
 def _scheme_widths(scheme: str) -> tuple[int, ...]:
@@ -485,7 +575,11 @@ def card_inputs(card: Mapping[str, Any]) -> dict[str, Any]:
         "metric": card.get("metric") or "ppl",  # cards before --metric decided on perplexity
         "seed": card.get("seed"),
         "protocol": [{k: (m.get("protocol") or {}).get(k) for k in PROTOCOL_INPUTS} for m in models],
-        "kv": [{k: ((m.get("kv") or {}).get("options") or {}).get(k) for k in KV_INPUTS} for m in models],
+        # the KV rows by label (a label names every option that is not the scheme's default)
+        "kv": [
+            {"rows": sorted(r.get("label") or "" for r in (m.get("kv") or {}).get("rows") or [])}
+            for m in models
+        ],
     }
 
 
@@ -594,8 +688,8 @@ def planned_cells(cfg: CardConfig) -> int:
     """Cells per model before the sensitivity study: the float record, the formats, the KV rows and the sweep's
     own cells (those not already formats)."""
     plan = cfg.plan
-    widths = plan.kv_bits if cfg.kv_scheme is None else kv_widths(plan, cfg.kv_scheme)
-    n = 1 + len(plan.formats) + 2 * len(widths)
+    kv = len(plan.kv_rows) if cfg.kv_scheme is None else 2 * len(kv_widths(plan, cfg.kv_scheme))
+    n = 1 + len(plan.formats) + kv
     if plan.sweep_families:
         from qbench.quant.schemes import get_scheme
         from qbench.studies.sweep import plan as sweep_plan
@@ -633,6 +727,8 @@ def architecture(lm: Any) -> dict[str, Any]:
             sliding_window=None,
             layers=config.get("n_layer"),
             heads=config.get("n_head"),
+            kv_heads=config.get("n_head"),
+            head_dim=config["d_model"] // config["n_head"] if config.get("n_head") else None,
             d_model=config.get("d_model"),
             context=config.get("context"),
         )
@@ -671,7 +767,39 @@ def architecture(lm: Any) -> dict[str, Any]:
         d_model=getattr(hf, "hidden_size", None),
         context=getattr(hf, "max_position_embeddings", None),
     )
+    heads = getattr(hf, "num_attention_heads", None) or getattr(hf, "n_head", None)
+    width = getattr(hf, "hidden_size", None) or getattr(hf, "n_embd", None)
+    out.update(  # the attention cache's geometry (grouped-query models store fewer key/value heads)
+        kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf, "head_dim", None) or (width // heads if heads and width else None),
+    )
     return out
+
+
+def kv_memory(architecture: Mapping[str, Any], configs: Sequence[Any]) -> dict[str, Any] | None:
+    """The KV cache's bytes at the model's whole context (``architecture``: the profile's), one sequence: in bf16,
+    and for each of ``configs`` (KV rows) as deployed (``qbench.quant.kvschemes.cache_bytes``: packed codes with
+    their scales, float residual and kept positions in bf16). None when the cache's geometry is unknown."""
+    from qbench.quant.kvschemes import cache_bytes
+
+    a = architecture
+    layers, kv_heads, head_dim, context = (a.get(k) for k in ("layers", "kv_heads", "head_dim", "context"))
+    if not (layers and kv_heads and head_dim and context):
+        return None
+    rows = {}
+    for c in configs:
+        try:
+            rows[c.label] = layers * cache_bytes(c, kv_heads, head_dim, context)
+        except (UserError, ValueError):  # a scheme with no packed form (the window scheme): no figure
+            rows[c.label] = None
+    return {
+        "context": context,
+        "batch": 1,
+        "bf16_bytes": 2 * layers * kv_heads * head_dim * context * 2,
+        "rows": rows,
+        "what": "keys and values of every layer at the model's context, one sequence; packed as "
+        "qbench.quant.kvpack stores them (codes, scales and minima; positions still float in bf16)",
+    }
 
 
 def linear_shapes(model: Any) -> dict[str, list[int]]:
@@ -831,8 +959,63 @@ def speed_record(
     return record
 
 
+LAYER_SPEED_VERSION = 1
+
+
+def _rtn_scheme(scheme: str) -> str:
+    """The round-to-nearest scheme with the same storage as ``scheme`` (GPTQ and AWQ choose other codes on the
+    same grid, so the same kernels run them): ``zeropoint-int4:algo=gptq`` -> ``zeropoint-int4``."""
+    base, _, spec = scheme.partition(":")
+    items = [i for i in spec.split(",") if i and not i.startswith("algo=")]
+    return base + (":" + ",".join(items) if items else "")
+
+
+def layer_speed_record(
+    cfg: CardConfig, lm: Any, fp: Mapping[str, Any], profile: Mapping[str, Any], schemes: Sequence[str]
+) -> dict[str, Any] | None:
+    """The real kernels' decode and prefill speed-ups on the model's own linear shapes (every budget; a few
+    seconds: ``qbench.studies.layerspeed``), read from ``<model>/layer_speed.json`` when it was measured on this
+    CPU for these shapes and schemes, else measured and written atomically. None when no format has a real
+    kernel."""
+    from models.io import atomic_write_json
+    from qbench.quant.apply import real_kernel_problem
+    from qbench.quant.schemes import get_scheme
+    from qbench.studies.layerspeed import layer_speed
+    from qbench.studies.speed import cpu_name
+
+    real = list(dict.fromkeys(_rtn_scheme(s) for s in schemes))
+    real = [s for s in real if real_kernel_problem(get_scheme(s)) is None]
+    if not real:
+        return None
+    heads = {
+        n for n, v in ((fp.get("linear_ranges") or {}).get("per_layer") or {}).items() if v.get("lm_head")
+    }
+    shapes = {n: v for n, v in (profile.get("linear_shapes") or {}).items() if n not in heads}
+    if not shapes:
+        return None
+    key = {
+        "version": LAYER_SPEED_VERSION,
+        "cpu": cpu_name(),
+        "device": cfg.device,
+        "shapes": sorted(map(list, {tuple(v) for v in shapes.values()})),
+        "schemes": real,
+    }
+    path = Path(cfg.output_path) / lm.name / "layer_speed.json"
+    try:
+        existing = json.loads(path.read_text())
+        if existing.get("key") == key:
+            return existing
+    except (OSError, ValueError, AttributeError):
+        pass
+    record = {"key": key, **layer_speed(shapes, real, device=cfg.device, seed=cfg.seed)}
+    atomic_write_json(path, record)
+    return record
+
+
 def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any]:
     """Evaluate (or reuse) every cell of the card for each model, then build it and write card.json/.md/.html."""
+    from dataclasses import replace
+
     from qbench.eval.adapters import default_window
     from qbench.eval.harness import ModelEvaluation, cell_record, run_grid
     from qbench.eval.load import load_model
@@ -845,15 +1028,20 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
     start = time.perf_counter()
     tokenizers: list[tuple[str, Any]] = []
     contents = plan.describe(cfg.tokens)
-    widths = plan.kv_bits if cfg.kv_scheme is None else kv_widths(plan, cfg.kv_scheme)
-    if widths != plan.kv_bits:  # fp8: the budget's 8-bit rows only
-        left = "/".join(str(b) for b in plan.kv_bits if b not in widths)
-        line = (
-            f"KV rows at {'/'.join(map(str, widths))} bits only: --kv-scheme {cfg.kv_scheme} stores no other "
-            f"width (the {plan.name} budget's {left} bits not measured)"
+    if cfg.kv_scheme is not None:
+        widths = kv_widths(plan, cfg.kv_scheme)
+        contents += (
+            f"; KV rows: --kv-scheme {cfg.kv_scheme} at {'/'.join(map(str, widths))} bits, plain and with "
+            f"{KV_KEEP_SINKS} sink kept, instead of the budget's"
         )
-        contents += f"; {line}"
-        progress.note(line)
+        left = [b for b in plan.kv_bits if b not in widths]
+        if left:  # fp8: the budget's 8-bit rows only
+            line = (
+                f"KV rows at {'/'.join(map(str, widths))} bits only: --kv-scheme {cfg.kv_scheme} stores no other "
+                f"width (the {plan.name} budget's {'/'.join(map(str, left))} bits not measured)"
+            )
+            contents += f"; {line}"
+            progress.note(line)
     per_model: list[dict[str, Any]] = []
     count = {"n": 0}  # cells announced to the progress bar, over all models
     names: dict[str, str] = {}
@@ -901,7 +1089,17 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
             )
         window = default_window(lm.model, cfg.window)
         kv = []
-        configs = kv_configs(cfg, window)
+        kv_win = kv_window(lm.model, window)
+        # the KV rows' own protocol when their window is longer than the evaluation's (one more float record)
+        kv_cfg = cfg if kv_win == window else replace(cfg, window=kv_win)
+        if kv_win != window:
+            count["n"] += 1
+            progress.total(count["n"])
+        configs = kv_configs(cfg, kv_win)
+        planned_kv = len(plan.kv_rows) if cfg.kv_scheme is None else 2 * len(kv_widths(plan, cfg.kv_scheme))
+        if len(configs) != planned_kv:  # a window of ≤ 32 tokens: KIVI's rows are the per-token ones
+            count["n"] -= planned_kv - len(configs)
+            progress.total(count["n"])
         problems = {c.label: kv_problem(lm, c) for c in configs}
         skipped: dict[str, list[str]] = {}
         for label, why in problems.items():
@@ -916,16 +1114,18 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
             if problems[config.label]:
                 kv.append(skipped_kv_record(config, problems[config.label]))
                 continue
-            kv_spec = _spec(cfg, model, ["fp"], kv=config)
+            kv_spec = _spec(kv_cfg, model, ["fp"], kv=config)
             seen: list[bool] = []
             records = run_grid(kv_spec, lambda r, reused, seen=seen: seen.append(reused), loaded={model: lm})
+            if kv_win != window and not any("cell_id" in r for r in kv):  # the KV window's float record, once
+                progress.cell(records[0], seen[0])
             progress.cell(records[-1], seen[-1])
             kv.append(
                 _resolve_row(
-                    cfg,
+                    kv_cfg,
                     records[-1],
                     resolved,
-                    lambda t, c=config, m=model, x=lm: _kv_at(cfg, m, x, c, t, progress),
+                    lambda t, c=config, m=model, x=lm, k=kv_cfg: _kv_at(k, m, x, c, t, progress),
                 )
             )
         sweep = None
@@ -936,11 +1136,27 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
             sweep = run_sweep(
                 sweep_config(cfg, model), on_record=on_sweep, command=cfg.command, loaded={model: lm}
             )
-        sensitivity = None
-        target = repair_target(formats, fp, profile, cfg.tolerance, cfg.metric)
-        if target is not None:
-            sensitivity = _sensitivity(cfg, lm, at_budget[target["scheme"]["name"]], progress, count)
+        # the repair: each candidate in turn until one pays (within, and smaller than what already passes)
+        repairs = []
+        limit, _ = size_to_beat(formats, fp, profile, cfg.tolerance, cfg.metric)
+        for target in repair_targets(formats, fp, profile, cfg.tolerance, cfg.metric)[
+            : plan.repair_candidates
+        ]:
+            record = at_budget[target["scheme"]["name"]]
+            study = _sensitivity(cfg, lm, record, progress, count)
+            repairs.append(study)
+            size = repaired_bytes(record, study, fp, profile)
+            if study["repair"]["reached"] and size is not None and (limit is None or size < limit):
+                break
+        # where the most damaged format's damage comes from: a map by type (standard and full)
+        avoid_map = None
+        worst = _worst_beyond(formats, cfg.tolerance, cfg.metric)
+        if plan.avoid_map and worst is not None:
+            name = worst["scheme"]["name"]
+            tried = next((r for r in repairs if r["scheme"]["name"] == name and r["by"] == "type"), None)
+            avoid_map = tried or _sensitivity(cfg, lm, at_budget[name], progress, count, repair=False)
         speed = speed_record(cfg, lm, fp, plan.formats)
+        layers_speed = layer_speed_record(cfg, lm, fp, profile, plan.formats)
         per_model.append(
             {
                 "fp": fp,
@@ -948,9 +1164,12 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
                 "formats": formats,
                 "kv": kv,
                 "sweep": sweep,
-                "sensitivity": sensitivity,
+                "repairs": repairs,
+                "avoid_map": avoid_map,
                 "speed": speed,
+                "layer_speed": layers_speed,
                 "source": lm.source,
+                "window_nll": _window_nll(Path(cfg.output_path), [fp, *formats]),
                 "resolved": resolved,
                 "paths": _stored_paths(
                     Path(cfg.output_path), [fp, *formats, *(r for r in kv if "cell_id" in r)]
@@ -1040,6 +1259,22 @@ def _kv_at(cfg: CardConfig, model: str, lm: Any, config: Any, tokens: int, progr
     return records[-1]
 
 
+def _window_nll(out: Path, records: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
+    """{cell_id: mean NLL of each window} from the records' per-token sidecars (``qbench.eval.evidence``): what
+    the side-by-side comparison pairs across models on the same windows. Records without a sidecar are left out."""
+    from qbench.eval.evidence import read
+    from qbench.eval.harness import stored_path
+
+    found = {}
+    for r in records:
+        if r.get("status") != "ok" or not r.get("cell_id"):
+            continue
+        tensors = read(stored_path(out, r), r)
+        if tensors is not None and "nll" in tensors:
+            found[r["cell_id"]] = [round(v, 9) for v in tensors["nll"].double().mean(dim=1).tolist()]
+    return found
+
+
 def _stored_paths(out: Path, records: Sequence[dict[str, Any]]) -> dict[str, str]:
     """{cell_id: the record's file relative to ``out``}: the card names the record behind each row."""
     from qbench.eval.harness import stored_path
@@ -1059,11 +1294,19 @@ def _new_cells_only(progress: Progress, seen: set[str]) -> Callable[[dict[str, A
 
 
 def _sensitivity(
-    cfg: CardConfig, lm: Any, target: dict[str, Any], progress: Progress, count: dict[str, int]
+    cfg: CardConfig,
+    lm: Any,
+    target: dict[str, Any],
+    progress: Progress,
+    count: dict[str, int],
+    repair: bool = True,
 ) -> dict:
     """``qbench sensitivity``'s map and repair of ``target``'s scheme (by the budget's unit), in
     ``DIR/sensitivity/<model>/<scheme>/`` with its cells under ``cells/``. The repair starts from ``target``,
-    the card's own record of that format on its own tokens (not evaluated again); the quick budget's repair is not minimised."""
+    the card's own record of that format on its own tokens (not evaluated again); the quick budget's repair is not
+    minimised. ``repair=False``: the map alone, by type (which kinds of layer a format's damage comes from: what
+    "avoid" names), its cells in the same folder (a later repair of that format reuses them when the unit
+    matches)."""
     from qbench.studies.sensitivity import sensitivity, write_sensitivity
 
     scheme = target["scheme"]["name"]
@@ -1075,7 +1318,9 @@ def _sensitivity(
     repairs = {"seen": 0}
 
     def on_units(n: int) -> None:
-        count["n"] += n + 1  # the units, and the repair's first set (the rest are known one at a time)
+        count["n"] += n + int(
+            repair
+        )  # the units, and the repair's first set (the rest are known one at a time)
         progress.total(count["n"])
 
     def on_cell(phase: str, record: dict[str, Any], reused: bool) -> None:
@@ -1088,7 +1333,7 @@ def _sensitivity(
 
     result = sensitivity(
         spec,
-        by=cfg.plan.sensitivity_by,
+        by=cfg.plan.sensitivity_by if repair else "type",
         tolerance=cfg.tolerance,
         metric=cfg.metric,
         on_cell=on_cell,
@@ -1096,9 +1341,10 @@ def _sensitivity(
         lm=lm,
         minimise=cfg.plan.repair_minimise,
         quantised=target,
+        repair_units=repair,
     )
-    command = cfg.command or "qbench card"
-    write_sensitivity(result, out, command)
+    if repair:
+        write_sensitivity(result, out, cfg.command or "qbench card")
     return {**result, "output": str(out)}
 
 
@@ -1128,26 +1374,78 @@ def _float_size(fp: Mapping[str, Any]) -> int:
     return 2 if ((fp.get("protocol") or {}).get("dtype") or "float32") in ("bfloat16", "float16") else 4
 
 
-def repair_target(
+def repair_targets(
     formats: Sequence[Mapping[str, Any]],
     fp: Mapping[str, Any],
     profile: Mapping[str, Any],
     tolerance: float,
     metric: str = "ppl",
-) -> Mapping[str, Any] | None:
-    """The format a repair could pay for. When some format is within the tolerance: the smallest (deployed
-    bytes) of the failing formats smaller than the smallest passing one — a repair of anything larger could never
-    beat a format that passes as it is. When none is: the failing format damaged least (ties: the smaller), the
-    one a few float layers are most likely to bring within. None when nothing qualifies (no repair is run)."""
+) -> list[Mapping[str, Any]]:
+    """The formats a repair could pay for, in the order the card tries them. When some format is within the
+    tolerance: the failing formats smaller (deployed bytes) than the smallest passing one, smallest first — a
+    repair of anything larger could never beat a format that passes as it is. When none is: the failing formats
+    damaged least first (ties: the smaller), the ones a few float layers are most likely to bring within."""
     sized = [(r, _deployed_bytes(r["scheme"], fp, profile)) for r in formats if r.get("status") == "ok"]
     sized = [(r, b) for r, b in sized if b]
     passing = [b for r, b in sized if _within(r, tolerance, metric)]
     if not passing:
         failing = [(r["metrics"]["ppl_change_pct"], b, i, r) for i, (r, b) in enumerate(sized)]
-        return min(failing, key=lambda x: x[:3])[3] if failing else None
+        return [x[3] for x in sorted(failing, key=lambda x: x[:3])]
     limit = min(passing)
     failing = [(b, i, r) for i, (r, b) in enumerate(sized) if not _within(r, tolerance, metric) and b < limit]
-    return min(failing, key=lambda x: (x[0], x[1]))[2] if failing else None
+    return [x[2] for x in sorted(failing, key=lambda x: x[:2])]
+
+
+def repaired_bytes(
+    target: Mapping[str, Any], study: Mapping[str, Any], fp: Mapping[str, Any], profile: Mapping[str, Any]
+) -> int | None:
+    """The deployed size of ``target``'s format with the repair's units kept in float."""
+    repair = study.get("repair") or {}
+    scheme = {
+        **target["scheme"],
+        "exclude": [*(target["scheme"].get("exclude") or []), *repair.get("exclude", [])],
+    }
+    return _deployed_bytes(scheme, fp, profile)
+
+
+def size_to_beat(
+    formats: Sequence[Mapping[str, Any]],
+    fp: Mapping[str, Any],
+    profile: Mapping[str, Any],
+    tolerance: float,
+    metric: str = "ppl",
+) -> tuple[int | None, str]:
+    """(bytes, what) a repaired format must be smaller than to pay: the smallest format within the tolerance, or
+    with none, the whole model in bf16 (what a deployment falls back to; its own damage not measured here)."""
+    passing = [
+        (b, r["scheme"]["name"])
+        for r in formats
+        if r.get("status") == "ok"
+        and _within(r, tolerance, metric)
+        and (b := _deployed_bytes(r["scheme"], fp, profile))
+    ]
+    if passing:
+        b, name = min(passing)
+        return b, f"`{name}`, which passes as it is"
+    fp_bytes = fp.get("model_bytes") or 0
+    return (fp_bytes * 2 // _float_size(fp) or None), "the model in bf16"
+
+
+def _worst_beyond(
+    formats: Sequence[Mapping[str, Any]], tolerance: float, metric: str = "ppl"
+) -> Mapping[str, Any] | None:
+    """The format record decidedly beyond the tolerance with the largest perplexity change (NaN/inf first)."""
+    from qbench.eval.evidence import BEYOND, decide
+
+    beyond = [
+        r
+        for r in formats
+        if r.get("status") == "nonfinite"
+        or (r.get("status") == "ok" and decide(r, tolerance, metric).verdict == BEYOND)
+    ]
+    if not beyond:
+        return None
+    return max(beyond, key=lambda r: math.inf if r.get("status") != "ok" else r["metrics"]["ppl_change_pct"])
 
 
 def _within(record: Mapping[str, Any], tolerance: float, metric: str = "ppl") -> bool:
@@ -1222,38 +1520,6 @@ def quantised_text(scheme: Mapping[str, Any]) -> str:
     return text + "; RTN"
 
 
-def _stat_for(scheme: Mapping[str, Any]) -> str:
-    """Which float statistic explains a format's damage: int8 outputs see the residual stream's max |activation|
-    (``max_abs``), one activation scale per tensor sees the linear inputs' crest factor (``input_crest``), a
-    weight-only format its weights' crest factor (``weight_crest``)."""
-    if scheme.get("out_bits") is not None:
-        return "max_abs"
-    granularity = (scheme.get("act_granularity") or {}).get("kind")
-    if scheme.get("act_bits") is not None and granularity == "per_tensor":
-        return "input_crest"
-    if scheme.get("act_bits") is not None:
-        return "input_kurtosis"
-    return "weight_crest"
-
-
-def _stat_value(key: str, fp: Mapping[str, Any]) -> tuple[float | None, str | None]:
-    """The float record's value of ``key`` (the worst layer for per-layer statistics) and where it is."""
-    if key == "max_abs":
-        per_layer = (fp.get("outliers_per_layer") or {}).get("max_abs") or []
-        where = f"block {per_layer.index(max(per_layer))} output" if per_layer else None
-        return fp["outliers"].get("max_abs"), where
-    layers = {
-        name: v
-        for name, v in ((fp.get("linear_ranges") or {}).get("per_layer") or {}).items()
-        if not v["lm_head"]
-    }
-    values = {name: v.get(key) for name, v in layers.items() if v.get(key) is not None}
-    if not values:
-        return None, None
-    worst = max(values, key=values.get)
-    return values[worst], worst
-
-
 def _change(record: Mapping[str, Any]) -> float | None:
     return record["metrics"]["ppl_change_pct"] if record.get("status") == "ok" else None
 
@@ -1272,6 +1538,8 @@ def _format_row(
     out: Mapping[str, str] | None,
     metric: str = "ppl",
     resolved: Mapping[str, Any] | None = None,
+    layer_speed: Mapping[str, Any] | None = None,
+    kv_bf16_bytes: int | None = None,
 ) -> dict[str, Any]:
     from qbench.eval.evidence import row_fields
 
@@ -1300,6 +1568,7 @@ def _format_row(
             ),
             None,
         )
+    kernels = ((layer_speed or {}).get("schemes") or {}).get(_rtn_scheme(name)) or {}
     return {
         "label": fmt.label,
         "scheme": name,
@@ -1317,9 +1586,13 @@ def _format_row(
         "weight_bytes_rest_float": held,  # the same with the other tensors at the evaluated float width
         "bf16_model_bytes": bf16_model,
         "bytes_vs_bf16": nominal / bf16_model if nominal and bf16_model else None,
+        # weights as deployed plus a bf16 KV cache at the model's context (kv_memory)
+        "memory_bytes": nominal + kv_bf16_bytes if nominal and kv_bf16_bytes else None,
         "weight_bits": scheme.get("weight_bits"),
         "speedup": speedup,
-        "statistic": _stat_for(scheme),
+        # the model's linear layers alone on its own shapes (qbench.studies.layerspeed), real kernels vs float32
+        "decode_speedup": kernels.get("decode"),
+        "prefill_speedup": kernels.get("prefill"),
         "record": _record_ref(record, out),
         "cell_id": record.get("cell_id"),
     }
@@ -1340,13 +1613,26 @@ def _resolved_fields(record: Mapping[str, Any], resolved: Mapping[str, Any] | No
     return {"tokens_scored": (record.get("protocol") or {}).get("tokens_scored"), "resolved": steps or None}
 
 
+KV_SCHEME_NAMES = {"kivi": "KIVI", "per-token": "per-token", "fp8-e4m3": "FP8 E4M3", "fp8-e5m2": "FP8 E5M2"}
+
+
+def _kv_axis(scheme: str, keep_sinks: int) -> str:
+    """A KV curve's name in the breaking points: ``kv kivi``, ``kv kivi +1 sink``, ``kv per-token``."""
+    return f"kv {scheme}" + (f" +{keep_sinks} sink{'s' if keep_sinks > 1 else ''}" if keep_sinks else "")
+
+
 def _kv_rows(
     kv: Sequence[Mapping[str, Any]],
     tolerance: float,
     out: Mapping[str, str] | None,
     metric: str = "ppl",
     resolved: Mapping[str, Any] | None = None,
+    window: Mapping[str, Any] | None = None,
+    memory: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The KV section: one row per KV record (every scheme of the budget side by side), each scheme's description
+    once, a breaking point per (scheme, sinks kept) curve of two or more widths, and the window the rows were read
+    at (``window``: run_card's ``kv_window``). ``memory``: ``kv_memory``'s bytes per row label."""
     from qbench.eval.evidence import row_fields
     from qbench.quant.kvschemes import float_read_share
     from qbench.studies.sweep import breaking_point_range
@@ -1355,48 +1641,69 @@ def _kv_rows(
     for r in kv:
         block = r.get("kv") or {}
         change = _change(r)
-        window = (r.get("protocol") or {}).get("window")
-        reads = float_read_share(block, window) if block.get("scheme") and window else None
+        protocol_window = (r.get("protocol") or {}).get("window")
+        reads = float_read_share(block, protocol_window) if block.get("scheme") and protocol_window else None
         rows.append(
             {
                 "bits": block.get("bits"),
                 "keep_sinks": block.get("keep_sinks", 0),
                 "label": block.get("label"),
                 "scheme": block.get("scheme"),
+                "scheme_name": KV_SCHEME_NAMES.get(block.get("scheme"), block.get("scheme")),
                 "float_reads": reads,  # shares of key / value reads served in float (kvschemes.float_read_share)
                 "perplexity": r["metrics"]["perplexity"],
                 "ppl_change_pct": change,
                 "status": r.get("status"),
                 **row_fields(r, tolerance, metric),
                 **_resolved_fields(r, resolved),
+                "cache_bytes": (memory or {}).get("rows", {}).get(block.get("label")),
                 "record": _record_ref(r, out),
             }
         )
     measured = [row for row in rows if row["status"] != "skipped"]
     points = {}
-    for keep in sorted({row["keep_sinks"] for row in measured}):
-        curve = {row["bits"]: row["verdict"] for row in measured if row["keep_sinks"] == keep}
+    for scheme, keep in dict.fromkeys((row["scheme"], row["keep_sinks"]) for row in measured):
+        curve = {
+            row["bits"]: row["verdict"]
+            for row in measured
+            if (row["scheme"], row["keep_sinks"]) == (scheme, keep)
+        }
+        if len(curve) < 2:  # one width is a row, not a curve
+            continue
         certain, possible = breaking_point_range(curve)
-        points["kv" if not keep else f"kv-keep-sinks{keep}"] = {
+        points[_kv_axis(scheme, keep)] = {
             "bits": certain,
             "possible_bits": possible,
-            "lowest_swept": min(curve) if curve else None,
+            "lowest_swept": min(curve),
         }
-    scheme = next((row["scheme"] for row in rows), None)
-    options = next(((r.get("kv") or {}) for r in kv), {})
-    plain = next(((r.get("kv") or {}) for r in kv if not (r.get("kv") or {}).get("keep_sinks")), options)
+    schemes = []
+    for scheme in dict.fromkeys(row["scheme"] for row in rows):
+        blocks = [(r.get("kv") or {}) for r in kv if (r.get("kv") or {}).get("scheme") == scheme]
+        plain = next((b for b in blocks if not b.get("keep_sinks")), blocks[0])
+        schemes.append(
+            {
+                "scheme": scheme,
+                "name": KV_SCHEME_NAMES.get(scheme, scheme),
+                "options": {k: plain.get(k) for k in KV_INPUTS if plain.get(k) is not None},
+                # the scheme itself (its rows without sinks kept): causal = statistics of the tokens seen so far
+                "causal": plain.get("causal") == "yes",
+                "keys": plain.get("keys"),
+                "values": plain.get("values"),
+            }
+        )
     skipped = [
         {"label": (r.get("kv") or {}).get("label"), "reason": r.get("error")}
         for r in kv
         if r.get("status") == "skipped"
     ]
+    scored = next(((r.get("protocol") or {}).get("window") for r in kv if r.get("protocol")), None)
+    w = dict(window or {})
+    w.setdefault("window", scored)
+    w["short"] = bool(w.get("window") and w["window"] < (w.get("minimum") or KV_MIN_WINDOW))
     return {
-        "scheme": scheme,
-        "options": options,
-        # the scheme itself (the rows without sinks kept): causal = statistics of the tokens seen so far only
-        "causal": plain.get("causal") == "yes" if plain else None,
-        "keys": plain.get("keys"),
-        "values": plain.get("values"),
+        "window": w,
+        "memory": {k: v for k, v in (memory or {}).items() if k != "rows"} or None,
+        "schemes": schemes,
         "rows": rows,
         "skipped": skipped,
         "breaking_points": points,
@@ -1442,7 +1749,7 @@ def _breaking_points(
         curve = {
             str(row["bits"]): {"ppl_change_pct": row["ppl_change_pct"], "status": row["status"]}
             for row in kv["rows"]
-            if ("kv" if not row["keep_sinks"] else f"kv-keep-sinks{row['keep_sinks']}") == axis
+            if _kv_axis(row["scheme"], row["keep_sinks"]) == axis and row["status"] != "skipped"
         }
         out.append({"family": "fp", "axis": axis, "bits": p["bits"], "text": text, "curve": curve})
     return out
@@ -1517,6 +1824,60 @@ def _outlier_profile(fp: Mapping[str, Any], profile: Mapping[str, Any]) -> dict[
     }
 
 
+def _repair_section(
+    entry: Mapping[str, Any],
+    fp: Mapping[str, Any],
+    profile: Mapping[str, Any],
+    settings: Mapping[str, Any],
+    tolerance: float,
+    metric: str,
+) -> dict[str, Any] | None:
+    """The repair the card shows: of the studies tried in turn (``entry["repairs"]``; a card before the
+    candidates held one, ``entry["sensitivity"]``), the first that pays — within the tolerance and smaller than
+    what must be beaten (:func:`size_to_beat`) — else the first tried; with every try's outcome and the size to
+    beat."""
+    studies = list(entry.get("repairs") or ([entry["sensitivity"]] if entry.get("sensitivity") else []))
+    if not studies:
+        return None
+    limit, what = size_to_beat(entry["formats"], fp, profile, tolerance, metric)
+    tries = []
+    for study in studies:
+        target = next((r for r in entry["formats"] if r["scheme"]["name"] == study["scheme"]["name"]), None)
+        size = repaired_bytes(target, study, fp, profile) if target is not None else None
+        r = study["repair"]
+        tries.append(
+            {
+                "scheme": study["scheme"]["name"],
+                "reached": r["reached"],
+                "count": r["count"],
+                "quantised_ppl_change_pct": r["quantised_ppl_change_pct"],
+                "ppl_change_pct": r["ppl_change_pct"],
+                "weight_bytes": size,
+                "pays": bool(r["reached"] and size is not None and (limit is None or size < limit)),
+            }
+        )
+    chosen = next((i for i, t in enumerate(tries) if t["pays"]), 0)
+    sens = _sensitivity_section(studies[chosen], fp, entry["source"], settings)
+    sens["repair"]["weight_bytes"] = tries[chosen]["weight_bytes"]
+    sens["repair"]["pays"] = tries[chosen]["pays"]
+    sens["repair"]["beat"] = {"bytes": limit, "what": what}
+    sens["tries"] = tries
+    return sens
+
+
+def _map_section(study: Mapping[str, Any] | None, k: int = 3) -> dict[str, Any] | None:
+    """The avoid map: which units carry a failing format's damage, the ``k`` worst with their change alone."""
+    if not study:
+        return None
+    return {
+        "scheme": study["scheme"]["name"],
+        "by": study["by"],
+        "output": study.get("output"),
+        "top": [{"name": u["name"], "ppl_change_pct": u.get("ppl_change_pct")} for u in study["units"][:k]],
+        "units": len(study["units"]),
+    }
+
+
 def _sensitivity_section(
     sens: Mapping[str, Any] | None,
     fp: Mapping[str, Any],
@@ -1582,6 +1943,22 @@ def _sensitivity_section(
     }
 
 
+def _failure_text(f: Mapping[str, Any]) -> str:
+    """A row's measured failure: ``+98.20 % [+36.83, +187.09], KLD 0.699, top-1 56.4 %`` (NaN/inf when it had no
+    finite perplexity)."""
+    if f.get("ppl_change_pct") is None:
+        return "NaN/inf perplexity"
+    text = _pct(f["ppl_change_pct"])
+    ci = f.get("ppl_change_ci95")
+    if ci:
+        text += f" [{ci[0]:+.2f}, {ci[1]:+.2f}]"
+    if f.get("kld_mean") is not None:
+        text += f", KLD {f['kld_mean']:.3g}"
+    if f.get("top1_agreement") is not None:
+        text += f", top-1 {100 * f['top1_agreement']:.1f} %"
+    return text
+
+
 def _verdict(
     formats: Sequence[Mapping[str, Any]],
     outliers: Mapping[str, Any],
@@ -1589,116 +1966,110 @@ def _verdict(
     sens: Mapping[str, Any] | None,
     tolerance: float,
     metric: str = "ppl",
+    avoid_map: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Generated from the rows: the smallest format within tolerance (fewest model bytes; ties: smaller change),
-    the format to avoid (the largest change, or a failed one) with the float statistic its quantiser is exposed
-    to, and the measured repair."""
+    """Generated from the rows, one short line each: the smallest format within tolerance (fewest model bytes;
+    ties: smaller change), the formats still undecided, every format to avoid (decidedly beyond, worst first) with
+    its measured failure and — where a sensitivity map of it was measured — the units its damage comes from, what
+    the post-training algorithms rescued, and the measured repair with whether it pays. Commands go to
+    ``commands``, not into the lines."""
     ok = [f for f in formats if f["within_tolerance"] and f["weight_bytes"]]
     smallest = min(ok, key=lambda f: (f["weight_bytes"], f["ppl_change_pct"])) if ok else None
-    ran = [f for f in formats if f["status"] in ("ok", "nonfinite")]
-    worst = (
-        max(ran, key=lambda f: math.inf if f["ppl_change_pct"] is None else f["ppl_change_pct"])
-        if ran
-        else None
-    )
-    avoid = None
-    if worst is not None and worst.get("verdict", "beyond") == "beyond":  # undecided is not a failure
-        key = worst["statistic"]
-        value, where = _stat_value(key, fp)
-        avoid = {
-            "label": worst["label"],
-            "scheme": worst["scheme"],
-            "ppl_change_pct": worst["ppl_change_pct"],
-            "status": worst["status"],
-            "statistic": key,
-            "statistic_label": BY_KEY[key].label,
-            "statistic_definition": BY_KEY[key].definition,
-            "value": value,
-            "where": where,
-        }
+    beyond = [f for f in formats if f.get("verdict") == "beyond" or f["status"] == "nonfinite"]
+    beyond.sort(key=lambda f: -(math.inf if f["ppl_change_pct"] is None else f["ppl_change_pct"]))
+    maps = {m["scheme"]: m for m in (avoid_map, sens) if m}
+    avoid = []
+    for f in beyond:
+        mapped = maps.get(f["scheme"])
+        avoid.append(
+            {
+                "label": f["label"],
+                "scheme": f["scheme"],
+                "ppl_change_pct": f["ppl_change_pct"],
+                "ppl_change_ci95": f.get("ppl_change_ci95"),
+                "kld_mean": f.get("kld_mean"),
+                "top1_agreement": f.get("top1_agreement"),
+                "status": f["status"],
+                # the units the sensitivity map blames, worst first, each quantised alone
+                "blamed": [
+                    {"name": u["name"], "ppl_change_pct": u["ppl_change_pct"]} for u in mapped["top"][:3]
+                ]
+                if mapped
+                else None,
+                "blamed_by": mapped and mapped["by"],
+            }
+        )
     repair = None
     if sens:
         repair = {"scheme": sens["scheme"], **sens["repair"], "command": sens["command"]}
-        # it pays when it is within and smaller than every format that passes as it is
-        beaten = smallest is None or (
-            repair.get("weight_bytes") is not None and repair["weight_bytes"] < smallest["weight_bytes"]
-        )
-        repair["pays"] = bool(repair["reached"] and beaten)
+        if "pays" not in repair:  # a section built before the size to beat was computed for it
+            beaten = smallest is None or (
+                repair.get("weight_bytes") is not None and repair["weight_bytes"] < smallest["weight_bytes"]
+            )
+            repair["pays"] = bool(repair["reached"] and beaten)
     from qbench.eval.evidence import tolerance_text
 
     limit = tolerance_text(tolerance, metric)
     lines = []
     if smallest:
         lines.append(
-            f"Smallest format within {limit}: {smallest['label']} (`{smallest['scheme']}`), "
-            f"{_pct(smallest['ppl_change_pct'])}, {_bytes(smallest['weight_bytes'])}"
+            f"Recommended: {smallest['label']} (`{smallest['scheme']}`), {_failure_text(smallest)}, "
+            f"{_bytes(smallest['weight_bytes'])}"
             + (f" ({smallest['bytes_vs_bf16']:.0%} of the bf16 model)" if smallest["bytes_vs_bf16"] else "")
-            + "."
+            + f": the smallest format within {limit}."
         )
     else:
-        lines.append(f"No format measured stays within {limit} (its 95 % interval's upper end below it).")
+        lines.append(
+            f"Recommended: none — no format measured stays within {limit} (its 95 % interval's upper end)."
+        )
     undecided = [f for f in formats if f.get("verdict") == "undecided"]
-    if undecided:
+    for f in undecided:
+        ci = f.get("ppl_change_ci95")
         lines.append(
-            "Undecided at these tokens (the interval straddles the tolerance): "
-            + ", ".join(
-                f"{f['label']} ({_pct(f['ppl_change_pct'])}"
-                + (
-                    f"; ~{f['tokens_to_decide']:,} tokens would decide it"
-                    if f.get("tokens_to_decide")
-                    else ""
-                )
-                + ")"
-                for f in undecided
-            )
+            f"Undecided: {f['label']} {_pct(f['ppl_change_pct'])}"
+            + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci and f["ppl_change_pct"] is not None else "")
+            + (f" (~{f['tokens_to_decide']:,} tokens would decide it)" if f.get("tokens_to_decide") else "")
             + "."
         )
-    if avoid:
-        stat = "-" if avoid["value"] is None else f"{avoid['value']:.3g}"
-        lines.append(
-            f"Avoid {avoid['label']} (`{avoid['scheme']}`): "
-            + ("NaN/inf" if avoid["ppl_change_pct"] is None else _pct(avoid["ppl_change_pct"]))
-            + f"; its quantiser sees {avoid['statistic_label']} = {stat}"
-            + (f" at {avoid['where']}" if avoid["where"] else "")
-            + f" ({avoid['statistic_definition']})."
-        )
-    elif not undecided:
+    for a in avoid:
+        text = f"Avoid {a['label']} (`{a['scheme']}`): {_failure_text(a)}"
+        if a["blamed"]:
+            units = ", ".join(f"`{u['name']}` {_pct(u['ppl_change_pct'])}" for u in a["blamed"])
+            text += f"; its damage comes most from {units} (each quantised alone, sensitivity map by {a['blamed_by']})"
+        lines.append(text + ".")
+    if not avoid and not undecided:
         lines.append(f"Every format measured stays within {limit}.")
-    beyond = [f for f in formats if f.get("verdict") == "beyond" or f["status"] == "nonfinite"]
-    if len(beyond) > 1:  # every failing format, not only the worst
-        lines.append(
-            f"Beyond {limit}: "
-            + ", ".join(
-                f"{f['label']} ({'NaN/inf' if f['ppl_change_pct'] is None else _pct(f['ppl_change_pct'])})"
-                for f in sorted(
-                    beyond, key=lambda f: -(math.inf if f["ppl_change_pct"] is None else f["ppl_change_pct"])
-                )
-            )
-            + "."
-        )
     lines += _algorithm_lines(formats, limit)
+    commands = []
     if repair:
         state = "within" if repair["reached"] else "still NOT within"
         size = f", {_bytes(repair.get('weight_bytes'))}" if repair.get("weight_bytes") else ""
+        beat = repair.get("beat") or {}
         if repair["pays"]:
-            worth = " — smaller than any format that passes as it is" if smallest else ""
+            worth = f"; smaller than {beat['what']} ({_bytes(beat['bytes'])})" if beat.get("bytes") else ""
         elif repair["reached"]:
-            worth = f" — not smaller than {smallest['label']}, which passes as it is and is the better choice"
+            what = beat.get("what") or (f"{smallest['label']}, which passes as it is" if smallest else "")
+            worth = f"; not smaller than {what}: that is the better choice" if what else ""
         else:
             worth = ""
         lines.append(
             f"Repair of `{repair['scheme']}`: keep {repair['count']} unit(s) in float "
             f"({repair['weight_share_float']:.1%} of the quantised weights): "
             f"{_pct(repair['quantised_ppl_change_pct'])} → {_pct(repair['ppl_change_pct'])}{size} ({state} "
-            f"tolerance{worth}"
-            + (
-                ""
-                if repair.get("minimised", True)
-                else "; not minimised: the shortest within prefix of the sensitivity ranking, found by bisection, none "
-                "tried for removal (standard does)"
-            )
-            + f"); `{repair['command']}`."
+            f"{limit}{worth}"
+            + ("" if repair.get("minimised", True) else "; not minimised (standard minimises)")
+            + ")."
         )
+        for t in (sens or {}).get("tries") or []:
+            if t["scheme"] == repair["scheme"]:
+                continue
+            outcome = (
+                "did not reach the tolerance"
+                if not t["reached"]
+                else f"reached it at {_bytes(t['weight_bytes'])}, not smaller than {beat.get('what', 'what passes')}"
+            )
+            lines.append(f"Repair also tried on `{t['scheme']}`: {outcome}.")
+        commands.append({"what": f"the repair of `{repair['scheme']}`", "command": repair["command"]})
     return {
         "recommended": None
         if smallest is None
@@ -1708,6 +2079,7 @@ def _verdict(
         "beyond": [f["label"] for f in beyond],
         "repair": repair,
         "lines": lines,
+        "commands": commands,
     }
 
 
@@ -1773,10 +2145,18 @@ def _not_measured(
         lines.append(
             f"Formats not in the {settings.get('budget')} budget: {', '.join(missing)} (`--budget standard`)."
         )
-    if not speed:
-        lines.append(
-            "Speed and memory: not measured in this budget (`--budget full`, or `qbench speed` on this machine)."
+    fake_only = [f["label"] for f in formats if f.get("decode_speedup") is None and f.get("weight_bits")]
+    lines.append(
+        "Speed: the linear layers' real kernels on this model's shapes only (decode × / prefill ×)"
+        + (
+            "; whole-model prefill in the rows' model prefill ×"
+            if speed
+            else "; no whole-model prefill or generation (`--budget full`, or `qbench speed --ckpt …`)"
         )
+        + (f"; no real kernel here (fake quantisation only): {', '.join(fake_only)}" if fake_only else "")
+        + ". Memory: the rows' nominal sizes and a KV cache at the model's context; peak memory of an inference "
+        "run not measured."
+    )
     skipped = [str(r.get("label")) for r in kv.get("rows", []) if r.get("status") == "skipped"]
     if skipped:
         lines.append(f"KV rows skipped: {', '.join(skipped)} (the KV caption says why).")
@@ -1797,6 +2177,29 @@ def _bytes(n: int | None) -> str:
     return decimal(n)
 
 
+def _kv_configs_of(records: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """The KV configs the KV rows' records were made with (their ``kv`` blocks)."""
+    from qbench.quant.kv import KVConfig
+
+    return [KVConfig.from_dict(r["kv"]) for r in records if r.get("kv")]
+
+
+def _corpus_description(corpus: str, split: str | None) -> str:
+    """What the scored text is: a registered corpus's description and the split, or a user's own file/folder."""
+    from trainers.data import CORPORA
+
+    if corpus in CORPORA or any(corpus in CORPORA.aliases_of(n) for n in CORPORA):
+        name = CORPORA.canonical(corpus)
+        held = {"validation": "the held-out validation split", "train": "the training split"}.get(
+            str(split), f"split {split}"
+        )
+        return (
+            f"{name}: {CORPORA.describe(name)}; {held} (qbench's models train on the other split; a model "
+            "pretrained elsewhere may have seen these public texts)"
+        )
+    return f"a user's text, {Path(str(corpus)).name} (split {split})"
+
+
 def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, Any]) -> dict[str, Any]:
     """The card: a pure function of the records (see the module docstring); ``per_model`` entries hold ``fp``,
     ``profile``, ``formats``, ``kv`` (records), ``sweep`` (``run_sweep``'s result or None), ``sensitivity``
@@ -1809,21 +2212,33 @@ def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, An
         out = entry.get("paths")
         p = fp["protocol"]
         resolved = entry.get("resolved") or {}
+        kv = _kv_rows(
+            entry["kv"],
+            tolerance,
+            out,
+            metric,
+            resolved,
+            {"context": profile["architecture"].get("context"), "minimum": KV_MIN_WINDOW},
+            kv_memory(profile["architecture"], _kv_configs_of(entry["kv"])),
+        )
         formats = [
-            _format_row(r, fp, profile, tolerance, entry.get("speed"), out, metric, resolved)
+            _format_row(
+                r,
+                fp,
+                profile,
+                tolerance,
+                entry.get("speed"),
+                out,
+                metric,
+                resolved,
+                entry.get("layer_speed"),
+                (kv["memory"] or {}).get("bf16_bytes"),
+            )
             for r in entry["formats"]
         ]
-        kv = _kv_rows(entry["kv"], tolerance, out, metric, resolved)
         outliers = _outlier_profile(fp, profile)
-        sens = _sensitivity_section(entry.get("sensitivity"), fp, entry["source"], settings)
-        if sens:  # the repaired model's size, as the rows state theirs
-            target = next((r for r in entry["formats"] if r["scheme"]["name"] == sens["scheme"]), None)
-            if target is not None:
-                scheme = {
-                    **target["scheme"],
-                    "exclude": [*(target["scheme"].get("exclude") or []), *sens["repair"]["exclude"]],
-                }
-                sens["repair"]["weight_bytes"] = _deployed_bytes(scheme, fp, profile)
+        sens = _repair_section(entry, fp, profile, settings, tolerance, metric)
+        avoid_map = _map_section(entry.get("avoid_map"))
         models.append(
             {
                 "name": fp["model"]["name"],
@@ -1852,6 +2267,11 @@ def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, An
                     "dtype": p.get("dtype"),
                     "outlier_windows": p.get("outlier_windows"),
                     "seed": settings.get("seed"),
+                    "corpus_description": _corpus_description(p["corpus"], p.get("split")),
+                    # what the outlier, linear-input and attention statistics were computed on (the float
+                    # record's first windows, at most outlier_windows): not the formats' whole token budget
+                    "statistics_windows": fp["outliers"].get("windows"),
+                    "statistics_tokens": (fp["outliers"].get("windows") or 0) * p["window"] or None,
                 },
                 "fp": {
                     "perplexity": fp["metrics"]["perplexity"],
@@ -1868,7 +2288,12 @@ def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, An
                 "breaking_points": _breaking_points(entry.get("sweep"), fp["model"]["name"], kv),
                 "sensitivity": sens,
                 "speed_measured": bool(entry.get("speed")),
-                "verdict": _verdict(formats, outliers, fp, sens, tolerance, metric),
+                "avoid_map": avoid_map,
+                # per-window mean NLL of the float record and each format (the comparison's paired intervals)
+                "window_nll": entry.get("window_nll") or {},
+                "kernels": {k: v for k, v in (entry.get("layer_speed") or {}).items() if k != "records"}
+                or None,
+                "verdict": _verdict(formats, outliers, fp, sens, tolerance, metric, avoid_map),
                 "not_measured": _not_measured(formats, kv, bool(entry.get("speed")), p, settings),
             }
         )
@@ -1892,7 +2317,8 @@ def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, An
             )
         },
         "models": models,
-        "comparison": _comparison(models) if len(models) > 1 else None,
+        "comparison": (comparison := _comparison(models) if len(models) > 1 else None),
+        "comparison_lines": _comparison_lines(comparison) if comparison else [],
         "env": models[0]["env"] if models else None,  # each model's own record says what made it
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -1932,20 +2358,87 @@ def _more_robust_change(found: Mapping[str, Mapping[str, Any] | None]) -> str | 
     return None
 
 
+def _decidedly_below(a: Sequence[float] | None, b: Sequence[float] | None) -> bool | None:
+    """Whether per-window mean NLLs ``a`` lie decidedly below ``b`` on the same windows: the 95 % interval of the
+    paired differences (windows as clusters, ``qbench.eval.evidence.cluster_interval``) wholly below 0. None when
+    the two were not measured on the same windows or give no interval (one window)."""
+    import torch
+
+    from qbench.eval.evidence import cluster_interval
+
+    if not a or not b or len(a) != len(b):
+        return None
+    interval = cluster_interval(torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64))
+    return None if interval is None else interval[2] < 0
+
+
 def _below_others_float(
-    quantised: Mapping[str, float | None], floats: Mapping[str, float | None]
+    quantised: Mapping[str, float | None],
+    floats: Mapping[str, float | None],
+    windows: Mapping[str, tuple[Sequence[float] | None, Sequence[float] | None]] | None = None,
 ) -> dict[str, list[str]]:
-    """Absolute quality beside relative damage: {model: the other models whose *float* perplexity is above this
-    model's quantised one} — a more damaged model can still be the better one to ship (same tokenizer, same
-    tokens: the card refuses models whose tokenizers differ)."""
+    """Absolute quality beside relative damage: {model: the other models whose *float* perplexity is decidedly
+    above this model's quantised one} — a more damaged model can still be the better one to ship. Decided on the
+    same windows (same tokenizer, same tokens: the card refuses models whose tokenizers differ) by the paired
+    interval of ``windows`` ({model: (quantised per-window NLL, float per-window NLL)}); without them (records
+    before per-token evidence), by the point values."""
     out = {}
     for name, q in quantised.items():
         if q is None:
             continue
-        others = [o for o, f in floats.items() if o != name and f is not None and q < f]
+        if windows is None:  # no per-window evidence: the point values, as cards before it said
+            others = [o for o, f in floats.items() if o != name and f is not None and q < f]
+        else:
+            others = [
+                o
+                for o in floats
+                if o != name and o in windows and _decidedly_below(windows[name][0], windows[o][1])
+            ]
         if others:
             out[name] = others
     return out
+
+
+def _better_to_ship(
+    windows: Mapping[str, tuple[Sequence[float] | None, Sequence[float] | None]],
+) -> str | None:
+    """The one model whose quantised per-window NLL lies decidedly below every other model's quantised one (paired
+    over the same windows): the better model to ship in that format, whatever either lost to quantisation."""
+    for name, (q, _) in windows.items():
+        others = [o for o in windows if o != name]
+        if others and all(_decidedly_below(q, windows[o][0]) for o in others):
+            return name
+    return None
+
+
+def _comparison_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The side-by-side verdict in words, from relative damage and absolute quality together: per format, the
+    model that loses less to quantisation and the one that is better to ship, where the measurement decides."""
+    lines = []
+    for c in rows:
+        if c["section"] == "float" and c.get("better_to_ship"):
+            lines.append(f"In float, {c['better_to_ship']} has the decidedly lower perplexity.")
+        if c["section"] != "formats":
+            continue
+        robust, ship = c.get("more_robust"), c.get("better_to_ship")
+        below = c.get("below_others_float") or {}
+        if robust and ship and robust != ship:
+            lines.append(
+                f"{c['row']}: {robust} loses less to quantisation, but {ship} quantised is still decidedly better "
+                f"(ppl {c['perplexity'][ship]:.2f} vs {c['perplexity'][robust]:.2f})."
+            )
+        elif ship:
+            lines.append(
+                f"{c['row']}: {ship} is decidedly better to ship (ppl "
+                + ", ".join(f"{n} {q:.2f}" for n, q in c["perplexity"].items() if q is not None)
+                + ")"
+                + (" and loses less to quantisation" if robust == ship else "")
+                + "."
+            )
+        for name, others in below.items():
+            if name != ship:
+                lines.append(f"{c['row']}: {name} quantised is decidedly below {', '.join(others)} in float.")
+    return lines
 
 
 def _comparison(models: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -1969,12 +2462,31 @@ def _comparison(models: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         )
 
     floats = {m["name"]: m["fp"]["perplexity"] for m in models}
+    float_windows = {
+        m["name"]: ((m.get("window_nll") or {}).get(m["fp"].get("cell_id") or ""), None) for m in models
+    }
+    row(
+        "float",
+        "float perplexity",
+        None,
+        floats,
+        None,
+        better_to_ship=_better_to_ship(float_windows) if all(q for q, _ in float_windows.values()) else None,
+    )
 
     for scheme in dict.fromkeys(f["scheme"] for m in models for f in m["formats"]):
         found = {m["name"]: next((f for f in m["formats"] if f["scheme"] == scheme), None) for m in models}
         values = {k: None if f is None else f["ppl_change_pct"] for k, f in found.items()}
         label = next(f["label"] for f in found.values() if f is not None)
         quantised = {k: None if f is None else f["perplexity"] for k, f in found.items()}
+        per_window = {
+            m["name"]: (
+                (m.get("window_nll") or {}).get((found[m["name"]] or {}).get("cell_id") or ""),
+                (m.get("window_nll") or {}).get(m["fp"].get("cell_id") or ""),
+            )
+            for m in models
+        }
+        evidence = per_window if all(q and f for q, f in per_window.values()) else None
         row(
             "formats",
             label,
@@ -1982,16 +2494,16 @@ def _comparison(models: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             values,
             _more_robust_change(found),
             perplexity=quantised,
-            below_others_float=_below_others_float(quantised, floats),
+            below_others_float=_below_others_float(quantised, floats, evidence),
+            better_to_ship=_better_to_ship(evidence) if evidence else None,
         )
-    for bits, keep in dict.fromkeys((r["bits"], r["keep_sinks"]) for m in models for r in m["kv"]["rows"]):
-        found = {
-            m["name"]: next(
-                (r for r in m["kv"]["rows"] if (r["bits"], r["keep_sinks"]) == (bits, keep)),
-                None,
-            )
-            for m in models
-        }
+
+    def kv_key(r: Mapping[str, Any]) -> tuple[Any, ...]:
+        return r["scheme"], r["bits"], r["keep_sinks"]
+
+    for key in dict.fromkeys(kv_key(r) for m in models for r in m["kv"]["rows"]):
+        found = {m["name"]: next((r for r in m["kv"]["rows"] if kv_key(r) == key), None) for m in models}
+        _, bits, keep = key
         skipped = any(r is not None and r["status"] == "skipped" for r in found.values())
         values = {
             k: "skipped"
@@ -2001,7 +2513,8 @@ def _comparison(models: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             else r["ppl_change_pct"]
             for k, r in found.items()
         }
-        label = f"KV {bits} bit" + (f", {keep} sink(s) kept" if keep else "")
+        name = next(r["scheme_name"] for r in found.values() if r is not None)
+        label = f"KV {name} {bits} bit" + (f", {keep} sink(s) kept" if keep else "")
         # a row one model could not measure names no more robust model
         row("kv", label, None, values, None if skipped else _more_robust_change(found))
     for family, axis in dict.fromkeys((b["family"], b["axis"]) for m in models for b in m["breaking_points"]):
@@ -2014,12 +2527,29 @@ def _comparison(models: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         bits = {k: math.inf if b is None or b["bits"] is None else b["bits"] for k, b in found.items()}
         values = {k: None if b is None else b["text"] for k, b in found.items()}
         row("breaking points", f"break {family} {axis}", None, values, _least(bits))
+    start = all(m["protocol"].get("bos", True) for m in models)
     for key in ("kurtosis_first", "kurtosis_other", "max_abs", "first_token_top1_share"):
         values = {m["name"]: m["outliers"]["summary"].get(key) for m in models}
         known = {k: v for k, v in values.items() if v is not None}
         lower = BY_KEY[key].better == "lower" and len(known) == len(values)
-        row("outliers", BY_KEY[key].label, None, values, _least(known) if lower else None)
+        label = "κ start token" if key == "kurtosis_first" and start else BY_KEY[key].label
+        row("outliers", label, None, values, _clearly_least(known) if lower else None)
     return rows
+
+
+STATISTIC_FACTOR = (
+    2.0  # a float statistic carries no interval: only a model at most half the others' is named
+)
+
+
+def _clearly_least(values: Mapping[str, float]) -> str | None:
+    """The model whose statistic is at most 1/:data:`STATISTIC_FACTOR` of every other's (outlier statistics
+    carry no interval here, so small differences name nobody); None otherwise."""
+    best = _least(values)
+    if best is None:
+        return None
+    others = [v for k, v in values.items() if k != best]
+    return best if all(values[best] * STATISTIC_FACTOR <= v for v in others) else None
 
 
 # ------------------------------------------------------------------------------------------------- writing

@@ -102,6 +102,49 @@ def _top1(row: Mapping[str, Any]) -> str:
     return "-" if row.get("top1_agreement") is None else f"{100 * row['top1_agreement']:.1f} %"
 
 
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}×"
+
+
+def _window_note(kv: Mapping[str, Any]) -> str:
+    """Where the KV rows were read: ``windows of 1,024 tokens`` or the context-bound exception, said so."""
+    w = kv.get("window") or {}
+    if not w.get("window"):
+        return ""
+    text = f"KV rows read on windows of {w['window']:,} tokens"
+    if w.get("short"):
+        text += (
+            f" (the model's whole context: shorter than the {w.get('minimum', 1024):,} tokens a deployed context "
+            "would give; most reads may hit float positions — see the float-reads column)"
+        )
+    return text + "."
+
+
+def _memory_note(kv: Mapping[str, Any]) -> str:
+    memory = kv.get("memory")
+    if not memory:
+        return ""
+    return (
+        f" Cache: keys and values of every layer at the model's context of {memory['context']:,} tokens, one "
+        f"sequence, as stored (codes with their scales; float positions in bf16); of bf16: its ratio to the same "
+        f"cache in bf16 ({_bytes(memory['bf16_bytes'])})."
+    )
+
+
+def _stat_scope(m: Mapping[str, Any]) -> str:
+    """What the float statistics were computed on (the float record's first windows, not the token budget)."""
+    p = m["protocol"]
+    n, tokens = p.get("statistics_windows"), p.get("statistics_tokens")
+    if not n:
+        return ""
+    return f"Computed on the first {n} scored window(s), {tokens:,} tokens (the formats: {p['tokens_scored']:,})."
+
+
+def _first_label(m: Mapping[str, Any]) -> str:
+    """κ at position 0: the start token when one opens every window (the same token in every window)."""
+    return "κ start token" if m["protocol"].get("bos", True) else "κ first"
+
+
 # ---------------------------------------------------------------------------------------------------- figures
 
 
@@ -114,103 +157,165 @@ def _png(fig: Any) -> bytes:
     return buf.getvalue()
 
 
+FIGURE_WIDTH = 10.0  # inches at 100 dpi: 1,000 px, the page's width, so the figures show at 1× zoom
+FONT = 10  # points: ≥ 13 px at 1×
+
+
 def figures(card: Mapping[str, Any]) -> dict[str, bytes]:
-    """{name: PNG bytes}: per model its outlier profile and attention-sink heatmap; one breaking-point figure."""
+    """{name: PNG bytes}: per model its outlier profile and attention-sink heatmap; one breaking-point figure.
+    Axes labelled with units, integer ticks where the axis counts blocks or bits, colour scales fitted to the
+    data; sized for the page's width so that nothing is scaled down."""
     from qbench.studies.plots import _pyplot
 
     plt = _pyplot()
     out: dict[str, bytes] = {}
-    for i, m in enumerate(card["models"]):
-        layers = m["outliers"]["layers"]
-        linear = [x for x in m["outliers"]["linear"] if x["input_crest"] is not None]
-        fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
-        xs = [x["layer"] for x in layers]
-        axes[0].plot(xs, [x["kurtosis_first"] for x in layers], "o-", label="first token")
-        axes[0].plot(xs, [x["kurtosis_other"] for x in layers], "s-", label="other tokens")
-        axes[0].axhline(3, color="grey", ls=":", lw=1)
-        axes[0].set(title="raw kurtosis per block output (Gaussian: 3)", xlabel="block", yscale="log")
-        axes[0].legend(fontsize=8)
-        axes[1].plot(xs, [x["max_abs"] for x in layers], "o-", color="C3", label="max |activation|")
-        axes[1].axhline(100, color="grey", ls=":", lw=1)
-        for x in layers:
-            if x["massive_count"]:
-                axes[1].annotate(f"{x['massive_count']} massive", (x["layer"], x["max_abs"]), fontsize=7)
-        axes[1].set(title="max |activation| (dotted: 100)", xlabel="block", yscale="log")
-        for ax in axes[:2]:
-            ax.set_xticks(xs)
-        axes[2].barh(range(len(linear)), [x["input_crest"] for x in linear], color="C2")
-        if len(linear) <= 40:
-            axes[2].set_yticks(range(len(linear)), [x["name"] for x in linear], fontsize=6)
-        else:  # too many to name: the worst few are named beside their bars
-            for k, x in enumerate(linear):
-                if x["name"] in m["outliers"]["linear_worst"][:3]:
-                    axes[2].annotate(x["name"], (x["input_crest"], k), fontsize=6)
-            axes[2].set_ylabel("linear layer (model order)")
-        axes[2].invert_yaxis()
-        axes[2].set(title="linear input crest factor max|x|/RMS", xscale="log")
-        axes[2].set_xlim(left=1)  # max|x|/RMS >= 1: the bars start at the smallest possible value
-        for axis in (axes[0].yaxis, axes[1].yaxis, axes[2].xaxis):
-            _readable_log_ticks(axis)
-        fig.suptitle(f"{m['name']}: outlier profile", fontsize=10)
-        fig.tight_layout()
-        out[f"outliers-{i}"] = _png(fig)
+    with plt.rc_context({"font.size": FONT, "axes.titlesize": FONT + 1, "legend.fontsize": FONT - 1}):
+        for i, m in enumerate(card["models"]):
+            out[f"outliers-{i}"] = _png(_outlier_figure(plt, m))
+            out[f"attention-{i}"] = _png(_attention_figure(plt, m))
+        curves = [(m["name"], b) for m in card["models"] for b in m["breaking_points"] if b["curve"]]
+        if curves:
+            out["breaking-points"] = _png(_breaking_point_figure(plt, card, curves))
+    return out
 
-        att = m["attention"]
-        fig, axes = plt.subplots(1, 2, figsize=(9, 0.35 * max(len(att["top1_share"]), 4) + 1.5))
-        for ax, key, title in (
-            (axes[0], "top1_share", "first-token top-1 share"),
-            (axes[1], "mass", "mean weight on key 0"),
-        ):
-            grid = att[key]
-            image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-            ax.set(title=title, xlabel="head", ylabel="layer")
-            ax.set_xticks(range(max((len(r) for r in grid), default=0)))
-            ax.set_yticks(range(len(grid)))
+
+def _outlier_figure(plt: Any, m: Mapping[str, Any]) -> Any:
+    """Kurtosis and max |activation| per block (top), the linear layers with the worst input crest factor
+    (bottom, the table's rows, named)."""
+    from matplotlib.ticker import MaxNLocator
+
+    layers = m["outliers"]["layers"]
+    worst = m["outliers"]["linear_worst"]
+    linear = sorted(
+        (x for x in m["outliers"]["linear"] if x["name"] in worst and x["input_crest"] is not None),
+        key=lambda x: -x["input_crest"],
+    )
+    fig = plt.figure(figsize=(FIGURE_WIDTH, 3.4 + 0.3 * max(len(linear), 3)))
+    grid = fig.add_gridspec(2, 2, height_ratios=[3.2, 0.3 * max(len(linear), 3) + 0.6])
+    kurt, act, crest = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, :])
+    xs = [x["layer"] for x in layers]
+    first = "start token" if m["protocol"].get("bos", True) else "first token"
+    kurt.plot(xs, [x["kurtosis_first"] for x in layers], "o-", ms=3, label=f"{first} (position 0)")
+    kurt.plot(xs, [x["kurtosis_other"] for x in layers], "s-", ms=3, label="other tokens")
+    kurt.axhline(3, color="grey", ls=":", lw=1, label="Gaussian (3)")
+    kurt.set(title="raw kurtosis of each block's output", xlabel="block", ylabel="kurtosis", yscale="log")
+    kurt.legend()
+    act.plot(xs, [x["max_abs"] for x in layers], "o-", ms=3, color="C3", label="max |activation|")
+    massive = [x for x in layers if x["massive_count"]]
+    if massive:
+        act.plot(
+            [x["layer"] for x in massive],
+            [x["max_abs"] for x in massive],
+            "x",
+            ms=8,
+            color="k",
+            label="massive activations (Sun et al.)",
+        )
+    act.axhline(100, color="grey", ls=":", lw=1, label="100")
+    act.set(title="largest |activation| of each block's output", xlabel="block", ylabel="|activation|")
+    act.set_yscale("log")
+    act.legend()
+    for ax in (kurt, act):
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True))
+    crest.barh(range(len(linear)), [x["input_crest"] for x in linear], color="C2")
+    crest.set_yticks(range(len(linear)), [x["name"] for x in linear])
+    crest.invert_yaxis()
+    crest.set(
+        title=f"linear layers with the largest input crest factor ({len(linear)} of {len(m['outliers']['linear'])})",
+        xlabel="input crest factor max|x| / RMS(x) (×, log)",
+        xscale="log",
+    )
+    crest.set_xlim(left=1)  # max|x|/RMS >= 1: the bars start at the smallest possible value
+    for axis in (kurt.yaxis, act.yaxis, crest.xaxis):
+        _readable_log_ticks(axis)
+    fig.suptitle(f"{m['name']}: outlier profile", fontsize=FONT + 1)
+    fig.tight_layout()
+    return fig
+
+
+def _attention_figure(plt: Any, m: Mapping[str, Any]) -> Any:
+    """The sink per layer and head: top-1 share and mean weight on key 0, each on a colour scale from 0 to its
+    own maximum (a fixed 0–1 scale shows 0.00–0.18 as one colour), the uniform-attention level marked on the
+    weight's colour bar; the numbers printed in the cells when they fit."""
+    att = m["attention"]
+    n_layers = len(att["top1_share"])
+    heads = max((len(r) for r in att["top1_share"]), default=0)
+    fig, axes = plt.subplots(1, 2, figsize=(FIGURE_WIDTH, 0.28 * max(n_layers, 6) + 1.8))
+    chance = m["outliers"].get("sink_chance")
+    annotate = n_layers <= 16 and heads <= 12
+    for ax, key, title, unit in (
+        (axes[0], "top1_share", "first-token top-1 share", "share of queries (q ≥ 1)"),
+        (axes[1], "mass", "mean attention weight on key 0", "mean weight (q ≥ 1)"),
+    ):
+        grid = att[key]
+        top = max((v for row in grid for v in row), default=0.0)
+        image = ax.imshow(grid, vmin=0, vmax=top if top > 0 else 1.0, cmap="viridis", aspect="auto")
+        ax.set(title=title, xlabel="head", ylabel="layer")
+        ax.set_xticks(range(heads))
+        ax.set_yticks(range(n_layers) if n_layers <= 16 else range(0, n_layers, max(1, n_layers // 10)))
+        if annotate:
             for r, row in enumerate(grid):
                 for c, v in enumerate(row):
+                    dark = v < 0.6 * (top or 1.0)
                     ax.text(
-                        c, r, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w" if v < 0.6 else "k"
+                        c,
+                        r,
+                        f"{v:.2f}",
+                        ha="center",
+                        va="center",
+                        fontsize=FONT - 3,
+                        color="w" if dark else "k",
                     )
-            fig.colorbar(image, ax=ax, fraction=0.046)
-        fig.suptitle(f"{m['name']}: attention sink per layer and head", fontsize=10)
-        fig.tight_layout()
-        out[f"attention-{i}"] = _png(fig)
+        bar = fig.colorbar(image, ax=ax, fraction=0.046)
+        bar.set_label(unit)
+        if key == "mass" and chance is not None:
+            ax.set_title(f"{title} (uniform: {chance:.3g})")
+            if chance <= (top or 1.0):  # the uniform level, as a line on the colour scale
+                bar.ax.axhline(chance, color="w", lw=2)
+    fig.suptitle(f"{m['name']}: attention sink per layer and head", fontsize=FONT + 1)
+    fig.tight_layout()
+    return fig
 
-    curves = [(m["name"], b) for m in card["models"] for b in m["breaking_points"] if b["curve"]]
-    if curves:
-        axes_names = list(dict.fromkeys(f"{b['family']} {b['axis']}" for _, b in curves))
-        fig, panels = plt.subplots(
-            1, len(axes_names), figsize=(3.2 * len(axes_names) + 1, 3.2), squeeze=False
-        )
-        panel = dict(zip(axes_names, panels[0], strict=True))
-        models = list(dict.fromkeys(name for name, _ in curves))
-        for name, b in curves:
-            bits = [int(k) for k in b["curve"]]
-            ys = [v["ppl_change_pct"] for v in b["curve"].values()]
-            ax = panel[f"{b['family']} {b['axis']}"]
-            ax.plot(
-                bits,
-                [math.nan if y is None else y for y in ys],
-                "o-",
-                ms=3,
-                color=f"C{models.index(name)}",
-                label=name,
-            )
-        on_ppl = (card.get("metric") or "ppl") == "ppl"  # the line is the tolerance only on this axis
-        for title, ax in panel.items():
-            if on_ppl:
-                ax.axhline(card["tolerance_pct"], color="grey", ls=":", lw=1)
-            ax.set_title(title, fontsize=9)
-            ax.set_xlabel("bits")
-            ax.set_yscale("symlog", linthresh=1)
-            ax.invert_xaxis()
-        panels[0][0].set_ylabel(
+
+def _breaking_point_figure(plt: Any, card: Mapping[str, Any], curves: list[tuple[str, Any]]) -> Any:
+    """Perplexity change against bit width, a panel per axis (at most four a row), integer bit ticks."""
+    from matplotlib.ticker import FuncFormatter
+
+    axes_names = list(dict.fromkeys(f"{b['family']} {b['axis']}" for _, b in curves))
+    per_row = min(4, len(axes_names))
+    rows = math.ceil(len(axes_names) / per_row)
+    width = min(FIGURE_WIDTH, 2.6 * per_row + 1.2)
+    fig, panels = plt.subplots(rows, per_row, figsize=(width, 3.0 * rows + 0.4), squeeze=False)
+    flat = [ax for row in panels for ax in row]
+    panel = dict(zip(axes_names, flat, strict=False))
+    for ax in flat[len(axes_names) :]:
+        ax.set_visible(False)
+    models = list(dict.fromkeys(name for name, _ in curves))
+    widths: dict[str, set[int]] = {}
+    for name, b in curves:
+        key = f"{b['family']} {b['axis']}"
+        bits = [int(k) for k in b["curve"]]
+        widths.setdefault(key, set()).update(bits)
+        ys = [math.nan if v["ppl_change_pct"] is None else v["ppl_change_pct"] for v in b["curve"].values()]
+        panel[key].plot(bits, ys, "o-", ms=4, color=f"C{models.index(name)}", label=name)
+    for key, bits in widths.items():
+        panel[key].set_xticks(sorted(bits))  # whole bits only: the widths measured
+    on_ppl = (card.get("metric") or "ppl") == "ppl"  # the line is the tolerance only on this axis
+    for title, ax in panel.items():
+        if on_ppl:
+            ax.axhline(card["tolerance_pct"], color="grey", ls=":", lw=1)
+        ax.set_title(title)
+        ax.set_xlabel("bits")
+        ax.set_yscale("symlog", linthresh=1)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 10, not 10¹
+        ax.invert_xaxis()
+    for row in panels:
+        row[0].set_ylabel(
             f"perplexity change % (dotted: {card['tolerance_pct']:g} %)" if on_ppl else "perplexity change %"
         )
-        panels[0][0].legend(fontsize=7)
-        fig.tight_layout()
-        out["breaking-points"] = _png(fig)
-    return out
+    flat[0].legend()
+    fig.tight_layout()
+    return fig
 
 
 # --------------------------------------------------------------------------------------------------- markdown
@@ -220,6 +325,119 @@ def _md_table(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _format_headers(m: Mapping[str, Any], limit: str) -> list[str]:
+    return [
+        "format",
+        "quantised",
+        "ppl",
+        "change [95 % CI]",
+        f"≤ {limit}",
+        "KLD",
+        "top-1",
+        "size (MB)",
+        "rest fp32 (MB)",
+        "of bf16",
+        "+ bf16 KV (MB)",
+        "decode ×",
+        "prefill ×",
+        *(["model prefill ×"] if m["speed_measured"] else []),
+    ]
+
+
+def _format_cells(f: Mapping[str, Any], m: Mapping[str, Any]) -> list[str]:
+    """One format row as text (markdown; the HTML wraps its key numbers in data-key spans)."""
+    return [
+        f"{f['label']} `{f['scheme']}`",
+        f.get("quantised") or "-",
+        _num(f["perplexity"], ".4f"),
+        _change_ci(f),
+        _status(f),
+        _kld(f),
+        _top1(f),
+        _bytes(f["weight_bytes"]),
+        _bytes(f.get("weight_bytes_rest_float")),
+        _share(f["bytes_vs_bf16"]),
+        _bytes(f.get("memory_bytes")),
+        _ratio(f.get("decode_speedup")),
+        _ratio(f.get("prefill_speedup")),
+        *([_ratio(f["speedup"])] if m["speed_measured"] else []),
+    ]
+
+
+def _format_caption(m: Mapping[str, Any], limit: str) -> str:
+    kernels = m.get("kernels") or {}
+    speed = (
+        f" decode × / prefill ×: the model's linear layers alone on its own shapes, real kernels ({kernels.get('native_isa') or 'torch'}) "
+        f"against float32 F.linear, {kernels.get('threads', 1)} thread, {kernels.get('cpu')}: one row through "
+        "enough copies of each layer that the weights come from memory as in a decode step, and "
+        f"{kernels.get('prefill_tokens')} rows; - where the format has no real kernel here (fake quantisation "
+        "only). Attention, norms and Python between the kernels are not in these ratios (`qbench speed` times "
+        "generation)."
+        if kernels
+        else " Speed: no format of this card has a real kernel here."
+    )
+    memory = m["kv"].get("memory")
+    plus_kv = (
+        f" + bf16 KV: the size plus the KV cache in bf16 at the model's context ({memory['context']:,} tokens, "
+        "one sequence)."
+        if memory
+        else ""
+    )
+    return (
+        "Fake quantisation at each format's standard settings; quantised: what each row quantised (W: weights, "
+        "A: the activations entering each linear, O: outputs) and how the weights were rounded (RTN: "
+        f"round-to-nearest). Change: perplexity change with its 95 % interval (paired, windows as clusters); ✓ "
+        f"within {limit} (the interval's upper end ≤ it), ✗ beyond (its lower end above), ? undecided (it "
+        "straddles the tolerance: more tokens would decide). KLD: mean KL divergence from the float model per token "
+        "(nats); top-1: tokens whose most likely next token is the float model's (llama.cpp's definitions, "
+        "docs/metrics.md). Size: the model as deployed, MB = 10⁶ bytes: the quantised weights at their bits with "
+        "their scales and zero points, every other tensor (embeddings, norms, an unquantised head) in bf16; rest "
+        "fp32: the same with those tensors in float32; of bf16: the size's ratio to the whole model in bf16."
+        + plus_kv
+        + speed
+        + (
+            " model prefill ×: the whole model's real-kernel prefill of 512 tokens (full budget)."
+            if m["speed_measured"]
+            else ""
+        )
+    )
+
+
+def _kv_cells(r: Mapping[str, Any], memory: Mapping[str, Any] | None) -> list[str]:
+    bf16 = (memory or {}).get("bf16_bytes")
+    share = r["cache_bytes"] / bf16 if r.get("cache_bytes") and bf16 else None
+    return [
+        r.get("scheme_name") or str(r.get("scheme")),
+        str(r["bits"]),
+        str(r["keep_sinks"]),
+        r["label"] or "-",
+        _num(r["perplexity"], ".4f"),
+        _change_ci(r),
+        _status(r),
+        _kld(r),
+        _top1(r),
+        _float_reads(r),
+        _bytes(r.get("cache_bytes")),
+        _share(share),
+    ]
+
+
+KV_HEADERS = [
+    "scheme",
+    "bits",
+    "sinks kept",
+    "label",
+    "ppl",
+    "change [95 % CI]",
+    "≤ {limit}",
+    "KLD",
+    "top-1",
+    "float reads K / V",
+    "cache (MB)",
+    "of bf16 cache",
+]
 
 
 def _sections(
@@ -242,9 +460,16 @@ def _sections(
         ["positions", _num(ident.get("positions"))],
         ["tied LM head", _num(ident.get("tied_head"))],
         ["sliding window", _num(ident.get("sliding_window"))],
-        ["corpus", f"{p['corpus']}/{p['split']}"],
+        ["context", _num(ident.get("context"), ",")],
+        ["corpus", f"{p['corpus']}/{p['split']}: " + (p.get("corpus_description") or "-")],
         ["tokens scored", f"{p['tokens_scored']:,} (budget {p['tokens']:,})"],
         ["window", f"{p['window']} ({p['windows']} windows)"],
+        [
+            "statistics on",
+            f"{p['statistics_windows']} window(s), {p['statistics_tokens']:,} tokens"
+            if p.get("statistics_windows")
+            else "-",
+        ],
         ["start token", p["start_token"]],
         ["dtype, seed", f"{p.get('dtype')}, {p.get('seed')}"],
         ["float perplexity", _num(m["fp"]["perplexity"], ".4f")],
@@ -254,6 +479,7 @@ def _sections(
         types = ", ".join(f"{k} {v}" for k, v in (ident["gguf"].get("tensor_types") or {}).items())
         identity.append(["GGUF tensors", f"{types} (every cell quantises these dequantised weights again)"])
     o = m["outliers"]["summary"]
+    first = _first_label(m)
     outlier_rows = [
         [
             str(x["layer"]),
@@ -289,38 +515,9 @@ def _sections(
         ]
         for layer in range(len(att["top1_share"]))
     ]
-    speed = m["speed_measured"]
-    format_rows = [
-        [
-            f["label"],
-            f"`{f['scheme']}`",
-            f.get("quantised") or "-",
-            _num(f["perplexity"], ".4f"),
-            _change_ci(f),
-            _status(f),
-            _kld(f),
-            _top1(f),
-            _bytes(f["weight_bytes"]),
-            _share(f["bytes_vs_bf16"]),
-            *([_num(f["speedup"], ".2f") + ("×" if f["speedup"] else "")] if speed else []),
-        ]
-        for f in m["formats"]
-    ]
     notes = " ".join(f"{f['label']}: {f['note']}." for f in m["formats"] if f["note"])
-    kv_rows = [
-        [
-            str(r["bits"]),
-            str(r["keep_sinks"]),
-            r["label"] or "-",
-            _num(r["perplexity"], ".4f"),
-            _change_ci(r),
-            _status(r),
-            _kld(r),
-            _top1(r),
-            _float_reads(r),
-        ]
-        for r in m["kv"]["rows"]
-    ]
+    resolved = any(f.get("resolved") for f in m["formats"]) or any(r.get("resolved") for r in m["kv"]["rows"])
+    memory = m["kv"].get("memory")
     bp_rows = [
         [
             b["family"],
@@ -330,21 +527,29 @@ def _sections(
         ]
         for b in m["breaking_points"]
     ]
+    start = (
+        f"{first}: position 0, the start token that opens every window — the same token each time, so one "
+        "token's statistics, not an average over tokens; κ other: positions ≥ 1"
+        if p.get("bos", True)
+        else "κ first: position 0; κ other: positions ≥ 1"
+    )
     out = [
         ("Identity and protocol", ["what", "value"], identity, ""),
         (
             "Outlier profile per layer",
-            ["block", "κ first", "κ other", "max |act|", "massive", "channels", "sites (position:token)"],
+            ["block", first, "κ other", "max |act|", "massive", "channels", "sites (position:token)"],
             outlier_rows,
-            f"Summary: κ first {_num(o['kurtosis_first'])}, κ other {_num(o['kurtosis_other'])}, max |act| "
-            f"{_num(o['max_abs'])}, massive activations {_num(o['massive_total'])} (Sun et al.: |x| > 100 and > 1000 × "
-            f"the layer's median), worst linear input crest {_num(o['max_input_crest'])}.",
+            f"Raw kurtosis across channels of each block's output ({start}). Summary: {first} "
+            f"{_num(o['kurtosis_first'])}, κ other {_num(o['kurtosis_other'])}, max |act| {_num(o['max_abs'])}, "
+            f"massive activations {_num(o['massive_total'])} (Sun et al.: |x| > 100 and > 1000 × the layer's "
+            f"median), worst linear input crest {_num(o['max_input_crest'])}. {_stat_scope(m)}",
         ),
         (
             "Linear layers' inputs",
             ["layer", "input crest", "input κ", "max |input|", "weight crest"],
             linear_rows,
-            "",
+            f"The {len(linear_rows)} linear layers with the largest input crest factor (all of them in card.json); "
+            "every token of the window counted, the start token included. " + _stat_scope(m),
         ),
         (
             "Attention sink per layer and head",
@@ -353,57 +558,25 @@ def _sections(
             f"Each cell: first-token top-1 share / mean weight on key 0, over queries q ≥ 1. All heads: top-1 share "
             f"{_share(o['first_token_top1_share'])}, mean weight {_num(o['first_token_mass'])}"
             + _sink_text(m["outliers"])
-            + ".",
+            + f". {_stat_scope(m)}",
         ),
         (
             "Deployable formats",
-            [
-                "format",
-                "scheme",
-                "quantised",
-                "ppl",
-                "change [95 % CI]",
-                f"≤ {limit}",
-                "KLD",
-                "top-1",
-                "size (MB)",
-                "of bf16",
-                *(["speed-up"] if speed else []),
-            ],
-            format_rows,
-            "Fake quantisation at each format's standard settings. Change: perplexity change with its 95 % "
-            f"interval (paired, windows as clusters); ✓ within {limit} (the 95 % interval's upper end ≤ it), ✗ beyond "
-            "(its lower end above), ? undecided (it straddles the tolerance: more tokens would decide). KLD: mean "
-            "KL divergence from the float model per token (nats); top-1: tokens whose most likely next token is "
-            "the float model's (llama.cpp's definitions, docs/metrics.md). Size: the model's nominal storage as deployed, "
-            "in MB = 10⁶ bytes: the quantised weights at their bits with their scales and zero points, every other "
-            "tensor (embeddings, norms, an unquantised head) in bf16; of bf16: its ratio to the whole model in bf16 "
-            "(card.json also holds the size with the other tensors in the evaluated float width, "
-            "`weight_bytes_rest_float`)."
-            + ("" if speed else " Speed: measured in the full budget only.")
+            _format_headers(m, limit),
+            [_format_cells(f, m) for f in m["formats"]],
+            _format_caption(m, limit)
             + (
                 " @ N tokens: undecided at the card's tokens, re-evaluated at doubling tokens by --resolve "
                 "(card.json's `resolved` lists each step)."
-                if any(f.get("resolved") for f in m["formats"])
-                or any(r.get("resolved") for r in m["kv"]["rows"])
+                if resolved
                 else ""
             )
             + (f" {notes}" if notes else ""),
         ),
         (
             "KV cache",
-            [
-                "bits",
-                "sinks kept",
-                "label",
-                "ppl",
-                "change [95 % CI]",
-                f"≤ {limit}",
-                "KLD",
-                "top-1",
-                "float reads K / V",
-            ],
-            kv_rows,
+            [h.format(limit=limit) for h in KV_HEADERS],
+            [_kv_cells(r, memory) for r in m["kv"]["rows"]],
             _kv_caption(m["kv"]),
         ),
         (
@@ -427,14 +600,23 @@ def _sections(
             for u in s["top"]
         ]
         r = s["repair"]
+        size = f", {_bytes(r['weight_bytes'])}" if r.get("weight_bytes") else ""
         out.append(
             (
                 f"Where it breaks: `{s['scheme']}` by {s['by']}",
                 ["unit", "change alone", "input crest", "input κ", "max |input|", "weight crest"],
                 unit_rows,
-                f"Repair: keep {r['count']} unit(s) in float ({_share(r['weight_share_float'])} of the quantised weights): "
-                f"{_pct(r['quantised_ppl_change_pct'])} → {_pct(r['ppl_change_pct'])} (perplexity {_num(r['ppl'], '.4f')}). "
-                f"Apply: `{s['command']}`",
+                f"Each unit quantised alone, the rest float; the {len(unit_rows)} most damaging of {s['units']}. "
+                f"Repair: keep {r['count']} unit(s) in float ({_share(r['weight_share_float'])} of the quantised "
+                f"weights): {_pct(r['quantised_ppl_change_pct'])} → {_pct(r['ppl_change_pct'])} (perplexity "
+                f"{_num(r['ppl'], '.4f')}){size}"
+                + (
+                    f"; {'pays: smaller than' if r.get('pays') else 'does not pay: not smaller than'} "
+                    f"{r['beat']['what']} ({_bytes(r['beat']['bytes'])})"
+                    if (r.get("beat") or {}).get("bytes") and r["reached"]
+                    else ""
+                )
+                + ". The command is in the verdict's commands.",
             )
         )
     return out
@@ -443,36 +625,50 @@ def _sections(
 KV_OPTION_KEYS = ("group", "residual", "block", "sym", "scale", "key_axis")
 
 
-def _kv_caption(kv: Mapping[str, Any]) -> str:
-    """What the KV rows measured, as the scheme does it: a causal scheme quantises each position with statistics
-    of the tokens seen so far (as a deployed cache), ``window`` with statistics of the whole scored window."""
-    options = kv.get("options") or {}
+def _kv_scheme_text(scheme: Mapping[str, Any]) -> str:
+    """One KV scheme as it ran: its options, what it quantises how, and whether it is causal."""
+    options = scheme.get("options") or {}
     given = ",".join(f"{k}={options[k]}" for k in KV_OPTION_KEYS if options.get(k) is not None)
-    scheme = f"{kv.get('scheme')}:{given}" if given else str(kv.get("scheme"))
-    text = f"Float weights, KV cache quantised with `{scheme}`"
-    if kv.get("keys") and kv.get("values"):
-        text += f" (keys {kv['keys']}; values {kv['values']})"
-    if kv.get("causal") is True and str(kv.get("scheme")).startswith("fp8"):
+    name = f"{scheme.get('scheme')}:{given}" if given else str(scheme.get("scheme"))
+    text = f"`{name}`"
+    if scheme.get("keys") and scheme.get("values"):
+        text += f" (keys {scheme['keys']}; values {scheme['values']})"
+    if scheme.get("causal") and str(scheme.get("scheme")).startswith("fp8"):
         text += (
-            ". Causal: each cached position is cast to FP8 with one fixed scale per layer, nothing of the other "
+            ": causal, each cached position is cast to FP8 with one fixed scale per layer, nothing of the other "
             "tokens (a query at position t reads a cache built from tokens ≤ t only), as a deployed cache is"
         )
-    elif kv.get("causal") is True:
+    elif scheme.get("causal"):
         text += (
-            ". Causal: each cached position is quantised with statistics of the tokens seen so far (a query at "
+            ": causal, each cached position is quantised with statistics of the tokens seen so far (a query at "
             "position t reads a cache built from tokens ≤ t only), as a deployed cache is"
         )
-    elif kv.get("causal") is False:
+    else:
         text += (
-            ". Not causal: the statistics span every position of the scored window, later tokens included (an "
+            ": not causal, the statistics span every position of the scored window, later tokens included (an "
             "upper bound, not a deployment)"
         )
+    return text
+
+
+def _kv_caption(kv: Mapping[str, Any]) -> str:
+    """What the KV rows measured, scheme by scheme: a causal scheme quantises each position with statistics of the
+    tokens seen so far (as a deployed cache), ``window`` with statistics of the whole scored window; the window
+    they were read on, the cache's size, the rows not measured."""
+    schemes = kv.get("schemes") or []
+    text = (
+        "Float weights, the KV cache quantised with " + "; ".join(_kv_scheme_text(x) for x in schemes) + "."
+    )
+    window = _window_note(kv)
+    if window:
+        text += " " + window
     text += (
-        ". Sinks kept = the most-attended positions per layer kept in float (--kv-keep-sinks), chosen from the "
+        " Sinks kept = the most-attended positions per layer kept in float (--kv-keep-sinks), chosen from the "
         "float pass over the whole window (so those rows are not causal). Float reads K / V: the share of the "
         "window's (query, key) reads served by a float key / value — KIVI's residual and kept-first positions, "
         "sinks not counted; a row with a large share measures the residual more than the quantiser."
     )
+    text += _memory_note(kv)
     reasons: dict[str, list[str]] = {}
     for skipped in kv.get("skipped") or []:
         reasons.setdefault(str(skipped["reason"]), []).append(str(skipped["label"]))
@@ -481,12 +677,81 @@ def _kv_caption(kv: Mapping[str, Any]) -> str:
     return text
 
 
+def _summary_rows(card: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The page's first table: per model its recommended format, size, change and verdict, what to avoid and
+    whether a repair pays."""
+    rows = []
+    for m in card["models"]:
+        v = m["verdict"]
+        rec = v["recommended"]
+        found = next((f for f in m["formats"] if rec and f["scheme"] == rec["scheme"]), None)
+        avoid = v.get("avoid") or []
+        repair = v.get("repair")
+        rows.append(
+            {
+                "model": m["name"],
+                "float ppl": _num(m["fp"]["perplexity"], ".4g"),
+                "recommended": f"{rec['label']} `{rec['scheme']}`" if rec else "none within the tolerance",
+                "size": (
+                    f"{_bytes(rec['weight_bytes'])} ({_share(rec['bytes_vs_bf16'])} of bf16)" if rec else "-"
+                ),
+                "change [95 % CI]": _change_ci(found) if found else "-",
+                "verdict": _status(found) if found else f"{len(v.get('undecided') or [])} undecided",
+                "avoid": (
+                    f"{len(avoid)}: worst {avoid[0]['label']} ({_pct(avoid[0]['ppl_change_pct'])})"
+                    if avoid
+                    else "-"
+                ),
+                "repair": (
+                    "-"
+                    if not repair
+                    else f"`{repair['scheme']}` {_pct(repair['ppl_change_pct'])}, {_bytes(repair.get('weight_bytes'))}"
+                    + (" (pays)" if repair.get("pays") else " (does not pay)")
+                ),
+            }
+        )
+    return rows
+
+
+def _commands(card: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(what, command) pairs: the card's own command and each model's verdict commands."""
+    out = []
+    if card.get("command"):
+        out.append(("this card", card["command"]))
+    for m in card["models"]:
+        for c in m["verdict"].get("commands") or []:
+            out.append((f"{m['name']}: {c['what']}", c["command"]))
+    return out
+
+
 def markdown(card: Mapping[str, Any], figure_files: Mapping[str, str]) -> str:
     parts = [f"# qbench card: {', '.join(m['name'] for m in card['models'])}", ""]
-    if card.get("command"):
-        parts += [f"Made by `{card['command']}` (budget {card['budget_contents']}).", ""]
+    summary = _summary_rows(card)
+    parts += ["## Summary", ""]
+    if summary:
+        headers = list(summary[0])
+        parts += [_md_table(headers, [[r[h] for h in headers] for r in summary]), ""]
+    parts += [
+        f"Budget {card['budget_contents']}; tolerance "
+        f"{tolerance_text(card['tolerance_pct'], card.get('metric') or 'ppl')}.",
+        "",
+    ]
+    if card.get("comparison_lines"):
+        parts += ["**Side by side**", "", *(f"- {line}" for line in card["comparison_lines"]), ""]
+    commands = _commands(card)
+    if commands:
+        parts += ["<details><summary>Commands</summary>", ""]
+        parts += [f"- {what}: `{command}`" for what, command in commands]
+        parts += ["", "</details>", ""]
     for i, m in enumerate(card["models"]):
-        parts += [f"## {m['name']}", "", "**Verdict.** " + " ".join(m["verdict"]["lines"]), ""]
+        parts += [
+            f"## {m['name']}",
+            "",
+            "**Verdict**",
+            "",
+            *(f"- {line}" for line in m["verdict"]["lines"]),
+            "",
+        ]
         for title, headers, rows, caption in _sections(card, m):
             parts += [f"### {title}", "", _md_table(headers, rows), ""]
             if caption:
@@ -507,10 +772,17 @@ def markdown(card: Mapping[str, Any], figure_files: Mapping[str, str]) -> str:
     if card.get("comparison"):
         names = [m["name"] for m in card["models"]]
         rows = [
-            [c["section"], c["row"], *(_cell(c, n) for n in names), c["more_robust"] or "-"]
+            [c["section"], c["row"], *(_cell(c, n) for n in names), c["more_robust"] or "-", _ship(c)]
             for c in card["comparison"]
         ]
-        parts += ["## Side by side", "", _md_table(["section", "row", *names, "more robust"], rows), ""]
+        parts += [
+            "## Side by side",
+            "",
+            _md_table(["section", "row", *names, "more robust", "better to ship"], rows),
+            "",
+            COMPARISON_CAPTION,
+            "",
+        ]
     parts += [
         "## Definitions",
         "",
@@ -524,10 +796,26 @@ def markdown(card: Mapping[str, Any], figure_files: Mapping[str, str]) -> str:
     return "\n".join(parts)
 
 
+COMPARISON_CAPTION = (
+    "More robust: the model whose change is decidedly smaller (its 95 % interval wholly below the others'); for "
+    "a breaking point the lower one; for an outlier statistic (no interval) the one at most half the others'. "
+    "Better to ship: the model whose quantised perplexity is decidedly lower than every other model's quantised "
+    "one — paired over the same windows, whatever each lost to quantisation; each cell also names the models whose "
+    "*float* perplexity it is decidedly below. - : the measurement does not tell them apart."
+)
+
+
+def _ship(c: Mapping[str, Any]) -> str:
+    """The comparison's absolute verdict: decided for format and float rows only."""
+    return (c.get("better_to_ship") or "-") if c["section"] in ("float", "formats") else ""
+
+
 def _cell(c: Mapping[str, Any], name: str) -> str:
     v = c["values"].get(name)
     if isinstance(v, str) and c["section"] == "kv":  # a row that model could not measure: "skipped"
         return v
+    if c["section"] == "float":
+        return "-" if v is None else f"ppl {v:.2f}"
     if c["section"] == "formats" and (c.get("perplexity") or {}).get(name) is not None:
         text = f"{_pct(v)} (ppl {c['perplexity'][name]:.2f})"  # relative damage and absolute quality
         below = (c.get("below_others_float") or {}).get(name)
@@ -556,10 +844,13 @@ color:#1b1b1b;padding:0 1em}
 h1{font-size:1.6em}h2{border-bottom:2px solid #ccc;margin-top:2em}h3{margin-top:1.5em}
 table{border-collapse:collapse;margin:.5em 0;font-size:.9em}td,th{border:1px solid #ccc;padding:2px 6px;
 text-align:left;vertical-align:top}th{background:#f2f2f2}code{font-size:.95em}
-.ok{color:#176b2c}.bad{color:#a11}.undecided{color:#946200}.verdict{background:#f6f8e8;border-left:4px solid #8a3;padding:.5em 1em}
+.ok{color:#176b2c}.bad{color:#a11}.undecided{color:#946200}
+.verdict{background:#f6f8e8;border-left:4px solid #8a3;padding:.3em 1em}.verdict li{margin:.2em 0}
+#summary table{font-size:1em}details{margin:.5em 0}summary{cursor:pointer;color:#345}
+details code{word-break:break-all}
 figure{margin:1em 0}figure img{max-width:100%}figcaption{font-size:.85em;color:#555}
 @media print{body{margin:0;max-width:none;font-size:11px}h2{page-break-before:always}h2:first-of-type{
-page-break-before:auto}figure,table{page-break-inside:avoid}}
+page-break-before:auto}figure,table{page-break-inside:avoid}details>*{display:block}}
 """
 
 
@@ -598,65 +889,66 @@ def _figure(name: str, png: bytes | None, caption: str) -> str:
 
 def _key_rows(m: Mapping[str, Any], i: int) -> dict[str, list[list[str]]]:
     """The tables whose numbers carry data-key: formats and KV (the verdict's inputs)."""
-    speed = m["speed_measured"]
-    formats = [
-        [
-            _e(f["label"]),
-            f"<code>{_e(f['scheme'])}</code>",
-            _e(f.get("quantised") or "-"),
-            _v(f"models.{i}.formats.{j}.perplexity", f["perplexity"], _num(f["perplexity"], ".4f")),
-            _v(f"models.{i}.formats.{j}.ppl_change_pct", f["ppl_change_pct"], _change_ci(f)),
-            f'<span class="{_verdict_class(f)}">{_e(_status(f))}</span>',
-            _e(_kld(f)),
-            _e(_top1(f)),
-            _v(f"models.{i}.formats.{j}.weight_bytes", f["weight_bytes"], _bytes(f["weight_bytes"])),
-            _e(_share(f["bytes_vs_bf16"])),
-            *([_e(_num(f["speedup"], ".2f"))] if speed else []),
-        ]
-        for j, f in enumerate(m["formats"])
-    ]
-    kv = [
-        [
-            _e(r["bits"]),
-            _e(r["keep_sinks"]),
-            _e(r["label"] or "-"),
-            _v(f"models.{i}.kv.rows.{j}.perplexity", r["perplexity"], _num(r["perplexity"], ".4f")),
-            _v(
-                f"models.{i}.kv.rows.{j}.ppl_change_pct",
-                r["ppl_change_pct"],
-                _change_ci(r),
-            ),
-            f'<span class="{_verdict_class(r)}">{_e(_status(r))}</span>',
-            _e(_kld(r)),
-            _e(_top1(r)),
-            _e(_float_reads(r)),
-        ]
-        for j, r in enumerate(m["kv"]["rows"])
-    ]
+    formats = []
+    for j, f in enumerate(m["formats"]):
+        cells = [_code(c) for c in _format_cells(f, m)]
+        cells[2] = _v(f"models.{i}.formats.{j}.perplexity", f["perplexity"], _num(f["perplexity"], ".4f"))
+        cells[3] = _v(f"models.{i}.formats.{j}.ppl_change_pct", f["ppl_change_pct"], _change_ci(f))
+        cells[4] = f'<span class="{_verdict_class(f)}">{_e(_status(f))}</span>'
+        cells[7] = _v(f"models.{i}.formats.{j}.weight_bytes", f["weight_bytes"], _bytes(f["weight_bytes"]))
+        formats.append(cells)
+    memory = m["kv"].get("memory")
+    kv = []
+    for j, r in enumerate(m["kv"]["rows"]):
+        cells = [_code(c) for c in _kv_cells(r, memory)]
+        cells[4] = _v(f"models.{i}.kv.rows.{j}.perplexity", r["perplexity"], _num(r["perplexity"], ".4f"))
+        cells[5] = _v(f"models.{i}.kv.rows.{j}.ppl_change_pct", r["ppl_change_pct"], _change_ci(r))
+        cells[6] = f'<span class="{_verdict_class(r)}">{_e(_status(r))}</span>'
+        kv.append(cells)
     return {"Deployable formats": formats, "KV cache": kv}
 
 
 def html(card: Mapping[str, Any], figs: Mapping[str, bytes]) -> str:
     names = ", ".join(m["name"] for m in card["models"])
     body = [f"<h1>qbench card: {_e(names)}</h1>"]
-    if card.get("command"):
-        tolerance = _v(
-            "tolerance_pct",
-            card["tolerance_pct"],
-            tolerance_text(card["tolerance_pct"], card.get("metric") or "ppl"),
-        )
+    summary = _summary_rows(card)
+    tolerance = _v(
+        "tolerance_pct",
+        card["tolerance_pct"],
+        tolerance_text(card["tolerance_pct"], card.get("metric") or "ppl"),
+    )
+    body.append('<section id="summary"><h2>Summary</h2>')
+    if summary:
+        headers = list(summary[0])
+        rows = []
+        for i, r in enumerate(summary):
+            cells = [_code(r[h]) for h in headers]
+            rec = card["models"][i]["verdict"]["recommended"]
+            if rec:
+                cells[2] += _v(f"models.{i}.verdict.recommended.scheme", rec["scheme"], "")
+            rows.append(cells)
+        body.append(_html_table(headers, rows, raw=True))
+    body.append(f"<p>Budget {_e(card['budget_contents'])}; tolerance {tolerance}.</p>")
+    if card.get("comparison_lines"):
         body.append(
-            f"<p>Made by <code>{_e(card['command'])}</code>; budget {_e(card['budget_contents'])}; "
-            f"tolerance {tolerance}.</p>"
+            "<p><strong>Side by side</strong></p><ul>"
+            + "".join(f"<li>{_code(line)}</li>" for line in card["comparison_lines"])
+            + "</ul>"
         )
+    commands = _commands(card)
+    if commands:
+        body.append(
+            "<details><summary>Commands</summary><ul>"
+            + "".join(f"<li>{_e(what)}: <code>{_e(command)}</code></li>" for what, command in commands)
+            + "</ul></details>"
+        )
+    body.append("</section>")
     for i, m in enumerate(card["models"]):
         body.append(f'<h2 id="model-{i}">{_e(m["name"])}</h2>')
-        rec = m["verdict"]["recommended"]
         body.append(
-            '<div class="verdict"><strong>Verdict.</strong> '
-            + " ".join(_code(line) for line in m["verdict"]["lines"])
-            + (" " + _v(f"models.{i}.verdict.recommended.scheme", rec["scheme"], "") if rec else "")
-            + "</div>"
+            '<div class="verdict"><strong>Verdict</strong><ul>'
+            + "".join(f"<li>{_code(line)}</li>" for line in m["verdict"]["lines"])
+            + "</ul></div>"
         )
         body.append(
             "<p>Float perplexity "
@@ -697,11 +989,12 @@ def html(card: Mapping[str, Any], figs: Mapping[str, bytes]) -> str:
     if card.get("comparison"):
         names_list = [m["name"] for m in card["models"]]
         rows = [
-            [c["section"], c["row"], *(_cell(c, n) for n in names_list), c["more_robust"] or "-"]
+            [c["section"], c["row"], *(_cell(c, n) for n in names_list), c["more_robust"] or "-", _ship(c)]
             for c in card["comparison"]
         ]
         body.append("<h2>Side by side</h2>")
-        body.append(_html_table(["section", "row", *names_list, "more robust"], rows))
+        body.append(_html_table(["section", "row", *names_list, "more robust", "better to ship"], rows))
+        body.append(f"<p>{_code(COMPARISON_CAPTION)}</p>")
     body.append("<h2>Definitions</h2>")
     body.append(_html_table(["metric", "unit", "better", "definition"], _definition_rows(card)))
     body.append(

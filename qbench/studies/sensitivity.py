@@ -363,8 +363,10 @@ def sensitivity(
     replay: bool = True,
     minimise: bool = True,
     quantised: dict[str, Any] | None = None,
+    repair_units: bool = True,
 ) -> dict[str, Any]:
-    """The sensitivity map and the verified repair of ``spec``'s one model under its one scheme and mode.
+    """The sensitivity map and the verified repair of ``spec``'s one model under its one scheme and mode
+    (``repair_units=False``: the map alone, ``"repair": None``).
 
     ``spec.output_path`` is the cells folder. ``on_units(n)`` is told the number of units before the first cell
     is evaluated (for a progress bar); ``on_cell(phase, record, reused)`` after each cell, with the phases of
@@ -447,11 +449,15 @@ def sensitivity(
         "correlation": correlations(ranked),
         "correlation_definition": "Spearman's rho (average ranks for ties) of each float-model statistic with "
         "the unit's perplexity change; None with < 3 units or a constant side",
-        "repair": (fixed := repair(study, ranked, tolerance, metric, minimise)),
+        "repair": (fixed := repair(study, ranked, tolerance, metric, minimise) if repair_units else None),
         "timing": {
             "units": len(units),
             # every cell this study measures, by phase: the units, the KV-only cell, the repair's distinct sets
-            "cells": {"units": len(units), "kv": int(kv_only is not None), "repair": len(fixed["steps"])},
+            "cells": {
+                "units": len(units),
+                "kv": int(kv_only is not None),
+                "repair": len(fixed["steps"]) if fixed else 0,
+            },
             "seconds_per_unit": sum(cell_seconds) / len(cell_seconds) if cell_seconds else None,
             "units_wall_seconds": round(units_wall, 3),
             "wall_seconds": round(time.perf_counter() - start, 3),

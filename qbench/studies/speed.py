@@ -660,20 +660,12 @@ def run_speed(
         kv_configs = (
             list(kv_configs) if kv_configs else default_kv_configs()
         )  # bad configs fail before timing
-    from models.io import git_commit
-
     common = {
-        "threads": threads,
+        **measured_where(threads, device, seed),
         "shape": list(shape),
         "tokens": tokens,
         "repeats": repeats,
         "malloc_env": all(v in os.environ for v in MALLOC_ENV),
-        "torch": torch.__version__,
-        "cpu": cpu_name(),
-        "device": device,
-        "native_isa": _native_isa(),
-        "git_commit": git_commit(),
-        "seed": seed,
     }
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -741,6 +733,22 @@ def _kv_records(
         net = build(preset_config(preset, context=needed), seed=0).eval().to(common["device"])
     extra = {k: v for k, v in common.items() if k not in ("shape", "tokens", "repeats", "seed")}
     return kv_generation_records(net, name, configs, contexts, new_tokens, min(repeats, 3), seed, extra)
+
+
+def measured_where(threads: int, device: str, seed: int) -> dict[str, Any]:
+    """What every timing record says of where it was made: threads, torch, CPU, device, the C kernels' build, the
+    git commit and the seed."""
+    from models.io import git_commit
+
+    return {
+        "threads": threads,
+        "torch": torch.__version__,
+        "cpu": cpu_name(),
+        "device": device,
+        "native_isa": _native_isa(),
+        "git_commit": git_commit(),
+        "seed": seed,
+    }
 
 
 def cpu_name() -> str:

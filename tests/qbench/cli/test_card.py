@@ -270,6 +270,10 @@ def test_the_html_page_renders_in_a_headless_browser(card_dir, tmp_path):
     assert console == []
     for figure in ("fig-outliers-0", "fig-attention-0", "fig-breaking-points"):
         assert f'id="{figure}"' in dom.stdout, figure
+    # the summary renders first: right after the title, before any model's section; the verdict as bullets
+    rendered = dom.stdout
+    assert rendered.index("<h1>") < rendered.index('id="summary"') < rendered.index('id="model-0"')
+    assert '<div class="verdict"><strong>Verdict</strong><ul><li>' in rendered
     card = card_of(card_dir)
     import html
 
@@ -298,6 +302,8 @@ def test_the_card_is_a_function_of_the_records_on_disk(card_dir):
 
     out = Path(model["sensitivity"]["output"])
     sensitivity = {**json.loads((out / "sensitivity.json").read_text()), "output": str(out)}
+    from qbench.studies.card import _window_nll
+
     records = {
         "fp": read(model["fp"]["record"]),
         "profile": read(f"{model['name']}/profile.json"),
@@ -306,8 +312,11 @@ def test_the_card_is_a_function_of_the_records_on_disk(card_dir):
         "sweep": None,
         "sensitivity": sensitivity,
         "speed": None,
+        "layer_speed": read(f"{model['name']}/layer_speed.json"),
         "source": model["source"],
     }
+    # the side by side's per-window NLL: from the records' per-token sidecars
+    records["window_nll"] = _window_nll(card_dir, [records["fp"], *records["formats"]])
     records["paths"] = {r["cell_id"]: rel for r, rel in [(records["fp"], model["fp"]["record"])]}
     records["paths"].update({f["cell_id"]: f["record"] for f in model["formats"]})
     records["paths"].update(

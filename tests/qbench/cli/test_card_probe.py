@@ -23,7 +23,8 @@ TOKENS = "64"  # two windows of the micro models' 32 tokens
 def _one_format_one_kv_width(monkeypatch):
     from qbench.studies import card
 
-    small = replace(card.BUDGETS["quick"], formats=("absmax-fine",), kv_bits=(2,))
+    rows = (card.KVRow("kivi", 2), card.KVRow("kivi", 2, 1))
+    small = replace(card.BUDGETS["quick"], formats=("absmax-fine",), kv_rows=rows)
     monkeypatch.setitem(card.BUDGETS, "quick", small)
 
 
@@ -52,7 +53,8 @@ def two_model_card(models_dir, tmp_path_factory):
     from qbench.studies import card as study
 
     out = tmp_path_factory.mktemp("two-model-card") / "card"
-    small = replace(study.BUDGETS["quick"], formats=("absmax-fine",), kv_bits=(2,))
+    rows = (study.KVRow("kivi", 2), study.KVRow("kivi", 2, 1))
+    small = replace(study.BUDGETS["quick"], formats=("absmax-fine",), kv_rows=rows)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("QBENCH_CACHE", str(tmp_path_factory.getbasetemp() / "qbench-cache"))
         mp.setitem(study.BUDGETS, "quick", small)
@@ -95,7 +97,8 @@ def test_overwrite_replaces_the_card_and_removes_the_figures_it_no_longer_shows(
     assert card(models_dir / "planted", out=out, extra=("--overwrite",)) == 0
     assert names(out) == ["planted"]
     figures = {p.name for p in out.glob("card-*.png")}
-    assert figures == {"card-outliers-0.png", "card-attention-0.png", "card-breaking-points.png"}
+    # one KV width per curve: no breaking-point curve to draw
+    assert figures == {"card-outliers-0.png", "card-attention-0.png"}
     page = (out / "card.md").read_text()
     assert all(f in page for f in figures)
     assert (out / "other" / "fp.json").exists()  # the replaced card's records stay
@@ -160,7 +163,8 @@ def test_an_fp8_kv_scheme_on_a_budget_without_8_bit_rows_names_the_budget(
 ):
     from qbench.studies import card as study
 
-    monkeypatch.setitem(study.BUDGETS, "quick", replace(study.BUDGETS["quick"], kv_bits=(4, 2)))
+    rows = (study.KVRow("kivi", 4), study.KVRow("kivi", 2))
+    monkeypatch.setitem(study.BUDGETS, "quick", replace(study.BUDGETS["quick"], kv_rows=rows))
     out = tmp_path / "card"
     assert card(models_dir / "planted", out=out, extra=("--kv-scheme", "fp8-e4m3")) == 2
     err = capsys.readouterr().err.strip()
@@ -170,7 +174,10 @@ def test_an_fp8_kv_scheme_on_a_budget_without_8_bit_rows_names_the_budget(
     # a budget with 8-bit rows measures those only, and says so
     assert study.kv_widths(study.BUDGETS["standard"], "fp8-e4m3") == (8,)
     cfg = study.CardConfig(models=["m"], budget="standard", kv_scheme="fp8-e4m3")
-    assert study.planned_cells(cfg) == study.planned_cells(replace(cfg, kv_scheme=None)) - 2 * 3
+    standard_rows = len(study.BUDGETS["standard"].kv_rows)
+    assert study.planned_cells(cfg) == study.planned_cells(replace(cfg, kv_scheme=None)) - standard_rows + 2
+    # the unpatched quick budget has an FP8 row: --kv-scheme fp8-e4m3 measures 8 bits there, plain and with a sink
+    assert study.kv_widths(study.budget("standard"), "fp8-e4m3") == (8,)
 
 
 def test_the_kv_caption_says_how_each_scheme_takes_its_statistics():
@@ -192,9 +199,13 @@ def test_the_kv_caption_says_how_each_scheme_takes_its_statistics():
 
     for causal in ("kivi", "per-token"):
         text = caption(causal)
-        assert "Causal" in text and "tokens seen so far" in text, text
-        assert "over the scored window" not in text and "Not causal: the statistics" not in text
+        assert "causal, each cached position" in text and "tokens seen so far" in text, text
+        assert "over the scored window" not in text and "not causal, the statistics" not in text
     text = caption("fp8-e4m3", (8,))
-    assert "Causal" in text and "fixed scale per layer" in text and "over the scored window" not in text
+    assert (
+        "causal, each cached" in text
+        and "fixed scale per layer" in text
+        and "over the scored window" not in text
+    )
     text = caption("window")
-    assert "Not causal" in text and "scored window" in text and "tokens seen so far" not in text
+    assert "not causal" in text and "scored window" in text and "tokens seen so far" not in text

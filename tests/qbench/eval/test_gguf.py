@@ -148,7 +148,7 @@ def test_a_card_of_a_gguf_file(gguf_file, tmp_path, monkeypatch):
 
     from qbench.studies import card
 
-    small = replace(card.BUDGETS["quick"], formats=("absmax-fine",), kv_bits=(2,))
+    small = replace(card.BUDGETS["quick"], formats=("absmax-fine",), kv_rows=(card.KVRow("kivi", 2),))
     monkeypatch.setitem(card.BUDGETS, "quick", small)
     path, _, _ = gguf_file
     result = card.run_card(

@@ -841,3 +841,27 @@ def test_float_read_share_counts_the_kivi_residual_and_kept_positions():
     kept = float_read_share({"scheme": "per-token", "keep_first": 1}, T)
     assert kept == {"keys": T / reads, "values": T / reads}  # position 0, read by every query
     assert float_read_share({"scheme": "fp8-e4m3", "keep_first": 0}, T) == {"keys": 0.0, "values": 0.0}
+
+
+def test_cache_bytes_follow_each_schemes_storage():
+    """One layer's cache after C tokens, against the storage written out by hand from each scheme's layout."""
+    from qbench.quant.kv import KVConfig
+    from qbench.quant.kvschemes import cache_bytes
+
+    H, D, C = 3, 64, 1000
+    # FP8: one byte a value, keys and values
+    assert cache_bytes(KVConfig(8, "fp8-e4m3"), H, D, C) == 2 * C * H * D
+    # per-token q4_0: 18 bytes per block of 32 values of a token's row (16 of codes, an fp16 d), keys and values
+    assert cache_bytes(KVConfig(4, "per-token"), H, D, C) == 2 * C * (H * D // 32) * 18
+    # q8_0: 34 bytes per block
+    assert cache_bytes(KVConfig(8, "per-token"), H, D, C) == 2 * C * (H * D // 32) * 34
+    # KIVI, G = 32, R = 128: keys quantised in whole R-blocks (896 of 1000), per channel over groups of 32 tokens
+    # (4-bit codes, a float32 scale and minimum per group); values quantised up to C − R (872), per token over
+    # groups of 32 channels; the rest float at 2 bytes
+    keys, values = 128 * (C // 128), C - 128
+    expected = (keys * H * D // 2 + (keys // 32) * H * D * 8 + (C - keys) * H * D * 2) + (
+        values * H * D // 2 + values * H * (D // 32) * 8 + (C - values) * H * D * 2
+    )
+    assert cache_bytes(KVConfig(4, "kivi"), H, D, C) == expected
+    # a kept sink adds its position in float (and keeps counting its codes: an upper bound by one token)
+    assert cache_bytes(KVConfig(4, "kivi", 0, 1), H, D, C) == expected + 2 * H * D * 2

@@ -29,6 +29,15 @@ def test_the_budgets_use_the_named_token_budgets_and_registered_schemes():
     assert not BUDGETS["quick"].sweep_families and BUDGETS["full"].speed and not BUDGETS["standard"].speed
     labels = {get_scheme(f.scheme).label for f in FORMATS}
     assert "W4A8-channel/token-hadamard" in labels and len(labels) == len(FORMATS)
+    # the KV cache as deployed today, side by side in every budget: KIVI, llama.cpp-style blocks, FP8
+    for b in BUDGETS.values():
+        assert {r.scheme for r in b.kv_rows} == {"kivi", "per-token", "fp8-e4m3"}, b.name
+        assert any(r.keep_sinks for r in b.kv_rows) and b.kv_bits[0] == 8
+    # what each row quantised is in its label: W4A4 rows and weight-only rows of the same format
+    by_scheme = {f.scheme: f.label for f in FORMATS}
+    assert by_scheme["mxfp4"] == "W4A4 MXFP4" and by_scheme["mxfp4:a=none"] == "W4 weight-only MXFP4"
+    assert by_scheme["nvfp4"] == "W4A4 NVFP4" and by_scheme["nvfp4:a=none"] == "W4 weight-only NVFP4"
+    assert get_scheme("mxfp4:a=none").act_bits is None and "mxfp4:a=none" in BUDGETS["quick"].formats
 
 
 def test_the_help_states_every_budget():
@@ -87,55 +96,58 @@ def test_sizes_are_in_decimal_units():
     ]
 
 
-def _row(label, scheme, change, nbytes, statistic="input_crest", status="ok"):
+def _row(label, scheme, change, nbytes, status="ok", ci=None):
+    within = status == "ok" and change <= 1.0
     return {
         "label": label,
         "scheme": scheme,
         "ppl_change_pct": change,
-        "within_tolerance": status == "ok" and change <= 1.0,
-        "verdict": "within" if status == "ok" and change <= 1.0 else "beyond",
+        "ppl_change_ci95": ci,
+        "within_tolerance": within,
+        "verdict": "within" if within else "beyond",
         "weight_bytes": nbytes,
         "bytes_vs_bf16": nbytes / 400,
         "status": status,
-        "statistic": statistic,
     }
 
 
 def test_the_verdict_is_generated_from_the_rows():
-    fp = {
-        "outliers": {"max_abs": 500.0},
-        "outliers_per_layer": {"max_abs": [3.0, 500.0]},
-        "linear_ranges": {
-            "per_layer": {
-                "h.0.fc": {"lm_head": False, "input_crest": 40.0, "weight_crest": 5.0},
-                "h.1.fc": {"lm_head": False, "input_crest": 90.0, "weight_crest": 7.0},
-                "lm_head": {"lm_head": True, "input_crest": 900.0, "weight_crest": 9.0},
-            }
-        },
-    }
+    """Recommended: the smallest within; avoid: every format decidedly beyond, worst first, each with its measured
+    failure, and the units a sensitivity map of it blames where one was measured; one short line each."""
     rows = [
         _row("W8A8", "absmax-fine", 0.2, 200),
-        _row("int4", "zeropoint-int4", 0.9, 100, "weight_crest"),
-        _row("coarse", "absmax-coarse", 12.0, 200, "max_abs"),
+        _row("int4", "zeropoint-int4", 0.9, 100),
+        _row("coarse", "absmax-coarse", 12.0, 200, ci=[9.0, 15.0]),
         _row("per-tensor", "absmax-moderate", 3.0, 200),
     ]
-    verdict = card._verdict(rows, {}, fp, None, 1.0)
+    avoid_map = {
+        "scheme": "absmax-coarse",
+        "by": "type",
+        "top": [
+            {"name": "*.mlp.down_proj", "ppl_change_pct": 9.5},
+            {"name": "*.attn.q_proj", "ppl_change_pct": 0.4},
+        ],
+    }
+    verdict = card._verdict(rows, {}, {}, None, 1.0, avoid_map=avoid_map)
     assert verdict["recommended"]["scheme"] == "zeropoint-int4"  # the fewest bytes within 1 %
-    assert verdict["beyond"] == ["coarse", "per-tensor"]  # every failing format is named, worst first below
-    assert "Beyond 1 %: coarse (+12.00 %), per-tensor (+3.00 %)." in verdict["lines"]
-    avoid = verdict["avoid"]
-    assert (avoid["scheme"], avoid["statistic"], avoid["value"], avoid["where"]) == (
-        "absmax-coarse",
-        "max_abs",
-        500.0,
-        "block 1 output",
+    assert verdict["beyond"] == ["coarse", "per-tensor"]  # every failing format, worst first
+    assert [a["scheme"] for a in verdict["avoid"]] == ["absmax-coarse", "absmax-moderate"]
+    coarse, moderate = verdict["avoid"]
+    assert [u["name"] for u in coarse["blamed"]] == ["*.mlp.down_proj", "*.attn.q_proj"]
+    assert moderate["blamed"] is None  # no map of it: no layer is named on a guess
+    lines = verdict["lines"]
+    assert lines[0].startswith("Recommended: int4 (`zeropoint-int4`), +0.90 %")
+    assert (
+        "Avoid coarse (`absmax-coarse`): +12.00 % [+9.00, +15.00]; its damage comes most from `*.mlp.down_proj` "
+        "+9.50 %, `*.attn.q_proj` +0.40 % (each quantised alone, sensitivity map by type)." in lines
     )
-    rows[2] = _row("coarse", "absmax-coarse", None, 200, "max_abs", status="nonfinite")
-    assert card._verdict(rows, {}, fp, None, 1.0)["avoid"]["scheme"] == "absmax-coarse"  # NaN is the worst
+    assert "Avoid per-tensor (`absmax-moderate`): +3.00 %." in lines
+    assert all("qbench run" not in line for line in lines)  # commands are in verdict["commands"]
+    rows[2] = _row("coarse", "absmax-coarse", None, 200, status="nonfinite")
+    assert card._verdict(rows, {}, {}, None, 1.0)["avoid"][0]["scheme"] == "absmax-coarse"  # NaN is the worst
     rows = [_row("per-tensor", "absmax-moderate", 3.0, 200)]
-    avoid = card._verdict(rows, {}, fp, None, 1.0)["avoid"]
-    assert (avoid["value"], avoid["where"]) == (90.0, "h.1.fc")  # the worst layer the scheme quantises
-    assert card._verdict(rows, {}, fp, None, 1.0)["recommended"] is None
+    verdict = card._verdict(rows, {}, {}, None, 1.0)
+    assert verdict["recommended"] is None and verdict["lines"][0].startswith("Recommended: none")
 
 
 def test_the_whole_quick_budget_runs(ckpt_dir, tmp_path):
@@ -145,7 +157,9 @@ def test_the_whole_quick_budget_runs(ckpt_dir, tmp_path):
     (model,) = result["models"]
     assert [f["scheme"] for f in model["formats"]] == list(BUDGETS["quick"].formats)
     assert all(f["status"] == "ok" for f in model["formats"]), [f["error"] for f in model["formats"]]
-    assert len(counted) == card.planned_cells(cfg) == 14 and not any(counted)
+    assert card.planned_cells(cfg) == 16 and not any(counted)
+    # on the micro model's 32-token windows KIVI is per-token blocks: its rows and the per-token ones coincide
+    assert len(counted) == 1 + len(model["formats"]) + len(model["kv"]["rows"]) == 15
     assert model["identity"]["attention"] == "softmax1" and model["identity"]["tied_head"] is True
     assert model["sensitivity"] is None  # nothing over 5 %
     assert (tmp_path / "card.html").exists() and (tmp_path / "card-attention-0.png").exists()
@@ -157,16 +171,36 @@ def test_the_whole_quick_budget_runs(ckpt_dir, tmp_path):
     assert "uniform attention over the window would put" in (tmp_path / "card.md").read_text()
     from qbench.quant.kvschemes import float_read_share
 
-    for row in model["kv"]["rows"]:  # each KV row says how many of its reads were float
-        block = {"scheme": row["scheme"], **model["kv"]["options"], "keep_first": 0}
-        assert row["float_reads"] == float_read_share(block, model["protocol"]["window"])
-    assert "float reads K / V" in (tmp_path / "card.md").read_text()
+    kv = model["kv"]
+    options = {x["scheme"]: x["options"] for x in kv["schemes"]}
+    assert set(options) == {"per-token", "fp8-e4m3"}  # side by side (KIVI is per-token at ≤ 32 tokens)
+    for row in kv["rows"]:  # each KV row says how many of its reads were float
+        block = {"scheme": row["scheme"], **options[row["scheme"]], "keep_first": 0}
+        assert row["float_reads"] == float_read_share(block, kv["window"]["window"])
+        assert row["cache_bytes"] and row["cache_bytes"] < kv["memory"]["bf16_bytes"]
+    # the micro model's context is shorter than a deployed one: its KV rows are read on the whole context, said so
+    assert kv["window"]["window"] == kv["window"]["context"] < card.KV_MIN_WINDOW and kv["window"]["short"]
+    page = (tmp_path / "card.md").read_text()
+    assert "float reads K / V" in page and "the model's whole context" in page
     gaps = model["not_measured"]
     assert any(line.startswith("Algorithms: every format is round-to-nearest") for line in gaps)
     assert any("Formats not in the quick budget" in line for line in gaps)  # standard has more formats
-    assert any(line.startswith("Speed and memory: not measured") for line in gaps)
-    assert "### Not measured" in (tmp_path / "card.md").read_text()
-    assert "<h3>Not measured</h3>" in (tmp_path / "card.html").read_text()
+    assert any(line.startswith("Speed: the linear layers' real kernels") for line in gaps)
+    assert "### Not measured" in page and "<h3>Not measured</h3>" in (tmp_path / "card.html").read_text()
+    # speed in every budget: the real-kernel formats' decode and prefill on the model's own shapes
+    rows = {f["scheme"]: f for f in model["formats"]}
+    assert rows["absmax-fine"]["decode_speedup"] > 0 and rows["absmax-fine"]["prefill_speedup"] > 0
+    assert rows["mxfp4"]["decode_speedup"] is None  # fake quantisation only: no kernel to time
+    assert model["kernels"]["schemes"] and (tmp_path / model["name"] / "layer_speed.json").exists()
+    assert (
+        rows["absmax-fine"]["memory_bytes"]
+        == rows["absmax-fine"]["weight_bytes"] + kv["memory"]["bf16_bytes"]
+    )
+    # the summary comes first, then the model's verdict as bullets; statistics say what they were computed on
+    assert page.index("## Summary") < page.index(f"## {model['name']}") and "\n- Recommended:" in page
+    assert model["protocol"]["statistics_windows"] == model["outliers"]["windows"]
+    assert "κ start token" in page and "the same token each time" in page
+    assert model["protocol"]["corpus_description"].startswith("embedded: ")
 
 
 def test_the_card_decides_on_the_metric_it_is_given(ckpt_dir, tmp_path):
@@ -200,7 +234,7 @@ def test_the_card_decides_on_the_metric_it_is_given(ckpt_dir, tmp_path):
 
 
 def test_two_models_side_by_side(ckpt_dir, hf_llama_dir, tmp_path, monkeypatch):
-    small = replace(BUDGETS["quick"], formats=("absmax-coarse",), kv_bits=(2,))
+    small = replace(BUDGETS["quick"], formats=("absmax-coarse",), kv_rows=(card.KVRow("kivi", 2),))
     monkeypatch.setitem(BUDGETS, "quick", small)
     cfg = CardConfig(
         models=[str(ckpt_dir), str(hf_llama_dir)], output_path=tmp_path, tokens=64, tolerance=50.0
@@ -219,12 +253,18 @@ def test_two_models_side_by_side(ckpt_dir, hf_llama_dir, tmp_path, monkeypatch):
     changes = {m["name"]: m["formats"][0]["ppl_change_pct"] for m in (vanilla, llama)}
     assert coarse["values"] == changes
     assert coarse["more_robust"] is None  # both within 50 %: nothing to choose
-    # absolute quality beside the change: each model's quantised perplexity, and whom it still beats in float
-    floats = {m["name"]: m["fp"]["perplexity"] for m in (vanilla, llama)}
+    # absolute quality beside the change: each model's quantised perplexity, and whose float perplexity it is
+    # decidedly below — paired over the same windows
     assert coarse["perplexity"] == {m["name"]: m["formats"][0]["perplexity"] for m in (vanilla, llama)}
-    for name, q in coarse["perplexity"].items():
-        others = [o for o, f in floats.items() if o != name and q < f]
+    windows = {
+        m["name"]: (m["window_nll"][m["formats"][0]["cell_id"]], m["window_nll"][m["fp"]["cell_id"]])
+        for m in (vanilla, llama)
+    }
+    assert all(len(q) == len(f) == vanilla["protocol"]["windows"] for q, f in windows.values())
+    for name in windows:
+        others = [o for o in windows if o != name and card._decidedly_below(windows[name][0], windows[o][1])]
         assert coarse["below_others_float"].get(name, []) == others
+    assert rows[0]["section"] == "float" and set(rows[0]["values"]) == {vanilla["name"], llama["name"]}
     page = (tmp_path / "card.md").read_text()
     assert "## Side by side" in page and vanilla["name"] in page and llama["name"] in page
 
@@ -394,7 +434,10 @@ def test_the_repair_targets_the_smallest_failing_format_that_could_pay():
         record("zeropoint-int4", 5.0),
         record("zeropoint-int4-g128", 3.0),
     )
-    pick = card.repair_target
+
+    def pick(*args):
+        return next(iter(card.repair_targets(*args)), None)
+
     assert pick([int8, int4, int4_g], fp, profile, 1.0) is int4  # per-channel int4 is the smaller of the two
     assert pick([int8, record("absmax-fine", 0.5)], fp, profile, 1.0) is None  # nothing fails
     big_fail = record("absmax-fine", 4.0)
@@ -404,24 +447,121 @@ def test_the_repair_targets_the_smallest_failing_format_that_could_pay():
     assert pick([big_fail, int4], fp, profile, 1.0) is big_fail  # nothing passes: the least damaged one
 
 
-def test_a_repair_pays_only_below_the_smallest_passing_format():
-    rows = [_row("int8", "absmax-fine", 0.5, 300), _row("int4", "zeropoint-int4", 5.0, 150)]
-    fp = {"outliers": {"max_abs": 1.0}, "linear_ranges": {"per_layer": {}}}
-    sens = {
-        "scheme": "zeropoint-int4",
-        "command": "qbench run …",
+def _sized_records():
+    from qbench.quant.schemes import get_scheme
+
+    fp = {
+        "model_bytes": 4 * 64 * 256 + 1000,
+        "protocol": {"dtype": "float32"},
+        "linear_ranges": {"per_layer": {}},
+        "metrics": {"perplexity": 10.0},
+    }
+    profile = {"linear_shapes": {"a": [64, 256]}}
+
+    def record(name, change, half=0.1):
+        return {
+            "status": "ok",
+            "scheme": {**get_scheme(name).to_dict(), "exclude": []},
+            "metrics": {"ppl_change_pct": change, "ppl_change_ci95": [change - half, change + half]},
+        }
+
+    return fp, profile, record
+
+
+def test_the_repair_tries_its_candidates_smallest_first():
+    fp, profile, record = _sized_records()
+    int8, int4, int4_g, int3 = (
+        record("absmax-fine", 0.3),
+        record("zeropoint-int4", 5.0),
+        record("zeropoint-int4-g128", 3.0),
+        record("zeropoint-int3-g128", 9.0),
+    )
+    order = card.repair_targets([int8, int4, int4_g, int3], fp, profile, 1.0)
+    assert order == [int3, int4, int4_g]  # every failing format smaller than the passing one, smallest first
+    # nothing passes: the least damaged first, and the size to beat is the whole model in bf16
+    assert card.repair_targets([int4, int4_g, int3], fp, profile, 1.0) == [int4_g, int4, int3]
+    limit, what = card.size_to_beat([int4, int4_g], fp, profile, 1.0)
+    assert (limit, what) == (fp["model_bytes"] // 2, "the model in bf16")
+    limit, what = card.size_to_beat([int8, int4], fp, profile, 1.0)
+    assert limit == card._deployed_bytes(int8["scheme"], fp, profile) and "absmax-fine" in what
+
+
+def _study(scheme, reached, exclude, change=0.5):
+    return {
+        "scheme": {"name": scheme},
+        "by": "type",
+        "units": [{"name": n, "ppl_change_pct": 1.0} for n in exclude],
+        "correlation": {},
         "repair": {
-            "reached": True,
-            "count": 1,
-            "weight_share_float": 0.2,
+            "reached": reached,
+            "minimised": True,
+            "exclude": exclude,
+            "count": len(exclude),
+            "weight_share_float": 0.5,
             "quantised_ppl_change_pct": 5.0,
-            "ppl_change_pct": 0.8,
-            "exclude": ["x"],
-            "weight_bytes": 200,
+            "ppl": 10.05,
+            "ppl_change_pct": change,
+            "tolerance_pct": 1.0,
         },
     }
-    verdict = card._verdict(rows, {}, fp, sens, 1.0)
-    assert verdict["repair"]["pays"] and "smaller than any format that passes" in " ".join(verdict["lines"])
-    sens["repair"]["weight_bytes"] = 320
-    verdict = card._verdict(rows, {}, fp, sens, 1.0)
-    assert not verdict["repair"]["pays"] and "is the better choice" in " ".join(verdict["lines"])
+
+
+def test_the_card_shows_the_first_repair_that_pays_with_its_size():
+    """A repair pays when it reaches the tolerance *and* is smaller than what must be beaten (the smallest passing
+    format, else the model in bf16); of the tries, the first that pays is shown, every try is listed."""
+    fp, profile, record = _sized_records()
+    fp["protocol"].update(corpus="embedded", split="validation", tokens=64, window=32)
+    int8, int4, int3 = (
+        record("absmax-fine", 0.3),
+        record("zeropoint-int4", 5.0),
+        record("zeropoint-int3-g128", 9.0),
+    )
+    entry = {
+        "formats": [int8, int4, int3],
+        "source": "m",
+        # int3 with its only layer kept float is bigger than int8: does not pay; int4 reaches nothing
+        "repairs": [_study(int3["scheme"]["name"], True, ["a"]), _study(int4["scheme"]["name"], False, [])],
+    }
+    settings = {"seed": 0, "output_path": "out"}
+    sens = card._repair_section(entry, fp, profile, settings, 1.0, "ppl")
+    assert [t["pays"] for t in sens["tries"]] == [False, False] and sens["scheme"] == "zeropoint-int3-g128"
+    assert sens["repair"]["beat"]["what"].startswith("`absmax-fine`")
+    verdict = card._verdict([_row("int8", "absmax-fine", 0.3, 200)], {}, fp, sens, 1.0)
+    assert not verdict["repair"]["pays"] and "that is the better choice" in " ".join(verdict["lines"])
+    assert any(
+        line.startswith("Repair also tried on `zeropoint-int4`: did not reach") for line in verdict["lines"]
+    )
+    assert verdict["commands"][0]["command"].startswith("qbench run ")
+    entry["repairs"].append(_study(int4["scheme"]["name"], True, []))  # int4 reached with nothing kept: pays
+    sens = card._repair_section(entry, fp, profile, settings, 1.0, "ppl")
+    assert [t["pays"] for t in sens["tries"]] == [False, False, True] and sens["scheme"] == "zeropoint-int4"
+    assert sens["repair"]["weight_bytes"] < sens["repair"]["beat"]["bytes"]
+
+
+def test_absolute_quality_is_decided_on_paired_windows():
+    below = card._decidedly_below
+    assert below([1.0, 1.1, 1.05], [2.0, 2.2, 2.1]) is True
+    assert (
+        below([1.0, 3.0, 1.05], [2.0, 2.2, 2.1]) is False
+    )  # one window the other way: the interval straddles 0
+    assert below([1.0], [2.0]) is None and below([1.0, 1.0], [2.0]) is None  # no interval / other windows
+    windows = {"a": ([1.0, 1.1, 1.05], None), "b": ([2.0, 2.2, 2.1], None), "c": ([2.0, 2.3, 2.0], None)}
+    assert card._better_to_ship(windows) == "a"
+    windows["c"] = ([1.0, 1.2, 1.0], None)
+    assert card._better_to_ship(windows) is None
+    lines = card._comparison_lines(
+        [
+            {
+                "section": "formats",
+                "row": "W8A8",
+                "more_robust": "paper",
+                "better_to_ship": "vanilla",
+                "perplexity": {"vanilla": 100.4, "paper": 108.3},
+                "below_others_float": {"vanilla": ["paper"]},
+            }
+        ]
+    )
+    assert lines == [
+        "W8A8: paper loses less to quantisation, but vanilla quantised is still decidedly better (ppl 100.40 vs "
+        "108.30)."
+    ]

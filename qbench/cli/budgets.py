@@ -26,7 +26,7 @@ DEMO_TOKENS = 16384
 # finding is already there — the vanilla model's raw kurtosis peaks at steps 200–300 (41 first token, 27 other
 # tokens at 300 against the paper recipe's 2.1 and 2.6; results/demo/emergence.json of the 500-step run).
 DEMO_STEPS = 300
-DEMO_LONG_STEPS = 2000  # ``--long``: the first 2000 steps of a 5000-step schedule, Llama style
+DEMO_LONG_STEPS = 2000  # ``--long``: 2000 steps (4.1 M tokens), the whole cosine schedule, Llama style
 
 # ``reproduce``: the paper's tables, at paper scale (``qbench.studies.reproduce.ReproduceConfig.eval_tokens``).
 PAPER_TOKENS = 262144

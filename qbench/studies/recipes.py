@@ -94,13 +94,13 @@ class RecipesConfig:
 
 
 def long_config(**changes: Any) -> RecipesConfig:
-    """``qbench recipes --long``: ``qbench demo --long``'s budget (Llama style, the first 2000 steps of the
-    emergence study's 5000-step schedule) for every recipe; its vanilla and paper runs are the long demo's."""
-    from qbench.studies.demo import LLAMA_STYLE, LONG, LONG_SCHEDULE
+    """``qbench recipes --long``: ``qbench demo --long``'s budget (Llama style, 2000 steps of a schedule as long
+    as the run: every run ends annealed) for every recipe; its vanilla and paper runs are the long demo's."""
+    from qbench.studies.demo import LLAMA_STYLE, LONG
 
     base = {
         "steps": LONG.steps,
-        "schedule_steps": LONG_SCHEDULE,
+        "schedule_steps": LONG.schedule_steps,
         "extra_args": LLAMA_STYLE,
         "style_norm": "rmsnorm",
         "ckpt_root": Path("ckpts/recipes-long"),

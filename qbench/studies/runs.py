@@ -82,6 +82,17 @@ def _start(run: TrainRun, threads: int | None, nproc_per_node: int) -> tuple[sub
     return subprocess.Popen(run.command(nproc_per_node), env=env, stdout=log, stderr=log), log
 
 
+def _error_line(log: str) -> str | None:
+    """The trainer's own one-line reason (its last ``error:`` line), so a failed run says why where it is reported."""
+    try:
+        lines = Path(log).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next(
+        (line.removeprefix("error: ") for line in reversed(lines) if line.startswith("error: ")), None
+    )
+
+
 def train_runs(
     runs: list[TrainRun], console: Any, parallel: int = 1, threads: int | None = None, nproc_per_node: int = 1
 ) -> float:
@@ -109,7 +120,10 @@ def train_runs(
                     log.close()
                     del active[name]
                     if proc.returncode != 0:
-                        failed.append(f"{name} (exit {proc.returncode}; see {log.name})")
+                        reason = _error_line(log.name)
+                        failed.append(
+                            f"{name} (exit {proc.returncode}{f': {reason}' if reason else ''}; see {log.name})"
+                        )
             time.sleep(0.5)
     if failed:
         raise UserError(f"training failed: {', '.join(failed)}")

@@ -53,10 +53,12 @@ def test_muon_groups_are_exactly_the_hidden_matrices():
     gpt2 = build(
         family_config("gpt2", n_layer=1, n_head=2, d_model=16, d_ff=32, context=8, vocab_size=64, attn="sink")
     )
-    muon, adam_decay, adam_plain = names_by_group(gpt2, muon_param_groups(gpt2, 0.1))
-    assert muon[2] == sorted(
-        f"{block}{n}.weight" for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-    )
+    gpt2_groups = muon_param_groups(gpt2, 0.1)
+    muon, fused, adam_decay, adam_plain = names_by_group(gpt2, gpt2_groups)
+    assert muon[2] == sorted(f"{block}{n}.weight" for n in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+    # the fused q/k/v is Muon's too, orthogonalised as three blocks
+    assert fused[:2] == (True, 0.1) and fused[2] == [f"{block}attn.c_attn.weight"]
+    assert gpt2_groups[1]["blocks"] == 3
     assert adam_decay[2] == sorted(
         ["transformer.wte.weight", "transformer.wpe.weight", f"{block}attn.sink_k", f"{block}attn.sink_v"]
     )
@@ -120,3 +122,33 @@ def test_gate_and_embedding_projection_flags_override_the_recipe():
     args = vars(build_parser().parse_args(["--recipe", "osp", "--gate", "headwise", "--no-emb-proj"]))
     model = config_from_args(args).model_config()
     assert (model.gate, model.emb_proj, model.norm) == ("headwise", False, "rmsnorm_single")
+
+
+def test_a_fused_qkv_steps_as_three_separate_projections_under_muon():
+    """GPT-2's fused c_attn (3d × d) under BlockMuon = its q, k and v blocks as three separate parameters under
+    plain torch.optim.Muon (the reference splits the matrix): same momentum, Newton–Schulz per block, the lr
+    adjusted for a d × d matrix — over several steps, with weight decay."""
+    from trainers.optim.muon import MUON_SETTINGS, BlockMuon
+
+    torch.manual_seed(0)
+    d = 16
+    fused = torch.nn.Parameter(torch.randn(3 * d, d))
+    parts = [torch.nn.Parameter(block.detach().clone()) for block in fused.detach().chunk(3, dim=0)]
+    ours = BlockMuon([{"params": [fused], "blocks": 3}], lr=0.02, weight_decay=0.1, **MUON_SETTINGS)
+    reference = torch.optim.Muon(parts, lr=0.02, weight_decay=0.1, **MUON_SETTINGS)
+    for _ in range(4):
+        grad = torch.randn(3 * d, d)
+        fused.grad = grad.clone()
+        for p, g in zip(parts, grad.chunk(3, dim=0), strict=True):
+            p.grad = g.clone()
+        ours.step()
+        reference.step()
+    torch.testing.assert_close(fused.detach(), torch.cat([p.detach() for p in parts]), rtol=0, atol=0)
+    # orthogonalised as one 3d × d matrix it would differ (the issue this fixes)
+    whole = torch.nn.Parameter(torch.cat([p.detach() for p in parts]).clone())
+    whole.grad = torch.randn(3 * d, d)
+    split = torch.nn.Parameter(whole.detach().clone())
+    split.grad = whole.grad.clone()
+    torch.optim.Muon([whole], lr=0.02, **MUON_SETTINGS).step()
+    BlockMuon([{"params": [split], "blocks": 3}], lr=0.02, **MUON_SETTINGS).step()
+    assert not torch.allclose(whole, split)

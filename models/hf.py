@@ -596,12 +596,10 @@ def to_hf_model(model: torch.nn.Module, tokenizer: Any | None = None) -> Any:
 
     With ``tokenizer``, its ``<|endoftext|>`` id becomes the config's bos/eos/pad id (generation needs them).
     """
-    from models.transformer import Transformer, merge_emb_proj
+    from models.transformer import Transformer, merge_projections
 
     assert isinstance(model, Transformer)
-    model = merge_emb_proj(
-        model
-    )  # OSP's embedding projection folds into the embedding: export the plain model
+    model = merge_projections(model)  # OSP's projections fold into the embedding and head: the plain model
     config = model.config
     # The sink logits travel in the config (see register_remedies), not as weights.
     state = {
@@ -657,7 +655,11 @@ def export_to_hf(checkpoint: Checkpoint | str | Path, out: str | Path) -> Path:
         "model": ckpt.config.to_dict(),
         "provenance": ckpt.provenance,
     }
-    if ckpt.config.emb_proj:  # "model" is what was trained; the weights are its merged, plain form
-        hf_config["qbench"]["merged_emb_proj"] = True
+    if (
+        ckpt.config.emb_proj or ckpt.config.head_proj
+    ):  # "model" is what was trained; the weights its plain form
+        hf_config["qbench"]["merged_projections"] = [
+            n for n in ("emb_proj", "head_proj") if getattr(ckpt.config, n)
+        ]
     atomic_write_json(config_file, hf_config)
     return out

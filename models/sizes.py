@@ -46,6 +46,7 @@ def parameter_counts(config: ModelConfig) -> tuple[int, int]:
     position = config.context * config.d_model if config.pos == "learned" else 0
     head = 0 if config.tie_embeddings else token
     final_norm = _norm(config) if config.norm_position == "pre" else 0  # post-norm blocks already end in one
-    emb_proj = config.d_model**2 if config.emb_proj else 0  # OSP's projection after the token embedding
-    total = token + position + config.n_layer * block + final_norm + head + emb_proj
+    # OSP's projections after the token embedding and before the head
+    osp = config.d_model**2 * (int(config.emb_proj) + int(config.head_proj))
+    total = token + position + config.n_layer * block + final_norm + head + osp
     return total, total - token - position - head

@@ -285,8 +285,9 @@ class Transformer(nn.Module):
             self.transformer["wpe"] = nn.Embedding(config.context, config.d_model)
         if config.norm_position == "pre":  # post-norm blocks already end in a norm
             self.transformer["ln_f"] = build_norm(config)
-        if config.emb_proj:
-            self.transformer["emb_proj"] = nn.Linear(config.d_model, config.d_model, bias=False)
+        for name in ("emb_proj", "head_proj"):  # OSP's projections (models.config)
+            if getattr(config, name):
+                self.transformer[name] = nn.Linear(config.d_model, config.d_model, bias=False)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.tie_weights()
         if config.pos == "rope":
@@ -296,8 +297,9 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("c_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layer))
-        if config.emb_proj:  # identity: the model starts as the plain architecture
-            nn.init.eye_(self.transformer["emb_proj"].weight)
+        for name in ("emb_proj", "head_proj"):  # orthogonal, as OSP's reference model initialises rot1, rot2
+            if name in self.transformer:
+                nn.init.orthogonal_(self.transformer[name].weight)
 
     def make_rope_tables(self, device: torch.device | str | None = None) -> None:
         """(Re)build the non-persistent RoPE tables, e.g. after loading weights into a model built on 'meta'."""
@@ -341,6 +343,8 @@ class Transformer(nn.Module):
             cache.pos += T
         if "ln_f" in self.transformer:
             x = self.transformer.ln_f(x)
+        if "head_proj" in self.transformer:  # OSP: between the final norm and the head
+            x = self.transformer.head_proj(x)
         return self.lm_head(x)  # (B, T, V)
 
     def new_cache(self, packed: bool = False) -> KVCache:
@@ -395,26 +399,32 @@ def build(config: ModelConfig, seed: int | None = None) -> Transformer:
         return Transformer(config)
 
 
-def merge_emb_proj(model: Transformer) -> Transformer:
-    """The plain architecture computing the same function: OSP's embedding projection P folded into the token
-    embedding (E <- E Pᵀ, since emb_proj(E[t]) = E[t] Pᵀ), so what is quantised and exported has no P.
+def merge_projections(model: Transformer) -> Transformer:
+    """The plain architecture computing the same function: OSP's projections folded away, so what is quantised
+    and exported has neither. The embedding projection P₁ folds into the token embedding (E ← E P₁ᵀ, since
+    emb_proj(E[t]) = E[t] P₁ᵀ); the head projection P₂ into the head (W ← W P₂, since W (P₂ h) = (W P₂) h).
 
-    A tied head reads the unprojected E, so a tied model comes back untied (head = E, embedding = E Pᵀ).
-    A model without ``emb_proj`` is returned unchanged.
+    A tied head reads the unprojected E, so a tied model comes back untied: embedding E P₁ᵀ (or E) and head E P₂
+    (or E). A model without either projection is returned unchanged.
     """
     config = model.config
-    if not config.emb_proj:
+    if not (config.emb_proj or config.head_proj):
         return model
-    plain = config.replace(emb_proj=False, tie_embeddings=False)
+    plain = config.replace(emb_proj=False, head_proj=False, tie_embeddings=False)
     with torch.device("meta"):
         merged = Transformer(plain)
-    state = {
-        k: v.detach().clone() for k, v in model.state_dict().items() if k != "transformer.emb_proj.weight"
-    }
-    P = model.transformer.emb_proj.weight.detach()
+    projections = ("transformer.emb_proj.weight", "transformer.head_proj.weight")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in projections}
     wte = model.transformer.wte.weight.detach()
-    state["lm_head.weight"] = model.lm_head.weight.detach().clone()
-    state["transformer.wte.weight"] = (wte.double() @ P.double().t()).to(wte.dtype)
+    head = model.lm_head.weight.detach()  # E itself when tied
+    if config.emb_proj:
+        P1 = model.transformer.emb_proj.weight.detach()
+        state["transformer.wte.weight"] = (wte.double() @ P1.double().t()).to(wte.dtype)
+    if config.head_proj:
+        P2 = model.transformer.head_proj.weight.detach()
+        state["lm_head.weight"] = (head.double() @ P2.double()).to(head.dtype)
+    else:
+        state["lm_head.weight"] = head.clone()
     merged.load_state_dict(state, assign=True)
     if plain.pos == "rope":
         merged.make_rope_tables(wte.device)

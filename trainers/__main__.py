@@ -28,7 +28,7 @@ from trainers import state
 from trainers.loop import DTYPES, TrainConfig, TrainingDiverged, train
 from trainers.recipes import RECIPES
 
-SWITCH_FLAGS = ("attn", "norm", "norm_position", "pos", "bias", "gate", "emb_proj")
+SWITCH_FLAGS = ("attn", "norm", "norm_position", "pos", "bias", "gate", "emb_proj", "head_proj")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +56,12 @@ def _model_switches(g: argparse._ArgumentGroup) -> None:
         dest="emb_proj",
         action=argparse.BooleanOptionalAction,
         help="OSP's learnable projection after the token embedding (merged away for evaluation)",
+    )
+    g.add_argument(
+        "--head-proj",
+        dest="head_proj",
+        action=argparse.BooleanOptionalAction,
+        help="OSP's learnable projection between the final norm and the LM head (merged away for evaluation)",
     )
     g.add_argument(
         "--set", action="append", metavar="FIELD=VALUE", help="any model config field, e.g. n_layer=2"

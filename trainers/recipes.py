@@ -36,7 +36,7 @@ Training-time remedies beyond the paper's recipe, each on top of ``vanilla`` and
 - ``muon``: the Muon optimiser on hidden matrices, AdamW on the rest (``trainers.optim.muon``);
 - ``osp``: Outlier-Safe Pre-Training (Park et al. 2025): Muon + RMSNorm-S + the learnable embedding projection
   (merged into the embedding for evaluation and export);
-- ``clipped-softmax``: clipped softmax attention (Bondarenko et al. 2023), γ = −4/T, ζ = 1;
+- ``clipped-softmax``: clipped softmax attention (Bondarenko et al. 2023), γ = −12/T, ζ = 1 (the reference OPT script);
 - ``gated-attn``: an element-wise sigmoid gate on the attention output (Qiu et al. 2025, their best variant:
   G1, element-wise);
 - ``softpick``: softpick attention (Zuhri et al. 2025);
@@ -54,7 +54,7 @@ from typing import Any
 
 from models.registry import Registry
 
-MODEL_SWITCHES = ("attn", "norm", "norm_position", "pos", "bias", "gate", "emb_proj")
+MODEL_SWITCHES = ("attn", "norm", "norm_position", "pos", "bias", "gate", "emb_proj", "head_proj")
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class Recipe:
     bias: bool | None = None
     gate: str | None = None
     emb_proj: bool | None = None
+    head_proj: bool | None = None
 
     def model_switches(self) -> dict[str, Any]:
         """The switches this recipe sets, as ``ModelConfig`` field overrides."""
@@ -128,10 +129,23 @@ _REMEDIES: dict[str, tuple[dict[str, Any], str]] = {
         "Muon on hidden matrices + AdamW on embeddings, head, norms, biases; softmax attention",
     ),
     "osp": (
-        dict(optim="muon", norm="rmsnorm_single", emb_proj=True),
-        "Outlier-Safe Pre-Training: Muon + RMSNorm-S + learnable embedding projection",
+        dict(optim="muon", norm="rmsnorm_single", emb_proj=True, head_proj=True),
+        "Outlier-Safe Pre-Training: Muon + RMSNorm-S + learnable projections after the embedding and before the "
+        "head (orthogonal at init, merged for evaluation)",
     ),
-    "clipped-softmax": (dict(attn="clipped"), "clipped softmax attention (gamma = -4/T, zeta = 1) + AdamW"),
+    # OSP's ablation (Park et al. 2025): what each part does
+    "muon+ssnorm": (
+        dict(optim="muon", norm="rmsnorm_single"),
+        "OSP without its projections: Muon + RMSNorm-S",
+    ),
+    "osp-input-only": (
+        dict(optim="muon", norm="rmsnorm_single", emb_proj=True),
+        "OSP with the embedding projection only (no projection before the head)",
+    ),
+    "clipped-softmax": (
+        dict(attn="clipped"),
+        "clipped softmax attention (gamma = -12/T, zeta = 1: the reference OPT script) + AdamW",
+    ),
     "gated-attn": (dict(gate="elementwise"), "element-wise sigmoid gate on the attention output + AdamW"),
     "softpick": (dict(attn="softpick"), "softpick attention, ReLU(e^x - 1) / sum |e^x - 1| + AdamW"),
     "sink-logit": (dict(attn="sink-logit"), "a learned per-head sink logit (gpt-oss) + AdamW"),

@@ -10,7 +10,7 @@ from models.errors import UserError
 from qbench.cli.args import add_seed_arguments
 from qbench.cli.base import add_output_argument, console
 from qbench.cli.budgets import DEMO_LONG_STEPS, DEMO_STEPS, DEMO_TOKENS
-from qbench.studies.recipes import DEFAULT_RECIPES  # torch-free: the parser stays light
+from qbench.studies.recipes import DEFAULT_RECIPES, LR_SWEEP  # torch-free: the parser stays light
 
 NAME = "recipes"
 HELP = (
@@ -36,7 +36,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help=f"optimiser steps of every run (default: {DEMO_STEPS}, the demo's; --long {DEMO_LONG_STEPS})",
     )
-    parser.add_argument("--lr", type=float, default=4e-3, help="peak learning rate of every run")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=4e-3,
+        help="peak learning rate of every run (with --lr-sweep: the runs' naming base)",
+    )
+    parser.add_argument(
+        "--lr-sweep",
+        nargs="*",
+        type=float,
+        metavar="LR",
+        help="train every recipe at each of these peak learning rates (alone: "
+        f"{' '.join(f'{x:g}' for x in LR_SWEEP)}) and keep, per recipe, the one with the lowest final validation "
+        "loss; the other seeds train at it (lr_sweep.json, table.md)",
+    )
     add_seed_arguments(parser, "every recipe")
     parser.add_argument(
         "--tokens", type=int, default=DEMO_TOKENS, help="evaluation token budget per model (the demo's)"
@@ -80,6 +94,10 @@ def run(args: argparse.Namespace) -> None:
 
     base = long_config() if args.long else RecipesConfig()
     steps = base.steps if args.steps is None else args.steps
+    lrs = () if args.lr_sweep is None else tuple(args.lr_sweep or LR_SWEEP)
+    bad = [x for x in (args.lr, *lrs) if not x > 0]
+    if bad:
+        raise UserError(f"learning rates must be > 0, got {bad[0]:g} (--lr, --lr-sweep)")
     if steps < 1 or args.tokens < 2 or args.parallel < 1 or args.seeds < 1:
         raise UserError(
             f"--steps, --parallel and --seeds must be ≥ 1 and --tokens ≥ 2, got {steps}, {args.parallel}, "
@@ -101,6 +119,7 @@ def run(args: argparse.Namespace) -> None:
             "parallel": args.parallel,
             "extra_args": (*base.extra_args, *args.train_arg),
             "sweep_axes": () if args.no_sweep else base.sweep_axes,
+            "lrs": lrs,
         }
     )
     check_train_args(cfg, args.train_arg)  # one line each, before anything is timed or trained

@@ -28,7 +28,7 @@ from torch import nn
 
 from models.checkpoint import is_checkpoint, load_checkpoint
 from models.errors import UserError, unknown_choice
-from models.transformer import merge_emb_proj
+from models.transformer import merge_projections
 
 CKPT_ROOT = Path("ckpts")
 DTYPES = {
@@ -137,8 +137,8 @@ def load_model(
         ckpt = load_checkpoint(target, device=device, dtype=torch_dtype)
         if ckpt.tokenizer is None:
             raise UserError(f"checkpoint {target} has no tokenizer files; re-save it with its tokenizer")
-        # OSP's embedding projection is a training-time device: evaluate (and quantise) the plain model it folds into.
-        model = merge_emb_proj(ckpt.model)
+        # OSP's projections are a training-time device: evaluate (and quantise) the plain model they fold into.
+        model = merge_projections(ckpt.model)
         description = {
             "kind": "qbench",
             "path": str(target),
@@ -149,7 +149,9 @@ def load_model(
             "provenance": ckpt.provenance,
         }
         if model is not ckpt.model:
-            description["merged_emb_proj"] = True
+            description["merged_projections"] = [
+                n for n in ("emb_proj", "head_proj") if getattr(ckpt.config, n)
+            ]
         return LoadedModel(model, ckpt.tokenizer, _folder_name(target), str(target), description)
     if isinstance(target, Path) and target.is_file():
         from qbench.eval.gguf import load_gguf

@@ -2,7 +2,7 @@
 demo's evaluation of each, into one table.
 
 1. Train every recipe of the panel (default :data:`DEFAULT_RECIPES`: the baseline, the paper's recipe, Muon,
-   OSP, clipped softmax, gated attention, softpick, the sink logit) on one preset with the same seed, data, learning
+   OSP and its two ablations, clipped softmax, gated attention, softpick, the sink logit) on one preset with the same seed, data, learning
    rate and number of steps, two runs at a time (one thread each, as ``qbench demo``). Each run resumes from its
    last checkpoint, so an interrupted panel continues where it stopped. Before anything starts,
    :func:`estimate` prints the cost: tokens and training FLOPs (``trainers.throughput``'s 6·N + 12·L·d·T) per
@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import math
 import os
 import platform
 import shlex
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,11 +46,18 @@ DEFAULT_RECIPES = (
     "paper",
     "muon",
     "osp",
+    "muon+ssnorm",  # OSP's ablation: Muon + RMSNorm-S without the projections,
+    "osp-input-only",  # ... and with the embedding projection alone
     "clipped-softmax",
     "gated-attn",
     "softpick",
     "sink-logit",
 )
+
+
+# --lr-sweep's candidates: AdamW-family recipes and Muon's (whose lr also drives its AdamW half) alike, around the
+# demo's 4e-3
+LR_SWEEP = (2e-3, 4e-3, 8e-3)
 
 
 @dataclass(frozen=True)
@@ -73,24 +82,66 @@ class RecipesConfig:
     sweep_axes: tuple[str, ...] = ("w", "a", "o", "all", "kv")  # the demo's sweep; () skips it
     sweep_keep_first: tuple[int, ...] = (1,)
     sweep_kv_scheme: str = "kivi:group=32,residual=32"  # the demo's: R = 128 would cover 128-token windows
+    # --lr-sweep: candidate peak learning rates, each recipe trained at each (seed ``seed``) and the one with the
+    # lowest final validation loss kept (docs/training.md); () trains every recipe at ``lr``
+    lrs: tuple[float, ...] = ()
+    chosen_lr: tuple[tuple[str, float], ...] = ()  # (recipe, lr) the sweep chose; set by run_panel
 
     def __post_init__(self) -> None:
         from trainers.recipes import RECIPES
 
         object.__setattr__(self, "recipes", tuple(dict.fromkeys(RECIPES.canonical(r) for r in self.recipes)))
+        object.__setattr__(self, "lrs", tuple(dict.fromkeys(float(x) for x in self.lrs)))
 
     @property
     def description(self) -> str:
         schedule = f" of a {self.schedule_steps}-step schedule" if self.schedule_steps else ""
         style = ", Llama style" if "family=llama" in self.extra_args else ""
         seeds = f"seeds {self.seed}–{self.seed + self.seeds - 1}" if self.seeds > 1 else f"seed {self.seed}"
-        return f"{self.preset}{style}, {self.steps} steps{schedule}, lr {self.lr}, {seeds}"
+        lr = (
+            f"lr per recipe, the best validation loss of {'/'.join(f'{x:g}' for x in self.lrs)}"
+            if self.lrs
+            else f"lr {self.lr}"
+        )
+        return f"{self.preset}{style}, {self.steps} steps{schedule}, {lr}, {seeds}"
+
+    def lr_of(self, recipe: str) -> float:
+        """The peak learning rate ``recipe`` trains at: the sweep's choice, else the panel's ``lr``."""
+        return dict(self.chosen_lr).get(recipe, self.lr)
+
+    def run_name(self, recipe: str, lr: float, seed: int) -> str:
+        """A run's folder and model name: the recipe, ``-lr<lr>`` when it is not the panel's ``lr`` (so a panel
+        without a sweep, and the sweep's runs at ``lr``, share folders), ``-seed<k>`` after the first seed."""
+        name = recipe if lr == self.lr else f"{recipe}-lr{lr:g}"
+        return name if seed == self.seed else f"{name}-seed{seed}"
 
     def runs(self) -> list[Any]:
-        """Every training run of the panel: one per recipe and seed (``qbench.studies.seeds.seeded_runs``)."""
-        from qbench.studies.seeds import seeded_runs
+        """Every training run of the panel: one per recipe and seed (``qbench.studies.seeds.seeded_runs``), at
+        the recipe's learning rate."""
+        from qbench.studies.seeds import SeededRun, seeded_runs
 
-        return seeded_runs(self.recipes, self.seed, self.seeds)
+        return [
+            SeededRun(
+                r.recipe, r.seed, self.run_name(r.recipe, self.lr_of(r.recipe), r.seed), self.lr_of(r.recipe)
+            )
+            for r in seeded_runs(self.recipes, self.seed, self.seeds)
+        ]
+
+    def sweep_runs(self) -> list[Any]:
+        """The learning-rate sweep's runs: every recipe at every candidate lr, the panel's first seed."""
+        from qbench.studies.seeds import SeededRun
+
+        return [
+            SeededRun(recipe, self.seed, self.run_name(recipe, lr, self.seed), lr)
+            for lr in self.lrs
+            for recipe in self.recipes
+        ]
+
+    def training_runs(self) -> list[Any]:
+        """What this panel trains: the sweep's runs (before the choice) and every seed's, each once."""
+        runs = {r.name: r for r in (self.sweep_runs() if self.lrs and not self.chosen_lr else [])}
+        runs.update({r.name: r for r in self.runs()})
+        return list(runs.values())
 
 
 def long_config(**changes: Any) -> RecipesConfig:
@@ -109,10 +160,9 @@ def long_config(**changes: Any) -> RecipesConfig:
     return RecipesConfig(**{**base, **changes})
 
 
-def panel_runs(cfg: RecipesConfig) -> list[TrainRun]:
-    """One trainer run per recipe and seed; everything but ``--recipe`` and ``--seed`` is shared."""
-    # the order of a one-seed panel's arguments, which a run's saved state compares when it resumes
-    head = ("--preset", cfg.preset, "--lr", str(cfg.lr))
+def panel_runs(cfg: RecipesConfig, runs: Sequence[Any] | None = None) -> list[TrainRun]:
+    """One trainer run per recipe and seed (default: every run the panel trains, :meth:`training_runs`);
+    everything but ``--recipe``, ``--lr`` and ``--seed`` is shared."""
     shared = (*("--probe-every", str(cfg.probe_every), "--ckpt-every", "50"), *cfg.extra_args)
     from trainers.recipes import RECIPES
 
@@ -125,11 +175,55 @@ def panel_runs(cfg: RecipesConfig) -> list[TrainRun]:
             run.name,
             cfg.ckpt_root / run.name,
             cfg.schedule_steps or cfg.steps,
-            ("--recipe", run.recipe, *head, "--seed", str(run.seed), *shared, *own(run.recipe)),
+            # the order of a one-seed panel's arguments, which a run's saved state compares when it resumes
+            (
+                *("--recipe", run.recipe, "--preset", cfg.preset, "--lr", str(run.lr or cfg.lr)),
+                *("--seed", str(run.seed), *shared, *own(run.recipe)),
+            ),
             stop_at=cfg.steps if cfg.schedule_steps else None,
         )
-        for run in cfg.runs()
+        for run in (cfg.training_runs() if runs is None else runs)
     ]
+
+
+def final_val_loss(out: Path) -> float | None:
+    """A run's validation loss at its last step: its checkpoint's ``training.summary`` (the trainer's final
+    evaluation), else the last ``val_loss`` of its metrics.jsonl."""
+    try:
+        meta = json.loads((out / "config.json").read_text())
+        summary = ((meta.get("provenance") or {}).get("training") or {}).get("summary") or {}
+        if summary.get("val_loss") is not None:
+            return float(summary["val_loss"])
+    except (OSError, ValueError):
+        pass
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    values = [json.loads(line).get("val_loss") for line in lines if line.strip()]
+    values = [v for v in values if v is not None]
+    return float(values[-1]) if values else None
+
+
+def choose_lrs(cfg: RecipesConfig) -> dict[str, Any]:
+    """The sweep's outcome: per recipe the final validation loss at each candidate lr and the chosen lr, the one
+    with the lowest (ties: the smaller lr). A run that diverged or has no loss is never chosen; a recipe with none
+    keeps the panel's ``lr``."""
+    table: dict[str, dict[str, Any]] = {}
+    for run in cfg.sweep_runs():
+        loss = final_val_loss(cfg.ckpt_root / run.name)
+        entry = table.setdefault(run.recipe, {"val_loss": {}, "chosen": None})
+        entry["val_loss"][f"{run.lr:g}"] = loss if loss is not None and math.isfinite(loss) else None
+    for entry in table.values():
+        finite = {float(k): v for k, v in entry["val_loss"].items() if v is not None}
+        entry["chosen"] = min(finite, key=lambda lr: (finite[lr], lr)) if finite else None
+    return {
+        "rule": "each recipe at the peak learning rate with the lowest final validation loss (seed "
+        f"{cfg.seed}), among {', '.join(f'{x:g}' for x in cfg.lrs)} (docs/training.md)",
+        "candidates": list(cfg.lrs),
+        "seed": cfg.seed,
+        "recipes": table,
+    }
 
 
 # The trainer options every panel run gets from the panel itself -> the ``qbench recipes`` option to give instead
@@ -212,7 +306,7 @@ def check_ckpt_root(cfg: RecipesConfig) -> None:
             f"qbench recipes: --ckpt-root {root} is a model checkpoint itself, not a panel's folder; give a new "
             "folder (or an earlier recipes panel's, to resume it)"
         )
-    for run in cfg.runs():
+    for run in cfg.training_runs():
         out = root / run.name
         if out.exists() and not out.is_dir():
             raise UserError(f"qbench recipes: {out} is a file; the {run.name} run trains into a folder there")
@@ -287,7 +381,7 @@ def time_steps(cfg: RecipesConfig) -> dict[str, float]:
     its seeds (the seed changes the numbers, not the work)."""
     timed: dict[str, float] = {}
     out = {}
-    for run in cfg.runs():
+    for run in cfg.training_runs():
         if _steps(cfg, run.name, _train_config(cfg, run.name))[1]:
             if run.recipe not in timed:
                 timed[run.recipe] = time_one_step(cfg, run.recipe)
@@ -316,7 +410,7 @@ def estimate(cfg: RecipesConfig, step_s: float | Mapping[str, float] | None = No
     from trainers.throughput import flops_per_token
 
     rows = []
-    for recipe in (run.name for run in cfg.runs()):
+    for recipe in (run.name for run in cfg.training_runs()):
         tc = _train_config(cfg, recipe)
         mc = tc.model_config()
         with torch.device("meta"):
@@ -386,8 +480,28 @@ def describe_estimate(est: dict[str, Any]) -> str:
     return text
 
 
-def train_panel(cfg: RecipesConfig, console: Any) -> float:
-    return train_runs(panel_runs(cfg), console, parallel=cfg.parallel, threads=1)
+def train_panel(cfg: RecipesConfig, console: Any) -> tuple[RecipesConfig, float]:
+    """Train the panel; with a learning-rate sweep, first every recipe at every candidate lr (``lr_sweep.json``
+    says which each keeps), then the other seeds at the chosen lr. Returns the panel at its chosen lrs and the
+    seconds spent training."""
+    from dataclasses import replace
+
+    from models.io import atomic_write_json
+
+    seconds = 0.0
+    if cfg.lrs and not cfg.chosen_lr:
+        seconds += train_runs(panel_runs(cfg, cfg.sweep_runs()), console, parallel=cfg.parallel, threads=1)
+        choice = choose_lrs(cfg)
+        atomic_write_json(cfg.output_path / "lr_sweep.json", choice)
+        chosen = tuple((r, e["chosen"]) for r, e in choice["recipes"].items() if e["chosen"] is not None)
+        cfg = replace(cfg, chosen_lr=chosen)
+        console.print(
+            "learning rate per recipe (lowest final validation loss): "
+            + ", ".join(f"{r} {lr:g}" for r, lr in chosen),
+            highlight=False,
+        )
+    seconds += train_runs(panel_runs(cfg, cfg.runs()), console, parallel=cfg.parallel, threads=1)
+    return cfg, seconds
 
 
 def evaluate(cfg: RecipesConfig, on_record: Any = None) -> list[dict]:
@@ -424,18 +538,42 @@ def training_table(records: list[dict]) -> str:
             continue
         training = ((r.get("model") or {}).get("provenance") or {}).get("training") or {}
         summary = training.get("summary") or {}
+        lr = (training.get("config") or {}).get("lr")
         rows.append(
             [
                 r["model"]["name"],
                 training.get("optimizer", "-"),
+                f"{lr:g}" if lr is not None else "-",
                 f"{summary['tokens']:,}" if summary.get("tokens") else "-",
                 f"{summary['wall_s']:.0f}" if summary.get("wall_s") else "-",
                 f"{summary['tokens_per_s']:,.0f}" if summary.get("tokens_per_s") else "-",
                 f"{summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "-",
             ]
         )
-    headers = ["model", "optimiser", "training tokens", "wall s", "tokens/s", "val loss"]
+    headers = ["model", "optimiser", "peak lr", "training tokens", "wall s", "tokens/s", "val loss"]
     return tabulate(rows, headers, tablefmt="github")
+
+
+def lr_section(cfg: RecipesConfig) -> str:
+    """The learning-rate sweep as table.md shows it: each recipe's final validation loss at each candidate, the
+    chosen one in bold (``lr_sweep.json`` holds the same)."""
+    from tabulate import tabulate
+
+    choice = choose_lrs(cfg)
+    rows = []
+    for recipe, entry in choice["recipes"].items():
+        cells = []
+        for lr in cfg.lrs:
+            loss = entry["val_loss"].get(f"{lr:g}")
+            text = "-" if loss is None else f"{loss:.4f}"
+            cells.append(f"**{text}**" if entry["chosen"] == lr else text)
+        rows.append([recipe, *cells, "-" if entry["chosen"] is None else f"{entry['chosen']:g}"])
+    headers = ["recipe", *(f"val loss @ {lr:g}" for lr in cfg.lrs), "chosen lr"]
+    return (
+        f"\n## Learning rate per recipe\n\nRule: {choice['rule']}; the other seeds train at the chosen lr. "
+        "Each run's lr is in its checkpoint's provenance (`training.config.lr`) and the table above.\n\n"
+        f"{tabulate(rows, headers, tablefmt='github')}\n"
+    )
 
 
 def write_report(
@@ -454,7 +592,9 @@ def write_report(
     from trainers.recipes import RECIPES
 
     out = cfg.output_path
-    curves = read_curves([cfg.ckpt_root / r for r in cfg.recipes])  # the first seed's runs
+    curves = read_curves(
+        [cfg.ckpt_root / r.name for r in cfg.runs() if r.seed == cfg.seed]
+    )  # the first seed's
     atomic_write_json(out / "emergence.json", curves)
     plots.emergence_plot(curves, out / "emergence.png")
     machine = f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}"
@@ -469,6 +609,8 @@ def write_report(
         "Each run's own figures, from its checkpoint's provenance (`training.summary`): runs train two at a time, one "
         "thread each, so a run's wall time depends on what shared the cores with it.\n\n![emergence](emergence.png)\n"
     )
+    if cfg.lrs:
+        text += lr_section(cfg)
     if sweep is not None:
         from qbench.studies.sweep import sweep_caption, sweep_table
 
@@ -495,7 +637,7 @@ def run_panel(
     console.print(
         f"[bold]qbench recipes[/] {', '.join(cfg.recipes)} ({cfg.description}): {describe_estimate(est)}"
     )
-    train_s = train_panel(cfg, console)
+    cfg, train_s = train_panel(cfg, console)
     start = time.perf_counter()
     records = evaluate(cfg, on_record=on_record)
     timings = {"train": train_s, "eval": time.perf_counter() - start}

@@ -34,6 +34,7 @@ class SeededRun:
     recipe: str
     seed: int
     name: str  # its folder under the panel's checkpoint root, and the model name of its records
+    lr: float | None = None  # its peak learning rate when the panel chose one per recipe (None: the panel's)
 
 
 def seeded_runs(recipes: Sequence[str], seed: int, seeds: int) -> list[SeededRun]:

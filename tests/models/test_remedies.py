@@ -24,7 +24,7 @@ from models.attention import (
     softpick,
 )
 from models.observe import observe
-from models.transformer import KVCache, merge_emb_proj
+from models.transformer import KVCache, merge_projections
 
 from .conftest import micro
 
@@ -270,7 +270,7 @@ def perturbed(family, switches, seed=3):
     model = build(micro(family, **switches), seed=seed).eval()
     with torch.no_grad():  # non-trivial sinks, gate biases and projection
         for name, p in model.named_parameters():
-            if name.endswith(("sinks", "g_proj.bias")) or "emb_proj" in name:
+            if name.endswith(("sinks", "g_proj.bias", "emb_proj.weight", "head_proj.weight")):
                 p.add_(0.5 * torch.randn_like(p))
     return model
 
@@ -302,17 +302,33 @@ def test_cache_observation_and_generation_agree_with_one_full_pass(family, switc
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_merged_embedding_projection_gives_the_same_logits_in_the_plain_architecture(family, tied):
-    model = perturbed(family, dict(emb_proj=True, tie_embeddings=tied))
-    merged = merge_emb_proj(model)
-    assert merged.config == model.config.replace(emb_proj=False, tie_embeddings=False)
-    assert not any("emb_proj" in name for name in merged.state_dict())
+@pytest.mark.parametrize("which", [("emb_proj",), ("head_proj",), ("emb_proj", "head_proj")])
+def test_merged_osp_projections_give_the_same_logits_in_the_plain_architecture(family, tied, which):
+    switches = {name: True for name in which}
+    model = build(micro(family, tie_embeddings=tied, **switches), seed=3).eval()
+    with torch.no_grad():  # trained projections: not orthogonal any more
+        for name in which:
+            model.transformer[name].weight.add_(0.3 * torch.randn(32, 32))
+    merged = merge_projections(model)
+    assert merged.config == model.config.replace(emb_proj=False, head_proj=False, tie_embeddings=False)
+    assert not {"transformer.emb_proj.weight", "transformer.head_proj.weight"} & set(merged.state_dict())
     x = torch.randint(0, 97, (2, 24))
     torch.testing.assert_close(merged(x), model(x), rtol=1e-5, atol=1e-5)
+    if tied and "head_proj" in which:  # the tied head read E: it is E P₂ now, the embedding E (P₁ᵀ)
+        wte = model.transformer.wte.weight
+        expected = wte.double() @ model.transformer.head_proj.weight.double()
+        torch.testing.assert_close(merged.lm_head.weight.double(), expected, rtol=1e-6, atol=1e-6)
     plain = build(micro(family), seed=0)
-    assert merge_emb_proj(plain) is plain
-    fresh = build(micro(family, emb_proj=True), seed=5)  # identity at init: the plain model's function
-    torch.testing.assert_close(fresh.transformer.emb_proj.weight, torch.eye(32))
+    assert merge_projections(plain) is plain
+
+
+def test_osp_projections_start_orthogonal_as_the_reference_model():
+    """OSP's reference (dmis-lab/Outlier-Safe-Pre-Training) initialises both projections orthogonally."""
+    fresh = build(micro("llama", emb_proj=True, head_proj=True), seed=5)
+    for name in ("emb_proj", "head_proj"):
+        w = fresh.transformer[name].weight.double()
+        torch.testing.assert_close(w @ w.t(), torch.eye(32, dtype=torch.float64), rtol=0, atol=1e-6)
+    assert not torch.equal(fresh.transformer.emb_proj.weight, fresh.transformer.head_proj.weight)
 
 
 def test_evaluation_loads_the_merged_model(tmp_path):
@@ -321,13 +337,15 @@ def test_evaluation_loads_the_merged_model(tmp_path):
     from qbench.eval.load import load_model
 
     model = build(
-        micro("llama", emb_proj=True).replace(vocab_size=8192), seed=6
+        micro("llama", emb_proj=True, head_proj=True).replace(vocab_size=8192), seed=6
     )  # the tokenizer's vocabulary
     with torch.no_grad():
         model.transformer.emb_proj.weight.add_(0.3 * torch.randn(32, 32))
+        model.transformer.head_proj.weight.add_(0.3 * torch.randn(32, 32))
     save_checkpoint(tmp_path / "ckpt", model.eval(), load_tokenizer("bpe8192"))
     loaded = load_model(str(tmp_path / "ckpt"))
-    assert not loaded.model.config.emb_proj and loaded.description["merged_emb_proj"]
+    assert not loaded.model.config.emb_proj and not loaded.model.config.head_proj
+    assert loaded.description["merged_projections"] == ["emb_proj", "head_proj"]
     x = torch.randint(0, 8192, (1, 16))
     torch.testing.assert_close(loaded.model(x), model(x), rtol=1e-5, atol=1e-5)
 
@@ -389,11 +407,12 @@ def test_an_osp_checkpoint_exports_as_the_plain_model(tmp_path):
     from models.checkpoint import save_checkpoint
     from models.hf import export_to_hf
 
-    model = perturbed("llama", dict(emb_proj=True, norm="rmsnorm_single", attn="softpick"))
+    model = perturbed("llama", dict(emb_proj=True, head_proj=True, norm="rmsnorm_single", attn="softpick"))
     save_checkpoint(tmp_path / "ckpt", model, None)
     out = export_to_hf(tmp_path / "ckpt", tmp_path / "hf")
     config = json.loads((out / "config.json").read_text())
-    assert config["qbench"]["merged_emb_proj"] and config["attn_implementation"] == "softpick"
+    assert config["qbench"]["merged_projections"] == ["emb_proj", "head_proj"]
+    assert config["attn_implementation"] == "softpick"
     hf = AutoModelForCausalLM.from_pretrained(str(out))
     x = torch.randint(0, 97, (2, 24))
     assert (hf(x).logits - model(x)).abs().max() <= 1e-4
@@ -514,4 +533,5 @@ def test_bad_switch_values_are_one_line_errors():
         micro("gpt2", attn="softpik")
     with pytest.raises(UserError, match="clip_zeta"):
         micro("gpt2", attn="clipped", clip_zeta=0.5)
-    assert micro("gpt2", attn="clipped").clip_gamma == pytest.approx(-4.0 / 24)
+    # the reference OPT script's alpha = 12 (gamma = -alpha / T, T the context: 24 here)
+    assert micro("gpt2", attn="clipped").clip_gamma == pytest.approx(-12.0 / 24)

@@ -82,7 +82,9 @@ def test_unknown_names_suggest_the_closest():
 
 REMEDIES = {
     "muon": dict(optim="muon"),
-    "osp": dict(optim="muon", norm="rmsnorm_single", emb_proj=True),
+    "osp": dict(optim="muon", norm="rmsnorm_single", emb_proj=True, head_proj=True),
+    "muon+ssnorm": dict(optim="muon", norm="rmsnorm_single"),
+    "osp-input-only": dict(optim="muon", norm="rmsnorm_single", emb_proj=True),
     "clipped-softmax": dict(attn="clipped"),
     "gated-attn": dict(gate="elementwise"),
     "softpick": dict(attn="softpick"),

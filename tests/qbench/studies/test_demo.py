@@ -85,7 +85,9 @@ def test_demo_long_trains_the_llama_style_models_to_the_end_of_their_schedule(tm
     assert "(tiny, Llama style, 2 steps, lr 0.004)" in table
     capsys.readouterr()
     short = [*argv[:3], "1", *argv[4:], "--output-path", str(tmp_path / "r1")]
-    assert main(short) == 2  # the folder's runs are at step 2 of a 2-step schedule: not resumed as 1-step runs
+    assert (
+        main(short) == 2
+    )  # the folder's runs are at step 2 of a 2-step schedule: not resumed as 1-step runs
     assert "with a different configuration (steps: 2 -> 1)" in capsys.readouterr().err
 
 

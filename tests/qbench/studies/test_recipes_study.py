@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -80,11 +81,11 @@ def test_panel_trains_resumes_and_writes_one_table(micro_panel, monkeypatch, tmp
     osp_row = training.split("| osp ")[1].split("\n")[0]
     assert "| vanilla " in training and "muon" in osp_row and "adamw" in training.split("| vanilla ")[1]
     cfg = json.loads((micro_panel.ckpt_root / "osp" / "config.json").read_text())
-    assert cfg["model"]["emb_proj"]  # trained with the projection, evaluated merged
+    assert cfg["model"]["emb_proj"] and cfg["model"]["head_proj"]  # trained with both, evaluated merged
     records = [json.loads(p.read_text()) for p in micro_panel.output_path.glob("*/*.json")]
     records = [r for r in records if "model" in r]  # sweep/sweep.json is the sweep's summary
     osp = [r for r in records if r["model"]["name"] == "osp"]
-    assert osp and all(r["model"]["merged_emb_proj"] for r in osp)
+    assert osp and all(r["model"]["merged_projections"] == ["emb_proj", "head_proj"] for r in osp)
     assert study.estimate(micro_panel)["steps_left"] == 0  # a rerun resumes to nothing
     assert "nothing left to train" in study.describe_estimate(
         study.estimate(micro_panel, study.time_steps(micro_panel))
@@ -198,3 +199,42 @@ def test_seeds_below_one_are_refused(micro_panel):
     cli.add_arguments(parser)
     with pytest.raises(UserError, match="--seeds"):
         cli.run(parser.parse_args(["--seeds", "0"]))
+
+
+def test_the_lr_sweep_keeps_each_recipes_best_validation_loss(micro_panel, tmp_path):
+    """``--lr-sweep``: every recipe at every candidate lr (the panel's lr keeps the plain folder), the lowest final
+    validation loss chosen per recipe, the other seeds at that lr; lr_sweep.json and table.md say so."""
+    from rich.console import Console
+
+    cfg = dataclasses.replace(
+        micro_panel,
+        recipes=("vanilla",),
+        lrs=(4e-3, 2e-2),
+        seeds=2,
+        ckpt_root=tmp_path / "ckpts",
+        output_path=tmp_path / "results",
+        sweep_axes=(),
+    )
+    assert [r.name for r in cfg.sweep_runs()] == ["vanilla", "vanilla-lr0.02"]
+    assert {r.lr for r in cfg.sweep_runs()} == {4e-3, 2e-2}
+    console = Console(file=open("/dev/null", "w"))  # noqa: SIM115 - the console's file lives as long as it
+    study.run_panel(cfg, console, "qbench recipes --lr-sweep 0.004 0.02 --seeds 2")
+    choice = json.loads((cfg.output_path / "lr_sweep.json").read_text())
+    losses = {float(k): v for k, v in choice["recipes"]["vanilla"]["val_loss"].items()}
+    assert set(losses) == {4e-3, 2e-2} and all(v is not None for v in losses.values())
+    best = min(losses, key=lambda lr: (losses[lr], lr))
+    assert choice["recipes"]["vanilla"]["chosen"] == best
+    # the loss read back is the run's own: its checkpoint's provenance
+    for lr in losses:
+        name = "vanilla" if lr == 4e-3 else "vanilla-lr0.02"
+        meta = json.loads((cfg.ckpt_root / name / "config.json").read_text())
+        training = meta["provenance"]["training"]
+        assert training["config"]["lr"] == lr and training["summary"]["val_loss"] == losses[lr]
+    # the second seed trained at the chosen lr only
+    seed1 = "vanilla-seed1" if best == 4e-3 else "vanilla-lr0.02-seed1"
+    assert (cfg.ckpt_root / seed1 / "config.json").exists()
+    assert not (cfg.ckpt_root / ("vanilla-lr0.02-seed1" if best == 4e-3 else "vanilla-seed1")).exists()
+    table = (cfg.output_path / "table.md").read_text()
+    assert "## Learning rate per recipe" in table and "lowest final validation loss" in table
+    section = table.split("## Learning rate per recipe")[1].split("## Across seeds")[0]
+    assert "peak lr" in table and re.search(rf"\| vanilla .*\| +{best:g} \|", section), section

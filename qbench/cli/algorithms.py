@@ -10,10 +10,12 @@ from qbench.cli.base import SEED_HELP, add_output_argument, console
 from qbench.cli.budgets import EVAL_TOKENS
 
 NAME = "algorithms"
-HELP = "post-training algorithms (RTN, GPTQ, AWQ, Hadamard) side by side per low-bit format; one table"
+HELP = (
+    "post-training algorithms (RTN, GPTQ, AWQ, Hadamard, QuaRot) side by side per low-bit format; one table"
+)
 
 FORMAT_CHOICES = "int4, int4-g128, int3-g128, w4a8, w4a4"
-ALGORITHM_CHOICES = "rtn, gptq, awq, hadamard, hadamard+gptq"
+ALGORITHM_CHOICES = "rtn, gptq, awq, hadamard, hadamard+gptq, quarot, quarot+gptq"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -55,6 +55,7 @@ from qbench.quant.calibrate import (
 )
 from qbench.quant.fake import FakeQuantLinear, HadamardRotation, transform_input, transform_weight
 from qbench.quant.primitives import QParams
+from qbench.quant.quarot import QUAROT_SEED
 from qbench.quant.schemes import BNB_METHODS, QuantScheme, get_scheme
 
 MODES = ("fake", "real")
@@ -188,17 +189,24 @@ def _real_linear(weight: Tensor, bias: Tensor | None, scheme: QuantScheme, **tra
     return make_real_linear(weight, bias, scheme, **transforms)
 
 
-def _rotations(layers: dict[str, nn.Module], scheme: QuantScheme) -> dict[str, nn.Module]:
-    """Hadamard: one seeded rotation per input size, shared by the layers of that size (same signs, stored once)."""
-    if scheme.method != "hadamard":
+def _rotations(
+    layers: dict[str, nn.Module], scheme: QuantScheme, online: Iterable[str] | None = None
+) -> dict[str, nn.Module]:
+    """Hadamard: one seeded rotation per input size, shared by the layers of that size (same signs, stored once).
+    ``rotate=quarot``: the same for the layers ``online`` names (o_proj, down_proj: ``qbench.quant.quarot``)."""
+    if scheme.method != "hadamard" and scheme.rotate == "none":
         return {}
+    if scheme.method != "hadamard":
+        names = set(online or ())
+        layers = {n: m for n, m in layers.items() if n in names}
     by_dim: dict[int, nn.Module] = {}
     out = {}
     for name, module in layers.items():
         weight = linear_weight(module)[0]
         dim = weight.shape[1]
         if dim not in by_dim:
-            by_dim[dim] = HadamardRotation(dim, seed=int(scheme.param("seed"))).to(weight.device)
+            seed = int(scheme.param("seed")) if scheme.method == "hadamard" else QUAROT_SEED
+            by_dim[dim] = HadamardRotation(dim, seed=seed).to(weight.device)
         out[name] = by_dim[dim]
     return out
 
@@ -375,8 +383,13 @@ def quantize(
     from models.hf import unpack_gates
 
     model = unpack_gates(model)  # a gated export: q_proj / o_proj quantised as the checkpoint's layers are
+    online: list[str] = []
+    if scheme.rotate == "quarot":  # the float model rotated first (the same function), then quantised
+        from qbench.quant.quarot import rotate
+
+        model, online = rotate(model)
     layers = select_layers(model, scheme, exclude, allow_empty)
-    rotations = _rotations(layers, scheme)
+    rotations = _rotations(layers, scheme, online)
     observed = _calibrate(model, layers, scheme, calibration, rotations)
     scales = {}
     if scheme.method == "smoothquant":
@@ -416,7 +429,7 @@ def real_kernel_problem(scheme: str | QuantScheme | dict) -> str | None:
     d_in, d_out = 256, 32
     layer = nn.Linear(d_in, d_out)
     scale = torch.ones(d_in) if scheme.method == "smoothquant" else None
-    rotation = _rotations({"probe": layer}, scheme).get("probe")
+    rotation = _rotations({"probe": layer}, scheme, ["probe"]).get("probe")
     static = (None, None)
     if scheme.static:
         ones = torch.ones(d_in)

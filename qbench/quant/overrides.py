@@ -79,6 +79,12 @@ def algo_defaults(algo: str) -> dict[str, Any]:
     return dict(_ALGO_PARAMS.get(algo, {}))
 
 
+def _rotate(text: str) -> str:
+    if text not in ("none", "quarot"):
+        raise ValueError("none or quarot")
+    return text
+
+
 def _algo(text: str) -> str:
     if text in ALGOS:
         return text
@@ -141,6 +147,7 @@ KEYS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "calib_seed": ("calib_seed", _seed, "int|none"),
     "head": ("quantize_lm_head", _bool, "true|false"),
     "algo": ("algo", _algo, "rtn|gptq|awq"),
+    "rotate": ("rotate", _rotate, "none|quarot"),
     # GPTQ's settings (gptq.py): dampening as a fraction of mean diag H, columns per lazy update, act order
     "damp": ("algo_params.damp", _fraction, "0<x<=1"),
     "block": ("algo_params.block", _count, "int>=1"),

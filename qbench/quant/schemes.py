@@ -127,6 +127,9 @@ class QuantScheme:
     format: str = INT  # number format of quantised weights/activations: "int" or a ``formats.FORMATS`` name
     algo: str = "rtn"  # how weights are rounded: ``ALGOS``; gptq calibrates on calib_windows train windows
     algo_params: dict[str, Any] = field(default_factory=dict)  # the algorithm's settings (``_ALGO_PARAMS``)
+    # a transform of the whole float model before quantising: "quarot" (qbench.quant.quarot: norms folded, the
+    # residual stream rotated, an online Hadamard before o_proj and down_proj); "none" quantises the model as is
+    rotate: str = "none"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -145,6 +148,7 @@ class QuantScheme:
         object.__setattr__(self, "params", {**_METHOD_PARAMS[self.method], **self.params})
         _check_algo(self)
         object.__setattr__(self, "algo_params", {**_ALGO_PARAMS[self.algo], **self.algo_params})
+        _check_rotate(self)
 
     def __hash__(self) -> int:  # params is a dict; hash its items so schemes can key caches
         return hash(
@@ -154,6 +158,7 @@ class QuantScheme:
                 tuple(sorted(self.params.items())),
                 self.algo,
                 tuple(sorted(self.algo_params.items())),
+                self.rotate,
                 self.label,
             )
         )
@@ -181,6 +186,7 @@ class QuantScheme:
         return (
             label
             + ("-hadamard" if self.method == "hadamard" else "")
+            + ("" if self.rotate == "none" else f"-{self.rotate}")
             + ("" if self.algo == "rtn" else f"-{self.algo}")
             + ("-static" if self.static else "")
             + ("+head" if self.quantize_lm_head else "")
@@ -204,6 +210,8 @@ class QuantScheme:
             del d["algo"], d["algo_params"]
         else:
             d["algo_params"] = dict(self.algo_params)
+        if self.rotate == "none":  # likewise: records from before rotations keep their identity
+            del d["rotate"]
         d["label"] = self.label  # informative only; from_dict ignores it
         if self.format != INT and FORMATS[self.format].recipe:
             # The block-scale rule, in every record: nvfp4's changed (the E4M3 floor dropped, NVIDIA's recipe), so a
@@ -222,6 +230,26 @@ class QuantScheme:
             if isinstance(kwargs.get(key), dict):
                 kwargs[key] = granularity_from_dict(kwargs[key])
         return cls(**kwargs)
+
+
+ROTATIONS = ("none", "quarot")
+
+
+def _check_rotate(s: QuantScheme) -> None:
+    """``rotate=quarot`` rotates the float model before an integer or MX/NV round-to-nearest or GPTQ rounding;
+    the methods that transform each layer their own way (Hadamard, SmoothQuant) or quantise in bitsandbytes, and
+    AWQ's in-layer scales, do not compose with it."""
+    if s.rotate not in ROTATIONS:
+        raise unknown_choice("model rotation (rotate)", s.rotate, ROTATIONS)
+    if s.rotate == "none":
+        return
+    if s.method != "rtn":
+        raise UserError(
+            f"scheme {s.name!r}: rotate={s.rotate} applies to the plain round-to-nearest schemes, not to method "
+            f"{s.method!r} (it transforms the layers its own way)"
+        )
+    if s.algo == "awq":
+        raise UserError(f"scheme {s.name!r}: rotate={s.rotate} composes with algo=rtn or gptq, not awq")
 
 
 def _check_algo(s: QuantScheme) -> None:

@@ -3,7 +3,8 @@
 For each model and each low-bit format (:data:`FORMATS`: int4 per channel, int4 g128, int3 g128, W4A8, W4A4) the
 same weights are quantised with every algorithm of :data:`ALGORITHMS` — round-to-nearest, GPTQ
 (``qbench.quant.gptq``), AWQ (``qbench.quant.awq``), an in-layer Hadamard rotation before round-to-nearest and
-before GPTQ — and scored on the same tokens by the harness (records, per-token evidence, reuse as in ``qbench
+before GPTQ, and QuaRot's rotation of the residual stream (``qbench.quant.quarot``: norms folded, an online
+Hadamard before o_proj and down_proj) before round-to-nearest and before GPTQ — and scored on the same tokens by the harness (records, per-token evidence, reuse as in ``qbench
 grid``). The table (``table.md``, generated from ``algorithms.json``) gives per cell the perplexity change against
 the float model with its 95 % interval, the mean KL divergence, and the time the quantisation took (the cell's wall
 time minus its evaluation, calibration included); per format which algorithm is best, decided from *paired*
@@ -14,8 +15,10 @@ With several models, the first is the baseline (the model one already has, e.g. 
 interval lies wholly below the baseline's, *above* when wholly above, else *overlapping* (the models differ, so
 these intervals are not paired).
 
-The rotation is the in-layer Hadamard of the ``hadamard-*`` schemes (each linear's input and weight rows rotated
-inside the layer), not QuaRot's rotation of the residual stream with folded norms; the table says so.
+Two rotations, said apart in the table: "Hadamard" is the in-layer rotation of the ``hadamard-*`` schemes (each
+linear's input and weight rows rotated inside the layer, the residual stream untouched); "QuaRot" rotates the
+residual stream itself (``rotate=quarot``), for the pre-norm RMSNorm models it can fold (qbench's Llama-style
+models, transformers' Llama, Mistral, Qwen2/3) — elsewhere its cells record the one-line refusal.
 """
 
 from __future__ import annotations
@@ -43,13 +46,15 @@ FORMATS: tuple[tuple[str, str, str], ...] = (
         "hadamard-absmax-coarse:a=4,agran=token,group=none,o=none,w=4",
     ),
 )
-ALGORITHMS = ("rtn", "gptq", "awq", "hadamard", "hadamard+gptq")
+ALGORITHMS = ("rtn", "gptq", "awq", "hadamard", "hadamard+gptq", "quarot", "quarot+gptq")
 ALGORITHM_LABELS = {
     "rtn": "RTN",
     "gptq": "GPTQ",
     "awq": "AWQ",
     "hadamard": "Hadamard + RTN",
     "hadamard+gptq": "Hadamard + GPTQ",
+    "quarot": "QuaRot + RTN",
+    "quarot+gptq": "QuaRot + GPTQ",
 }
 FORMAT_LABELS = tuple(f[0] for f in FORMATS)
 FORMAT_KEYS = {"int4": 0, "int4-g128": 1, "int3-g128": 2, "w4a8": 3, "w4a4": 4}  # --formats names
@@ -72,6 +77,8 @@ def scheme_for(format_index: int, algo: str) -> str:
         "awq": _with(rtn, "algo=awq"),
         "hadamard": rotated,
         "hadamard+gptq": _with(rotated, "algo=gptq"),
+        "quarot": _with(rtn, "rotate=quarot"),
+        "quarot+gptq": _with(rtn, "rotate=quarot,algo=gptq"),
     }[algo]
     return get_scheme(name).name
 
@@ -297,7 +304,9 @@ def render(result: Mapping[str, Any]) -> str:
         "computes the Hessians once per model, so the first GPTQ/AWQ cell carries them); (better) / (worse): the "
         "paired 95 % interval of its perplexity against round-to-nearest's on the same tokens lies wholly below / "
         "above zero. Calibration: 8 windows of the train split. Hadamard: the in-layer rotation of the "
-        "`hadamard-*` schemes, not QuaRot's residual-stream rotation.",
+        "`hadamard-*` schemes (the residual stream untouched); QuaRot: the residual stream rotated with the norms "
+        "folded and an online Hadamard before o_proj and down_proj (`rotate=quarot`; refused on models it cannot "
+        "fold: LayerNorm, GPT-2 style).",
         "",
     ]
     header = "| model | format | " + " | ".join(ALGORITHM_LABELS[a] for a in algos) + " | best |"

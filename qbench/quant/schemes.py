@@ -348,7 +348,12 @@ def _format_label(s: QuantScheme) -> str:
     label = "-".join(p for p in (fmt.label, "/".join(words), only if roles else "float") if p)
     if s.method == "smoothquant":
         label += f"-smooth{s.param('alpha'):g}"
-    return label + ("-hadamard" if s.method == "hadamard" else "") + ("+head" if s.quantize_lm_head else "")
+    return (
+        label
+        + ("-hadamard" if s.method == "hadamard" else "")
+        + ("" if s.rotate == "none" else f"-{s.rotate}")
+        + ("+head" if s.quantize_lm_head else "")
+    )
 
 
 SCHEMES: Registry[QuantScheme] = Registry("quantisation scheme")

@@ -89,6 +89,10 @@ FORMATS: tuple[Format, ...] = (
     Format("int3 g128 weight-only + GPTQ", "zeropoint-int3-g128:algo=gptq"),
     Format("int4 per-channel weight-only + AWQ", "zeropoint-int4:algo=awq"),
     Format("int4 g128 weight-only + AWQ", "zeropoint-int4-g128:algo=awq"),
+    # QuaRot (qbench.quant.quarot): the residual stream rotated before round-to-nearest, for the 4-bit
+    # activation formats where outliers hurt most; a model it cannot rotate (LayerNorm, GPT-2) records the refusal
+    Format("W4A8 g32 + QuaRot", "absmax-w4a8-g32:rotate=quarot"),
+    Format("W4A4 MXFP4 + QuaRot", "mxfp4:rotate=quarot"),
 )
 QUICK_FORMATS = (
     "absmax-fine",
@@ -964,9 +968,10 @@ LAYER_SPEED_VERSION = 1
 
 def _rtn_scheme(scheme: str) -> str:
     """The round-to-nearest scheme with the same storage as ``scheme`` (GPTQ and AWQ choose other codes on the
-    same grid, so the same kernels run them): ``zeropoint-int4:algo=gptq`` -> ``zeropoint-int4``."""
+    same grid, QuaRot rotates the float model first: the same kernels run them, QuaRot's two online rotations
+    aside): ``zeropoint-int4:algo=gptq`` -> ``zeropoint-int4``."""
     base, _, spec = scheme.partition(":")
-    items = [i for i in spec.split(",") if i and not i.startswith("algo=")]
+    items = [i for i in spec.split(",") if i and not i.startswith(("algo=", "rotate="))]
     return base + (":" + ",".join(items) if items else "")
 
 
@@ -2084,35 +2089,43 @@ def _verdict(
 
 
 def _algorithm_lines(formats: Sequence[Mapping[str, Any]], limit: str) -> list[str]:
-    """Per post-training algorithm row whose round-to-nearest row was measured too: whether the algorithm rescues
-    a format that round-to-nearest fails (its verdict turns from beyond to within), or what it changed."""
+    """Per post-training algorithm row (GPTQ, AWQ, QuaRot) whose round-to-nearest row was measured too: whether the
+    algorithm rescues a format that round-to-nearest fails (its verdict turns from beyond to within), or what it
+    changed."""
     by_scheme = {f["scheme"]: f for f in formats}
     lines = []
     for f in formats:
         algo = _algo_of(f["scheme"])
         if algo is None:
             continue
-        base, _, spec = f["scheme"].partition(":")
-        items = [i for i in spec.split(",") if i and i != f"algo={algo}"]
-        rtn = by_scheme.get(base + (":" + ",".join(items) if items else ""))
+        rtn = by_scheme.get(_rtn_scheme(f["scheme"]))
         if rtn is None or f["status"] != "ok" or rtn["status"] != "ok":
             continue
-        name = algo.upper()
         change = f"{_pct(rtn['ppl_change_pct'])} → {_pct(f['ppl_change_pct'])}"
         if rtn.get("verdict") == "beyond" and f.get("verdict") == "within":
             lines.append(
-                f"{name} rescues {rtn['label']}: {change}, within {limit} where round-to-nearest is not."
+                f"{algo} rescues {rtn['label']}: {change}, within {limit} where round-to-nearest is not."
             )
         elif rtn.get("verdict") == "beyond":
             state = "undecided" if f.get("verdict") == "undecided" else "still beyond"
-            lines.append(f"{name} does not rescue {rtn['label']}: {change} ({state} {limit}).")
+            lines.append(f"{algo} does not rescue {rtn['label']}: {change} ({state} {limit}).")
     return lines
 
 
+_ALGO_NAMES = {"gptq": "GPTQ", "awq": "AWQ", "quarot": "QuaRot"}
+
+
 def _algo_of(scheme: str) -> str | None:
-    """The post-training algorithm a scheme name asks for (``…:algo=gptq``), None for round-to-nearest."""
+    """The post-training algorithms a scheme name asks for (``…:algo=gptq``, ``…:rotate=quarot``, both: ``QuaRot +
+    GPTQ``), None for plain round-to-nearest."""
     items = scheme.partition(":")[2].split(",")
-    return next((i.split("=", 1)[1] for i in items if i.startswith("algo=") and i != "algo=rtn"), None)
+    found = [
+        i.split("=", 1)[1]
+        for i in items
+        if (i.startswith("rotate=") and i != "rotate=none") or (i.startswith("algo=") and i != "algo=rtn")
+    ]
+    found.sort(key=lambda a: a != "quarot")  # the rotation first: it happens before the rounding
+    return " + ".join(_ALGO_NAMES.get(a, a.upper()) for a in found) or None
 
 
 def _not_measured(
@@ -2129,14 +2142,13 @@ def _not_measured(
     algos = [f["label"] for f in formats if _algo_of(f["scheme"])]
     lines = [
         (
-            f"Algorithms: GPTQ or AWQ in the rows that say so ({', '.join(algos)}); every other format is "
+            f"Algorithms: GPTQ, AWQ or QuaRot in the rows that say so ({', '.join(algos)}); every other format is "
             "round-to-nearest"
             if algos
             else "Algorithms: every format is round-to-nearest at its standard settings (`--budget standard` adds "
-            "GPTQ and AWQ rows)"
+            "GPTQ, AWQ and QuaRot rows)"
         )
-        + " — no SmoothQuant α search, residual-stream rotation (QuaRot) or learned rotation was applied (each "
-        "would change these rows).",
+        + " — no SmoothQuant α search or learned rotation (SpinQuant) was applied (each would change these rows).",
         f"Tasks: next-token quality on {protocol.get('corpus')}/{protocol.get('split')} only "
         f"({protocol.get('tokens_scored'):,} tokens, window {protocol.get('window')}); no downstream task "
         "(`qbench lm-eval` runs lm-evaluation-harness tasks on a quantised model).",

@@ -386,11 +386,19 @@ def test_the_verdict_says_when_gptq_rescues_a_format():
     assert not any("int2" in line and "GPTQ" in line and "rescue" in line for line in lines)
     gaps = card._not_measured(rows, {}, False, {"tokens_scored": 10, "window": 5}, {"budget": "standard"})
     assert gaps[0].startswith(
-        "Algorithms: GPTQ or AWQ in the rows that say so (int4 + GPTQ, int3 + GPTQ, int2 + GPTQ)"
+        "Algorithms: GPTQ, AWQ or QuaRot in the rows that say so (int4 + GPTQ, int3 + GPTQ, int2 + GPTQ)"
     )
     rows = [_row("int4", "zeropoint-int4", 8.0, 100), _row("int4 + AWQ", "zeropoint-int4:algo=awq", 0.5, 100)]
     lines = card._verdict(rows, {}, {"linear_ranges": {"per_layer": {}}}, None, 1.0)["lines"]
     assert "AWQ rescues int4: +8.00 % → +0.50 %, within 1 % where round-to-nearest is not." in lines
+    rows = [
+        _row("W4A4", "absmax-fine:a=4,w=4", 40.0, 100),
+        _row("W4A4 + QuaRot + GPTQ", "absmax-fine:a=4,algo=gptq,rotate=quarot,w=4", 0.7, 100),
+    ]
+    lines = card._verdict(rows, {}, {"linear_ranges": {"per_layer": {}}}, None, 1.0)["lines"]
+    assert (
+        "QuaRot + GPTQ rescues W4A4: +40.00 % → +0.70 %, within 1 % where round-to-nearest is not." in lines
+    )
 
 
 def test_each_format_row_says_what_it_quantised():

@@ -6,7 +6,12 @@ import argparse
 from pathlib import Path
 
 from models.errors import UserError
-from qbench.cli.args import add_model_arguments, add_resolve_argument, add_tolerance_arguments
+from qbench.cli.args import (
+    add_calibration_arguments,
+    add_model_arguments,
+    add_resolve_argument,
+    add_tolerance_arguments,
+)
 from qbench.cli.base import SEED_HELP, add_output_argument, console
 from qbench.cli.budgets import EVAL_TOKENS
 
@@ -62,11 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_output_argument(p, "records, sweep.json/.md/.png", default="qbench_results/sweep", metavar="DIR")
     p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
     p.add_argument("--no-attention", action="store_true", help="skip attention statistics (faster)")
+    add_calibration_arguments(p)
 
 
 def sweep_config(args: argparse.Namespace):
     """``qbench sweep``'s options -> ``SweepConfig`` (bad axes, bits, families fail here, before any model loads)."""
-    from qbench.cli.args import protocol_from_args, tolerance_from_args
+    from qbench.cli.args import calibration_from_args, protocol_from_args, tolerance_from_args
     from qbench.eval.harness import expand_schemes
     from qbench.studies import sweep
 
@@ -89,6 +95,7 @@ def sweep_config(args: argparse.Namespace):
         attention=not args.no_attention,
         trust_remote_code=args.trust_remote_code,
         allow_unsafe_weights=args.allow_unsafe_weights,
+        calibration=calibration_from_args(args),
     )
     from qbench.studies.resolve import resolve_cap
 

@@ -464,6 +464,7 @@ def sweep_config(cfg: CardConfig, model: str) -> Any:
         device=cfg.device,
         trust_remote_code=cfg.trust_remote_code,
         allow_unsafe_weights=cfg.allow_unsafe_weights,
+        calibration=cfg.calibration(),
     )
 
 

@@ -336,6 +336,9 @@ class SweepConfig:
     trust_remote_code: bool = False
     allow_unsafe_weights: bool = False
     baseline_path: Path | None = None  # where the float records live if not output_path (shared with a grid)
+    # where calibrated schemes and an fp8 scale=calib KV cache take their windows (qbench.quant.calibrate;
+    # None: the default, the train split of the protocol's corpus)
+    calibration: Any = None
 
 
 def _scheme_key(scheme: Mapping[str, Any]) -> str:
@@ -371,6 +374,7 @@ def _grid_spec(cfg: SweepConfig, models: list[str], schemes: list[str], kv: Any 
         allow_unsafe_weights=cfg.allow_unsafe_weights,
         baseline_path=cfg.baseline_path,
         kv=kv,
+        **({} if cfg.calibration is None else {"calibration": cfg.calibration}),
     )
 
 

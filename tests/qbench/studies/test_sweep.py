@@ -389,3 +389,18 @@ def test_sweep_metric_decides_on_that_metric_with_its_default_tolerance(metric, 
         assert cell["verdict"] == decide(record, default, metric).verdict
     assert all(p["metric"] == metric for p in sweep["breaking_points"])
     assert main([*argv[:-1], str(tmp_path / "bad"), "--tolerance", "-1"]) == 2
+
+
+def test_sweep_takes_the_calibration_flags_every_command_takes():
+    """--calib-data / --calib-tokens reach the sweep's grids (calibrated schemes and fp8 scale=calib KV cells)."""
+    from qbench.cli import build_parser
+    from qbench.cli.sweep import sweep_config
+    from qbench.quant.calibrate import CalibrationData
+    from qbench.studies.sweep import _grid_spec
+
+    args = build_parser().parse_args(
+        ["sweep", "--ckpt", "m", "--calib-data", "embedded", "--calib-tokens", "256", "--tokens", "64"]
+    )
+    cfg = sweep_config(args)
+    assert cfg.calibration == CalibrationData("embedded", 256)
+    assert _grid_spec(cfg, ["m"], ["absmax-coarse"]).calibration == CalibrationData("embedded", 256)

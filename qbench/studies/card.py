@@ -2425,32 +2425,44 @@ def _better_to_ship(
 
 
 def _comparison_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The side-by-side verdict in words, from relative damage and absolute quality together: per format, the
-    model that loses less to quantisation and the one that is better to ship, where the measurement decides."""
+    """The side-by-side verdict in words, from relative damage and absolute quality together, a line per finding
+    (formats with the same finding grouped): which model is decidedly better to ship in which formats, where the
+    model that loses less to quantisation is still the worse one to ship, and which quantised model stays below
+    another's float perplexity."""
     lines = []
+    formats = [c for c in rows if c["section"] == "formats"]
     for c in rows:
         if c["section"] == "float" and c.get("better_to_ship"):
             lines.append(f"In float, {c['better_to_ship']} has the decidedly lower perplexity.")
-        if c["section"] != "formats":
-            continue
-        robust, ship = c.get("more_robust"), c.get("better_to_ship")
-        below = c.get("below_others_float") or {}
-        if robust and ship and robust != ship:
-            lines.append(
-                f"{c['row']}: {robust} loses less to quantisation, but {ship} quantised is still decidedly better "
-                f"(ppl {c['perplexity'][ship]:.2f} vs {c['perplexity'][robust]:.2f})."
+
+    def grouped(kind: str, found: dict[str, list[str]]) -> None:
+        for name, labels in found.items():
+            where = (
+                f"every format measured ({len(labels)})"
+                if len(labels) == len(formats)
+                else f"{len(labels)} of {len(formats)} formats: {', '.join(labels)}"
             )
-        elif ship:
+            lines.append(f"{name} {kind} in {where}.")
+
+    ship: dict[str, list[str]] = {}
+    below: dict[str, list[str]] = {}
+    for c in formats:
+        robust, best = c.get("more_robust"), c.get("better_to_ship")
+        if best:
+            ship.setdefault(best, []).append(c["row"])
+        if robust and best and robust != best:
             lines.append(
-                f"{c['row']}: {ship} is decidedly better to ship (ppl "
-                + ", ".join(f"{n} {q:.2f}" for n, q in c["perplexity"].items() if q is not None)
-                + ")"
-                + (" and loses less to quantisation" if robust == ship else "")
-                + "."
+                f"{c['row']}: {robust} loses less to quantisation, but {best} quantised is still decidedly better "
+                f"(ppl {c['perplexity'][best]:.2f} vs {c['perplexity'][robust]:.2f})."
             )
-        for name, others in below.items():
-            if name != ship:
-                lines.append(f"{c['row']}: {name} quantised is decidedly below {', '.join(others)} in float.")
+        for name, others in (c.get("below_others_float") or {}).items():
+            if name != best:
+                below.setdefault(
+                    f"{name} quantised is decidedly below {', '.join(others)} in float", []
+                ).append(c["row"])
+    grouped("is decidedly better to ship", ship)
+    for text, labels in below.items():
+        lines.append(f"{text}: {', '.join(labels)}.")
     return lines
 
 

@@ -1981,7 +1981,12 @@ def _verdict(
     ``commands``, not into the lines."""
     ok = [f for f in formats if f["within_tolerance"] and f["weight_bytes"]]
     smallest = min(ok, key=lambda f: (f["weight_bytes"], f["ppl_change_pct"])) if ok else None
-    beyond = [f for f in formats if f.get("verdict") == "beyond" or f["status"] == "nonfinite"]
+    # measured and decidedly beyond (or NaN/inf): a row the model could not run (unsupported, error) is no failure
+    beyond = [
+        f
+        for f in formats
+        if (f["status"] == "ok" and f.get("verdict") == "beyond") or f["status"] == "nonfinite"
+    ]
     beyond.sort(key=lambda f: -(math.inf if f["ppl_change_pct"] is None else f["ppl_change_pct"]))
     maps = {m["scheme"]: m for m in (avoid_map, sens) if m}
     avoid = []
@@ -2028,7 +2033,7 @@ def _verdict(
         lines.append(
             f"Recommended: none — no format measured stays within {limit} (its 95 % interval's upper end)."
         )
-    undecided = [f for f in formats if f.get("verdict") == "undecided"]
+    undecided = [f for f in formats if f["status"] == "ok" and f.get("verdict") == "undecided"]
     for f in undecided:
         ci = f.get("ppl_change_ci95")
         lines.append(
@@ -2170,6 +2175,16 @@ def _not_measured(
         + ". Memory: the rows' nominal sizes and a KV cache at the model's context; peak memory of an inference "
         "run not measured."
     )
+    refused = [f for f in formats if f.get("status") not in ("ok", "nonfinite")]
+    if refused:
+        reasons: dict[str, list[str]] = {}
+        for f in refused:
+            reasons.setdefault(str(f.get("error") or f.get("status")), []).append(f["label"])
+        lines.append(
+            "Formats this model cannot take: "
+            + "; ".join(f"{', '.join(labels)} ({why})" for why, labels in reasons.items())
+            + "."
+        )
     skipped = [str(r.get("label")) for r in kv.get("rows", []) if r.get("status") == "skipped"]
     if skipped:
         lines.append(f"KV rows skipped: {', '.join(skipped)} (the KV caption says why).")

@@ -574,3 +574,21 @@ def test_absolute_quality_is_decided_on_paired_windows():
         "108.30).",
         "vanilla is decidedly better to ship in every format measured (1).",
     ]
+
+
+def test_a_format_the_model_cannot_take_is_no_failure_and_is_said_so():
+    """A row the model could not run (QuaRot on a LayerNorm model: status unsupported) is neither avoided nor
+    undecided; "Not measured" names it with its reason."""
+    rows = [
+        _row("int4", "zeropoint-int4", 0.5, 100),
+        {**_row("W4A8 + QuaRot", "absmax-w4a8-g32:rotate=quarot", None, 100, status="unsupported")},
+    ]
+    rows[1]["error"] = "rotate=quarot: LayerNorm is not invariant to rotation"
+    rows[1]["verdict"] = "beyond"  # what decide() says of a record without a number
+    verdict = card._verdict(rows, {}, {}, None, 1.0)
+    assert verdict["avoid"] == [] and verdict["beyond"] == [] and not verdict["undecided"]
+    gaps = card._not_measured(rows, {}, False, {"tokens_scored": 10, "window": 5}, {"budget": "standard"})
+    assert any(
+        line.startswith("Formats this model cannot take: W4A8 + QuaRot (rotate=quarot: LayerNorm")
+        for line in gaps
+    )

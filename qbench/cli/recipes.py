@@ -69,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-sweep", action="store_true", help="skip the bit-width sweep (8→2 bits, KV cache)"
     )
     parser.add_argument(
+        "--no-algorithms",
+        action="store_true",
+        help="skip the post-training algorithms (RTN, GPTQ, AWQ, Hadamard, QuaRot at int4, W4A8 and W4A4) on the "
+        "first seed's models, the first recipe's as the baseline",
+    )
+    parser.add_argument(
         "--estimate", action="store_true", help="print the cost estimate and stop (nothing is trained)"
     )
     parser.add_argument(
@@ -120,6 +126,7 @@ def run(args: argparse.Namespace) -> None:
             "extra_args": (*base.extra_args, *args.train_arg),
             "sweep_axes": () if args.no_sweep else base.sweep_axes,
             "lrs": lrs,
+            "algorithms": not args.no_algorithms,
         }
     )
     check_train_args(cfg, args.train_arg)  # one line each, before anything is timed or trained

@@ -86,6 +86,9 @@ class RecipesConfig:
     # lowest final validation loss kept (docs/training.md); () trains every recipe at ``lr``
     lrs: tuple[float, ...] = ()
     chosen_lr: tuple[tuple[str, float], ...] = ()  # (recipe, lr) the sweep chose; set by run_panel
+    # the post-training algorithms (qbench algorithms) on the first seed's models, the first recipe the baseline:
+    # does GPTQ, AWQ or a rotation on the model one already has close the gap a training-time remedy closes?
+    algorithms: bool = True
 
     def __post_init__(self) -> None:
         from trainers.recipes import RECIPES
@@ -554,6 +557,56 @@ def training_table(records: list[dict]) -> str:
     return tabulate(rows, headers, tablefmt="github")
 
 
+ALGORITHM_FORMATS = ("int4", "w4a8", "w4a4")  # int4 weights, W4A8 and W4A4: where outliers decide
+
+
+def algorithms_config(cfg: RecipesConfig, command: str) -> Any:
+    """``qbench algorithms`` over the panel's first-seed models (the first recipe, vanilla by default, is the
+    baseline the remedies are compared with), at int4 per channel, W4A8 and W4A4, every algorithm."""
+    from qbench.studies.algorithms import AlgorithmsConfig
+
+    first = [r for r in cfg.runs() if r.seed == cfg.seed]
+    return AlgorithmsConfig(
+        models=tuple(str(cfg.ckpt_root / r.name) for r in first),
+        formats=ALGORITHM_FORMATS,
+        output_path=cfg.output_path / "algorithms",
+        command=command,
+    )
+
+
+def run_panel_algorithms(cfg: RecipesConfig, command: str, on_record: Any = None) -> dict[str, Any]:
+    """The algorithms table on the panel's own grid: its records beside the panel's (the round-to-nearest int4 cell
+    is the panel's own ``zeropoint-int4``), ``algorithms/algorithms.json`` and ``algorithms/table.md``."""
+    from dataclasses import replace
+
+    from qbench.eval.harness import GridSpec
+    from qbench.eval.metrics import Protocol
+    from qbench.studies.algorithms import run_algorithms
+
+    acfg = algorithms_config(cfg, command)
+    base = GridSpec(
+        models=list(acfg.models),
+        schemes=[],
+        modes=["fake"],
+        protocol=Protocol(tokens=cfg.eval_tokens),
+        output_path=cfg.output_path,
+    )
+    return run_algorithms(acfg, lambda schemes: replace(base, schemes=schemes), on_record=on_record)
+
+
+def algorithms_section(result: Mapping[str, Any]) -> str:
+    """table.md's post-training section: the algorithms table of the panel's models, one heading level down."""
+    from qbench.studies.algorithms import render
+
+    body = render(result).replace("\n## ", "\n### ").split("\n", 1)[1]  # its own title dropped
+    return (
+        "\n## Post-training algorithms beside the training-time remedies\n\nThe first recipe's model (the one a "
+        "practitioner already has) with round-to-nearest, GPTQ, AWQ, the in-layer Hadamard rotation and QuaRot "
+        "(refused on GPT-2-style models: LayerNorm), and every other recipe with round-to-nearest against its best "
+        "— the panel's first seed, its own tokens. Records and `algorithms.json` in `algorithms/`.\n" + body
+    )
+
+
 def lr_section(cfg: RecipesConfig) -> str:
     """The learning-rate sweep as table.md shows it: each recipe's final validation loss at each candidate, the
     chosen one in bold (``lr_sweep.json`` holds the same)."""
@@ -583,6 +636,7 @@ def write_report(
     command: str,
     est: dict[str, Any],
     sweep: dict[str, Any] | None = None,
+    algorithms: Mapping[str, Any] | None = None,
 ) -> Path:
     """table.md (the comparison, the command, machine, cost and timings) and the emergence curves."""
     from models.io import atomic_write_json, cpu_model
@@ -600,6 +654,9 @@ def write_report(
     machine = f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}"
     legend = "\n".join(f"- `{r}`: {RECIPES.describe(r)}" for r in cfg.recipes)
     sweep_time = f", bit-width sweep {timings['sweep']:.0f} s" if "sweep" in timings else ""
+    sweep_time += (
+        f", post-training algorithms {timings['algorithms']:.0f} s" if "algorithms" in timings else ""
+    )
     text = (
         f"# qbench recipes: training-time remedies\n\nMade by `{command}` ({cfg.description}) on {machine} "
         f"({time.strftime('%Y-%m-%d', time.gmtime())}); {describe_estimate(est)}. This call took: training "
@@ -619,6 +676,8 @@ def write_report(
             f"{sweep_table(sweep)}\n\n{sweep_caption(sweep)} Records, `sweep.json` and `sweep.md` in `sweep/`."
             "\n\n![sweep](sweep/sweep.png)\n"
         )
+    if algorithms is not None:
+        text += algorithms_section(algorithms)
     if cfg.seeds > 1:
         from qbench.studies.seeds import seeds_section
 
@@ -649,4 +708,9 @@ def run_panel(
         config = sweep_config(cfg)
         sweep = sweep_runner(config, command) if sweep_runner else run_sweep(config, command=command)
         timings["sweep"] = time.perf_counter() - start
-    return write_report(cfg, records, timings, command, est, sweep)
+    algorithms = None
+    if cfg.algorithms:
+        start = time.perf_counter()
+        algorithms = run_panel_algorithms(cfg, command, on_record=on_record)
+        timings["algorithms"] = time.perf_counter() - start
+    return write_report(cfg, records, timings, command, est, sweep, algorithms)

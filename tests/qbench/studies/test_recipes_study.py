@@ -76,6 +76,17 @@ def test_panel_trains_resumes_and_writes_one_table(micro_panel, monkeypatch, tmp
     assert "| vanilla" in text and "| osp" in text
     assert "`osp`: Outlier-Safe Pre-Training" in text and "FLOP" in text
     assert "## Breaking points" in text and "| osp" in text.split("## Breaking points")[1]
+    # the post-training algorithms on the baseline beside the remedies (qbench algorithms on the panel's grid)
+    section = text.split("## Post-training algorithms beside the training-time remedies")[1]
+    assert "| vanilla | int4 per channel |" in section and "against vanilla's best post-training" in section
+    result = json.loads((micro_panel.output_path / "algorithms" / "algorithms.json").read_text())
+    assert result["models"] == ["vanilla", "osp"] and result["formats"] == [
+        "int4 per channel",
+        "W4A8 per channel/token",
+        "W4A4 per channel/token",
+    ]
+    quarot = result["rows"][0]["cells"]["quarot"]  # the micro panel is GPT-2 style: QuaRot refused, said so
+    assert quarot["status"] == "unsupported" and "LayerNorm" in quarot["error"]
     # each run's own training figures, from its checkpoint's provenance
     training = text.split("## Training runs")[1].split("\n\n")[1]
     osp_row = training.split("| osp ")[1].split("\n")[0]
@@ -214,6 +225,7 @@ def test_the_lr_sweep_keeps_each_recipes_best_validation_loss(micro_panel, tmp_p
         ckpt_root=tmp_path / "ckpts",
         output_path=tmp_path / "results",
         sweep_axes=(),
+        algorithms=False,
     )
     assert [r.name for r in cfg.sweep_runs()] == ["vanilla", "vanilla-lr0.02"]
     assert {r.lr for r in cfg.sweep_runs()} == {4e-3, 2e-2}

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,6 +197,46 @@ def _model_device(model: nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
+class _HeadReached(Exception):
+    """Raised at the output head's input during a calibration pass: every observed layer has run by then."""
+
+
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The module that maps the last hidden state to logits (transformers' ``get_output_embeddings``, ours'
+    ``lm_head``), or None where the model names none."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, nn.Module) else getattr(model, "lm_head", None)
+
+
+@contextmanager
+def stop_before_head(model: nn.Module, observed: Iterator[nn.Module] | list[nn.Module]) -> Iterator[None]:
+    """Calibration passes end at the output head unless the head itself is observed: its logits are never used,
+    and a batch of them is the largest tensor of the pass (8 windows × 2,048 tokens × SmolLM2's 49,152-token
+    vocabulary = 3.2 GB of float32, which set the peak memory of a standard card). Run the model with
+    :func:`run_to_head` inside. The hook is registered last, so any observation pre-hook on the head still runs
+    first (and then the head is observed: no stop)."""
+    head = output_head(model)
+    if head is None or any(m is head for m in observed):
+        yield
+        return
+
+    def stop(_module: nn.Module, _args: tuple) -> None:
+        raise _HeadReached
+
+    handle = head.register_forward_pre_hook(stop)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def run_to_head(model: nn.Module, *args: Any, **kwargs: Any) -> None:
+    """``model(*args, **kwargs)`` for its hooks' sake, stopped at the head by :func:`stop_before_head`."""
+    with suppress(_HeadReached):
+        model(*args, **kwargs)
+
+
 def observe(
     model: nn.Module,
     layers: dict[str, nn.Module],
@@ -218,9 +259,9 @@ def observe(
             handles.append(module.register_forward_hook(post))
     try:
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), stop_before_head(model, list(layers.values())):
             for batch in calibration.to(_model_device(model)).split(CALIBRATION_BATCH):
-                model(batch)
+                run_to_head(model, batch)
     finally:
         for h in handles:
             h.remove()
@@ -315,9 +356,9 @@ def input_statistics(model: nn.Module, layers: dict[str, nn.Module], calibration
     modes = {m: m.training for m in model.modules()}
     try:
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), stop_before_head(model, list(layers.values())):
             for batch in calibration.to(_model_device(model)).split(CALIBRATION_BATCH):
-                model(batch)
+                run_to_head(model, batch)
                 batch_index["i"] += 1
                 last["input"] = None
     finally:

@@ -678,15 +678,17 @@ def calibrate_kv_scales(model: torch.nn.Module, batches: Any) -> dict[int, tuple
         raise UserError(
             "calibrate_kv_scales needs a model whose KV cache runs fp8-e4m3/fp8-e5m2 with scale=calib"
         )
+    from qbench.quant.calibrate import run_to_head, stop_before_head
+
     for q in quantizers:
         q.calibrating, q.amax = True, [0.0, 0.0]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), stop_before_head(model, []):  # the scales need K and V, never the logits
             for ids in batches:
                 if hasattr(model, "new_cache"):
-                    model(ids)
+                    run_to_head(model, ids)
                 else:
-                    model(input_ids=ids, use_cache=False)
+                    run_to_head(model, input_ids=ids, use_cache=False)
     finally:
         for q in quantizers:
             q.calibrating = False

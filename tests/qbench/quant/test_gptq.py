@@ -254,3 +254,42 @@ def test_scheme_names_records_and_refusals():
             get_scheme(bad)
     with pytest.raises(UserError, match="needs calibration"):
         quantize(tiny_llama(), s)
+
+
+@pytest.mark.parametrize("make", [tiny_gpt2, tiny_llama])
+def test_calibration_stops_at_the_head_with_the_same_statistics(make):
+    """The calibration pass never computes logits (the largest tensor of a pass) yet sees exactly what a whole
+    forward pass shows the target layers; where the head is itself observed, it still runs."""
+    from qbench.quant.calibrate import CALIBRATION_BATCH, observe, output_head
+
+    model = make()
+    layers = select_layers(model, get_scheme("zeropoint-int4"))
+    head = output_head(model)
+    assert head is not None and all(m is not head for m in layers.values())
+    calls = []
+    handle = head.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        stats = hessians(model, layers, CALIB)
+        ranges = observe(model, layers, CALIB)
+        assert calls == []  # stopped before the head
+        full = {}
+        hooks = [
+            m.register_forward_pre_hook(
+                lambda _m, a, n=n: full.setdefault(n, []).append(a[0].reshape(-1, a[0].shape[-1]))
+            )
+            for n, m in layers.items()
+        ]
+        with torch.no_grad():
+            model(CALIB)
+        for h in hooks:
+            h.remove()
+        assert calls == [1]  # a plain forward does reach it
+        for name in layers:
+            x = torch.cat(full[name]).double()
+            torch.testing.assert_close(stats[name].double(), 2 * x.T @ x / x.shape[0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(ranges[name].in_hi, x.amax(0).float())
+        calls.clear()
+        observe(model, {**layers, "head": head}, CALIB)
+        assert len(calls) == len(CALIB.split(CALIBRATION_BATCH))  # observed: not stopped, once per batch
+    finally:
+        handle.remove()

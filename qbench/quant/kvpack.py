@@ -19,6 +19,7 @@ packed form here: :func:`pack` refuses them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,24 +79,40 @@ def ggml_quantize_blocks(xb: Tensor, bits: int, symmetric: bool) -> Tensor:
     return ggml_dequantize(*ggml_codes(xb, bits, symmetric), bits, symmetric)
 
 
+def _unit(bits: int) -> tuple[int, int]:
+    """(codes, bytes) of the smallest whole-byte unit of ``bits``-bit codes: 2 → (4, 1), 3 → (8, 3), 4 → (2, 1)."""
+    codes = 8 // math.gcd(8, bits)
+    return codes, codes * bits // 8
+
+
 def _pack_bits(q: Tensor, bits: int) -> Tensor:
-    """Integer codes 0 … 2^b − 1 -> uint8, 8/b codes per byte along the last dim for b = 2, 4 (when it divides)."""
+    """Integer codes 0 … 2^b − 1 -> uint8, packed densely along the last dim in whole-byte units (b = 2: 4 codes a
+    byte; 3: 8 codes in 3 bytes, as KIVI's and llama.cpp's 3-bit layouts are dense; 4: 2 a byte), code i of a unit
+    at bits b·i … b·i + b − 1 of its little-endian bytes; one code a byte for b ≥ 8 or when the unit does not
+    divide the last dim."""
     q = q.to(torch.uint8)
-    per = 8 // bits
-    if bits not in (2, 4) or q.size(-1) % per:  # one code a byte
+    if bits >= 8:
         return q
-    q = q.reshape(*q.shape[:-1], q.size(-1) // per, per)
-    shifts = torch.arange(per, dtype=torch.uint8, device=q.device) * bits
-    return (q << shifts).sum(-1, dtype=torch.uint8)
+    per, nbytes = _unit(bits)
+    if q.size(-1) % per:
+        return q
+    q = q.reshape(*q.shape[:-1], q.size(-1) // per, per).to(torch.int64)
+    shifts = torch.arange(per, dtype=torch.int64, device=q.device) * bits
+    word = (q << shifts).sum(-1, keepdim=True)  # at most 24 bits (b = 3, 5, 6, 7: ≤ 56)
+    out = (word >> (8 * torch.arange(nbytes, dtype=torch.int64, device=q.device))) & 0xFF
+    return out.to(torch.uint8).reshape(*q.shape[:-2], -1)
 
 
 def _unpack_bits(packed: Tensor, bits: int, last: int) -> Tensor:
-    if bits not in (2, 4) or packed.size(-1) == last:
+    if bits >= 8 or packed.size(-1) == last:
         return packed
-    per = 8 // bits
-    shifts = torch.arange(per, dtype=torch.uint8, device=packed.device) * bits
-    q = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)
-    return q.reshape(*packed.shape[:-1], last)
+    per, nbytes = _unit(bits)
+    units = packed.reshape(*packed.shape[:-1], -1, nbytes).to(torch.int64)
+    word = (units << (8 * torch.arange(nbytes, dtype=torch.int64, device=packed.device))).sum(
+        -1, keepdim=True
+    )
+    q = (word >> (bits * torch.arange(per, dtype=torch.int64, device=packed.device))) & (2**bits - 1)
+    return q.to(torch.uint8).reshape(*packed.shape[:-1], last)
 
 
 @dataclass

@@ -868,3 +868,32 @@ def test_cache_bytes_follow_each_schemes_storage():
     assert cache_bytes(KVConfig(4, "kivi"), H, D, C) == expected
     # a kept sink adds its position in float (and keeps counting its codes: an upper bound by one token)
     assert cache_bytes(KVConfig(4, "kivi", 0, 1), H, D, C) == expected + 2 * H * D * 2
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 7])
+def test_codes_pack_densely_and_round_trip(bits):
+    """b-bit codes take b/8 bytes each (3-bit: 8 codes in 3 bytes), code i at bits b·i… of the unit's
+    little-endian bytes — written out by hand for 3 bits — and unpack to themselves."""
+    from qbench.quant.kvpack import _pack_bits, _unpack_bits
+
+    q = torch.randint(0, 2**bits, (3, 5, 48), generator=gen(40), dtype=torch.int64)
+    packed = _pack_bits(q, bits)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == 48 * bits // 8
+    assert torch.equal(_unpack_bits(packed, bits, 48), q.to(torch.uint8))
+    if bits == 3:
+        codes = [1, 2, 3, 4, 5, 6, 7, 0]  # 0b000_111_110_101_100_011_010_001 = 0x1F58D1
+        got = _pack_bits(torch.tensor(codes), 3).tolist()
+        assert got == [0xD1, 0x58, 0x1F]
+    odd = torch.randint(0, 2**bits, (2, 7), generator=gen(41))  # no whole unit: one code a byte
+    assert torch.equal(_unpack_bits(_pack_bits(odd, bits), bits, 7), odd.to(torch.uint8))
+
+
+def test_a_three_bit_cache_is_three_eighths_of_a_byte_a_value():
+    from qbench.quant.kvschemes import cache_bytes
+
+    H, D, C = 3, 64, 1024
+    keys, values = 128 * (C // 128), C - 128
+    expected = (keys * H * D * 3 // 8 + (keys // 32) * H * D * 8 + (C - keys) * H * D * 2) + (
+        values * H * D * 3 // 8 + values * H * (D // 32) * 8 + (C - values) * H * D * 2
+    )
+    assert cache_bytes(KVConfig(3, "kivi"), H, D, C) == expected

@@ -20,6 +20,8 @@ from qbench.eval.evidence import tolerance_text
 
 # ------------------------------------------------------------------------------------------------- formatting
 
+FLOAT_GGUF_TYPES = {"F32", "F16", "BF16", "F64"}  # GGUF tensor types that hold the float weights as they are
+
 
 def _pct(x: float | None) -> str:
     return "NaN" if x is None else f"{x:+.2f} %"
@@ -476,8 +478,18 @@ def _sections(
         ["fingerprint", str(ident.get("fingerprint"))[:16]],
     ]
     if ident.get("gguf"):
-        types = ", ".join(f"{k} {v}" for k, v in (ident["gguf"].get("tensor_types") or {}).items())
-        identity.append(["GGUF tensors", f"{types} (every cell quantises these dequantised weights again)"])
+        counts = ident["gguf"].get("tensor_types") or {}
+        types = ", ".join(f"{k} {v}" for k, v in counts.items())
+        note = "every cell quantises these dequantised weights again"
+        if any(k not in FLOAT_GGUF_TYPES for k in counts):
+            # Measured on SmolLM2's Q4_1 file: every linear weight has ≤ 16 distinct values per 32-weight block.
+            # Round-to-nearest in that basis with aligned groups nearly reproduces the grid; a rotation cannot.
+            note += (
+                "; the block-quantised tensors' values already lie on their GGUF grid (Q4_1: at most 16 values"
+                " per block of 32 weights), which flatters formats whose groups align with those blocks and"
+                " penalises rotations (Hadamard, QuaRot): judge rotations on a float source"
+            )
+        identity.append(["GGUF tensors", f"{types} ({note})"])
     o = m["outliers"]["summary"]
     first = _first_label(m)
     outlier_rows = [

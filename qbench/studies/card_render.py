@@ -349,11 +349,13 @@ def _format_headers(m: Mapping[str, Any], limit: str) -> list[str]:
 
 
 def _format_cells(f: Mapping[str, Any], m: Mapping[str, Any]) -> list[str]:
-    """One format row as text (markdown; the HTML wraps its key numbers in data-key spans)."""
+    """One format row as text (markdown; the HTML wraps its key numbers in data-key spans). A row the model could
+    not run (unsupported, error, skipped) shows no perplexity and no kernel speed: only its nominal size."""
+    ran = f.get("status") in ("ok", "nonfinite")
     return [
         f"{f['label']} `{f['scheme']}`",
         f.get("quantised") or "-",
-        _num(f["perplexity"], ".4f"),
+        _num(f["perplexity"], ".4f") if ran else "-",
         _change_ci(f),
         _status(f),
         _kld(f),
@@ -362,9 +364,9 @@ def _format_cells(f: Mapping[str, Any], m: Mapping[str, Any]) -> list[str]:
         _bytes(f.get("weight_bytes_rest_float")),
         _share(f["bytes_vs_bf16"]),
         _bytes(f.get("memory_bytes")),
-        _ratio(f.get("decode_speedup")),
-        _ratio(f.get("prefill_speedup")),
-        *([_ratio(f["speedup"])] if m["speed_measured"] else []),
+        _ratio(f.get("decode_speedup")) if ran else "-",
+        _ratio(f.get("prefill_speedup")) if ran else "-",
+        *([_ratio(f["speedup"]) if ran else "-"] if m["speed_measured"] else []),
     ]
 
 
@@ -904,7 +906,8 @@ def _key_rows(m: Mapping[str, Any], i: int) -> dict[str, list[list[str]]]:
     formats = []
     for j, f in enumerate(m["formats"]):
         cells = [_code(c) for c in _format_cells(f, m)]
-        cells[2] = _v(f"models.{i}.formats.{j}.perplexity", f["perplexity"], _num(f["perplexity"], ".4f"))
+        if f.get("status") in ("ok", "nonfinite"):  # a row not run keeps its "-"
+            cells[2] = _v(f"models.{i}.formats.{j}.perplexity", f["perplexity"], _num(f["perplexity"], ".4f"))
         cells[3] = _v(f"models.{i}.formats.{j}.ppl_change_pct", f["ppl_change_pct"], _change_ci(f))
         cells[4] = f'<span class="{_verdict_class(f)}">{_e(_status(f))}</span>'
         cells[7] = _v(f"models.{i}.formats.{j}.weight_bytes", f["weight_bytes"], _bytes(f["weight_bytes"]))

@@ -356,7 +356,7 @@ def _format_cells(f: Mapping[str, Any], m: Mapping[str, Any]) -> list[str]:
         f"{f['label']} `{f['scheme']}`",
         f.get("quantised") or "-",
         _num(f["perplexity"], ".4f") if ran else "-",
-        _change_ci(f),
+        _change_ci(f) if ran else "-",
         _status(f),
         _kld(f),
         _top1(f),
@@ -908,7 +908,7 @@ def _key_rows(m: Mapping[str, Any], i: int) -> dict[str, list[list[str]]]:
         cells = [_code(c) for c in _format_cells(f, m)]
         if f.get("status") in ("ok", "nonfinite"):  # a row not run keeps its "-"
             cells[2] = _v(f"models.{i}.formats.{j}.perplexity", f["perplexity"], _num(f["perplexity"], ".4f"))
-        cells[3] = _v(f"models.{i}.formats.{j}.ppl_change_pct", f["ppl_change_pct"], _change_ci(f))
+            cells[3] = _v(f"models.{i}.formats.{j}.ppl_change_pct", f["ppl_change_pct"], _change_ci(f))
         cells[4] = f'<span class="{_verdict_class(f)}">{_e(_status(f))}</span>'
         cells[7] = _v(f"models.{i}.formats.{j}.weight_bytes", f["weight_bytes"], _bytes(f["weight_bytes"]))
         formats.append(cells)

@@ -596,5 +596,8 @@ def test_a_format_the_model_cannot_take_is_no_failure_and_is_said_so():
 
     speed = {"decode_speedup": 4.5, "prefill_speedup": 3.2, "perplexity": float("nan"), "weight_bytes": 10**8}
     cells = _format_cells({**rows[1], **speed, "bytes_vs_bf16": 0.5}, {"speed_measured": False})
-    assert cells[2] == cells[3] == "-" and cells[-2:] == ["-", "-"]  # no NaN perplexity, no speed of a row never run
+    assert cells[2] == cells[3] == "-" and cells[-2:] == [
+        "-",
+        "-",
+    ]  # no NaN perplexity, no speed of a row never run
     assert cells[7] != "-"  # its nominal size stays

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -210,15 +210,20 @@ def output_head(model: nn.Module) -> nn.Module | None:
 
 
 @contextmanager
-def stop_before_head(model: nn.Module, observed: Iterator[nn.Module] | list[nn.Module]) -> Iterator[None]:
-    """Calibration passes end at the output head unless the head itself is observed: its logits are never used,
-    and a batch of them is the largest tensor of the pass (8 windows × 2,048 tokens × SmolLM2's 49,152-token
-    vocabulary = 3.2 GB of float32, which set the peak memory of a standard card). Run the model with
-    :func:`run_to_head` inside. The hook is registered last, so any observation pre-hook on the head still runs
-    first (and then the head is observed: no stop)."""
+def stop_before_head(model: nn.Module, observed: Iterable[nn.Module]) -> Iterator[Callable[..., None]]:
+    """A calibration pass that ends at the output head unless the head itself is observed: its logits are never
+    used, and a batch of them is the largest tensor of the pass (8 windows × 2,048 tokens × SmolLM2's 49,152-token
+    vocabulary = 3.2 GB of float32, which set the peak memory of a standard card). Yields ``run(*args, **kwargs)``,
+    which calls the model for its hooks' sake. The stop hook is registered last, so any observation pre-hook on
+    the head still runs first (and then the head is observed: no stop)."""
     head = output_head(model)
+
+    def run(*args: Any, **kwargs: Any) -> None:
+        with suppress(_HeadReached):
+            model(*args, **kwargs)
+
     if head is None or any(m is head for m in observed):
-        yield
+        yield run
         return
 
     def stop(_module: nn.Module, _args: tuple) -> None:
@@ -226,15 +231,9 @@ def stop_before_head(model: nn.Module, observed: Iterator[nn.Module] | list[nn.M
 
     handle = head.register_forward_pre_hook(stop)
     try:
-        yield
+        yield run
     finally:
         handle.remove()
-
-
-def run_to_head(model: nn.Module, *args: Any, **kwargs: Any) -> None:
-    """``model(*args, **kwargs)`` for its hooks' sake, stopped at the head by :func:`stop_before_head`."""
-    with suppress(_HeadReached):
-        model(*args, **kwargs)
 
 
 def observe(
@@ -259,9 +258,9 @@ def observe(
             handles.append(module.register_forward_hook(post))
     try:
         model.eval()
-        with torch.no_grad(), stop_before_head(model, list(layers.values())):
+        with torch.no_grad(), stop_before_head(model, layers.values()) as run:
             for batch in calibration.to(_model_device(model)).split(CALIBRATION_BATCH):
-                run_to_head(model, batch)
+                run(batch)
     finally:
         for h in handles:
             h.remove()
@@ -356,9 +355,9 @@ def input_statistics(model: nn.Module, layers: dict[str, nn.Module], calibration
     modes = {m: m.training for m in model.modules()}
     try:
         model.eval()
-        with torch.no_grad(), stop_before_head(model, list(layers.values())):
+        with torch.no_grad(), stop_before_head(model, layers.values()) as run:
             for batch in calibration.to(_model_device(model)).split(CALIBRATION_BATCH):
-                run_to_head(model, batch)
+                run(batch)
                 batch_index["i"] += 1
                 last["input"] = None
     finally:

@@ -98,7 +98,7 @@ def _pack_bits(q: Tensor, bits: int) -> Tensor:
         return q
     q = q.reshape(*q.shape[:-1], q.size(-1) // per, per).to(torch.int64)
     shifts = torch.arange(per, dtype=torch.int64, device=q.device) * bits
-    word = (q << shifts).sum(-1, keepdim=True)  # at most 24 bits (b = 3, 5, 6, 7: ≤ 56)
+    word = (q << shifts).sum(-1, keepdim=True)  # a unit is at most 56 bits (b = 7): int64 holds it
     out = (word >> (8 * torch.arange(nbytes, dtype=torch.int64, device=q.device))) & 0xFF
     return out.to(torch.uint8).reshape(*q.shape[:-2], -1)
 

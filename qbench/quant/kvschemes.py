@@ -55,6 +55,7 @@ from torch import Tensor
 from models.errors import UserError
 from models.kvcache import CacheView
 from models.registry import Registry
+from qbench.quant.calibrate import stop_before_head
 from qbench.quant.formats import round_to_element
 from qbench.quant.kv_options import KV_SCHEME_SYNTAX
 from qbench.quant.kvpack import FP8_ELEMENTS as PACK_FP8_ELEMENTS
@@ -678,17 +679,15 @@ def calibrate_kv_scales(model: torch.nn.Module, batches: Any) -> dict[int, tuple
         raise UserError(
             "calibrate_kv_scales needs a model whose KV cache runs fp8-e4m3/fp8-e5m2 with scale=calib"
         )
-    from qbench.quant.calibrate import run_to_head, stop_before_head
-
     for q in quantizers:
         q.calibrating, q.amax = True, [0.0, 0.0]
     try:
-        with torch.no_grad(), stop_before_head(model, []):  # the scales need K and V, never the logits
+        with torch.no_grad(), stop_before_head(model, ()) as run:  # the scales need K and V, never the logits
             for ids in batches:
                 if hasattr(model, "new_cache"):
-                    run_to_head(model, ids)
+                    run(ids)
                 else:
-                    run_to_head(model, input_ids=ids, use_cache=False)
+                    run(input_ids=ids, use_cache=False)
     finally:
         for q in quantizers:
             q.calibrating = False

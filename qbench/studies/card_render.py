@@ -348,10 +348,15 @@ def _format_headers(m: Mapping[str, Any], limit: str) -> list[str]:
     ]
 
 
+def _ran(f: Mapping[str, Any]) -> bool:
+    """Whether the model ran this format (a number, finite or not); unsupported, error and skipped rows did not."""
+    return f.get("status") in ("ok", "nonfinite")
+
+
 def _format_cells(f: Mapping[str, Any], m: Mapping[str, Any]) -> list[str]:
     """One format row as text (markdown; the HTML wraps its key numbers in data-key spans). A row the model could
     not run (unsupported, error, skipped) shows no perplexity and no kernel speed: only its nominal size."""
-    ran = f.get("status") in ("ok", "nonfinite")
+    ran = _ran(f)
     return [
         f"{f['label']} `{f['scheme']}`",
         f.get("quantised") or "-",
@@ -906,7 +911,7 @@ def _key_rows(m: Mapping[str, Any], i: int) -> dict[str, list[list[str]]]:
     formats = []
     for j, f in enumerate(m["formats"]):
         cells = [_code(c) for c in _format_cells(f, m)]
-        if f.get("status") in ("ok", "nonfinite"):  # a row not run keeps its "-"
+        if _ran(f):  # a row not run keeps its "-"
             cells[2] = _v(f"models.{i}.formats.{j}.perplexity", f["perplexity"], _num(f["perplexity"], ".4f"))
             cells[3] = _v(f"models.{i}.formats.{j}.ppl_change_pct", f["ppl_change_pct"], _change_ci(f))
         cells[4] = f'<span class="{_verdict_class(f)}">{_e(_status(f))}</span>'

@@ -51,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{' '.join(f'{x:g}' for x in LR_SWEEP)}) and keep, per recipe, the one with the lowest final validation "
         "loss; the other seeds train at it (lr_sweep.json, table.md)",
     )
+    parser.add_argument(
+        "--lr-from",
+        metavar="FILE",
+        help="train each recipe at the peak learning rate an earlier sweep chose: its lr_sweep.json (e.g. "
+        "results/recipes/lr_sweep.json for the --long panel; a sweep at --long's budget would cost three panels)",
+    )
     add_seed_arguments(parser, "every recipe")
     parser.add_argument(
         "--tokens", type=int, default=DEMO_TOKENS, help="evaluation token budget per model (the demo's)"
@@ -104,6 +110,10 @@ def run(args: argparse.Namespace) -> None:
     bad = [x for x in (args.lr, *lrs) if not x > 0]
     if bad:
         raise UserError(f"learning rates must be > 0, got {bad[0]:g} (--lr, --lr-sweep)")
+    if args.lr_from and args.lr_sweep is not None:
+        raise UserError(
+            "give one of --lr-sweep (choose the lr here) and --lr-from (an earlier sweep's choice)"
+        )
     if steps < 1 or args.tokens < 2 or args.parallel < 1 or args.seeds < 1:
         raise UserError(
             f"--steps, --parallel and --seeds must be ≥ 1 and --tokens ≥ 2, got {steps}, {args.parallel}, "
@@ -129,6 +139,12 @@ def run(args: argparse.Namespace) -> None:
             "algorithms": not args.no_algorithms,
         }
     )
+    if args.lr_from:
+        from dataclasses import replace
+
+        from qbench.studies.recipes import read_lr_choice
+
+        cfg = replace(cfg, chosen_lr=read_lr_choice(Path(args.lr_from), cfg.recipes), lr_source=args.lr_from)
     check_train_args(cfg, args.train_arg)  # one line each, before anything is timed or trained
     check_ckpt_root(cfg)
     if args.estimate:

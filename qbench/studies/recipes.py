@@ -86,6 +86,7 @@ class RecipesConfig:
     # lowest final validation loss kept (docs/training.md); () trains every recipe at ``lr``
     lrs: tuple[float, ...] = ()
     chosen_lr: tuple[tuple[str, float], ...] = ()  # (recipe, lr) the sweep chose; set by run_panel
+    lr_source: str | None = None  # --lr-from: the lr_sweep.json whose choices ``chosen_lr`` holds
     # the post-training algorithms (qbench algorithms) on the first seed's models, the first recipe the baseline:
     # does GPTQ, AWQ or a rotation on the model one already has close the gap a training-time remedy closes?
     algorithms: bool = True
@@ -101,11 +102,12 @@ class RecipesConfig:
         schedule = f" of a {self.schedule_steps}-step schedule" if self.schedule_steps else ""
         style = ", Llama style" if "family=llama" in self.extra_args else ""
         seeds = f"seeds {self.seed}–{self.seed + self.seeds - 1}" if self.seeds > 1 else f"seed {self.seed}"
-        lr = (
-            f"lr per recipe, the best validation loss of {'/'.join(f'{x:g}' for x in self.lrs)}"
-            if self.lrs
-            else f"lr {self.lr}"
-        )
+        if self.lrs:
+            lr = f"lr per recipe, the best validation loss of {'/'.join(f'{x:g}' for x in self.lrs)}"
+        elif self.lr_source:
+            lr = f"lr per recipe as {self.lr_source} chose it"
+        else:
+            lr = f"lr {self.lr}"
         return f"{self.preset}{style}, {self.steps} steps{schedule}, {lr}, {seeds}"
 
     def lr_of(self, recipe: str) -> float:
@@ -229,6 +231,32 @@ def choose_lrs(cfg: RecipesConfig) -> dict[str, Any]:
     }
 
 
+def read_lr_choice(path: Path, recipes: Sequence[str]) -> tuple[tuple[str, float], ...]:
+    """(recipe, lr) for every recipe of ``recipes`` from a sweep's ``lr_sweep.json`` (``--lr-from``: the ``--long``
+    panel trains at the lr the demo budget's sweep chose, a sweep at its own budget costing three panels). A
+    missing file, another format or a recipe the sweep did not choose for is a one-line error."""
+    from models.errors import UserError
+
+    try:
+        data = json.loads(Path(path).read_text())
+        chosen = {r: e.get("chosen") for r, e in data["recipes"].items()}
+    except FileNotFoundError:
+        raise UserError(
+            f"--lr-from {path}: no such file (a qbench recipes --lr-sweep output's lr_sweep.json)"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(
+            f"--lr-from {path}: not an lr_sweep.json of qbench recipes --lr-sweep ({e})"
+        ) from None
+    missing = [r for r in recipes if not isinstance(chosen.get(r), (int, float)) or not chosen[r] > 0]
+    if missing:
+        raise UserError(
+            f"--lr-from {path} chose no learning rate for {', '.join(missing)} (it has: "
+            f"{', '.join(r for r, lr in chosen.items() if lr) or 'none'}); sweep them or drop them from --recipes"
+        )
+    return tuple((r, float(chosen[r])) for r in recipes)
+
+
 # The trainer options every panel run gets from the panel itself -> the ``qbench recipes`` option to give instead
 # (``--preset``: the same value carries over) or why it is the panel's: a --train-arg setting one of them would train
 # something else than table.md describes (or fight the panel's resuming), so it is refused.
@@ -322,11 +350,13 @@ def check_ckpt_root(cfg: RecipesConfig) -> None:
 
 
 def _train_config(cfg: RecipesConfig, recipe: str) -> Any:
-    """The TrainConfig the trainer will build for run ``recipe`` (a recipe, or a run's name with its seed: its own
+    """The TrainConfig the trainer will build for run ``recipe`` (a run's name, or a recipe: its first run; its own
     CLI parser, so the two cannot differ)."""
     from trainers.__main__ import config_from_args
 
-    run = next(r for r in panel_runs(cfg) if r.name == recipe)
+    names = [r.name for r in cfg.training_runs()]
+    name = recipe if recipe in names else next(r.name for r in cfg.training_runs() if r.recipe == recipe)
+    run = next(r for r in panel_runs(cfg) if r.name == name)
     parser = _trainer_parser(f"qbench recipes: the {recipe} run's trainer arguments {shlex.join(run.args)}")
     return config_from_args(vars(parser.parse_args(["--steps", str(run.steps), *run.args])))
 
@@ -668,6 +698,13 @@ def write_report(
     )
     if cfg.lrs:
         text += lr_section(cfg)
+    elif cfg.lr_source:
+        text += (
+            f"\n## Learning rate per recipe\n\nFrom `{cfg.lr_source}` (`--lr-from`: the sweep of another budget; "
+            "each run's lr is in the table above): "
+            + ", ".join(f"{r} {lr:g}" for r, lr in cfg.chosen_lr)
+            + ".\n"
+        )
     if sweep is not None:
         from qbench.studies.sweep import sweep_caption, sweep_table
 

@@ -765,10 +765,13 @@ def cpu_name() -> str:
 
 def _native_isa() -> str | None:
     from qbench.quant.kernels import native
+    from qbench.quant.kernels.build import ISA_ENV, isa_target
 
     if not native.available():
         return None
-    return f"{native.isa()} + AVX-512 VNNI" if native.vnni() else native.isa()
+    isa = f"{native.isa()} + AVX-512 VNNI" if native.vnni() else native.isa()
+    target = isa_target()  # a lower build than this CPU's, named so the figure is not read as this CPU's best
+    return isa if target == "native" else f"{isa} ({ISA_ENV}={target})"
 
 
 # ---------------------------------------------------------------------------------------------- table

@@ -2,6 +2,8 @@
 # Re-measure results/speed/ for this machine's CPU class, then render the tables from the JSON:
 #   bash results/speed/run.sh            # into results/speed/ (the Zen 3 / AVX2 tables were made this way)
 #   bash results/speed/run.sh zen4       # into results/speed/zen4/ (keep each CPU class's tables apart)
+#   bash results/speed/run.sh zen4 decode                            # the per-layer decode table alone
+#   QBENCH_NATIVE_ISA=avx2 bash results/speed/run.sh zen4-avx2 decode # the AVX2-only build on a CPU with more
 # The KV-cache figures are results/speed/kv/ (their own commands, README), so the model runs here skip them.
 # About 15-25 min on 2 idle cores. One job at a time: the figures are ratios of interleaved runs and any other load
 # distorts them.
@@ -22,6 +24,10 @@ BIG=(--scheme absmax-fine --scheme absmax-fine:head=true --scheme absmax-w4a8 --
      --scheme zeropoint-int4-g128 --scheme zeropoint-int3-g128 --scheme zeropoint-int2-g64)
 qbench speed --tokens 1 --in-features 2048 --out-features 8192 --mode real --no-model --repeats 30 "${LAYER[@]}" \
     --json decode.json > /dev/null
+if [ "${2:-all}" = decode ]; then
+    qbench speed --from-json decode.json --format md > decode.md.tmp && mv decode.md.tmp decode.md
+    exit 0
+fi
 qbench speed --tokens 512 --in-features 1024 --out-features 4096 --mode real --no-model --repeats 7 "${LAYER[@]}" \
     --json prefill.json > /dev/null
 qbench speed --no-layer --model small --mode real --repeats 5 --no-kv "${MODEL[@]}" --json small.json > /dev/null

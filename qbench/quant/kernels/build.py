@@ -14,6 +14,10 @@ warning. Threads: OpenMP in every kernel, with ``torch.get_num_threads()`` threa
 
 ``QBENCH_NATIVE=0`` in the environment switches every compiled kernel off (the torch paths run); the older
 ``QBENCH_NATIVE_KERNELS=0`` (real layers) and ``QBENCH_FAST_FAKE_QUANT=0`` (fake quantisation) still work.
+``QBENCH_NATIVE_ISA`` builds for a lower target than this CPU (:data:`ISA_TARGETS`: ``avx2`` is what an AVX2-only
+CPU such as AMD Zen 3 runs, ``portable`` the scalar reference), so a machine with AVX-512 can time the loops another
+CPU class takes: ``QBENCH_NATIVE_ISA=avx2 qbench speed …``. A target the compiler refuses is an error, not a quiet
+fallback to the torch paths.
 """
 
 from __future__ import annotations
@@ -39,6 +43,34 @@ COMPILE_TIMEOUT_S = (
 BASE_FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-shared", "-fPIC")
 # Tried in order until one compiles: some compilers or CPUs refuse -march=native, some lack OpenMP.
 FLAG_CASCADE = (("-march=native", "-fopenmp"), ("-march=native",), ("-fopenmp",), ())
+ISA_ENV = "QBENCH_NATIVE_ISA"
+# QBENCH_NATIVE_ISA's targets and their -march: x86-64-v3 is AVX2 + FMA + F16C + BMI1/2 (the psABI level of AVX2
+# CPUs; GCC ≥ 11, clang ≥ 12), the loops native.c takes on a CPU without AVX-512
+ISA_TARGETS: dict[str, tuple[str, ...]] = {
+    "native": ("-march=native",),
+    "avx2": ("-march=x86-64-v3",),
+    "portable": (),
+}
+
+
+def isa_target() -> str:
+    """The build target ``QBENCH_NATIVE_ISA`` names (default ``native``); a one-line error for another word."""
+    from models.errors import unknown_choice
+
+    target = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if target not in ISA_TARGETS:
+        raise unknown_choice(f"{ISA_ENV} target", target, ISA_TARGETS)
+    return target
+
+
+def flag_cascade() -> tuple[tuple[str, ...], ...]:
+    """The flag sets a kernel library is built with, first that compiles: :data:`FLAG_CASCADE` for this CPU; for
+    an explicit lower target only that target (with and without OpenMP), so it is built as asked or not at all."""
+    target = isa_target()
+    if target == "native":
+        return FLAG_CASCADE
+    march = ISA_TARGETS[target]
+    return ((*march, "-fopenmp"), march)
 
 
 def switched_on(*legacy: str) -> bool:
@@ -143,7 +175,21 @@ def source_digest(names: tuple[str, ...]) -> str:
 
 
 def load(name: str | Sequence[str], flags: Sequence[str] = BASE_FLAGS) -> ctypes.CDLL | None:
-    """``name`` built with the first of :data:`FLAG_CASCADE` that compiles (None: none does)."""
-    return next(
-        (lib for extra in FLAG_CASCADE if (lib := compile_source(name, extra, flags)) is not None), None
+    """``name`` built with the first of :func:`flag_cascade` that compiles (None: none does; an explicit
+    ``QBENCH_NATIVE_ISA`` target that does not compile is an error)."""
+    lib = next(
+        (lib for extra in flag_cascade() if (lib := compile_source(name, extra, flags)) is not None), None
+    )
+    if lib is None and isa_target() != "native" and compiler() is not None:
+        raise refused_target()
+    return lib
+
+
+def refused_target() -> Exception:
+    from models.errors import UserError
+
+    target = isa_target()
+    return UserError(
+        f"{ISA_ENV}={target}: the C compiler ({compiler()}) refuses {' '.join(ISA_TARGETS[target]) or 'the build'}; "
+        f"unset it (this CPU's own target) or choose from: {', '.join(ISA_TARGETS)}"
     )

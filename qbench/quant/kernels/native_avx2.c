@@ -779,30 +779,68 @@ int qk_avx2_weight_only_linear(const float *x, int64_t m_rows, const uint8_t *w,
    values, too many for one permute: mask, subtract z, convert. Channel order is kept, so x needs no
    reordering. Up to LOWBIT_MB activation rows share each unpacked vector; each group's sum is scaled once. */
 
-/* 2-bit, 16 codes at c (c % 16 == 0) from one 32-bit word: two shifts of one broadcast */
-static inline void lowbit2_16(const uint8_t *wr, int64_t c, __m256 table, __m256 f[2]) {
-    uint32_t v;
-    memcpy(&v, wr + c / 4, 4);
-    __m256i b = _mm256_set1_epi32((int)v);
-    f[0] = _mm256_permutevar8x32_ps(table, _mm256_srlv_epi32(b, _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)));
-    f[1] = _mm256_permutevar8x32_ps(table, _mm256_srlv_epi32(b, _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30)));
+/* ŵ of the 32 codes at channel c (c % 8 == 0) into f[0..3], channels c + 8v … c + 8v + 7 in f[v]. bits is a
+   constant at every call (LOWBIT_CHANNELS), so each width is its own straight-line code: 2-bit, two words of 16
+   codes, each broadcast once (a load) and shifted twice; 3-bit, four 3-byte units read as 4 bytes; 4-bit,
+   lowbit8's convert (16 values: no 8-entry table). The shifts come in registers (sh0/sh1), set once per row. */
+static inline __attribute__((always_inline)) void lowbit32(const uint8_t *wr, const int bits, int64_t c, __m256 table,
+                                                           __m256 svec, __m256i zv, __m256i sh0, __m256i sh1,
+                                                           __m256 f[4]) {
+    const uint8_t *p = lowbit_at(wr, bits, c);
+    if (bits == 2) {
+        uint32_t v0, v1;
+        memcpy(&v0, p, 4);
+        memcpy(&v1, p + 4, 4);
+        const __m256i b0 = _mm256_set1_epi32((int)v0), b1 = _mm256_set1_epi32((int)v1);
+        f[0] = _mm256_permutevar8x32_ps(table, _mm256_srlv_epi32(b0, sh0));
+        f[1] = _mm256_permutevar8x32_ps(table, _mm256_srlv_epi32(b0, sh1));
+        f[2] = _mm256_permutevar8x32_ps(table, _mm256_srlv_epi32(b1, sh0));
+        f[3] = _mm256_permutevar8x32_ps(table, _mm256_srlv_epi32(b1, sh1));
+    } else if (bits == 3) {
+        for (int v = 0; v < 4; ++v) {
+            uint32_t u;
+            memcpy(&u, p + 3 * v, 4);
+            f[v] = _mm256_permutevar8x32_ps(table, _mm256_srlv_epi32(_mm256_set1_epi32((int)u), sh0));
+        }
+    } else {
+        for (int v = 0; v < 4; ++v) f[v] = _mm256_mul_ps(lowbit8(wr, bits, c + 8 * v, table, zv), svec);
+    }
 }
 
 static inline __attribute__((always_inline)) void lowbit_rows(const float *x, int64_t ldx, const int mb,
-                                                               const uint8_t *wr, int bits, const float *sr,
+                                                               const uint8_t *wr, const int bits, const float *sr,
                                                                const uint8_t *zr, int zconst, int64_t groups,
                                                                int64_t k, int64_t ldw, float *out) {
     int64_t g = k / groups;
     /* the last whole vector step: 3-bit loads 4 bytes per 3-byte unit, so the row's last unit runs scalar */
     int64_t vend = bits == 3 ? (ldw / 3 - 1) * 8 : k & ~(int64_t)7;
     const __m256 iota = bits == 2 ? _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3) : _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i sh0 = bits == 2   ? _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)
+                        : bits == 3 ? _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21)
+                                    : _mm256_setzero_si256();
+    const __m256i sh1 = _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30); /* 2-bit: the word's upper 8 codes */
     __m256 acc[LOWBIT_MB][4];
     float extra[LOWBIT_MB];
     for (int i = 0; i < LOWBIT_MB; ++i) {
         extra[i] = 0.0f;
         for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_ps();
     }
-    for (int64_t grp = 0; grp < groups; ++grp) {
+    /* groups of whole 32-channel steps inside the vector range (every group of the formats qbench names but the
+       3-bit row's last): a loop without the tail tests, the same steps in the same order as the general one */
+    const int64_t whole = g % 32 == 0 ? (vend / g < groups ? vend / g : groups) : 0;
+    for (int64_t grp = 0; grp < whole; ++grp) {
+        const float z = lowbit_zero(zr, zconst, grp), s = sr[grp];
+        const __m256 svec = _mm256_set1_ps(s), table = _mm256_mul_ps(_mm256_sub_ps(iota, _mm256_set1_ps(z)), svec);
+        const __m256i zv = _mm256_set1_epi32((int)z);
+        for (int64_t c = grp * g; c < grp * g + g; c += 32) {
+            __m256 f[4];
+            lowbit32(wr, bits, c, table, svec, zv, sh0, sh1, f);
+            for (int i = 0; i < mb; ++i)
+                for (int v = 0; v < 4; ++v)
+                    acc[i][v] = _mm256_fmadd_ps(f[v], _mm256_loadu_ps(x + i * ldx + c + 8 * v), acc[i][v]);
+        }
+    }
+    for (int64_t grp = whole; grp < groups; ++grp) {
         const float z = lowbit_zero(zr, zconst, grp), s = sr[grp];
         /* the table holds ŵ = (t − z) · s itself (fake mode's weights, bit for bit), so no group needs its own
            accumulators or a reduction: at g = 64 those cost as much as the products */
@@ -813,14 +851,7 @@ static inline __attribute__((always_inline)) void lowbit_rows(const float *x, in
             int64_t c1 = i1 < vend ? i1 : vend;
             for (; c + 32 <= c1; c += 32) {
                 __m256 f[4];
-                if (bits == 2) {
-                    lowbit2_16(wr, c, table, f);
-                    lowbit2_16(wr, c + 16, table, f + 2);
-                } else if (bits == 3) {
-                    for (int v = 0; v < 4; ++v) f[v] = lowbit8(wr, bits, c + 8 * v, table, zv);
-                } else {
-                    for (int v = 0; v < 4; ++v) f[v] = _mm256_mul_ps(lowbit8(wr, bits, c + 8 * v, table, zv), svec);
-                }
+                lowbit32(wr, bits, c, table, svec, zv, sh0, sh1, f);
                 for (int i = 0; i < mb; ++i)
                     for (int v = 0; v < 4; ++v)
                         acc[i][v] = _mm256_fmadd_ps(f[v], _mm256_loadu_ps(x + i * ldx + c + 8 * v), acc[i][v]);
@@ -845,7 +876,13 @@ static inline __attribute__((always_inline)) void lowbit_rows(const float *x, in
 void qk_avx2_lowbit_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *w, int bits, const float *scale,
                            const uint8_t *zero, int zconst, int64_t groups, const float *bias, float *y,
                            int64_t n_out, int nthreads) {
-    LOWBIT_CHANNELS(lowbit_rows);
+    if (bits == 2) {
+        LOWBIT_CHANNELS(lowbit_rows, 2);
+    } else if (bits == 3) {
+        LOWBIT_CHANNELS(lowbit_rows, 3);
+    } else {
+        LOWBIT_CHANNELS(lowbit_rows, 4);
+    }
 }
 
 /* Ŵ[:, :k_out] = (u − z) · s, qk_lowbit_dequantize's operations (the table holds float(t) − z, then one multiply:

@@ -345,15 +345,15 @@ void qk_avx512_w8a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const
 
 /* the ŵ of 16 codes at channel c (c % 8 == 0): 2-bit from one 32-bit word, 3-bit from two 3-byte units (each
    read as 4 bytes, as the AVX2 loop reads them: the caller leaves the row's last unit to the scalar tail) */
-static inline __m512 lowbit16(const uint8_t *wr, int bits, int64_t c, __m512 table) {
+static inline __attribute__((always_inline)) __m512 lowbit16(const uint8_t *wr, const int bits, int64_t c, __m512 table) {
     uint32_t v0, v1;
     if (bits == 2) {
-        memcpy(&v0, wr + c / 4, 4);
+        memcpy(&v0, lowbit_at(wr, 2, c), 4);
         const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
         return _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_set1_epi32((int)v0), sh), table);
     }
-    memcpy(&v0, wr + 3 * (c / 8), 4);
-    memcpy(&v1, wr + 3 * (c / 8) + 3, 4);
+    memcpy(&v0, lowbit_at(wr, 3, c), 4);
+    memcpy(&v1, lowbit_at(wr, 3, c) + 3, 4);
     const __m512i sh = _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18, 21);
     const __m512i both = _mm512_mask_set1_epi32(_mm512_set1_epi32((int)v0), 0xFF00, (int)v1);
     return _mm512_permutexvar_ps(_mm512_srlv_epi32(both, sh), table);
@@ -362,7 +362,7 @@ static inline __m512 lowbit16(const uint8_t *wr, int bits, int64_t c, __m512 tab
 static inline __m256 half_hi(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
 
 static inline __attribute__((always_inline)) void lowbit_rows16(const float *x, int64_t ldx, const int mb,
-                                                                 const uint8_t *wr, int bits, const float *sr,
+                                                                 const uint8_t *wr, const int bits, const float *sr,
                                                                  const uint8_t *zr, int zconst, int64_t groups,
                                                                  int64_t k, int64_t ldw, float *out) {
     int64_t g = k / groups;
@@ -375,7 +375,20 @@ static inline __attribute__((always_inline)) void lowbit_rows16(const float *x, 
         extra[i] = 0.0f;
         acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     }
-    for (int64_t grp = 0; grp < groups; ++grp) {
+    /* whole-step groups first, without the tail tests (as in the AVX2 loop, the same steps in the same order) */
+    const int64_t whole = g % 32 == 0 ? (vend / g < groups ? vend / g : groups) : 0;
+    for (int64_t grp = 0; grp < whole; ++grp) {
+        const float z = lowbit_zero(zr, zconst, grp), s = sr[grp];
+        const __m512 table = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(z)), _mm512_set1_ps(s));
+        for (int64_t c = grp * g; c < grp * g + g; c += 32) {
+            const __m512 f0 = lowbit16(wr, bits, c, table), f1 = lowbit16(wr, bits, c + 16, table);
+            for (int i = 0; i < mb; ++i) {
+                acc[i][0] = _mm512_fmadd_ps(f0, _mm512_loadu_ps(x + i * ldx + c), acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(f1, _mm512_loadu_ps(x + i * ldx + c + 16), acc[i][1]);
+            }
+        }
+    }
+    for (int64_t grp = whole; grp < groups; ++grp) {
         const float z = lowbit_zero(zr, zconst, grp), s = sr[grp];
         const __m512 table = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(z)), _mm512_set1_ps(s));
         int64_t i0 = grp * g, i1 = i0 + g, c = i0;
@@ -415,7 +428,11 @@ void qk_avx512_lowbit_linear(const float *x, int64_t m_rows, int64_t k, const ui
         qk_avx2_lowbit_linear(x, m_rows, k, w, bits, scale, zero, zconst, groups, bias, y, n_out, nthreads);
         return;
     }
-    LOWBIT_CHANNELS(lowbit_rows16);
+    if (bits == 2) {
+        LOWBIT_CHANNELS(lowbit_rows16, 2);
+    } else {
+        LOWBIT_CHANNELS(lowbit_rows16, 3);
+    }
 }
 
 #endif

@@ -60,7 +60,7 @@ from torch import Tensor
 
 from models.errors import UserError, unknown_choice
 from qbench.quant.kernels import _ops, native
-from qbench.quant.kernels.build import compiler, compiler_version, source_digest
+from qbench.quant.kernels.build import compiler, compiler_version, isa_target, source_digest
 
 DECODE_ROWS = 16
 FORCE_ENV = "QBENCH_FORCE_PATH"
@@ -222,10 +222,12 @@ def cpu_model() -> str:
 
 @functools.cache
 def machine_key() -> str:
-    """The measured choices' cache key: CPU model, its flags, the torch version, the C kernels' sources and the
-    compiler's version (a changed kernel or compiler is measured again, not judged by its predecessor's times)."""
+    """The measured choices' cache key: CPU model, its flags, the torch version, the C kernels' sources, the
+    compiler's version and the build target (a changed kernel, compiler or ``QBENCH_NATIVE_ISA`` is measured
+    again, not judged by its predecessor's times)."""
     cc = compiler()
     sources = source_digest(native.NATIVE_SOURCES) + (compiler_version(cc) if cc else "no compiler")
+    sources += isa_target()
     text = "|".join(
         (cpu_model(), " ".join(sorted(cpu_flags())), torch.__version__, sources, MEASURE_PROTOCOL)
     )

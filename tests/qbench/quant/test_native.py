@@ -287,6 +287,35 @@ def test_the_library_is_built_once_per_cpu_and_source_then_loaded_from_the_cache
     assert list((tmp_path / "kernels").glob("*.so")) == [cached]
 
 
+def test_native_isa_builds_a_lower_target_or_refuses_in_one_line(monkeypatch, tmp_path):
+    """QBENCH_NATIVE_ISA=avx2 builds what an AVX2-only CPU runs (x86-64-v3, no AVX-512: on this CPU too, to time
+    that build), portable the reference loops; a misspelt target is a did-you-mean error, and a target the
+    compiler refuses is an error rather than a quiet fallback to the torch paths. The measured dispatch keys its
+    choices on the target."""
+    from qbench.quant.kernels import build
+
+    monkeypatch.setenv("QBENCH_CACHE", str(tmp_path))
+    monkeypatch.delenv(build.ISA_ENV, raising=False)
+    assert build.flag_cascade() == build.FLAG_CASCADE
+    monkeypatch.setenv(build.ISA_ENV, "avx2")
+    assert build.flag_cascade() == (("-march=x86-64-v3", "-fopenmp"), ("-march=x86-64-v3",))
+    monkeypatch.setenv(build.ISA_ENV, "portable")
+    assert build.flag_cascade() == (("-fopenmp",), ())
+    monkeypatch.setenv(build.ISA_ENV, "avx-2")
+    with pytest.raises(UserError, match="did you mean 'avx2'"):
+        build.flag_cascade()
+    monkeypatch.setitem(build.ISA_TARGETS, "avx2", ("-march=no-such-cpu",))
+    monkeypatch.setenv(build.ISA_ENV, "avx2")
+    with pytest.raises(
+        UserError, match=r"QBENCH_NATIVE_ISA=avx2: the C compiler .* refuses -march=no-such-cpu"
+    ):
+        build.load("fake_quant.c")
+    if "avx2" in paths.cpu_flags():  # an AVX2 CPU builds and runs the target
+        monkeypatch.setitem(build.ISA_TARGETS, "avx2", ("-march=x86-64-v3",))
+        lib = native.build(["-march=x86-64-v3"])
+        assert lib is not None and lib.qk_isa() == 1 and not lib.qk_avx512_vnni()
+
+
 @pytest.mark.parametrize("variable", ["QBENCH_NATIVE", "QBENCH_NATIVE_KERNELS"])
 def test_environment_variable_switches_off(variable):
     """One switch for every compiled kernel (QBENCH_NATIVE=0); the older name still works for the real layers."""

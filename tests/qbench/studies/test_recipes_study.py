@@ -250,3 +250,53 @@ def test_the_lr_sweep_keeps_each_recipes_best_validation_loss(micro_panel, tmp_p
     assert "## Learning rate per recipe" in table and "lowest final validation loss" in table
     section = table.split("## Learning rate per recipe")[1].split("## Across seeds")[0]
     assert "peak lr" in table and re.search(rf"\| vanilla .*\| +{best:g} \|", section), section
+
+
+def test_lr_from_trains_each_recipe_at_an_earlier_sweeps_choice(micro_panel, tmp_path, capsys):
+    """``--lr-from``: the lr each recipe trains at is the one an earlier sweep's lr_sweep.json chose (the --long
+    panel at the demo sweep's choice), named in each run's folder and the table's description; a recipe the file
+    chose nothing for, a missing or foreign file, and --lr-from with --lr-sweep are one-line errors."""
+    import argparse
+
+    from qbench.cli import recipes as cli
+
+    sweep = tmp_path / "lr_sweep.json"
+    sweep.write_text(
+        json.dumps(
+            {"recipes": {"vanilla": {"chosen": 0.002}, "osp": {"chosen": 0.004}, "muon": {"chosen": None}}}
+        )
+    )
+    chosen = study.read_lr_choice(sweep, ("vanilla", "osp"))
+    assert chosen == (("vanilla", 0.002), ("osp", 0.004))
+    cfg = dataclasses.replace(micro_panel, chosen_lr=chosen, lr_source=str(sweep))
+    assert [(r.name, r.lr) for r in cfg.runs()] == [("vanilla-lr0.002", 0.002), ("osp", 0.004)]
+    assert f"as {sweep} chose it" in cfg.description
+    assert "0.002" in study.panel_runs(cfg)[0].args  # the trainer gets the chosen lr
+    with pytest.raises(UserError, match="chose no learning rate for muon"):
+        study.read_lr_choice(sweep, ("vanilla", "muon"))
+    (tmp_path / "other.json").write_text("[1, 2]")
+    for bad in (tmp_path / "none.json", tmp_path / "other.json"):
+        with pytest.raises(UserError, match="--lr-from"):
+            study.read_lr_choice(bad, ("vanilla",))
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    train_args = [f"--train-arg={a}" for a in micro_panel.extra_args]
+    cli.run(
+        parser.parse_args(
+            [
+                "--estimate",
+                "--recipes",
+                "vanilla",
+                "osp",
+                "--steps",
+                "3",
+                "--lr-from",
+                str(sweep),
+                *train_args,
+            ]
+        )
+    )
+    assert "2 runs x 3 steps" in capsys.readouterr().out
+    with pytest.raises(UserError, match="one of --lr-sweep"):
+        cli.run(parser.parse_args(["--estimate", "--lr-sweep", "--lr-from", str(sweep)]))

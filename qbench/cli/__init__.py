@@ -104,6 +104,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def check_native_target() -> None:
+    """A ``QBENCH_NATIVE_ISA`` target is checked (and built) before a command starts: inside a grid a kernel
+    that cannot be built would only mark every quantised cell unsupported, one compile attempt per cell."""
+    import os
+
+    from qbench.quant.kernels.build import ISA_ENV
+
+    if os.environ.get(ISA_ENV, "native").strip().lower() in ("", "native"):
+        return
+    from qbench.quant.kernels import native
+
+    native.available()  # raises UserError for a misspelt target, one this CPU cannot run, or one that fails
+
+
 def _main(argv: list[str]) -> int:
     if argv[:1] == ["train"]:  # the trainer owns its options; one implementation, two entry points
         from trainers.__main__ import main as train_main
@@ -115,6 +129,7 @@ def _main(argv: list[str]) -> int:
         if args.command is None:
             build_parser().print_help()
             return 0
+        check_native_target()
         code = COMMANDS[args.command](args) or 0
         if args.command in MEMORY_REPORTED and code == 0:
             console.print(f"[dim]peak memory {peak_memory_gib():.2f} GiB (resident, this process)[/]")

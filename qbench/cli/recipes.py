@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lr",
         type=float,
         default=4e-3,
-        help="peak learning rate of every run (with --lr-sweep: the runs' naming base)",
+        help="peak learning rate of every run (with --lr-sweep or --lr-from: the runs' naming base, a run at "
+        "another lr is named <recipe>-lr<lr>)",
     )
     parser.add_argument(
         "--lr-sweep",
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> None:
     bad = [x for x in (args.lr, *lrs) if not x > 0]
     if bad:
         raise UserError(f"learning rates must be > 0, got {bad[0]:g} (--lr, --lr-sweep)")
-    if args.lr_from and args.lr_sweep is not None:
+    if args.lr_from is not None and args.lr_sweep is not None:
         raise UserError(
             "give one of --lr-sweep (choose the lr here) and --lr-from (an earlier sweep's choice)"
         )
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> None:
             "algorithms": not args.no_algorithms,
         }
     )
-    if args.lr_from:
+    if args.lr_from is not None:
         from dataclasses import replace
 
         from qbench.studies.recipes import read_lr_choice

@@ -52,15 +52,32 @@ ISA_TARGETS: dict[str, tuple[str, ...]] = {
     "portable": (),
 }
 
+# x86-64-v3's features as /proc/cpuinfo names them: without them an avx2 build would die on an illegal instruction
+TARGET_NEEDS = {"avx2": {"avx2", "fma", "f16c", "bmi2", "movbe"}}
+
 
 def isa_target() -> str:
     """The build target ``QBENCH_NATIVE_ISA`` names (default ``native``); a one-line error for another word."""
-    from models.errors import unknown_choice
+    from models.errors import UserError, unknown_choice
 
     target = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
     if target not in ISA_TARGETS:
         raise unknown_choice(f"{ISA_ENV} target", target, ISA_TARGETS)
+    missing = (
+        sorted(TARGET_NEEDS.get(target, set()) - cpu_flag_set()) if platform.machine() == "x86_64" else []
+    )
+    if missing:  # the library would build and then die on an illegal instruction
+        raise UserError(f"{ISA_ENV}={target} needs CPU features this CPU lacks: {', '.join(missing)}")
     return target
+
+
+@functools.cache
+def cpu_flag_set() -> frozenset[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``; empty where it is not readable)."""
+    for line in cpu_identity().splitlines():
+        if line.split(":")[0].strip() in ("flags", "Features"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 def flag_cascade() -> tuple[tuple[str, ...], ...]:

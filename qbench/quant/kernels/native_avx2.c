@@ -827,7 +827,7 @@ static inline __attribute__((always_inline)) void lowbit_rows(const float *x, in
     }
     /* groups of whole 32-channel steps inside the vector range (every group of the formats qbench names but the
        3-bit row's last): a loop without the tail tests, the same steps in the same order as the general one */
-    const int64_t whole = g % 32 == 0 ? (vend / g < groups ? vend / g : groups) : 0;
+    const int64_t whole = g > 0 && g % 32 == 0 ? (vend / g < groups ? vend / g : groups) : 0;
     for (int64_t grp = 0; grp < whole; ++grp) {
         const float z = lowbit_zero(zr, zconst, grp), s = sr[grp];
         const __m256 svec = _mm256_set1_ps(s), table = _mm256_mul_ps(_mm256_sub_ps(iota, _mm256_set1_ps(z)), svec);

@@ -376,7 +376,7 @@ static inline __attribute__((always_inline)) void lowbit_rows16(const float *x, 
         acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     }
     /* whole-step groups first, without the tail tests (as in the AVX2 loop, the same steps in the same order) */
-    const int64_t whole = g % 32 == 0 ? (vend / g < groups ? vend / g : groups) : 0;
+    const int64_t whole = g > 0 && g % 32 == 0 ? (vend / g < groups ? vend / g : groups) : 0;
     for (int64_t grp = 0; grp < whole; ++grp) {
         const float z = lowbit_zero(zr, zconst, grp), s = sr[grp];
         const __m512 table = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(z)), _mm512_set1_ps(s));

@@ -310,10 +310,24 @@ def test_native_isa_builds_a_lower_target_or_refuses_in_one_line(monkeypatch, tm
         UserError, match=r"QBENCH_NATIVE_ISA=avx2: the C compiler .* refuses -march=no-such-cpu"
     ):
         build.load("fake_quant.c")
-    if "avx2" in paths.cpu_flags():  # an AVX2 CPU builds and runs the target
-        monkeypatch.setitem(build.ISA_TARGETS, "avx2", ("-march=x86-64-v3",))
-        lib = native.build(["-march=x86-64-v3"])
-        assert lib is not None and lib.qk_isa() == 1 and not lib.qk_avx512_vnni()
+    native._library.cache_clear()  # the layers' library follows the same target, and refuses the same way
+    try:
+        with pytest.raises(UserError, match="refuses -march=no-such-cpu"):
+            native.available()
+        from qbench.cli import main
+
+        assert main(["ls", "presets"]) == 2  # checked before any command runs, not per grid cell
+        monkeypatch.setattr(build, "cpu_flag_set", lambda: frozenset({"avx", "sse4_2"}))
+        with pytest.raises(UserError, match="lacks: avx2, bmi2, f16c, fma, movbe"):
+            build.isa_target()
+        monkeypatch.undo()
+        if {"avx2", "fma", "bmi2", "f16c", "movbe"} <= paths.cpu_flags():  # an AVX2 CPU builds and runs it
+            monkeypatch.setenv("QBENCH_CACHE", str(tmp_path))
+            monkeypatch.setenv(build.ISA_ENV, "avx2")
+            native._library.cache_clear()
+            assert native.isa() == "AVX2" and not native.vnni()
+    finally:
+        native._library.cache_clear()  # the next use builds this CPU's library again
 
 
 @pytest.mark.parametrize("variable", ["QBENCH_NATIVE", "QBENCH_NATIVE_KERNELS"])

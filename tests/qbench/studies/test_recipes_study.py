@@ -252,7 +252,7 @@ def test_the_lr_sweep_keeps_each_recipes_best_validation_loss(micro_panel, tmp_p
     assert "peak lr" in table and re.search(rf"\| vanilla .*\| +{best:g} \|", section), section
 
 
-def test_lr_from_trains_each_recipe_at_an_earlier_sweeps_choice(micro_panel, tmp_path, capsys):
+def test_lr_from_trains_each_recipe_at_an_earlier_sweeps_choice(micro_panel, tmp_path, capsys, monkeypatch):
     """``--lr-from``: the lr each recipe trains at is the one an earlier sweep's lr_sweep.json chose (the --long
     panel at the demo sweep's choice), named in each run's folder and the table's description; a recipe the file
     chose nothing for, a missing or foreign file, and --lr-from with --lr-sweep are one-line errors."""
@@ -282,21 +282,12 @@ def test_lr_from_trains_each_recipe_at_an_earlier_sweeps_choice(micro_panel, tmp
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     train_args = [f"--train-arg={a}" for a in micro_panel.extra_args]
-    cli.run(
-        parser.parse_args(
-            [
-                "--estimate",
-                "--recipes",
-                "vanilla",
-                "osp",
-                "--steps",
-                "3",
-                "--lr-from",
-                str(sweep),
-                *train_args,
-            ]
-        )
-    )
+    seen = []
+    real_estimate = study.estimate
+    monkeypatch.setattr(study, "estimate", lambda c, s=None: seen.append(c) or real_estimate(c, s))
+    args = ["--estimate", "--recipes", "vanilla", "osp", "--steps", "3", "--lr-from", str(sweep)]
+    cli.run(parser.parse_args([*args, "--ckpt-root", str(tmp_path / "ckpts"), *train_args]))
     assert "2 runs x 3 steps" in capsys.readouterr().out
+    assert [(r.name, r.lr) for r in seen[0].runs()] == [("vanilla-lr0.002", 0.002), ("osp", 0.004)]
     with pytest.raises(UserError, match="one of --lr-sweep"):
         cli.run(parser.parse_args(["--estimate", "--lr-sweep", "--lr-from", str(sweep)]))

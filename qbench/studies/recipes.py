@@ -222,6 +222,8 @@ def choose_lrs(cfg: RecipesConfig) -> dict[str, Any]:
     for entry in table.values():
         finite = {float(k): v for k, v in entry["val_loss"].items() if v is not None}
         entry["chosen"] = min(finite, key=lambda lr: (finite[lr], lr)) if finite else None
+        # a choice at the smallest or largest candidate does not bracket an optimum: a wider grid may move it
+        entry["at_edge"] = len(cfg.lrs) > 1 and entry["chosen"] in (min(cfg.lrs), max(cfg.lrs))
     return {
         "rule": "each recipe at the peak learning rate with the lowest final validation loss (seed "
         f"{cfg.seed}), among {', '.join(f'{x:g}' for x in cfg.lrs)} (docs/training.md)",
@@ -528,9 +530,10 @@ def train_panel(cfg: RecipesConfig, console: Any) -> tuple[RecipesConfig, float]
         atomic_write_json(cfg.output_path / "lr_sweep.json", choice)
         chosen = tuple((r, e["chosen"]) for r, e in choice["recipes"].items() if e["chosen"] is not None)
         cfg = replace(cfg, chosen_lr=chosen)
+        edge = {r for r, e in choice["recipes"].items() if e.get("at_edge")}
         console.print(
             "learning rate per recipe (lowest final validation loss): "
-            + ", ".join(f"{r} {lr:g}" for r, lr in chosen),
+            + ", ".join(f"{r} {lr:g}{' (grid edge)' if r in edge else ''}" for r, lr in chosen),
             highlight=False,
         )
     seconds += train_runs(panel_runs(cfg, cfg.runs()), console, parallel=cfg.parallel, threads=1)
@@ -650,11 +653,19 @@ def lr_section(cfg: RecipesConfig) -> str:
             loss = entry["val_loss"].get(f"{lr:g}")
             text = "-" if loss is None else f"{loss:.4f}"
             cells.append(f"**{text}**" if entry["chosen"] == lr else text)
-        rows.append([recipe, *cells, "-" if entry["chosen"] is None else f"{entry['chosen']:g}"])
+        chosen = "-" if entry["chosen"] is None else f"{entry['chosen']:g}"
+        rows.append([recipe, *cells, f"{chosen} (grid edge)" if entry.get("at_edge") else chosen])
     headers = ["recipe", *(f"val loss @ {lr:g}" for lr in cfg.lrs), "chosen lr"]
+    edges = [r for r, e in choice["recipes"].items() if e.get("at_edge")]
+    edge_note = (
+        f" {len(edges)} of {len(choice['recipes'])} choices lie at the grid's smallest or largest lr (grid edge): "
+        "the grid does not bracket their optimum, and a wider one may choose differently."
+        if edges
+        else ""
+    )
     return (
         f"\n## Learning rate per recipe\n\nRule: {choice['rule']}; the other seeds train at the chosen lr. "
-        "Each run's lr is in its checkpoint's provenance (`training.config.lr`) and the table above.\n\n"
+        f"Each run's lr is in its checkpoint's provenance (`training.config.lr`) and the table above.{edge_note}\n\n"
         f"{tabulate(rows, headers, tablefmt='github')}\n"
     )
 

@@ -236,6 +236,7 @@ def test_the_lr_sweep_keeps_each_recipes_best_validation_loss(micro_panel, tmp_p
     assert set(losses) == {4e-3, 2e-2} and all(v is not None for v in losses.values())
     best = min(losses, key=lambda lr: (losses[lr], lr))
     assert choice["recipes"]["vanilla"]["chosen"] == best
+    assert choice["recipes"]["vanilla"]["at_edge"]  # two candidates: either choice is an edge of the grid
     # the loss read back is the run's own: its checkpoint's provenance
     for lr in losses:
         name = "vanilla" if lr == 4e-3 else "vanilla-lr0.02"
@@ -249,7 +250,8 @@ def test_the_lr_sweep_keeps_each_recipes_best_validation_loss(micro_panel, tmp_p
     table = (cfg.output_path / "table.md").read_text()
     assert "## Learning rate per recipe" in table and "lowest final validation loss" in table
     section = table.split("## Learning rate per recipe")[1].split("## Across seeds")[0]
-    assert "peak lr" in table and re.search(rf"\| vanilla .*\| +{best:g} \|", section), section
+    assert "peak lr" in table and re.search(rf"\| vanilla .*\| +{best:g} \(grid edge\) \|", section), section
+    assert "1 of 1 choices lie at the grid's smallest or largest lr" in section
 
 
 def test_lr_from_trains_each_recipe_at_an_earlier_sweeps_choice(micro_panel, tmp_path, capsys, monkeypatch):
@@ -291,3 +293,26 @@ def test_lr_from_trains_each_recipe_at_an_earlier_sweeps_choice(micro_panel, tmp
     assert [(r.name, r.lr) for r in seen[0].runs()] == [("vanilla-lr0.002", 0.002), ("osp", 0.004)]
     with pytest.raises(UserError, match="one of --lr-sweep"):
         cli.run(parser.parse_args(["--estimate", "--lr-sweep", "--lr-from", str(sweep)]))
+
+
+def test_lr_choice_marks_a_choice_at_the_grids_edge(micro_panel, tmp_path):
+    """A chosen lr at the smallest or largest candidate is flagged (the grid does not bracket an optimum there); one
+    inside the grid is not; a diverged run is never chosen."""
+    cfg = dataclasses.replace(
+        micro_panel, recipes=("vanilla", "osp"), lrs=(1e-3, 2e-3, 4e-3), ckpt_root=tmp_path / "ckpts"
+    )
+    losses = {"vanilla": (5.0, 4.0, 4.5), "osp": (6.0, 5.5, float("nan"))}
+    for run in cfg.sweep_runs():
+        out = cfg.ckpt_root / run.name
+        out.mkdir(parents=True)
+        loss = losses[run.recipe][cfg.lrs.index(run.lr)]
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 2, "val_loss": loss}) + "\n")
+    choice = study.choose_lrs(cfg)["recipes"]
+    assert (choice["vanilla"]["chosen"], choice["vanilla"]["at_edge"]) == (2e-3, False)
+    assert (choice["osp"]["chosen"], choice["osp"]["at_edge"]) == (2e-3, False)  # 4e-3 diverged: not chosen
+    losses["vanilla"] = (3.0, 4.0, 4.5)
+    (cfg.ckpt_root / cfg.run_name("vanilla", 1e-3, cfg.seed) / "metrics.jsonl").write_text(
+        json.dumps({"step": 2, "val_loss": 3.0}) + "\n"
+    )
+    choice = study.choose_lrs(cfg)["recipes"]
+    assert (choice["vanilla"]["chosen"], choice["vanilla"]["at_edge"]) == (1e-3, True)

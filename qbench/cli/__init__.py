@@ -107,15 +107,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def check_native_target() -> None:
     """A ``QBENCH_NATIVE_ISA`` target is checked (and built) before a command starts: inside a grid a kernel
     that cannot be built would only mark every quantised cell unsupported, one compile attempt per cell."""
-    import os
+    from qbench.quant.kernels.build import isa_target
 
-    from qbench.quant.kernels.build import ISA_ENV
-
-    if os.environ.get(ISA_ENV, "native").strip().lower() in ("", "native"):
+    if isa_target() == "native":  # UserError for a misspelt target or one this CPU cannot run
         return
     from qbench.quant.kernels import native
 
-    native.available()  # raises UserError for a misspelt target, one this CPU cannot run, or one that fails
+    native.available()  # builds the library now: UserError if the compiler refuses the target
 
 
 def _main(argv: list[str]) -> int:

@@ -356,9 +356,9 @@ def _train_config(cfg: RecipesConfig, recipe: str) -> Any:
     CLI parser, so the two cannot differ)."""
     from trainers.__main__ import config_from_args
 
-    names = [r.name for r in cfg.training_runs()]
-    name = recipe if recipe in names else next(r.name for r in cfg.training_runs() if r.recipe == recipe)
-    run = next(r for r in panel_runs(cfg) if r.name == name)
+    runs = cfg.training_runs()
+    own = next((r for r in runs if r.name == recipe), None) or next(r for r in runs if r.recipe == recipe)
+    run = next(r for r in panel_runs(cfg, [own]))
     parser = _trainer_parser(f"qbench recipes: the {recipe} run's trainer arguments {shlex.join(run.args)}")
     return config_from_args(vars(parser.parse_args(["--steps", str(run.steps), *run.args])))
 

@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -63,17 +63,15 @@ def isa_target() -> str:
     target = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
     if target not in ISA_TARGETS:
         raise unknown_choice(f"{ISA_ENV} target", target, ISA_TARGETS)
-    missing = (
-        sorted(TARGET_NEEDS.get(target, set()) - cpu_flag_set()) if platform.machine() == "x86_64" else []
-    )
+    missing = sorted(TARGET_NEEDS.get(target, set()) - cpu_flags()) if platform.machine() == "x86_64" else []
     if missing:  # the library would build and then die on an illegal instruction
         raise UserError(f"{ISA_ENV}={target} needs CPU features this CPU lacks: {', '.join(missing)}")
     return target
 
 
 @functools.cache
-def cpu_flag_set() -> frozenset[str]:
-    """This CPU's feature flags (``/proc/cpuinfo``; empty where it is not readable)."""
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``'s first core; empty where it is not readable)."""
     for line in cpu_identity().splitlines():
         if line.split(":")[0].strip() in ("flags", "Features"):
             return frozenset(line.split(":", 1)[1].split())
@@ -192,11 +190,14 @@ def source_digest(names: tuple[str, ...]) -> str:
 
 
 def load(name: str | Sequence[str], flags: Sequence[str] = BASE_FLAGS) -> ctypes.CDLL | None:
-    """``name`` built with the first of :func:`flag_cascade` that compiles (None: none does; an explicit
-    ``QBENCH_NATIVE_ISA`` target that does not compile is an error)."""
-    lib = next(
-        (lib for extra in flag_cascade() if (lib := compile_source(name, extra, flags)) is not None), None
-    )
+    """``name`` built with the first of :func:`flag_cascade` that compiles (:func:`first_built`)."""
+    return first_built(lambda extra: compile_source(name, extra, flags))
+
+
+def first_built(build: Callable[[tuple[str, ...]], ctypes.CDLL | None]) -> ctypes.CDLL | None:
+    """``build(extra_flags)`` for each flag set of :func:`flag_cascade` until one gives a library (None: none
+    does — the torch paths run); an explicit ``QBENCH_NATIVE_ISA`` target that does not build is an error."""
+    lib = next((lib for extra in flag_cascade() if (lib := build(extra)) is not None), None)
     if lib is None and isa_target() != "native" and compiler() is not None:
         raise refused_target()
     return lib

@@ -96,10 +96,7 @@ NATIVE_SOURCES = ("native.c", "native_ref.c", "native_avx2.c", "native_avx512.c"
 def _library() -> ctypes.CDLL | None:
     """The loaded library, or None when no compiler builds it (then every caller takes its torch path); built for
     ``QBENCH_NATIVE_ISA``'s target where one is named (``build.flag_cascade``: an error if it does not compile)."""
-    lib = next((lib for extra in kernel_build.flag_cascade() if (lib := build(extra)) is not None), None)
-    if lib is None and kernel_build.isa_target() != "native" and kernel_build.compiler() is not None:
-        raise kernel_build.refused_target()
-    return lib
+    return kernel_build.first_built(build)
 
 
 def build(extra_flags: list[str]) -> ctypes.CDLL | None:

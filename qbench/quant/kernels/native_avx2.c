@@ -807,6 +807,17 @@ static inline __attribute__((always_inline)) void lowbit32(const uint8_t *wr, co
     }
 }
 
+/* one 32-channel step of mb rows: acc[i][v] += ŵ · x over channels c + 8v … c + 8v + 7 (both group loops) */
+static inline __attribute__((always_inline)) void lowbit_fma32(const float *x, int64_t ldx, const int mb,
+                                                                const uint8_t *wr, const int bits, int64_t c,
+                                                                __m256 table, __m256 svec, __m256i zv, __m256i sh0,
+                                                                __m256i sh1, __m256 acc[LOWBIT_MB][4]) {
+    __m256 f[4];
+    lowbit32(wr, bits, c, table, svec, zv, sh0, sh1, f);
+    for (int i = 0; i < mb; ++i)
+        for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_fmadd_ps(f[v], _mm256_loadu_ps(x + i * ldx + c + 8 * v), acc[i][v]);
+}
+
 static inline __attribute__((always_inline)) void lowbit_rows(const float *x, int64_t ldx, const int mb,
                                                                const uint8_t *wr, const int bits, const float *sr,
                                                                const uint8_t *zr, int zconst, int64_t groups,
@@ -833,11 +844,7 @@ static inline __attribute__((always_inline)) void lowbit_rows(const float *x, in
         const __m256 svec = _mm256_set1_ps(s), table = _mm256_mul_ps(_mm256_sub_ps(iota, _mm256_set1_ps(z)), svec);
         const __m256i zv = _mm256_set1_epi32((int)z);
         for (int64_t c = grp * g; c < grp * g + g; c += 32) {
-            __m256 f[4];
-            lowbit32(wr, bits, c, table, svec, zv, sh0, sh1, f);
-            for (int i = 0; i < mb; ++i)
-                for (int v = 0; v < 4; ++v)
-                    acc[i][v] = _mm256_fmadd_ps(f[v], _mm256_loadu_ps(x + i * ldx + c + 8 * v), acc[i][v]);
+            lowbit_fma32(x, ldx, mb, wr, bits, c, table, svec, zv, sh0, sh1, acc);
         }
     }
     for (int64_t grp = whole; grp < groups; ++grp) {
@@ -850,11 +857,7 @@ static inline __attribute__((always_inline)) void lowbit_rows(const float *x, in
         if (i0 % 8 == 0) { /* groups that start on a vector step (all but odd group sizes) */
             int64_t c1 = i1 < vend ? i1 : vend;
             for (; c + 32 <= c1; c += 32) {
-                __m256 f[4];
-                lowbit32(wr, bits, c, table, svec, zv, sh0, sh1, f);
-                for (int i = 0; i < mb; ++i)
-                    for (int v = 0; v < 4; ++v)
-                        acc[i][v] = _mm256_fmadd_ps(f[v], _mm256_loadu_ps(x + i * ldx + c + 8 * v), acc[i][v]);
+                lowbit_fma32(x, ldx, mb, wr, bits, c, table, svec, zv, sh0, sh1, acc);
             }
             for (; c + 8 <= c1; c += 8) {
                 __m256 f = lowbit8(wr, bits, c, table, zv);

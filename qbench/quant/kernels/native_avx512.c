@@ -361,6 +361,17 @@ static inline __attribute__((always_inline)) __m512 lowbit16(const uint8_t *wr, 
 
 static inline __m256 half_hi(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
 
+/* one 32-channel step of mb rows on two zmm accumulators (both group loops) */
+static inline __attribute__((always_inline)) void lowbit_fma32x16(const float *x, int64_t ldx, const int mb,
+                                                                   const uint8_t *wr, const int bits, int64_t c,
+                                                                   __m512 table, __m512 acc[LOWBIT_MB][2]) {
+    const __m512 f0 = lowbit16(wr, bits, c, table), f1 = lowbit16(wr, bits, c + 16, table);
+    for (int i = 0; i < mb; ++i) {
+        acc[i][0] = _mm512_fmadd_ps(f0, _mm512_loadu_ps(x + i * ldx + c), acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(f1, _mm512_loadu_ps(x + i * ldx + c + 16), acc[i][1]);
+    }
+}
+
 static inline __attribute__((always_inline)) void lowbit_rows16(const float *x, int64_t ldx, const int mb,
                                                                  const uint8_t *wr, const int bits, const float *sr,
                                                                  const uint8_t *zr, int zconst, int64_t groups,
@@ -381,11 +392,7 @@ static inline __attribute__((always_inline)) void lowbit_rows16(const float *x, 
         const float z = lowbit_zero(zr, zconst, grp), s = sr[grp];
         const __m512 table = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(z)), _mm512_set1_ps(s));
         for (int64_t c = grp * g; c < grp * g + g; c += 32) {
-            const __m512 f0 = lowbit16(wr, bits, c, table), f1 = lowbit16(wr, bits, c + 16, table);
-            for (int i = 0; i < mb; ++i) {
-                acc[i][0] = _mm512_fmadd_ps(f0, _mm512_loadu_ps(x + i * ldx + c), acc[i][0]);
-                acc[i][1] = _mm512_fmadd_ps(f1, _mm512_loadu_ps(x + i * ldx + c + 16), acc[i][1]);
-            }
+            lowbit_fma32x16(x, ldx, mb, wr, bits, c, table, acc);
         }
     }
     for (int64_t grp = whole; grp < groups; ++grp) {
@@ -395,11 +402,7 @@ static inline __attribute__((always_inline)) void lowbit_rows16(const float *x, 
         if (i0 % 8 == 0) {
             int64_t c1 = i1 < vend ? i1 : vend;
             for (; c + 32 <= c1; c += 32) {
-                const __m512 f0 = lowbit16(wr, bits, c, table), f1 = lowbit16(wr, bits, c + 16, table);
-                for (int i = 0; i < mb; ++i) {
-                    acc[i][0] = _mm512_fmadd_ps(f0, _mm512_loadu_ps(x + i * ldx + c), acc[i][0]);
-                    acc[i][1] = _mm512_fmadd_ps(f1, _mm512_loadu_ps(x + i * ldx + c + 16), acc[i][1]);
-                }
+                lowbit_fma32x16(x, ldx, mb, wr, bits, c, table, acc);
             }
             for (; c + 8 <= c1; c += 8) { /* into the AVX2 loop's accumulator 0: the low half of zmm 0 */
                 const __m256 f = lowbit8(wr, bits, c, _mm512_castps512_ps256(table), _mm256_setzero_si256());

@@ -60,7 +60,7 @@ from torch import Tensor
 
 from models.errors import UserError, unknown_choice
 from qbench.quant.kernels import _ops, native
-from qbench.quant.kernels.build import compiler, compiler_version, isa_target, source_digest
+from qbench.quant.kernels.build import compiler, compiler_version, cpu_flags, isa_target, source_digest
 
 DECODE_ROWS = 16
 FORCE_ENV = "QBENCH_FORCE_PATH"
@@ -88,15 +88,6 @@ def int_mm_preferred() -> bool:
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return frozenset()
-
-
 def _check_path(path: str) -> str:
     if path not in PATHS:
         raise unknown_choice("kernel path", path, PATHS)

@@ -317,7 +317,7 @@ def test_native_isa_builds_a_lower_target_or_refuses_in_one_line(monkeypatch, tm
         from qbench.cli import main
 
         assert main(["ls", "presets"]) == 2  # checked before any command runs, not per grid cell
-        monkeypatch.setattr(build, "cpu_flag_set", lambda: frozenset({"avx", "sse4_2"}))
+        monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"avx", "sse4_2"}))
         with pytest.raises(UserError, match="lacks: avx2, bmi2, f16c, fma, movbe"):
             build.isa_target()
         monkeypatch.undo()

@@ -1,7 +1,7 @@
 /* The exported entry points of qbench's real-kernel CPU library (native.py binds them; native.h describes the
    layouts and the file split). Each one picks its loops here, once, from the build's instruction set: the
-   AVX2 functions of native_avx2.c when the compiler targets AVX2 + FMA (and the W8A8 and W4A8 GEMMs of native_avx512.c
-   when it targets AVX-512 VNNI too), else the portable ones of native_ref.c. The choice is made by the compile flags (-march=native on the machine that runs it), so the
+   AVX2 functions of native_avx2.c when the compiler targets AVX2 + FMA (and the W8A8 and W4A8 GEMMs and the W4A8
+   GEMV of native_avx512.c when it targets AVX-512 VNNI too), else the portable ones of native_ref.c. The choice is made by the compile flags (-march=native on the machine that runs it), so the
    tables below are the only place that knows which ISA exists; the functions hold no ISA conditionals. */
 #include "native.h"
 
@@ -14,17 +14,19 @@
 #define ABSMAX_F32(x, n) qk_avx2_absmax_f32(x, n)
 #define QUANTIZE_ROW(x, n, s, q) qk_avx2_quantize_row(x, n, s, q)
 #define W8A8_GEMV qk_avx2_w8a8_gemv
-#define W4A8_GEMV qk_avx2_w4a8_gemv
-/* the W8A8 and W4A8 prefill at VNNI's int8 rate and the packed 2/3-bit GEMV on 16 lanes (native_avx512.c);
+/* the W8A8 and W4A8 prefill and the W4A8 decode at VNNI's int8 rate, the packed 2/3-bit GEMV on 16 lanes
+   (native_avx512.c);
    every other loop stays AVX2 */
 #if defined(QK_AVX512VNNI)
 #define W8A8_GEMM qk_avx512_w8a8_gemm
 #define W4A8_GEMM qk_avx512_w4a8_gemm
+#define W4A8_GEMV qk_avx512_w4a8_gemv /* four rows a step, the reference's float order (g = 64·odd: AVX2's) */
 #define LOWBIT_LINEAR qk_avx512_lowbit_linear /* 2/3-bit codes 16 to a zmm; 4-bit the AVX2 loop */
 #define QK_VNNI 1
 #else
 #define W8A8_GEMM qk_avx2_w8a8_gemm
 #define W4A8_GEMM qk_avx2_w4a8_gemm
+#define W4A8_GEMV qk_avx2_w4a8_gemv
 #define LOWBIT_LINEAR qk_avx2_lowbit_linear
 #define QK_VNNI 0
 #endif
@@ -113,9 +115,10 @@ void qk_w8a8_forward(const float *x, int64_t m_rows, int64_t k, int64_t rows_per
 
 /* x float32 (M, K) -> y float32 (M, N) for the W4A8 layer: quantise the activations, then the GEMV (gemv != 0,
    or the portable build) or the GEMM, as the caller chose (paths.choose). Returns 0 (nothing written) when the
-   group size has no loop here: g must be K, 32 or a multiple of 64. The AVX2 decode loop sums g = 32 groups in
-   another float order than the reference (even groups, then odd: see native_avx2.c), so there the two builds
-   agree to float rounding; every other W4A8 and W8A8 result is bit-identical across builds. */
+   group size has no loop here: g must be K, 32 or a multiple of 64. The AVX2-only build's decode loop sums
+   g = 32 groups in another float order than the reference (even groups, then odd: see native_avx2.c), so there
+   the two builds agree to float rounding; every other W4A8 and W8A8 result, the AVX-512 VNNI decode loop's
+   included, is bit-identical across builds. */
 int qk_w4a8_forward_path(const float *x, int64_t m_rows, int64_t k, int64_t rows_per_scale, const uint8_t *w,
                          const float *scale, int64_t groups, const float *bias, float *y, int64_t n_out,
                          int nthreads, int gemv) {

@@ -3,7 +3,7 @@
    Files (the ggml-quants layering): native_ref.c holds the portable scalar loops and is always compiled — it is
    the definition, what a CPU without AVX2 runs and what the vector loops are tested against; native_avx2.c
    holds one function per AVX2 + FMA loop and compiles to nothing unless the build targets AVX2 (build.py's
-   -march=native); native_avx512.c (the W8A8 and W4A8 GEMMs on vpdpbusd, the 2/3-bit GEMV on 16 lanes)
+   -march=native); native_avx512.c (the W8A8 and W4A8 GEMMs and the W4A8 GEMV on vpdpbusd, the 2/3-bit GEMV on 16 lanes)
    compiles to nothing unless the target has AVX-512 VNNI; native.c exports the entry points and picks among
    them at build time, from the compile flags (the -march=native build is for the machine that runs it, so
    nothing is left to choose at run time).
@@ -243,6 +243,9 @@ QK_HIDDEN void qk_avx2_lowbit_dequantize(const uint8_t *w, int bits, const float
 QK_HIDDEN void qk_avx512_w8a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const int8_t *w,
                                   const float *sw, int per_channel, const float *bias, float *y, int64_t n_out,
                                   int64_t k, int nthreads);
+QK_HIDDEN void qk_avx512_w4a8_gemv(const int8_t *q, const float *sx, int64_t m_rows, const uint8_t *w,
+                                   const float *scale, int64_t groups, const float *bias, float *y,
+                                   int64_t n_out, int64_t k, int nthreads);
 QK_HIDDEN void qk_avx512_w4a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const uint8_t *w,
                                    const float *scale, int64_t groups, const float *bias, float *y,
                                    int64_t n_out, int64_t k, int nthreads);

@@ -33,8 +33,8 @@ on another), the files
 of :data:`NATIVE_SOURCES` into one library. ``-march=native`` decides the instruction set at build time, on the
 machine that runs it: with AVX2 + FMA ``native.c`` calls the loops of ``native_avx2.c``, else those of
 ``native_ref.c`` (the ggml-quants layering: one portable reference, one file per instruction set, no ISA test
-inside a function); :func:`isa` says which. With AVX-512 VNNI the W8A8 and W4A8 GEMMs and the packed 2/3-bit
-GEMV come from ``native_avx512.c`` (:func:`vnni`). The torch custom ops over these wrappers are in ``_ops.py``.
+inside a function); :func:`isa` says which. With AVX-512 VNNI the W8A8 and W4A8 GEMMs, the W4A8 GEMV and the
+packed 2/3-bit GEMV come from ``native_avx512.c`` (:func:`vnni`). The torch custom ops over these wrappers are in ``_ops.py``.
 Without a compiler, or with ``QBENCH_NATIVE=0`` in the environment (the older ``QBENCH_NATIVE_KERNELS=0`` too; or
 :func:`set_enabled(False) <set_enabled>`), :func:`available` is False and the layers use their torch paths
 (``torch._int_mm``, dequantise + ``F.linear``).

@@ -429,7 +429,7 @@ def test_portable_loops_equal_the_vector_loops():
             args = (x, m, k, 1, layer.qweight, layer.scales, groups, bias)
             assert _call(native.library(), "qk_w4a8_forward_path", *args, want, n, 1, gemv)
             assert _call(portable, "qk_w4a8_forward_path", *args, y, n, 1, gemv)
-            if group == 32 and gemv:  # the AVX2 decode loop sums g = 32 groups in another order
+            if group == 32 and gemv and not native.vnni():  # AVX2's decode loop: another float order
                 assert rel_err(y, want) < 1e-6
             else:
                 assert torch.equal(y, want)
@@ -438,6 +438,49 @@ def test_portable_loops_equal_the_vector_loops():
         out = torch.empty(n, k)
         _call(portable, "qk_dequantize", codes, 1, 0, scale, zero, n, k, groups, out, 1)
         assert torch.equal(out, native.dequantize(codes, True, scale, zero, k))
+
+
+@pytest.mark.parametrize(
+    "m, k, group",
+    [
+        (1, 768, 32),  # whole 128-channel steps, four groups each
+        (1, 576, 32),  # a last step of two groups (K % 128 = 64)
+        (2, 96, 32),  # three groups: one partial step
+        (5, 224, 32),  # 7 groups: a step of three
+        (1, 63, None),  # per channel, odd K: the last byte's high nibble is past K
+        (16, 1030, None),  # per channel, 16 rows (the GEMV's largest batch), a partial last step
+        (3, 512, 128),  # g = 128: one step a group
+        (1, 768, 256),  # g = 256: two steps a group
+        (2, 384, 192),  # g = 64·3: the AVX2 loop on every build
+    ],
+)
+@pytest.mark.parametrize(
+    "n", [1, 6, 37]
+)  # fewer than 4 channels; 4-channel blocks and a 2- or 1-channel rest
+def test_w4a8_gemv_entry_equals_the_portable_build(m, k, group, n):
+    """The W4A8 GEMV entry (decode, up to 16 rows) of this build against native_ref.c: bit for bit where the CPU has
+    AVX-512 VNNI (native_avx512.c's four-row vpdpbusd loop keeps the reference's float order: integer group
+    sums, then t = t + s_g · A_g), and to float rounding on the AVX2 loop, whose g = 32 sum runs in another
+    order. Shapes cover every tail: partial 128-channel steps, odd K, channel counts off the 4-row blocks, both
+    thread counts, and a group size the VNNI loop hands to the AVX2 one. The AVX2-only build runs too, so both
+    decode loops are checked on a CPU with VNNI."""
+    portable = _portable()
+    torch.manual_seed(m * 1000 + k + n)
+    layer = Int4A8Linear.from_float(torch.randn(n, k), torch.randn(n) if n != 6 else None, group)
+    kp = layer.padded_features
+    x = F.pad(torch.randn(m, k) * 3, (0, kp - k))
+    x[0, 0] = 40.0  # one large activation: codes at ±127 beside small ones
+    args = (x, m, kp, 1, layer.qweight, layer.scales, layer.scales.shape[1], layer.bias)
+    want, y = torch.empty(m, n), torch.empty(m, n)
+    assert _call(portable, "qk_w4a8_forward_path", *args, want, n, 1, 1)
+    for lib in filter(None, (native.library(), _avx2())):  # this build, and the AVX2 loop on every AVX2 CPU
+        for threads in (1, 2):
+            y.fill_(float("nan"))
+            assert _call(lib, "qk_w4a8_forward_path", *args, y, n, threads, 1)
+            if lib.qk_avx512_vnni() or group != 32:
+                assert torch.equal(y, want), (threads, (y - want).abs().max())
+            else:
+                assert rel_err(y, want) < 1e-6
 
 
 @pytest.mark.parametrize(

@@ -317,8 +317,14 @@ def _gated_attention(base: str) -> Callable:
             raise RuntimeError(
                 f"gated attention expects the default rotary embedding, not {rope['rope_type']!r}"
             )
-        cos, sin = _applied_rotation(module, kwargs.get("position_ids"), query)
-        gate = _unrotate(query[:, n:], cos, sin)
+        q_proj = getattr(module, "q_proj", None)
+        stashed = getattr(q_proj, "pre_rope_gate", None)
+        if stashed is not None:  # an unpacked export: the gate as its own linear computed it, bit for bit
+            q_proj.pre_rope_gate = None
+            gate = stashed.view(*stashed.shape[:-1], n, -1).transpose(1, 2)
+        else:  # the packed export: undo the rotary embedding (exact to float rounding, ~1e-7 relative)
+            cos, sin = _applied_rotation(module, kwargs.get("position_ids"), query)
+            gate = _unrotate(query[:, n:], cos, sin)
         if module.num_key_value_groups != 1:  # the base sees n query heads over n key/value heads
             module.num_key_value_groups = 1
         out, probs = base_attention(base, module)(
@@ -365,11 +371,16 @@ class UnpackedQueryGate(torch.nn.Module):
     def __init__(self, query: torch.nn.Module, gate: torch.nn.Module, repeat: int) -> None:
         super().__init__()
         self.query, self.gate, self.repeat = query, gate, repeat
+        # The gate as computed here, for the attention function to read instead of undoing RoPE on the packed
+        # gate heads: that round trip moves values by ~1e-7, enough to flip a few 4-bit codes of the o_proj input
+        # and make the quantised export drift from its quantised checkpoint. Read once, then cleared.
+        self.pre_rope_gate: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         gate = self.gate(x)
         if self.repeat > 1:
             gate = gate.repeat_interleave(self.repeat, dim=-1)
+        self.pre_rope_gate = gate
         return torch.cat([self.query(x), gate], dim=-1)
 
 

@@ -330,6 +330,29 @@ def _finite(x: float) -> float | None:
     return x if isinstance(x, float) and math.isfinite(x) else None
 
 
+def check_kv_window(kv: Any, window: int) -> None:
+    """Refuse (one line) a KV cache whose kept positions or float residual cover the whole ``window``: nothing
+    would be quantised, yet the record would be labelled with the scheme. Called before anything is evaluated —
+    by every grid, and by a sweep for all its KV groups at once (else a bad group refuses after the others ran)."""
+    if kv is None:
+        return
+    if kv.keep_first >= window:
+        raise UserError(
+            f"--kv-keep-first {kv.keep_first} keeps every position of the {window}-token window in float "
+            f"(nothing would be quantised); choose a value below {window}"
+        )
+    if kv.keep_sinks >= window:
+        raise UserError(
+            f"--kv-keep-sinks {kv.keep_sinks} keeps every position of the {window}-token window in float "
+            f"(nothing would be quantised); choose a value below {window}"
+        )
+    if kv.scheme == "kivi" and kv.residual >= window:
+        raise UserError(
+            f"KV scheme kivi keeps its {kv.residual} newest positions in float, and the window has {window}: "
+            f"nothing would be quantised; choose --kv-scheme kivi:residual=N with N below {window}"
+        )
+
+
 class ModelEvaluation:
     """One model of the grid: loaded lazily, its windows and float baseline computed once."""
 
@@ -417,22 +440,7 @@ class ModelEvaluation:
         kv = self.spec.kv
         if kv_calibrated(kv):
             calibration.check_disjoint(protocol.corpus, protocol.split, f"KV scheme {kv.label}")
-        window = self.windows.window
-        if kv is not None and kv.keep_first >= self.windows.window:
-            raise UserError(
-                f"--kv-keep-first {kv.keep_first} keeps every position of the {self.windows.window}-token "
-                f"window in float (nothing would be quantised); choose a value below {self.windows.window}"
-            )
-        if kv is not None and kv.keep_sinks >= window:
-            raise UserError(
-                f"--kv-keep-sinks {kv.keep_sinks} keeps every position of the {window}-token window in float "
-                f"(nothing would be quantised); choose a value below {window}"
-            )
-        if kv is not None and kv.scheme == "kivi" and kv.residual >= window:
-            raise UserError(
-                f"KV scheme kivi keeps its {kv.residual} newest positions in float, and the window has {window}: "
-                f"nothing would be quantised; choose --kv-scheme kivi:residual=N with N below {window}"
-            )
+        check_kv_window(kv, self.windows.window)
 
     def identity(self, scheme_name: str | None, mode: str) -> str:
         """:func:`cell_identity` of a cell before it is evaluated (``scheme_name`` None: the float record)."""

@@ -155,8 +155,9 @@ def check_calibration_disjoint(corpus: Any, scored_split: str | None, what: str)
         return CALIBRATION_SPLIT
     raise UserError(
         f"{what} calibrates on the {CALIBRATION_SPLIT} split of {str(corpus)!r}, which the scored split "
-        f"{scored_split!r} contains (calibration on the scored text); score --split validation, or use a "
-        "scheme without calibration"
+        f"{scored_split!r} contains (calibration on the scored text); score --split validation (where the "
+        "corpus has validation documents: a single file has none), calibrate on other text with --calib-data, "
+        "or use a scheme without calibration"
     )
 
 

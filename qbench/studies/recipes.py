@@ -276,6 +276,15 @@ PANEL_OPTIONS = {
     "probe_every": "the panel probes every 25 steps",
     "ckpt_every": "the panel checkpoints every 50 steps",
     "progress": "the panel shows its own progress",
+    # what makes a recipe the recipe (qbench ls recipes): a vanilla row trained with softmax-1 is no vanilla row
+    "attn": "the recipe sets the attention (qbench ls recipes); choose the recipes with --recipes",
+    "gate": "the recipe sets the gate (qbench ls recipes); choose the recipes with --recipes",
+    "optim": "the recipe sets the optimiser (qbench ls recipes); choose the recipes with --recipes",
+    "emb_proj": "the recipe sets OSP's projections (qbench ls recipes); choose the recipes with --recipes",
+    # the architecture the panel's budget builds every recipe in (GPT-2 style, --long: Llama style)
+    "pos": "the panel's style sets the positions for every recipe (--long: Llama style)",
+    "bias": "the panel's style sets the biases for every recipe (--long: Llama style)",
+    "norm_position": "the panel's style sets the norm position for every recipe",
 }
 
 
@@ -311,8 +320,8 @@ def check_train_args(cfg: RecipesConfig, train_args: tuple[str, ...] | list[str]
         owned["norm"] = f"the panel's style sets --norm {cfg.style_norm}"
     for dest, instead in owned.items():
         if dest in given:
-            flag = "--" + dest.replace("_", "-")
             value = given[dest]
+            flag = ("--no-" if value is False else "--") + dest.replace("_", "-")  # as typed: --no-bias
             value = "" if isinstance(value, bool) else f" {value}"
             if instead.startswith("--"):
                 instead = f"give qbench recipes {instead}{value} instead"

@@ -455,7 +455,7 @@ def run_sweep(
 
     ``loaded``: models already in memory by their entry in ``cfg.models`` (loaded once for all grid runs).
     """
-    from qbench.eval.harness import run_grid
+    from qbench.eval.harness import check_kv_window, run_grid
 
     cells = validate(cfg)
     _, skipped = _plan(cfg)
@@ -473,7 +473,10 @@ def run_sweep(
         from qbench.eval.adapters import default_window
 
         window = default_window(lm.model, cfg.protocol.window)
-        for kv, group in _groups(cfg, cells, window):
+        groups = _groups(cfg, cells, window)
+        for kv, _ in groups:  # every KV group refused up front, not after the groups before it ran
+            check_kv_window(kv, window)
+        for kv, group in groups:
             spec = _grid_spec(cfg, [model], _unique_schemes(group), kv)
             records = run_grid(spec, on_record=on_record, loaded={model: lm})
             fps.setdefault(lm.name, records[0])  # run_grid's float baseline comes first

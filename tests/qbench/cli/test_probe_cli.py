@@ -48,12 +48,15 @@ def test_run_refuses_keep_sinks_that_keep_every_position(ckpt_dir, tmp_path, cap
     assert not [p for p in out.rglob("*.json") if "sinks1000" in p.name]  # no record labelled as quantised
 
 
-def test_sweep_refuses_keep_sinks_that_keep_every_position(ckpt_dir, tmp_path, capsys):
-    argv = ["sweep", "--ckpt", ckpt_dir, "--axes", "kv", "--bits", "4", "--kv-scheme", "per-token"]
+@pytest.mark.parametrize("axes", ["kv", "w,kv"])
+def test_sweep_refuses_keep_sinks_that_keep_every_position(ckpt_dir, tmp_path, capsys, axes):
+    """Refused before any cell runs: the KV groups come after the weight cells and after other KV widths, so a
+    check made as each group starts let the sweep evaluate (and write) those first."""
+    argv = ["sweep", "--ckpt", ckpt_dir, "--axes", axes, "--bits", "4,2", "--kv-scheme", "per-token"]
     out = tmp_path / "s"
     refused([*argv, "--kv-keep-sinks", "1000", "--output-path", out, *FAST], capsys, "--kv-keep-sinks 1000")
     assert not (out / "sweep.json").exists()
-    assert not [p for p in out.rglob("*.json") if "sinks1000" in p.name]
+    assert not list(out.rglob("*.json"))  # no cell at all: not the float baseline, not the weight cells
 
 
 # ------------------------------------------------------------------------ score --breaking-points' KV options
@@ -144,6 +147,11 @@ def test_recipes_refuses_trainer_arguments_the_panel_sets(tmp_path, capsys):
     )
     refused([*argv, "--train-arg=--pres=small"], capsys, "--preset small")  # argparse's abbreviations too
     refused([*argv, "--train-arg=--resume"], capsys, "--resume")
+    # what makes a recipe the recipe, and the panel's style: a vanilla row trained with softmax-1 is no vanilla row
+    refused([*argv, "--train-arg=--attn=softmax1"], capsys, "--attn softmax1", "--recipes")
+    refused([*argv, "--train-arg=--optim", "--train-arg=muon"], capsys, "--optim muon", "optimiser")
+    refused([*argv, "--train-arg=--no-bias"], capsys, "--train-arg --no-bias sets", "style")
+    refused([*argv, "--train-arg=--pos=rope"], capsys, "--pos rope", "style")
 
 
 def test_recipes_refuses_a_ckpt_root_holding_an_init_checkpoint(ckpt_dir, tmp_path, capsys):

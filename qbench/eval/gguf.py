@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,15 @@ def _import_gguf():
             f"reading a .gguf file needs the gguf package: pip install 'qbench[gguf]' ({e})"
         ) from None
     return gguf
+
+
+# GGUF tensor types that hold float weights as they are; any other type is block-quantised (Q8_0, Q4_1, Q4_K…)
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+
+
+def block_quantised(summary: Mapping[str, Any] | None) -> bool:
+    """Whether a :func:`gguf_summary` names a block-quantised tensor: the file's weights already lie on a grid."""
+    return any(t not in FLOAT_TYPES for t in ((summary or {}).get("tensor_types") or {}))
 
 
 def gguf_summary(path: Path) -> dict[str, Any]:

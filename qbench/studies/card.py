@@ -152,9 +152,6 @@ class Budget:
     repair_minimise: bool = True
     # formats a repair is tried on, in turn, until one pays (within and smaller than what already passes)
     repair_candidates: int = 1
-    # a sensitivity map (by type, no repair) of the most damaged format beyond the tolerance: the layers "avoid"
-    # names
-    avoid_map: bool = False
 
     @property
     def kv_bits(self) -> tuple[int, ...]:
@@ -182,7 +179,7 @@ class Budget:
             f"{sweep}, sensitivity by {self.sensitivity_by} of {tries} over tolerance that a repair could pay "
             "for"
             + ("" if self.repair_minimise else " (repair not minimised)")
-            + (" and of the most damaged format" if self.avoid_map else "")
+            + " and of the most damaged format"
             + ", per-layer kernel speed"
             + (" and whole-model real-kernel speed" if self.speed else "")
         )
@@ -219,7 +216,11 @@ def _budgets() -> dict[str, Budget]:
     everything = tuple(f.scheme for f in FORMATS)
     return {
         "quick": Budget(
-            "quick", QUICK_TOKENS, QUICK_FORMATS, _kv_rows((4, 2), (2,), (4,)), repair_minimise=False
+            "quick",
+            QUICK_TOKENS,
+            QUICK_FORMATS,
+            _kv_rows((4, 2), (2,), (4,)),
+            repair_minimise=False,
         ),
         "standard": Budget(
             "standard",
@@ -230,7 +231,6 @@ def _budgets() -> dict[str, Budget]:
             ("w", "a", "o", "all"),
             (8, 6, 4, 3, 2),
             repair_candidates=2,
-            avoid_map=True,
         ),
         "full": Budget(
             "full",
@@ -243,7 +243,6 @@ def _budgets() -> dict[str, Budget]:
             sensitivity_by="layer",
             speed=True,
             repair_candidates=3,
-            avoid_map=True,
         ),
     }
 
@@ -1144,8 +1143,9 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
             )
         # the repair: each candidate in turn until one pays (within, and smaller than what already passes)
         repairs = []
-        limit, _ = size_to_beat(formats, fp, profile, cfg.tolerance, cfg.metric)
-        for target in repair_targets(formats, fp, profile, cfg.tolerance, cfg.metric)[
+        source_bytes = _quantised_source_bytes(fp)
+        limit, _ = size_to_beat(formats, fp, profile, cfg.tolerance, cfg.metric, source_bytes)
+        for target in repair_targets(formats, fp, profile, cfg.tolerance, cfg.metric, source_bytes)[
             : plan.repair_candidates
         ]:
             record = at_budget[target["scheme"]["name"]]
@@ -1154,10 +1154,10 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
             size = repaired_bytes(record, study, fp, profile)
             if study["repair"]["reached"] and size is not None and (limit is None or size < limit):
                 break
-        # where the most damaged format's damage comes from: a map by type (standard and full)
+        # where the most damaged format's damage comes from: a map by type (no repair), the layers "avoid" names
         avoid_map = None
         worst = _worst_beyond(formats, cfg.tolerance, cfg.metric)
-        if plan.avoid_map and worst is not None:
+        if worst is not None:
             name = worst["scheme"]["name"]
             tried = next((r for r in repairs if r["scheme"]["name"] == name and r["by"] == "type"), None)
             avoid_map = tried or _sensitivity(cfg, lm, at_budget[name], progress, count, repair=False)
@@ -1175,6 +1175,7 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
                 "speed": speed,
                 "layer_speed": layers_speed,
                 "source": lm.source,
+                "source_bytes": source_bytes,
                 "window_nll": _window_nll(Path(cfg.output_path), [fp, *formats]),
                 "resolved": resolved,
                 "paths": _stored_paths(
@@ -1206,6 +1207,7 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
             "seed": cfg.seed,
             "output_path": str(cfg.output_path),
             "wall_seconds": round(time.perf_counter() - start, 3),
+            "device": cfg.device,
         },
     )
     # what only the models could tell (their window, the KV scheme it chose): the cells stay on disk either way
@@ -1349,8 +1351,9 @@ def _sensitivity(
         quantised=target,
         repair_units=repair,
     )
-    if repair:
-        write_sensitivity(result, out, cfg.command or "qbench card")
+    # written for the map alone too: its sensitivity.json marks the folder as a study's, which compare and
+    # read_records leave out (its cells keep most layers in float)
+    write_sensitivity(result, out, cfg.command or "qbench card")
     return {**result, "output": str(out)}
 
 
@@ -1375,6 +1378,39 @@ def _deployed_bytes(
     )
 
 
+def _quantised_source_bytes(fp: Mapping[str, Any]) -> int | None:
+    """The size of the source file when its weights are already block-quantised (a GGUF of Q8_0, Q4_1, Q4_K…
+    tensors): the card's reference is that file, so a repaired format must beat it too. None for float sources."""
+    from qbench.eval.gguf import block_quantised
+
+    model = fp.get("model") or {}
+    path = Path(str(model.get("path") or ""))
+    return path.stat().st_size if block_quantised(model.get("gguf")) and path.is_file() else None
+
+
+# A sink: a mean weight on key 0 of at least this much — Gu et al. 2024 ("When Attention Sink Emerges in Language
+# Models", ICLR 2025), whose sink metric counts a head when its attention on the first token exceeds ε = 0.3; here
+# the same ε on the mean over every layer, head and query q ≥ 1, so a model that passes it has sinks in most heads.
+SINK_MASS = 0.3
+# "No sink" up to this many times uniform attention's share: a randomly initialised gpt2-130m measures 1.0×, the
+# sink-free demo models 0.3-1.6× (mean weight and top-1 share); a strict "above uniform" called the random one a sink.
+SINK_CHANCE_MARGIN = 2.0
+
+
+def sink_verdict(mass: float | None, top1: float | None, chance: float | None) -> str | None:
+    """``"sink"`` when the mean weight on key 0 reaches :data:`SINK_MASS`; ``"no sink"`` when both that weight and
+    the top-1 share stay within :data:`SINK_CHANCE_MARGIN` × uniform causal attention's (``chance``); otherwise
+    ``"weak"``: clearly above chance, far below a sink."""
+    if chance is None or mass is None:
+        return None
+    if mass >= SINK_MASS:
+        return "sink"
+    limit = SINK_CHANCE_MARGIN * chance
+    if mass <= limit and (top1 is None or top1 <= limit):
+        return "no sink"
+    return "weak"
+
+
 def _float_size(fp: Mapping[str, Any]) -> int:
     """Bytes per element of the evaluated float model."""
     return 2 if ((fp.get("protocol") or {}).get("dtype") or "float32") in ("bfloat16", "float16") else 4
@@ -1386,19 +1422,24 @@ def repair_targets(
     profile: Mapping[str, Any],
     tolerance: float,
     metric: str = "ppl",
+    source_bytes: int | None = None,
 ) -> list[Mapping[str, Any]]:
-    """The formats a repair could pay for, in the order the card tries them. When some format is within the
-    tolerance: the failing formats smaller (deployed bytes) than the smallest passing one, smallest first — a
-    repair of anything larger could never beat a format that passes as it is. When none is: the failing formats
-    damaged least first (ties: the smaller), the ones a few float layers are most likely to bring within."""
+    """The formats a repair could pay for, in the order the card tries them: the formats decidedly beyond the
+    tolerance that are smaller (deployed bytes) than what must be beaten (:func:`size_to_beat`), smallest first. A repair keeps layers in float, so it
+    only adds bytes: a format not already smaller than the smallest passing one (or, with none, than the model in
+    bf16 or a smaller block-quantised source file) could never pay, and the smallest candidate is the repair
+    that would save the most if it reaches the tolerance."""
+    from qbench.eval.evidence import BEYOND, decide
+
+    limit, _ = size_to_beat(formats, fp, profile, tolerance, metric, source_bytes)
     sized = [(r, _deployed_bytes(r["scheme"], fp, profile)) for r in formats if r.get("status") == "ok"]
-    sized = [(r, b) for r, b in sized if b]
-    passing = [b for r, b in sized if _within(r, tolerance, metric)]
-    if not passing:
-        failing = [(r["metrics"]["ppl_change_pct"], b, i, r) for i, (r, b) in enumerate(sized)]
-        return [x[3] for x in sorted(failing, key=lambda x: x[:3])]
-    limit = min(passing)
-    failing = [(b, i, r) for i, (r, b) in enumerate(sized) if not _within(r, tolerance, metric) and b < limit]
+    # decidedly beyond only: an undecided format may pass as it is (more tokens decide it: --resolve), and a
+    # repair of a format that already lowers perplexity could only keep everything in float
+    failing = [
+        (b, i, r)
+        for i, (r, b) in enumerate(sized)
+        if b and decide(r, tolerance, metric).verdict == BEYOND and (limit is None or b < limit)
+    ]
     return [x[2] for x in sorted(failing, key=lambda x: x[:2])]
 
 
@@ -1420,21 +1461,27 @@ def size_to_beat(
     profile: Mapping[str, Any],
     tolerance: float,
     metric: str = "ppl",
+    source_bytes: int | None = None,
 ) -> tuple[int | None, str]:
-    """(bytes, what) a repaired format must be smaller than to pay: the smallest format within the tolerance, or
-    with none, the whole model in bf16 (what a deployment falls back to; its own damage not measured here)."""
-    passing = [
-        (b, r["scheme"]["name"])
+    """(bytes, what) a repaired format must be smaller than to pay: the smallest of the formats within the
+    tolerance, the whole model in bf16 (what a deployment falls back to; its own damage not measured here) and,
+    for a source file whose weights are already block-quantised (a Q4_1 GGUF: ``source_bytes``), that file — it is
+    the card's reference, so it has no damage of its own to beat."""
+    options = [
+        (b, f"`{r['scheme']['name']}`, which passes as it is")
         for r in formats
         if r.get("status") == "ok"
         and _within(r, tolerance, metric)
         and (b := _deployed_bytes(r["scheme"], fp, profile))
     ]
-    if passing:
-        b, name = min(passing)
-        return b, f"`{name}`, which passes as it is"
     fp_bytes = fp.get("model_bytes") or 0
-    return (fp_bytes * 2 // _float_size(fp) or None), "the model in bf16"
+    if fp_bytes:
+        options.append((fp_bytes * 2 // _float_size(fp), "the model in bf16"))
+    if source_bytes:
+        options.append((source_bytes, "the source file itself (already block-quantised: the reference)"))
+    if not options:
+        return None, "the model in bf16"
+    return min(options, key=lambda o: o[0])
 
 
 def _worst_beyond(
@@ -1484,9 +1531,10 @@ def _granularity(g: Mapping[str, Any] | None) -> str:
 
 def quantised_text(scheme: Mapping[str, Any]) -> str:
     """What a format row quantised, in words a deployment uses: ``W4 MXFP4 g32 + A4 MXFP4 g32 (dynamic); RTN``.
-    Weights and, where quantised, the activations entering each linear (dynamic: scales from each sequence's
-    own values; static: calibrated once) and the outputs; then how the weights were rounded: RTN
-    (round-to-nearest) or GPTQ (with its calibration windows)."""
+    A rotation comes first (QuaRot's of the model, or an online Hadamard of each linear's input: the row's kernel
+    speed does not include it); then weights and, where quantised, the activations entering each linear
+    (dynamic: scales from each sequence's own values; static: calibrated once) and the outputs; then how the
+    weights were rounded: RTN (round-to-nearest) or GPTQ (with its calibration windows)."""
     fmt = str(scheme.get("format") or "int")
     method, params = scheme.get("method"), scheme.get("params") or {}
     name = "NF4" if method == "bnb-nf4" else _FORMAT_NAMES.get(fmt, fmt.upper())
@@ -1501,6 +1549,10 @@ def quantised_text(scheme: Mapping[str, Any]) -> str:
         text = f"SmoothQuant α {params.get('alpha')} (calibrated), then {text}"
     elif method == "llm-int8":
         text += f", fp16 outlier columns above {params.get('threshold')}"
+    elif method == "hadamard":  # an online random Hadamard rotation of each linear's input, then the grid
+        text = f"Hadamard-rotated inputs (online, seed {params.get('seed', 0)}), then {text}"
+    if scheme.get("rotate") == "quarot":  # the residual stream rotated into the weights before rounding
+        text = f"QuaRot-rotated model (offline, plus 2 online rotations), then {text}"
     if scheme.get("act_bits") is None:
         text += ", weight-only"
     else:
@@ -1599,6 +1651,10 @@ def _format_row(
         # the model's linear layers alone on its own shapes (qbench.studies.layerspeed), real kernels vs float32
         "decode_speedup": kernels.get("decode"),
         "prefill_speedup": kernels.get("prefill"),
+        # a rotated row runs the plain format's kernels plus online rotations that layer_speed does not time
+        "speed_excludes": "online rotations"
+        if scheme.get("rotate") == "quarot" or scheme.get("method") == "hadamard"
+        else None,
         "record": _record_ref(record, out),
         "cell_id": record.get("cell_id"),
     }
@@ -1804,12 +1860,14 @@ def _outlier_profile(fp: Mapping[str, Any], profile: Mapping[str, Any]) -> dict[
 
     window = (fp.get("protocol") or {}).get("window")
     chance = uniform_first_key_share(window) if window and window > 1 else None
-    mass = o.get("first_token_mass")
+    mass, top1 = o.get("first_token_mass"), o.get("first_token_top1_share")
     return {
-        # uniform causal attention's share on key 0 (models.stats): a mass at or below it is no sink
+        # uniform causal attention's share on key 0 (models.stats): the chance level of both the mean weight and
+        # the top-1 share; see sink_verdict for the three readings
         "sink_chance": chance,
-        "sink": None if chance is None or mass is None else ("sink" if mass > chance else "no sink"),
+        "sink": sink_verdict(mass, top1, chance),
         "sink_vs_chance": mass / chance if chance and mass is not None else None,
+        "sink_top1_vs_chance": top1 / chance if chance and top1 is not None else None,
         "summary": {
             "kurtosis_first": o.get("kurtosis_first"),
             "kurtosis_other": o.get("kurtosis_other"),
@@ -1845,7 +1903,7 @@ def _repair_section(
     studies = list(entry.get("repairs") or ([entry["sensitivity"]] if entry.get("sensitivity") else []))
     if not studies:
         return None
-    limit, what = size_to_beat(entry["formats"], fp, profile, tolerance, metric)
+    limit, what = size_to_beat(entry["formats"], fp, profile, tolerance, metric, entry.get("source_bytes"))
     tries = []
     for study in studies:
         target = next((r for r in entry["formats"] if r["scheme"]["name"] == study["scheme"]["name"]), None)
@@ -1865,6 +1923,9 @@ def _repair_section(
     chosen = next((i for i, t in enumerate(tries) if t["pays"]), 0)
     sens = _sensitivity_section(studies[chosen], fp, entry["source"], settings)
     sens["repair"]["weight_bytes"] = tries[chosen]["weight_bytes"]
+    bf16 = (fp.get("model_bytes") or 0) * 2 // _float_size(fp)
+    size = tries[chosen]["weight_bytes"]
+    sens["repair"]["bytes_vs_bf16"] = size / bf16 if size and bf16 else None
     sens["repair"]["pays"] = tries[chosen]["pays"]
     sens["repair"]["beat"] = {"bytes": limit, "what": what}
     sens["tries"] = tries
@@ -1943,6 +2004,9 @@ def _sensitivity_section(
             "quantised_ppl_change_pct": r["quantised_ppl_change_pct"],
             "ppl": r["ppl"],
             "ppl_change_pct": r["ppl_change_pct"],
+            "ppl_change_ci95": r.get("ppl_change_ci95"),
+            "kld_mean": r.get("kld_mean"),
+            "top1_agreement": r.get("top1_agreement"),
             "tolerance_pct": r["tolerance_pct"],
         },
         "command": command,
@@ -1973,12 +2037,14 @@ def _verdict(
     tolerance: float,
     metric: str = "ppl",
     avoid_map: Mapping[str, Any] | None = None,
+    beat: tuple[int | None, str] | None = None,
 ) -> dict[str, Any]:
-    """Generated from the rows, one short line each: the smallest format within tolerance (fewest model bytes;
-    ties: smaller change), the formats still undecided, every format to avoid (decidedly beyond, worst first) with
-    its measured failure and — where a sensitivity map of it was measured — the units its damage comes from, what
-    the post-training algorithms rescued, and the measured repair with whether it pays. Commands go to
-    ``commands``, not into the lines."""
+    """Generated from the rows, short lines: the smallest format within tolerance (fewest model bytes; ties:
+    smaller change), the formats still undecided (one line), every format to avoid (decidedly beyond, worst first,
+    one line), then the worst one's and every mapped one's measured failure with — where a sensitivity map of it
+    was measured — the units its damage comes from, what the post-training algorithms rescued, and the measured
+    repair with whether it pays (or, with ``beat`` = :func:`size_to_beat`'s answer, why none was tried). Commands
+    go to ``commands``, not into the lines."""
     ok = [f for f in formats if f["within_tolerance"] and f["weight_bytes"]]
     smallest = min(ok, key=lambda f: (f["weight_bytes"], f["ppl_change_pct"])) if ok else None
     # measured and decidedly beyond (or NaN/inf): a row the model could not run (unsupported, error) is no failure
@@ -2001,10 +2067,13 @@ def _verdict(
                 "kld_mean": f.get("kld_mean"),
                 "top1_agreement": f.get("top1_agreement"),
                 "status": f["status"],
-                # the units the sensitivity map blames, worst first, each quantised alone
+                # the units the sensitivity map blames, worst first, each quantised alone: only those that cost
+                # something (a unit that lowers perplexity alone carries none of the damage)
                 "blamed": [
-                    {"name": u["name"], "ppl_change_pct": u["ppl_change_pct"]} for u in mapped["top"][:3]
-                ]
+                    {"name": u["name"], "ppl_change_pct": u["ppl_change_pct"]}
+                    for u in mapped["top"]
+                    if u.get("ppl_change_pct") is not None and u["ppl_change_pct"] > 0
+                ][:3]
                 if mapped
                 else None,
                 "blamed_by": mapped and mapped["by"],
@@ -2034,19 +2103,35 @@ def _verdict(
             f"Recommended: none — no format measured stays within {limit} (its 95 % interval's upper end)."
         )
     undecided = [f for f in formats if f["status"] == "ok" and f.get("verdict") == "undecided"]
-    for f in undecided:
-        ci = f.get("ppl_change_ci95")
-        lines.append(
-            f"Undecided: {f['label']} {_pct(f['ppl_change_pct'])}"
-            + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci and f["ppl_change_pct"] is not None else "")
-            + (f" (~{f['tokens_to_decide']:,} tokens would decide it)" if f.get("tokens_to_decide") else "")
-            + "."
+    if undecided:
+        parts = []
+        for f in undecided:
+            ci = f.get("ppl_change_ci95")
+            parts.append(
+                f"{f['label']} {_pct(f['ppl_change_pct'])}"
+                + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci and f["ppl_change_pct"] is not None else "")
+                + (
+                    f" (~{f['tokens_to_decide']:,} tokens would decide it)"
+                    if f.get("tokens_to_decide")
+                    else ""
+                )
+            )
+        lines.append(f"Undecided (the interval straddles {limit}): " + "; ".join(parts) + ".")
+    if avoid:
+        listed = ", ".join(
+            f"{a['label']} {'NaN/inf' if a['ppl_change_pct'] is None else _pct(a['ppl_change_pct'])}"
+            for a in avoid
         )
-    for a in avoid:
-        text = f"Avoid {a['label']} (`{a['scheme']}`): {_failure_text(a)}"
+        lines.append(f"Avoid (decidedly beyond {limit}), worst first: {listed}.")
+    for i, a in enumerate(avoid):
+        if i > 0 and not a["blamed"]:
+            continue  # the list above and the format table carry its evidence
+        text = f"{'Worst' if i == 0 else 'Avoided'}: {a['label']} (`{a['scheme']}`), {_failure_text(a)}"
         if a["blamed"]:
             units = ", ".join(f"`{u['name']}` {_pct(u['ppl_change_pct'])}" for u in a["blamed"])
             text += f"; its damage comes most from {units} (each quantised alone, sensitivity map by {a['blamed_by']})"
+        elif a["blamed"] is not None:  # mapped, but no unit alone costs anything
+            text += f"; no single unit quantised alone costs more than float (sensitivity map by {a['blamed_by']})"
         lines.append(text + ".")
     if not avoid and not undecided:
         lines.append(f"Every format measured stays within {limit}.")
@@ -2063,11 +2148,16 @@ def _verdict(
             worth = f"; not smaller than {what}: that is the better choice" if what else ""
         else:
             worth = ""
+        ci = repair.get("ppl_change_ci95")
+        evidence = (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "") + (
+            f", KLD {repair['kld_mean']:.3g}" if repair.get("kld_mean") is not None else ""
+        )
+        ratio = f" ({repair['bytes_vs_bf16']:.1%} of the bf16 model)" if repair.get("bytes_vs_bf16") else ""
         lines.append(
             f"Repair of `{repair['scheme']}`: keep {repair['count']} unit(s) in float "
             f"({repair['weight_share_float']:.1%} of the quantised weights): "
-            f"{_pct(repair['quantised_ppl_change_pct'])} → {_pct(repair['ppl_change_pct'])}{size} ({state} "
-            f"{limit}{worth}"
+            f"{_pct(repair['quantised_ppl_change_pct'])} → {_pct(repair['ppl_change_pct'])}{evidence}{size}{ratio} "
+            f"({state} {limit}{worth}"
             + ("" if repair.get("minimised", True) else "; not minimised (standard minimises)")
             + ")."
         )
@@ -2081,6 +2171,11 @@ def _verdict(
             )
             lines.append(f"Repair also tried on `{t['scheme']}`: {outcome}.")
         commands.append({"what": f"the repair of `{repair['scheme']}`", "command": repair["command"]})
+    elif avoid and beat and beat[0]:
+        lines.append(
+            f"No repair tried: no format decidedly beyond {limit} is smaller than {beat[1]} ({_bytes(beat[0])}), "
+            "and keeping layers in float only adds bytes."
+        )
     return {
         "recommended": None
         if smallest is None
@@ -2321,7 +2416,16 @@ def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, An
                 "window_nll": entry.get("window_nll") or {},
                 "kernels": {k: v for k, v in (entry.get("layer_speed") or {}).items() if k != "records"}
                 or None,
-                "verdict": _verdict(formats, outliers, fp, sens, tolerance, metric, avoid_map),
+                "verdict": _verdict(
+                    formats,
+                    outliers,
+                    fp,
+                    sens,
+                    tolerance,
+                    metric,
+                    avoid_map,
+                    size_to_beat(entry["formats"], fp, profile, tolerance, metric, entry.get("source_bytes")),
+                ),
                 "not_measured": _not_measured(formats, kv, bool(entry.get("speed")), p, settings),
             }
         )
@@ -2347,10 +2451,18 @@ def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, An
         "models": models,
         "comparison": (comparison := _comparison(models) if len(models) > 1 else None),
         "comparison_lines": _comparison_lines(comparison) if comparison else [],
-        "env": models[0]["env"] if models else None,  # each model's own record says what made it
+        # the code that built this card (each model's "env" is its float record's: what measured it); a card
+        # re-rendered from cached records names the commit that rendered it here
+        "env": _render_env(settings.get("device", "cpu")),
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     return card
+
+
+def _render_env(device: str) -> dict[str, Any]:
+    from qbench.eval.harness import environment
+
+    return environment(device)
 
 
 def _least(values: Mapping[str, float]) -> str | None:

@@ -17,14 +17,22 @@ from collections.abc import Mapping
 from typing import Any
 
 from qbench.eval.evidence import tolerance_text
+from qbench.eval.gguf import block_quantised
 
 # ------------------------------------------------------------------------------------------------- formatting
 
-FLOAT_GGUF_TYPES = {"F32", "F16", "BF16", "F64"}  # GGUF tensor types that hold the float weights as they are
+
+PCT_CAP = 1e4  # beyond ±10,000 % a change only says "broken": three significant digits say how broken
+
+
+def _signed(x: float) -> str:
+    """``+1.23``, or ``+4.65e+23`` beyond ±10,000: the 24 digits of a collapsed model's change are noise that
+    widens its table, not information."""
+    return f"{x:+.2e}" if abs(x) >= PCT_CAP else f"{x:+.2f}"
 
 
 def _pct(x: float | None) -> str:
-    return "NaN" if x is None else f"{x:+.2f} %"
+    return "NaN" if x is None else f"{_signed(x)} %"
 
 
 def _num(x: Any, spec: str = ".3g") -> str:
@@ -55,6 +63,26 @@ def _bytes(n: int | None) -> str:
     return str(n)
 
 
+def _mb(n: int | None) -> str:
+    """A size in MB (10⁶ bytes) for a column headed "(MB)", whatever its magnitude — ``_bytes`` picks its own unit,
+    which a header cannot state. Two decimals from 1 MB up; three significant digits below (a tiny model's KV
+    cache: 0.238, not 0.24)."""
+    if not n:
+        return "-"
+    value = n / 1e6
+    if value >= 1:
+        return f"{value:,.2f}"
+    return f"{value:.{2 - math.floor(math.log10(value))}f}"  # 0.180, not .3g's 0.18
+
+
+def _mb_text(n: int | None) -> str:
+    """``193.25 MB``: ``_mb`` with its unit, for a size in prose or in a column without one."""
+    return "-" if not n else f"{_mb(n)} MB"
+
+
+SIZE_UNIT = "MB = 10⁶ bytes"
+
+
 def _status(row: Mapping[str, Any]) -> str:
     if row.get("status") == "ok":
         verdict = row.get("verdict") or ("within" if row.get("within_tolerance") else "beyond")
@@ -68,7 +96,11 @@ def _change_ci(row: Mapping[str, Any]) -> str:
         return "-"
     text = _pct(row.get("ppl_change_pct"))
     ci = row.get("ppl_change_ci95")
-    text = f"{text} [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci and row.get("ppl_change_pct") is not None else text
+    text = (
+        f"{text} [{_signed(ci[0])}, {_signed(ci[1])}]"
+        if ci and row.get("ppl_change_pct") is not None
+        else text
+    )
     if row.get("resolved"):  # --resolve re-evaluated it: the row is the last evaluation, on more tokens
         text += f" @ {row['resolved'][-1]['tokens_scored']:,} tokens"
     return text
@@ -86,14 +118,27 @@ def _float_reads(row: Mapping[str, Any]) -> str:
 
 
 def _sink_text(outliers: Mapping[str, Any]) -> str:
-    """``; uniform attention: 0.0349 → no sink`` (the chance baseline of the share on key 0, models.stats)."""
+    """``; uniform attention …: 0.0349 on key 0 → no sink (mean weight 1.0×, top-1 1.6× uniform)`` — the chance
+    baseline of both shares on key 0 (models.stats) and the card's three-way reading (card.sink_verdict)."""
     chance = outliers.get("sink_chance")
-    if chance is None or outliers.get("sink") is None:
+    verdict = outliers.get("sink")
+    if chance is None or verdict is None:
         return ""
-    ratio = outliers.get("sink_vs_chance")
-    return f"; uniform attention over the window would put {chance:.4f} on key 0 → " + (
-        f"sink ({ratio:.1f}× uniform)" if outliers["sink"] == "sink" else "no sink (at or below uniform)"
-    )
+    ratios = [
+        f"{name} {r:.1f}×"
+        for name, r in (
+            ("mean weight", outliers.get("sink_vs_chance")),
+            ("top-1", outliers.get("sink_top1_vs_chance")),
+        )
+        if r is not None
+    ]
+    reading = {
+        "sink": "sink (a mean weight of at least 0.3 on key 0)",
+        "weak": "weak: above twice uniform, below a sink's 0.3",
+        "no sink": "no sink (within twice uniform)",
+    }.get(verdict, verdict)
+    shown = f" ({', '.join(ratios)} uniform)" if ratios else ""
+    return f"; uniform attention over the window would put {chance:.4f} on key 0 → {reading}{shown}"
 
 
 def _kld(row: Mapping[str, Any]) -> str:
@@ -127,9 +172,9 @@ def _memory_note(kv: Mapping[str, Any]) -> str:
     if not memory:
         return ""
     return (
-        f" Cache: keys and values of every layer at the model's context of {memory['context']:,} tokens, one "
-        f"sequence, as stored (codes with their scales; float positions in bf16); of bf16: its ratio to the same "
-        f"cache in bf16 ({_bytes(memory['bf16_bytes'])})."
+        f" Cache ({SIZE_UNIT}): keys and values of every layer at the model's context of {memory['context']:,} "
+        f"tokens, one sequence, as stored (codes with their scales; float positions in bf16); of bf16: its ratio to "
+        f"the same cache in bf16 ({_mb_text(memory['bf16_bytes'])})."
     )
 
 
@@ -244,7 +289,6 @@ def _attention_figure(plt: Any, m: Mapping[str, Any]) -> Any:
     heads = max((len(r) for r in att["top1_share"]), default=0)
     fig, axes = plt.subplots(1, 2, figsize=(FIGURE_WIDTH, 0.28 * max(n_layers, 6) + 1.8))
     chance = m["outliers"].get("sink_chance")
-    annotate = n_layers <= 16 and heads <= 12
     for ax, key, title, unit in (
         (axes[0], "top1_share", "first-token top-1 share", "share of queries (q ≥ 1)"),
         (axes[1], "mass", "mean attention weight on key 0", "mean weight (q ≥ 1)"),
@@ -255,19 +299,6 @@ def _attention_figure(plt: Any, m: Mapping[str, Any]) -> Any:
         ax.set(title=title, xlabel="head", ylabel="layer")
         ax.set_xticks(range(heads))
         ax.set_yticks(range(n_layers) if n_layers <= 16 else range(0, n_layers, max(1, n_layers // 10)))
-        if annotate:
-            for r, row in enumerate(grid):
-                for c, v in enumerate(row):
-                    dark = v < 0.6 * (top or 1.0)
-                    ax.text(
-                        c,
-                        r,
-                        f"{v:.2f}",
-                        ha="center",
-                        va="center",
-                        fontsize=FONT - 3,
-                        color="w" if dark else "k",
-                    )
         bar = fig.colorbar(image, ax=ax, fraction=0.046)
         bar.set_label(unit)
         if key == "mass" and chance is not None:
@@ -276,56 +307,215 @@ def _attention_figure(plt: Any, m: Mapping[str, Any]) -> Any:
                 bar.ax.axhline(chance, color="w", lw=2)
     fig.suptitle(f"{m['name']}: attention sink per layer and head", fontsize=FONT + 1)
     fig.tight_layout()
+    # The cells' numbers once the cells have their laid-out size: as large as a cell holds, none where a cell
+    # cannot hold a legible one (gpt2's 12 × 12 cells printed theirs at 7 pt, ~7 px at 1×).
+    # Past 16 layers or 12 heads the map is read by its colours: its hundreds of numbers are the table above it.
+    for ax, key in ((axes[0], "top1_share"), (axes[1], "mass")):
+        size = _cell_font(fig, ax, heads, n_layers) if n_layers <= 16 and heads <= 12 else None
+        if size is None:
+            continue
+        top = max((v for row in att[key] for v in row), default=0.0)
+        for r, row in enumerate(att[key]):
+            for c, v in enumerate(row):
+                dark = v < 0.6 * (top or 1.0)
+                ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=size, color="w" if dark else "k")
     return fig
 
 
+MIN_FONT = 9.0  # points: the smallest text a figure prints (12.5 px at 1×)
+
+
+def _cell_font(fig: Any, ax: Any, columns: int, rows: int) -> float | None:
+    """The font size for a heat map's per-cell number ("0.25"): the largest a cell holds, at most ``FONT``;
+    None where that is under ``MIN_FONT``. Four glyphs are about 2.4 em wide; a margin either side."""
+    if not columns or not rows:
+        return None
+    width_in, height_in = fig.get_size_inches()
+    box = ax.get_position()  # figure fractions, as laid out
+    cell_w = box.width * width_in * 72 / columns
+    cell_h = box.height * height_in * 72 / rows
+    size = min(float(FONT), cell_w / 2.8, cell_h / 1.6)
+    return size if size >= MIN_FONT else None
+
+
 def _breaking_point_figure(plt: Any, card: Mapping[str, Any], curves: list[tuple[str, Any]]) -> Any:
-    """Perplexity change against bit width, a panel per axis (at most four a row), integer bit ticks."""
-    from matplotlib.ticker import FuncFormatter
+    """Perplexity change against bit width, a panel per axis (at most four a row), integer bit ticks; each panel's
+    y axis fitted to its own data (``_fit_change_axis``); the legend below the panels, where it hides no point."""
+    import textwrap
+
+    from matplotlib.lines import Line2D
 
     axes_names = list(dict.fromkeys(f"{b['family']} {b['axis']}" for _, b in curves))
     per_row = min(4, len(axes_names))
     rows = math.ceil(len(axes_names) / per_row)
     width = min(FIGURE_WIDTH, 2.6 * per_row + 1.2)
-    fig, panels = plt.subplots(rows, per_row, figsize=(width, 3.0 * rows + 0.4), squeeze=False)
+    models = list(dict.fromkeys(name for name, _ in curves))
+    on_ppl = (card.get("metric") or "ppl") == "ppl"  # the line is the tolerance only on this axis
+    tolerance = card["tolerance_pct"] if on_ppl else None
+    # Full names, wrapped rather than cut: the legend is the one place that says which line is which model.
+    labels = [textwrap.fill(name, LEGEND_WRAP, break_on_hyphens=False) for name in models]
+    handles = [Line2D([], [], marker="o", ms=4, color=f"C{k}") for k in range(len(models))]
+    if tolerance is not None:
+        labels.append(f"tolerance {tolerance:g} %")
+        handles.append(Line2D([], [], color="grey", ls=":", lw=1))
+    longest = max(len(line) for label in labels for line in label.splitlines())
+    # ~0.075 in a character at the legend's 9 pt, plus the marker and the gap between columns
+    columns = max(1, min(len(labels), int(width / (0.075 * longest + 0.7))))
+    legend_lines = sum(
+        max(label.count("\n") + 1 for label in labels[k : k + columns])
+        for k in range(0, len(labels), columns)
+    )
+    fig, panels = plt.subplots(
+        rows,
+        per_row,
+        figsize=(width, 3.0 * rows + 0.3 + 0.2 * legend_lines),
+        squeeze=False,
+        layout="constrained",  # it makes room for an "outside" figure legend; tight_layout ignores one
+    )
     flat = [ax for row in panels for ax in row]
     panel = dict(zip(axes_names, flat, strict=False))
     for ax in flat[len(axes_names) :]:
         ax.set_visible(False)
-    models = list(dict.fromkeys(name for name, _ in curves))
     widths: dict[str, set[int]] = {}
+    values: dict[str, list[float]] = {}
     for name, b in curves:
         key = f"{b['family']} {b['axis']}"
         bits = [int(k) for k in b["curve"]]
         widths.setdefault(key, set()).update(bits)
         ys = [math.nan if v["ppl_change_pct"] is None else v["ppl_change_pct"] for v in b["curve"].values()]
-        panel[key].plot(bits, ys, "o-", ms=4, color=f"C{models.index(name)}", label=name)
+        values.setdefault(key, []).extend(y for y in ys if math.isfinite(y))
+        panel[key].plot(bits, ys, "o-", ms=4, color=f"C{models.index(name)}")
     for key, bits in widths.items():
         panel[key].set_xticks(sorted(bits))  # whole bits only: the widths measured
-    on_ppl = (card.get("metric") or "ppl") == "ppl"  # the line is the tolerance only on this axis
     for title, ax in panel.items():
-        if on_ppl:
-            ax.axhline(card["tolerance_pct"], color="grey", ls=":", lw=1)
+        if tolerance is not None:
+            ax.axhline(tolerance, color="grey", ls=":", lw=1)
         ax.set_title(title)
         ax.set_xlabel("bits")
-        ax.set_yscale("symlog", linthresh=1)
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 10, not 10¹
         ax.invert_xaxis()
+        _fit_change_axis(ax, values.get(title, []), tolerance)
     for row in panels:
-        row[0].set_ylabel(
-            f"perplexity change % (dotted: {card['tolerance_pct']:g} %)" if on_ppl else "perplexity change %"
-        )
-    flat[0].legend()
-    fig.tight_layout()
+        row[0].set_ylabel("perplexity change")
+    fig.legend(handles, labels, loc="outside lower center", ncols=columns, frameon=False)
     return fig
+
+
+LEGEND_WRAP = 40  # characters a legend line: a long checkpoint path wraps instead of widening the figure
+MAX_TICKS = 6  # a log panel's labelled ticks: SmolLM2's 24 decades labelled one by one piled up
+
+
+def _fit_change_axis(ax: Any, values: list[float], tolerance: float | None) -> None:
+    """A breaking-point panel's y axis fitted to its data. Linear while every change is within ten times the
+    linear threshold (the tolerance's power of ten, else 1 %); log where they are positive and span more; symlog
+    where they span more and reach zero or below. The limits: the data's range and the tolerance line, plus 5 % in
+    the axis's own coordinates — matplotlib's symlog autoscale ran SmolLM2's +10²³ % curve down to −10²¹ % with
+    no point below +1 %. At most ``MAX_TICKS`` ticks, powers of ten (and 0) on a log axis, labelled in %."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
+
+    points = [*values, *([tolerance] if tolerance is not None else [])] or [0.0, 1.0]
+    lo, hi = min(points), max(points)
+    linthresh = 10.0 ** math.floor(math.log10(tolerance)) if tolerance and tolerance > 0 else 1.0
+    if max(abs(lo), abs(hi)) <= 10 * linthresh or (lo > 0 and hi < 10 * lo):  # no decades to compress
+        scale = "linear"
+        ax.set_yscale("linear")
+    elif lo > 0:
+        scale = "log"
+        ax.set_yscale("log")
+    else:
+        scale = "symlog"
+        ax.set_yscale("symlog", linthresh=linthresh)
+    if hi == lo:  # one value: room around it
+        lo, hi = (
+            (lo / 2, hi * 2)
+            if scale == "log"
+            else (lo - max(abs(lo), linthresh), hi + max(abs(hi), linthresh))
+        )
+    forward = ax.yaxis.get_transform()
+    t_lo, t_hi = _through(forward, lo), _through(forward, hi)
+    pad = 0.05 * (t_hi - t_lo)
+    back = forward.inverted()
+    ax.set_ylim(_through(back, t_lo - pad), _through(back, t_hi + pad))
+    ticks = [] if scale == "linear" else _decade_ticks(lo, hi, linthresh if scale == "symlog" else None)
+    # Symlog's ±threshold and 0 sit a decade apart at most: where the data span many decades, their labels overlap.
+    # Keep 0, then the largest magnitudes, each a tenth of the axis from those kept.
+    kept: list[float] = []
+    for tick in sorted(ticks, key=lambda v: (v != 0, -abs(v))):
+        if all(abs(_through(forward, tick) - _through(forward, k)) >= 0.1 * (t_hi - t_lo) for k in kept):
+            kept.append(tick)
+    ticks = sorted(kept)
+    ax.yaxis.set_major_locator(FixedLocator(ticks) if len(ticks) >= 2 else MaxNLocator(nbins=5))
+    if scale != "linear":
+        ax.yaxis.set_minor_locator(NullLocator())  # unlabelled minor ticks in every decade: noise, not scale
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _pct_tick(v)))
+
+
+def _through(transform: Any, v: float) -> float:
+    """One value through a scale's one-dimensional transform (or its inverse)."""
+    return float(transform.transform([v])[0])
+
+
+def _decade_ticks(lo: float, hi: float, linthresh: float | None) -> list[float]:
+    """Ticks of a log (``linthresh`` None) or symlog axis over [lo, hi]: 0 where a symlog axis holds it, then ± the
+    powers of ten in range, every n-th decade so that at most ``MAX_TICKS`` remain — except on a side of zero with
+    two decades or fewer, which keeps both (SmolLM2's −30 % under +10¹¹ % would otherwise have no tick); 1-2-5 steps
+    where the range holds fewer than two powers of ten."""
+    ticks: list[float] = []
+    for mantissas in ((1.0,), (1.0, 2.0, 5.0)):
+        sides: list[list[tuple[int, float]]] = []  # (decade, tick) per side of zero
+        for sign, bottom, top in ((1, lo, hi), (-1, -hi, -lo)):
+            bottom = max(bottom, linthresh or 0.0)
+            if top <= 0 or top < bottom:
+                continue  # nothing on this side of zero (beyond the linear region)
+            decades = range(math.floor(math.log10(bottom)), math.ceil(math.log10(top)) + 1)
+            sides.append(
+                [
+                    (k, sign * m * 10.0**k)
+                    for k in decades
+                    for m in mantissas
+                    if bottom * (1 - 1e-9) <= m * 10.0**k <= top
+                ]
+            )
+        for stride in range(1, 1000):
+            ticks = [0.0] if linthresh is not None and lo <= 0 <= hi else []
+            for side in sides:
+                few = len({k for k, _ in side}) <= 2
+                ticks += [v for k, v in side if few or k % stride == 0]
+            if len(ticks) <= MAX_TICKS:
+                break
+        if len(ticks) >= 2:
+            break
+    return sorted(ticks)
+
+
+SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
+def _pct_tick(v: float) -> str:
+    """A change axis's tick label: ``0 %``, ``2.5 %``, ``1,000 %``; from ±10,000 % a power of ten, ``10⁶ %``
+    (one glyph row, no mathtext)."""
+    if v == 0:
+        return "0 %"
+    if abs(v) < PCT_CAP:
+        return f"{v:,.6g} %"
+    k = round(math.log10(abs(v)))
+    sign = "−" if v < 0 else ""
+    if math.isclose(abs(v), 10.0**k, rel_tol=1e-9):
+        return f"{sign}10{str(k).translate(SUPERSCRIPT)} %"
+    return f"{v:.2g} %"
 
 
 # --------------------------------------------------------------------------------------------------- markdown
 
 
+def _md_cell(text: str) -> str:
+    """A table cell's text with its ``|`` escaped: "max |act|" unescaped is three cells, and a header with more
+    cells than the delimiter row is no table on GitHub."""
+    return text.replace("|", "\\|")
+
+
 def _md_table(headers: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+    lines = ["| " + " | ".join(map(_md_cell, headers)) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(map(_md_cell, row)) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -365,14 +555,19 @@ def _format_cells(f: Mapping[str, Any], m: Mapping[str, Any]) -> list[str]:
         _status(f),
         _kld(f),
         _top1(f),
-        _bytes(f["weight_bytes"]),
-        _bytes(f.get("weight_bytes_rest_float")),
+        _mb(f["weight_bytes"]),
+        _mb(f.get("weight_bytes_rest_float")),
         _share(f["bytes_vs_bf16"]),
-        _bytes(f.get("memory_bytes")),
-        _ratio(f.get("decode_speedup")) if ran else "-",
-        _ratio(f.get("prefill_speedup")) if ran else "-",
+        _mb(f.get("memory_bytes")),
+        _ratio(f.get("decode_speedup")) + _excludes(f) if ran else "-",
+        _ratio(f.get("prefill_speedup")) + _excludes(f) if ran else "-",
         *([_ratio(f["speedup"]) if ran else "-"] if m["speed_measured"] else []),
     ]
+
+
+def _excludes(f: Mapping[str, Any]) -> str:
+    """`` †`` on a kernel ratio that leaves work out (a rotated row: its online rotations; the caption says)."""
+    return " †" if f.get("speed_excludes") and f.get("decode_speedup") is not None else ""
 
 
 def _format_caption(m: Mapping[str, Any], limit: str) -> str:
@@ -383,7 +578,8 @@ def _format_caption(m: Mapping[str, Any], limit: str) -> str:
         "enough copies of each layer that the weights come from memory as in a decode step, and "
         f"{kernels.get('prefill_tokens')} rows; - where the format has no real kernel here (fake quantisation "
         "only). Attention, norms and Python between the kernels are not in these ratios (`qbench speed` times "
-        "generation)."
+        "generation); † a rotated row (QuaRot, Hadamard): the same kernels as its unrotated format, its online "
+        "rotations not timed."
         if kernels
         else " Speed: no format of this card has a real kernel here."
     )
@@ -428,7 +624,7 @@ def _kv_cells(r: Mapping[str, Any], memory: Mapping[str, Any] | None) -> list[st
         _kld(r),
         _top1(r),
         _float_reads(r),
-        _bytes(r.get("cache_bytes")),
+        _mb(r.get("cache_bytes")),
         _share(share),
     ]
 
@@ -488,7 +684,7 @@ def _sections(
         counts = ident["gguf"].get("tensor_types") or {}
         types = ", ".join(f"{k} {v}" for k, v in counts.items())
         note = "every cell quantises these dequantised weights again"
-        if any(k not in FLOAT_GGUF_TYPES for k in counts):
+        if block_quantised(ident["gguf"]):
             # Measured on SmolLM2's Q4_1 file: every linear weight has ≤ 16 distinct values per 32-weight block.
             # Round-to-nearest in that basis with aligned groups nearly reproduces the grid; a rotation cannot.
             note += (
@@ -619,7 +815,7 @@ def _sections(
             for u in s["top"]
         ]
         r = s["repair"]
-        size = f", {_bytes(r['weight_bytes'])}" if r.get("weight_bytes") else ""
+        size = f", {_mb_text(r['weight_bytes'])}" if r.get("weight_bytes") else ""
         out.append(
             (
                 f"Where it breaks: `{s['scheme']}` by {s['by']}",
@@ -631,7 +827,7 @@ def _sections(
                 f"{_num(r['ppl'], '.4f')}){size}"
                 + (
                     f"; {'pays: smaller than' if r.get('pays') else 'does not pay: not smaller than'} "
-                    f"{r['beat']['what']} ({_bytes(r['beat']['bytes'])})"
+                    f"{r['beat']['what']} ({_mb_text(r['beat']['bytes'])})"
                     if (r.get("beat") or {}).get("bytes") and r["reached"]
                     else ""
                 )
@@ -688,6 +884,8 @@ def _kv_caption(kv: Mapping[str, Any]) -> str:
         "sinks not counted; a row with a large share measures the residual more than the quantiser."
     )
     text += _memory_note(kv)
+    if not kv.get("memory") and any(r.get("cache_bytes") for r in kv.get("rows") or []):
+        text += f" Cache: {SIZE_UNIT}."  # the column's unit, which the memory note states where there is one
     reasons: dict[str, list[str]] = {}
     for skipped in kv.get("skipped") or []:
         reasons.setdefault(str(skipped["reason"]), []).append(str(skipped["label"]))
@@ -712,7 +910,9 @@ def _summary_rows(card: Mapping[str, Any]) -> list[dict[str, str]]:
                 "float ppl": _num(m["fp"]["perplexity"], ".4g"),
                 "recommended": f"{rec['label']} `{rec['scheme']}`" if rec else "none within the tolerance",
                 "size": (
-                    f"{_bytes(rec['weight_bytes'])} ({_share(rec['bytes_vs_bf16'])} of bf16)" if rec else "-"
+                    f"{_mb_text(rec['weight_bytes'])} ({_share(rec['bytes_vs_bf16'])} of bf16)"
+                    if rec
+                    else "-"
                 ),
                 "change [95 % CI]": _change_ci(found) if found else "-",
                 "verdict": _status(found) if found else f"{len(v.get('undecided') or [])} undecided",
@@ -724,7 +924,7 @@ def _summary_rows(card: Mapping[str, Any]) -> list[dict[str, str]]:
                 "repair": (
                     "-"
                     if not repair
-                    else f"`{repair['scheme']}` {_pct(repair['ppl_change_pct'])}, {_bytes(repair.get('weight_bytes'))}"
+                    else f"`{repair['scheme']}` {_pct(repair['ppl_change_pct'])}, {_mb_text(repair.get('weight_bytes'))}"
                     + (" (pays)" if repair.get("pays") else " (does not pay)")
                 ),
             }
@@ -752,7 +952,7 @@ def markdown(card: Mapping[str, Any], figure_files: Mapping[str, str]) -> str:
         parts += [_md_table(headers, [[r[h] for h in headers] for r in summary]), ""]
     parts += [
         f"Budget {card['budget_contents']}; tolerance "
-        f"{tolerance_text(card['tolerance_pct'], card.get('metric') or 'ppl')}.",
+        f"{tolerance_text(card['tolerance_pct'], card.get('metric') or 'ppl')}. Sizes: {SIZE_UNIT}.",
         "",
     ]
     if card.get("comparison_lines"):
@@ -915,7 +1115,7 @@ def _key_rows(m: Mapping[str, Any], i: int) -> dict[str, list[list[str]]]:
             cells[2] = _v(f"models.{i}.formats.{j}.perplexity", f["perplexity"], _num(f["perplexity"], ".4f"))
             cells[3] = _v(f"models.{i}.formats.{j}.ppl_change_pct", f["ppl_change_pct"], _change_ci(f))
         cells[4] = f'<span class="{_verdict_class(f)}">{_e(_status(f))}</span>'
-        cells[7] = _v(f"models.{i}.formats.{j}.weight_bytes", f["weight_bytes"], _bytes(f["weight_bytes"]))
+        cells[7] = _v(f"models.{i}.formats.{j}.weight_bytes", f["weight_bytes"], _mb(f["weight_bytes"]))
         formats.append(cells)
     memory = m["kv"].get("memory")
     kv = []
@@ -948,7 +1148,9 @@ def html(card: Mapping[str, Any], figs: Mapping[str, bytes]) -> str:
                 cells[2] += _v(f"models.{i}.verdict.recommended.scheme", rec["scheme"], "")
             rows.append(cells)
         body.append(_html_table(headers, rows, raw=True))
-    body.append(f"<p>Budget {_e(card['budget_contents'])}; tolerance {tolerance}.</p>")
+    body.append(
+        f"<p>Budget {_e(card['budget_contents'])}; tolerance {tolerance}. Sizes: {_e(SIZE_UNIT)}.</p>"
+    )
     if card.get("comparison_lines"):
         body.append(
             "<p><strong>Side by side</strong></p><ul>"

@@ -290,6 +290,10 @@ def repair(
         "count": len(kept),
         "ppl": m["perplexity"],
         "ppl_change_pct": m["ppl_change_pct"],
+        # the repaired cell's evidence (absent from records without per-token sidecars)
+        "ppl_change_ci95": m.get("ppl_change_ci95"),
+        "kld_mean": m.get("kld_mean"),
+        "top1_agreement": m.get("top1_agreement"),
         "weight_share_float": _weight_share(study, kept),
         "quantised_ppl": full["metrics"]["perplexity"],
         "quantised_ppl_change_pct": full["metrics"]["ppl_change_pct"],
@@ -568,6 +572,12 @@ def report(result: dict[str, Any], top: int = 10) -> str:
     """The markdown summary: command, protocol, top-k units, correlations, the repair."""
     p, r, t = result["protocol"], result["repair"], result["timing"]
     corr = "\n".join(f"| {s} | {_fmt(v, '+.2f')} |" for s, v in result["correlation"].items())
+    if r is None:  # the map alone (a card's "avoid" map): no repair was asked for
+        return (
+            _report_head(result, top, p, corr)
+            + "## Repair\n\nNot asked for (the map alone).\n\n"
+            + (_time_text(result, t))
+        )
     excl = " ".join(f"--exclude '{name}'" for name in r["exclude"]) or "(nothing)"
     verdict = "within" if r["reached"] else "NOT within"
     minimised = (
@@ -581,6 +591,17 @@ def report(result: dict[str, Any], top: int = 10) -> str:
     metric = r.get("metric", "ppl")  # repairs before --metric were on perplexity
     ppl_tolerance = r["tolerance_pct"] if metric == "ppl" else None  # the decimals that show the side of it
     return (
+        _report_head(result, top, p, corr)
+        + f"## Repair (tolerance {tolerance_text(r['tolerance_pct'], metric)})\n\nAll units quantised: "
+        f"{change_text(r['quantised_ppl_change_pct'], ppl_tolerance)}. Kept in float ({r['count']} units, "
+        f"{r['weight_share_float']:.1%} of the quantised weights): {excl} → measured "
+        f"{change_text(r['ppl_change_pct'], ppl_tolerance)} ({verdict} tolerance; {len(r['steps'])} "
+        f"distinct sets evaluated{minimised}).\n\n" + _time_text(result, t)
+    )
+
+
+def _report_head(result: dict[str, Any], top: int, p: dict[str, Any], corr: str) -> str:
+    return (
         f"# Sensitivity of {result['model']['name']} to {result['scheme']['name']} ({result['mode']}), "
         f"by {result['by']}\n\nMade by `{result.get('command', '')}`.\n\n"
         f"Float perplexity {result['fp_perplexity']:.3f} on {p['corpus']}/{p['split']}, {p['tokens_scored']:,} "
@@ -589,11 +610,12 @@ def report(result: dict[str, Any], top: int = 10) -> str:
         f"crest, largest over the unit's layers.\n\n## Top {min(top, len(result['units']))} of "
         f"{len(result['units'])} units\n\n{top_table(result, top)}\n\n![heatmap](heatmap.png)\n\n"
         f"## Does a statistic predict the damage? (Spearman's rho over all units)\n\n| statistic | rho |\n|---|---|\n"
-        f"{corr}\n\n## Repair (tolerance {tolerance_text(r['tolerance_pct'], metric)})\n\nAll units quantised: "
-        f"{change_text(r['quantised_ppl_change_pct'], ppl_tolerance)}. Kept in float ({r['count']} units, "
-        f"{r['weight_share_float']:.1%} of the quantised weights): {excl} → measured "
-        f"{change_text(r['ppl_change_pct'], ppl_tolerance)} ({verdict} tolerance; {len(r['steps'])} "
-        f"distinct sets evaluated{minimised}).\n\n"
+        f"{corr}\n\n"
+    )
+
+
+def _time_text(result: dict[str, Any], t: dict[str, Any]) -> str:
+    return (
         f"Time: {t['units']} units, {_fmt(t['seconds_per_unit'], '.2f')} s per unit cell "
         f"(quantise + evaluate; {result['env'].get('processor')}, {result['env'].get('threads')} threads)."
         f"{_cells_text(t)}\n"

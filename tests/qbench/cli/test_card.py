@@ -4,6 +4,7 @@ and says what card.json says (also in a headless browser, where one is installed
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import shlex
@@ -98,6 +99,31 @@ def test_the_card_writes_its_three_pages_and_its_records(card_dir):
     assert "## planted" in md and "Verdict" in md and "card-outliers-0.png" in md
 
 
+def _md_cells(line: str) -> list[str]:
+    """A markdown table row's cells, as GitHub splits it: on every ``|`` not escaped."""
+    return [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
+def test_every_markdown_table_is_a_table_on_github(card_dir):
+    """GitHub renders a table only when its header has as many cells as its delimiter row: "max |act|" unescaped
+    made the outlier and linear-input tables plain text. Every row has that many cells too, and a column headed
+    "(MB)" holds bare numbers in MB (its unit stated on the page), not a unit of its own per cell."""
+    lines = (card_dir / "card.md").read_text().splitlines()
+    tables = [i for i, line in enumerate(lines) if re.fullmatch(r"\|(---\|)+", line)]
+    assert (
+        len(tables) >= 8
+    )  # summary, identity, outliers, linear inputs, attention, formats, KV, breaking points
+    for i in tables:
+        width = lines[i].count("---")
+        assert len(_md_cells(lines[i - 1])) == width, lines[i - 1]
+        body = list(itertools.takewhile(lambda line: line.startswith("|"), lines[i + 1 :]))
+        assert all(len(_md_cells(row)) == width for row in body), lines[i - 1]
+        for k, header in enumerate(_md_cells(lines[i - 1])):
+            if "(MB)" in header:
+                assert all(re.fullmatch(r"-|[\d,]+\.\d+", _md_cells(row)[k]) for row in body), header
+    assert "max \\|act\\|" in lines[tables[2] - 1] and "Sizes: MB = 10⁶ bytes." in "\n".join(lines)
+
+
 def test_a_card_row_is_the_record_qbench_run_writes(card_dir, planted_ckpt, tmp_path):
     model = card_of(card_dir)["models"][0]
     row = next(f for f in model["formats"] if f["scheme"] == "absmax-coarse")
@@ -161,7 +187,8 @@ def test_a_re_run_evaluates_nothing_and_gives_the_same_card(card_dir, planted_ck
     assert calls == []
     assert re.search(r"\b0 cells evaluated, \d+ reused", capsys.readouterr().out)
     after = card_of(card_dir)
-    for key in ("created_utc", "wall_seconds", "command"):
+    # when, how long, and the process that rendered it (its threads, its commit); each model keeps its record's env
+    for key in ("created_utc", "wall_seconds", "command", "env"):
         before.pop(key), after.pop(key)
     assert after == before
 
@@ -290,6 +317,14 @@ def test_bad_options_are_one_line_errors(planted_ckpt, capsys):
     assert "tolerance" in capsys.readouterr().err
 
 
+def _study(section: dict | None) -> dict | None:
+    """A sensitivity study as the card built it, from the sensitivity.json in the folder its section names."""
+    if not section:
+        return None
+    out = Path(section["output"])
+    return {**json.loads((out / "sensitivity.json").read_text()), "output": str(out)}
+
+
 def test_the_card_is_a_function_of_the_records_on_disk(card_dir):
     """Rebuilt from the record files card.json names (and the sensitivity study's result), the card is the same."""
     from qbench.studies.card import build_card
@@ -300,8 +335,7 @@ def test_the_card_is_a_function_of_the_records_on_disk(card_dir):
     def read(rel: str) -> dict:
         return json.loads((card_dir / rel).read_text())
 
-    out = Path(model["sensitivity"]["output"])
-    sensitivity = {**json.loads((out / "sensitivity.json").read_text()), "output": str(out)}
+    sensitivity = _study(model["sensitivity"])
     from qbench.studies.card import _window_nll
 
     records = {
@@ -311,6 +345,7 @@ def test_the_card_is_a_function_of_the_records_on_disk(card_dir):
         "kv": [read(r["record"]) for r in model["kv"]["rows"]],
         "sweep": None,
         "sensitivity": sensitivity,
+        "avoid_map": _study(model["avoid_map"]),
         "speed": None,
         "layer_speed": read(f"{model['name']}/layer_speed.json"),
         "source": model["source"],
@@ -333,11 +368,12 @@ def test_the_card_is_a_function_of_the_records_on_disk(card_dir):
             "command",
             "seed",
             "output_path",
+            "device",
         )
     }
     rebuilt = build_card([records], {**settings, "wall_seconds": saved["wall_seconds"]})
     rebuilt = json.loads(json.dumps(rebuilt))  # tuples and such as card.json holds them
-    for key in ("created_utc",):
+    for key in ("created_utc", "env"):  # when, and the process that rendered it
         rebuilt.pop(key), saved.pop(key)
     assert rebuilt == saved
 

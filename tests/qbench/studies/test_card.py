@@ -3,6 +3,8 @@ a micro model, and two models side by side (one of them a transformers folder)."
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -137,11 +139,22 @@ def test_the_verdict_is_generated_from_the_rows():
     assert moderate["blamed"] is None  # no map of it: no layer is named on a guess
     lines = verdict["lines"]
     assert lines[0].startswith("Recommended: int4 (`zeropoint-int4`), +0.90 %")
+    # one line lists every failing format; the worst gets its evidence and the units its map blames
+    assert "Avoid (decidedly beyond 1 %), worst first: coarse +12.00 %, per-tensor +3.00 %." in lines
     assert (
-        "Avoid coarse (`absmax-coarse`): +12.00 % [+9.00, +15.00]; its damage comes most from `*.mlp.down_proj` "
+        "Worst: coarse (`absmax-coarse`), +12.00 % [+9.00, +15.00]; its damage comes most from `*.mlp.down_proj` "
         "+9.50 %, `*.attn.q_proj` +0.40 % (each quantised alone, sensitivity map by type)." in lines
     )
-    assert "Avoid per-tensor (`absmax-moderate`): +3.00 %." in lines
+    assert not any("(`absmax-moderate`)" in line for line in lines)  # no map, not the worst: the list says it
+    assert len(lines) == 3
+    # a unit that lowers perplexity alone carries none of the damage: never blamed
+    avoid_map["top"] = [{"name": "*.mlp.c_proj", "ppl_change_pct": -0.14}, *avoid_map["top"]]
+    verdict = card._verdict(rows, {}, {}, None, 1.0, avoid_map=avoid_map)
+    assert [u["name"] for u in verdict["avoid"][0]["blamed"]] == ["*.mlp.down_proj", "*.attn.q_proj"]
+    avoid_map["top"] = [{"name": "*.mlp.c_proj", "ppl_change_pct": -0.14}]
+    verdict = card._verdict(rows, {}, {}, None, 1.0, avoid_map=avoid_map)
+    assert verdict["avoid"][0]["blamed"] == []
+    assert any("no single unit quantised alone costs more than float" in line for line in verdict["lines"])
     assert all("qbench run" not in line for line in lines)  # commands are in verdict["commands"]
     rows[2] = _row("coarse", "absmax-coarse", None, 200, status="nonfinite")
     assert card._verdict(rows, {}, {}, None, 1.0)["avoid"][0]["scheme"] == "absmax-coarse"  # NaN is the worst
@@ -167,7 +180,10 @@ def test_the_whole_quick_budget_runs(ckpt_dir, tmp_path):
 
     o = model["outliers"]
     assert o["sink_chance"] == uniform_first_key_share(model["protocol"]["window"])
-    assert o["sink"] == ("sink" if o["summary"]["first_token_mass"] > o["sink_chance"] else "no sink")
+    summary = o["summary"]
+    assert o["sink"] == card.sink_verdict(
+        summary["first_token_mass"], summary["first_token_top1_share"], o["sink_chance"]
+    )
     assert "uniform attention over the window would put" in (tmp_path / "card.md").read_text()
     from qbench.quant.kvschemes import float_read_share
 
@@ -419,6 +435,20 @@ def test_each_format_row_says_what_it_quantised():
     )
 
 
+def test_a_sink_is_read_against_uniform_attention_with_a_margin():
+    """Three readings of the first-token share: a sink from Gu et al.'s ε = 0.3 on the mean weight, no sink within
+    twice uniform attention's share (a random model sits at 1.0×: a strict "above uniform" called it a sink), weak
+    in between — on either the mean weight or the top-1 share."""
+    chance = 0.0064
+    assert card.sink_verdict(0.00646, 0.0066, chance) == "no sink"  # the random gpt2-130m's 1.0×
+    assert card.sink_verdict(0.02, 0.056, 0.0349) == "no sink"  # top-1 1.6× uniform: within the margin
+    assert card.sink_verdict(0.05, 0.05, 0.0064) == "weak"  # 7.8× uniform, far below 0.3
+    assert card.sink_verdict(0.004, 0.2, 0.0064) == "weak"  # the top-1 share alone is clearly above chance
+    assert card.sink_verdict(0.45, 0.9, 0.0064) == "sink"
+    assert card.sink_verdict(0.3, None, 0.0064) == "sink"  # the bound itself: ε reached
+    assert card.sink_verdict(None, 0.5, 0.0064) is None and card.sink_verdict(0.5, 0.5, None) is None
+
+
 def test_the_repair_targets_the_smallest_failing_format_that_could_pay():
     """Only a format smaller than every format that already passes is worth repairing; the smallest of those."""
     from qbench.quant.schemes import get_scheme
@@ -452,7 +482,14 @@ def test_the_repair_targets_the_smallest_failing_format_that_could_pay():
     assert (
         pick([record("zeropoint-int4", 0.2), big_fail], fp, profile, 1.0) is None
     )  # larger than a passing one
-    assert pick([big_fail, int4], fp, profile, 1.0) is big_fail  # nothing passes: the least damaged one
+    assert pick([big_fail, int4], fp, profile, 1.0) is int4  # nothing passes: still the smallest
+    # undecided (the interval straddles 1 %): more tokens decide it, a repair does not — here one that lowers
+    # perplexity, which a repair could only "fix" by keeping every layer in float
+    assert pick([big_fail, record("zeropoint-int4", -0.8, half=2.0)], fp, profile, 1.0) is big_fail
+    # a block-quantised source file smaller than every failing format: no repair could pay
+    int4_bytes = card._deployed_bytes(int4["scheme"], fp, profile)
+    assert pick([big_fail, int4], fp, profile, 1.0, "ppl", int4_bytes) is None
+    assert pick([big_fail, int4], fp, profile, 1.0, "ppl", int4_bytes + 1) is int4
 
 
 def _sized_records():
@@ -486,10 +523,14 @@ def test_the_repair_tries_its_candidates_smallest_first():
     )
     order = card.repair_targets([int8, int4, int4_g, int3], fp, profile, 1.0)
     assert order == [int3, int4, int4_g]  # every failing format smaller than the passing one, smallest first
-    # nothing passes: the least damaged first, and the size to beat is the whole model in bf16
-    assert card.repair_targets([int4, int4_g, int3], fp, profile, 1.0) == [int4_g, int4, int3]
+    # nothing passes: smallest first too, and the size to beat is the whole model in bf16
+    assert card.repair_targets([int4, int4_g, int3], fp, profile, 1.0) == [int3, int4, int4_g]
     limit, what = card.size_to_beat([int4, int4_g], fp, profile, 1.0)
     assert (limit, what) == (fp["model_bytes"] // 2, "the model in bf16")
+    # a source file already block-quantised (a Q4_1 GGUF) is the reference: smaller than bf16, it is what to beat
+    limit, what = card.size_to_beat([int4, int4_g], fp, profile, 1.0, "ppl", 1234)
+    assert limit == 1234 and what.startswith("the source file itself")
+    assert card.size_to_beat([int8, int4], fp, profile, 1.0, "ppl", 10**9)[1].startswith("`absmax-fine`")
     limit, what = card.size_to_beat([int8, int4], fp, profile, 1.0)
     assert limit == card._deployed_bytes(int8["scheme"], fp, profile) and "absmax-fine" in what
 
@@ -541,9 +582,29 @@ def test_the_card_shows_the_first_repair_that_pays_with_its_size():
     )
     assert verdict["commands"][0]["command"].startswith("qbench run ")
     entry["repairs"].append(_study(int4["scheme"]["name"], True, []))  # int4 reached with nothing kept: pays
+    entry["repairs"][-1]["repair"].update(ppl_change_ci95=[0.2, 0.8], kld_mean=0.0123)
     sens = card._repair_section(entry, fp, profile, settings, 1.0, "ppl")
     assert [t["pays"] for t in sens["tries"]] == [False, False, True] and sens["scheme"] == "zeropoint-int4"
     assert sens["repair"]["weight_bytes"] < sens["repair"]["beat"]["bytes"]
+    bf16 = fp["model_bytes"] // 2
+    assert sens["repair"]["bytes_vs_bf16"] == sens["repair"]["weight_bytes"] / bf16
+    line = next(x for x in card._verdict([], {}, fp, sens, 1.0)["lines"] if x.startswith("Repair of"))
+    # the repaired cell's interval and KL divergence, its size and its share of the bf16 model
+    assert "+5.00 % → +0.50 % [+0.20, +0.80], KLD 0.0123, " in line
+    assert f"({sens['repair']['bytes_vs_bf16']:.1%} of the bf16 model)" in line
+
+
+def test_the_card_says_why_no_repair_was_tried():
+    """Nothing failing is smaller than what must be beaten (here a block-quantised source file): no repair is
+    tried, and the verdict says so with the size to beat."""
+    rows = [_row("int4", "zeropoint-int4", 5.0, 150)]
+    lines = card._verdict(rows, {}, {}, None, 1.0, beat=(98_360_000, "the source file itself"))["lines"]
+    assert (
+        "No repair tried: no format decidedly beyond 1 % is smaller than the source file itself (98.36 MB), and "
+        "keeping layers in float only adds bytes." in lines
+    )
+    rows = [_row("int4", "zeropoint-int4", 0.5, 150)]  # nothing fails: nothing to say
+    assert not any("repair" in x for x in card._verdict(rows, {}, {}, None, 1.0, beat=(10, "x"))["lines"])
 
 
 def test_absolute_quality_is_decided_on_paired_windows():
@@ -601,3 +662,152 @@ def test_a_format_the_model_cannot_take_is_no_failure_and_is_said_so():
         "-",
     ]  # no NaN perplexity, no speed of a row never run
     assert cells[7] != "-"  # its nominal size stays
+
+
+def _md_cells(line: str) -> list[str]:
+    """A markdown table row's cells, as GitHub splits it: on every ``|`` not escaped."""
+    return re.split(r"(?<!\\)\|", line.strip())[1:-1]
+
+
+def test_a_pipe_in_a_header_is_escaped_as_in_a_cell():
+    """ "max |act|" unescaped is three header cells over one delimiter cell: GitHub shows no table at all."""
+    from qbench.studies.card_render import _md_table
+
+    header, delimiter, row = _md_table(["block", "max |act|"], [["0", "|x| = 3"]]).splitlines()
+    assert len(_md_cells(header)) == len(_md_cells(delimiter)) == len(_md_cells(row)) == 2
+    assert _md_cells(header)[1].strip() == r"max \|act\|"
+
+
+def test_size_columns_are_in_mb_whatever_the_size():
+    """A column headed "(MB)" holds MB (10⁶ bytes) in every cell: a tiny model's 237,570-byte KV cache is 0.238,
+    not "237.57 kB" under an MB header; prose and the summary carry the unit."""
+    from qbench.studies.card_render import (
+        KV_HEADERS,
+        _format_cells,
+        _format_headers,
+        _kv_cells,
+        _mb,
+        _mb_text,
+    )
+
+    assert [_mb(n) for n in (None, 0, 180_220, 237_570, 5_120, 14_750_000, 2_500_000_000)] == [
+        "-",
+        "-",
+        "0.180",
+        "0.238",
+        "0.00512",
+        "14.75",
+        "2,500.00",
+    ]
+    assert _mb_text(193_250_000) == "193.25 MB" and _mb_text(None) == "-"
+    fmt = {
+        **_row("int4", "zeropoint-int4", 0.5, 900_000),
+        "weight_bytes_rest_float": 1_900_000,
+        "perplexity": 9.0,
+    }
+    fmt["memory_bytes"] = 1_424_290
+    headers, cells = (
+        _format_headers({"speed_measured": False}, "1 %"),
+        _format_cells(fmt, {"speed_measured": False}),
+    )
+    sizes = {h: c for h, c in zip(headers, cells, strict=True) if "(MB)" in h}
+    assert sizes == {"size (MB)": "0.900", "rest fp32 (MB)": "1.90", "+ bf16 KV (MB)": "1.42"}
+    kv = {"scheme": "kivi", "bits": 4, "keep_sinks": 0, "label": "kv4", "perplexity": 10.0, "status": "ok"}
+    kv |= {"ppl_change_pct": 0.1, "within_tolerance": True, "cache_bytes": 237_570}
+    cells = dict(zip(KV_HEADERS, _kv_cells(kv, {"bf16_bytes": 524_290}), strict=True))
+    assert cells["cache (MB)"] == "0.238" and cells["of bf16 cache"] == "45.3%"
+
+
+def test_a_collapsed_models_change_prints_in_three_significant_digits():
+    """SmolLM2's 2-bit activations: +465470924390373424889856.00 % said nothing its first three digits do not."""
+    from qbench.studies.card_render import _change_ci, _pct
+
+    assert _pct(4.6547092439037342e23) == "+4.65e+23 %" and _pct(52994204.8) == "+5.30e+07 %"
+    assert _pct(9999.994) == "+9999.99 %" and _pct(-0.004) == "-0.00 %" and _pct(None) == "NaN"
+    row = {"status": "ok", "ppl_change_pct": 3.16e4, "ppl_change_ci95": [2.5e4, 4.1e4]}
+    assert _change_ci(row) == "+3.16e+04 % [+2.50e+04, +4.10e+04]"
+
+
+def _curve(family, axis, changes):
+    return {
+        "family": family,
+        "axis": axis,
+        "curve": {str(b): {"ppl_change_pct": c} for b, c in changes.items()},
+    }
+
+
+def test_the_breaking_point_panels_are_fitted_to_their_data_and_legible():
+    """SmolLM2's standard card: +170 % … +4.7×10²³ % on symlog ran to −10²¹ % with no negative point, labelled
+    every decade, with the legend over a panel. Each panel's y range is now its data's (and the tolerance line's)
+    with a small margin, a few ticks in %, the legend below the panels, no text under 9 pt."""
+    from qbench.studies.card_render import FONT, MAX_TICKS, _breaking_point_figure
+    from qbench.studies.plots import _pyplot
+
+    plt = _pyplot()
+    long_name = "SmolLM2-135M-Instruct.Q4_1 from a checkpoint folder with a long name"
+    curves = [
+        (
+            "SmolLM2-135M-Instruct.Q4_1",
+            _curve("absmax-coarse", "a", {8: 170.7, 6: 2143.5, 4: 1.29e7, 2: 4.65e23}),
+        ),
+        (
+            "SmolLM2-135M-Instruct.Q4_1",
+            _curve("absmax-coarse", "o", {8: -30.0, 6: 40.0, 4: 6.1e7, 2: 2.1e11}),
+        ),
+        ("SmolLM2-135M-Instruct.Q4_1", _curve("fp", "kv kivi", {8: -0.004, 4: 0.03, 3: 1.87, 2: 8.58})),
+        (long_name, _curve("fp", "kv kivi", {8: 0.01, 4: 0.2, 3: None, 2: 0.6})),
+        (long_name, _curve("fp", "kv per-token", {4: 8.03, 2: 764.3})),
+    ]
+    card_ = {"tolerance_pct": 1.0, "metric": "ppl"}
+    with plt.rc_context({"font.size": FONT, "axes.titlesize": FONT + 1, "legend.fontsize": FONT - 1}):
+        fig = _breaking_point_figure(plt, card_, curves)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+    assert set(panels) == {"absmax-coarse a", "absmax-coarse o", "fp kv kivi", "fp kv per-token"}
+    for title, ax in panels.items():
+        ys = [y for line in ax.get_lines() for y in line.get_ydata() if math.isfinite(y)]
+        forward = ax.yaxis.get_transform()
+        t_lo, t_hi = (float(forward.transform([v])[0]) for v in ax.get_ylim())
+        d_lo, d_hi = (float(forward.transform([v])[0]) for v in (min(ys), max(ys)))
+        span = t_hi - t_lo
+        assert t_lo <= d_lo and d_hi <= t_hi, title  # every point (and the tolerance line) shows
+        assert d_lo - t_lo <= 0.1 * span and t_hi - d_hi <= 0.1 * span, title  # and no empty region beyond
+        lo, hi = ax.get_ylim()
+        shown = [v for v in ax.get_yticks() if lo <= v <= hi]
+        assert 2 <= len(shown) <= MAX_TICKS, (title, shown)
+        labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+        assert labels and all(text.endswith(" %") for text in labels), (title, labels)
+    assert panels["absmax-coarse a"].get_yscale() == "log" and panels["absmax-coarse a"].get_ylim()[0] > 0
+    assert panels["absmax-coarse o"].get_yscale() == "symlog"  # decades above, a point below zero
+    assert min(panels["absmax-coarse o"].get_yticks()) < 0  # ... on a scale that says how far below
+    assert panels["fp kv kivi"].get_yscale() == "linear"  # within ten times the tolerance: read directly
+    (legend,) = fig.legends
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert texts[0] == "SmolLM2-135M-Instruct.Q4_1" and texts[-1] == "tolerance 1 %"
+    assert texts[1].replace("\n", " ") == long_name and "\n" in texts[1]  # wrapped, not cut
+    box = legend.get_window_extent(renderer)
+    assert not any(box.overlaps(ax.get_window_extent(renderer)) for ax in panels.values())
+    sizes = [t.get_fontsize() for t in fig.findobj(plt.Text) if t.get_visible() and t.get_text()]
+    plt.close(fig)
+    assert min(sizes) >= 9
+
+
+@pytest.mark.parametrize(("layers", "heads", "numbers"), [(4, 4, True), (12, 12, False), (30, 9, False)])
+def test_heat_map_cells_carry_numbers_only_where_they_are_legible(layers, heads, numbers):
+    """gpt2's 12 × 12 heat map printed its cells' numbers at 7 pt (~7 px at 1×): a cell too small for a 9-pt
+    number gets none (the colour bar reads it); a large one gets one as large as it holds."""
+    from qbench.studies.card_render import _attention_figure
+    from qbench.studies.plots import _pyplot
+
+    plt = _pyplot()
+    grid = [[(r * heads + c) / (layers * heads) for c in range(heads)] for r in range(layers)]
+    m = {"name": "m", "attention": {"top1_share": grid, "mass": grid}, "outliers": {"sink_chance": 0.03}}
+    fig = _attention_figure(plt, m)
+    cells = [t for ax in fig.axes[:2] for t in ax.texts]
+    bars = [ax for ax in fig.axes[2:]]
+    assert [bar.get_ylabel() for bar in bars] == ["share of queries (q ≥ 1)", "mean weight (q ≥ 1)"]
+    assert all(bar.get_ylim()[1] == pytest.approx(max(map(max, grid))) for bar in bars)  # fitted to the data
+    plt.close(fig)
+    assert bool(cells) is numbers
+    assert all(t.get_fontsize() >= 9 for t in cells)

@@ -1388,22 +1388,31 @@ def _quantised_source_bytes(fp: Mapping[str, Any]) -> int | None:
     return path.stat().st_size if block_quantised(model.get("gguf")) and path.is_file() else None
 
 
-# A sink: a mean weight on key 0 of at least this much — Gu et al. 2024 ("When Attention Sink Emerges in Language
-# Models", ICLR 2025), whose sink metric counts a head when its attention on the first token exceeds ε = 0.3; here
-# the same ε on the mean over every layer, head and query q ≥ 1, so a model that passes it has sinks in most heads.
-SINK_MASS = 0.3
+# Gu et al. 2024 ("When Attention Sink Emerges in Language Models", ICLR 2025) count a head as a sink when its mean
+# attention weight on the first token exceeds ε = 0.3 (their Sink_ε: the share of such heads).
+SINK_EPSILON = 0.3
 # "No sink" up to this many times uniform attention's share: a randomly initialised gpt2-130m measures 1.0×, the
-# sink-free demo models 0.3-1.6× (mean weight and top-1 share); a strict "above uniform" called the random one a sink.
+# sink-free demo models 0.7-1.6× (mean weight and top-1 share); a strict "above uniform" called the random one a sink.
 SINK_CHANCE_MARGIN = 2.0
 
 
-def sink_verdict(mass: float | None, top1: float | None, chance: float | None) -> str | None:
-    """``"sink"`` when the mean weight on key 0 reaches :data:`SINK_MASS`; ``"no sink"`` when both that weight and
-    the top-1 share stay within :data:`SINK_CHANCE_MARGIN` × uniform causal attention's (``chance``); otherwise
-    ``"weak"``: clearly above chance, far below a sink."""
+def sink_heads_share(head_mass: Sequence[Sequence[float]] | None) -> float | None:
+    """Gu et al.'s Sink_ε: the share of (layer, head) pairs whose mean weight on key 0 exceeds :data:`SINK_EPSILON`
+    (None without per-head weights)."""
+    flat = [v for row in head_mass or () for v in row if v is not None]
+    return sum(v > SINK_EPSILON for v in flat) / len(flat) if flat else None
+
+
+def sink_verdict(
+    mass: float | None, top1: float | None, chance: float | None, heads_share: float | None = None
+) -> str | None:
+    """``"sink"`` when some head puts more than :data:`SINK_EPSILON` of its attention on key 0 (``heads_share`` >
+    0: Gu et al.'s criterion; without per-head weights, the mean weight over all heads reaching it); ``"no sink"``
+    when both the mean weight and the top-1 share stay within :data:`SINK_CHANCE_MARGIN` × uniform causal
+    attention's (``chance``); otherwise ``"weak"``: clearly above chance, no head a sink."""
     if chance is None or mass is None:
         return None
-    if mass >= SINK_MASS:
+    if (heads_share or 0) > 0 or mass > SINK_EPSILON:
         return "sink"
     limit = SINK_CHANCE_MARGIN * chance
     if mass <= limit and (top1 is None or top1 <= limit):
@@ -1478,7 +1487,9 @@ def size_to_beat(
     if fp_bytes:
         options.append((fp_bytes * 2 // _float_size(fp), "the model in bf16"))
     if source_bytes:
-        options.append((source_bytes, "the source file itself (already block-quantised: the reference)"))
+        options.append(
+            (source_bytes, "the source file itself, already block-quantised (the card's reference)")
+        )
     if not options:
         return None, "the model in bf16"
     return min(options, key=lambda o: o[0])
@@ -1817,6 +1828,10 @@ def _breaking_points(
     return out
 
 
+def _head_mass(profile: Mapping[str, Any]) -> Any:
+    return (profile.get("attention_per_head") or {}).get("mass")
+
+
 def _outlier_profile(fp: Mapping[str, Any], profile: Mapping[str, Any]) -> dict[str, Any]:
     massive = fp.get("massive_activations") or {}
     sites = {s["layer"]: s for s in profile.get("massive_sites") or []}
@@ -1865,7 +1880,8 @@ def _outlier_profile(fp: Mapping[str, Any], profile: Mapping[str, Any]) -> dict[
         # uniform causal attention's share on key 0 (models.stats): the chance level of both the mean weight and
         # the top-1 share; see sink_verdict for the three readings
         "sink_chance": chance,
-        "sink": sink_verdict(mass, top1, chance),
+        "sink": sink_verdict(mass, top1, chance, heads := sink_heads_share(_head_mass(profile))),
+        "sink_heads_share": heads,
         "sink_vs_chance": mass / chance if chance and mass is not None else None,
         "sink_top1_vs_chance": top1 / chance if chance and top1 is not None else None,
         "summary": {
@@ -2095,7 +2111,7 @@ def _verdict(
         lines.append(
             f"Recommended: {smallest['label']} (`{smallest['scheme']}`), {_failure_text(smallest)}, "
             f"{_bytes(smallest['weight_bytes'])}"
-            + (f" ({smallest['bytes_vs_bf16']:.0%} of the bf16 model)" if smallest["bytes_vs_bf16"] else "")
+            + (f" ({smallest['bytes_vs_bf16']:.1%} of the bf16 model)" if smallest["bytes_vs_bf16"] else "")
             + f": the smallest format within {limit}."
         )
     else:
@@ -2173,8 +2189,8 @@ def _verdict(
         commands.append({"what": f"the repair of `{repair['scheme']}`", "command": repair["command"]})
     elif avoid and beat and beat[0]:
         lines.append(
-            f"No repair tried: no format decidedly beyond {limit} is smaller than {beat[1]} ({_bytes(beat[0])}), "
-            "and keeping layers in float only adds bytes."
+            f"No repair tried: no format decidedly beyond {limit} is smaller than {beat[1]}: "
+            f"{_bytes(beat[0])}; keeping layers in float only adds bytes."
         )
     return {
         "recommended": None

@@ -132,13 +132,18 @@ def _sink_text(outliers: Mapping[str, Any]) -> str:
         )
         if r is not None
     ]
-    reading = {
-        "sink": "sink (a mean weight of at least 0.3 on key 0)",
-        "weak": "weak: above twice uniform, below a sink's 0.3",
-        "no sink": "no sink (within twice uniform)",
-    }.get(verdict, verdict)
-    shown = f" ({', '.join(ratios)} uniform)" if ratios else ""
-    return f"; uniform attention over the window would put {chance:.4f} on key 0 → {reading}{shown}"
+    heads = outliers.get("sink_heads_share")
+    why = {
+        "sink": f"{heads:.0%} of heads put more than 0.3 of their attention on key 0, Gu et al.'s sink"
+        if heads
+        else "a mean weight above 0.3 on key 0",
+        "weak": "above twice uniform; no head puts more than 0.3 on key 0",
+        "no sink": "within twice uniform",
+    }.get(verdict)
+    shown = f": {', '.join(ratios)} uniform" if ratios else ""
+    return f"; uniform attention over the window would put {chance:.4f} on key 0 → {verdict}{shown}" + (
+        f" ({why})" if why else ""
+    )
 
 
 def _kld(row: Mapping[str, Any]) -> str:
@@ -590,10 +595,19 @@ def _format_caption(m: Mapping[str, Any], limit: str) -> str:
         if memory
         else ""
     )
+    p = m.get("protocol") or {}
+    n = p.get("windows")
+    # the interval's clusters: with two windows it has one degree of freedom, and a reader should see why it is wide
+    clusters = (
+        f"paired over the {n} scored windows of {p['window']:,} tokens as clusters"
+        + (f", t with {n - 1} degree(s) of freedom: wide" if n <= 3 else "")
+        if isinstance(n, int) and n > 1 and p.get("window")
+        else "paired, windows as clusters"
+    )
     return (
         "Fake quantisation at each format's standard settings; quantised: what each row quantised (W: weights, "
         "A: the activations entering each linear, O: outputs) and how the weights were rounded (RTN: "
-        f"round-to-nearest). Change: perplexity change with its 95 % interval (paired, windows as clusters); ✓ "
+        f"round-to-nearest). Change: perplexity change with its 95 % interval ({clusters}); ✓ "
         f"within {limit} (the interval's upper end ≤ it), ✗ beyond (its lower end above), ? undecided (it "
         "straddles the tolerance: more tokens would decide). KLD: mean KL divergence from the float model per token "
         "(nats); top-1: tokens whose most likely next token is the float model's (llama.cpp's definitions, "

@@ -436,17 +436,23 @@ def test_each_format_row_says_what_it_quantised():
 
 
 def test_a_sink_is_read_against_uniform_attention_with_a_margin():
-    """Three readings of the first-token share: a sink from Gu et al.'s ε = 0.3 on the mean weight, no sink within
-    twice uniform attention's share (a random model sits at 1.0×: a strict "above uniform" called it a sink), weak
-    in between — on either the mean weight or the top-1 share."""
+    """Three readings of the first-token share: a sink where some head puts more than Gu et al.'s ε = 0.3 of its
+    attention on key 0; no sink within twice uniform attention's share (a random model sits at 1.0×: a strict
+    "above uniform" called it a sink); weak in between — on either the mean weight or the top-1 share."""
     chance = 0.0064
-    assert card.sink_verdict(0.00646, 0.0066, chance) == "no sink"  # the random gpt2-130m's 1.0×
-    assert card.sink_verdict(0.02, 0.056, 0.0349) == "no sink"  # top-1 1.6× uniform: within the margin
-    assert card.sink_verdict(0.05, 0.05, 0.0064) == "weak"  # 7.8× uniform, far below 0.3
-    assert card.sink_verdict(0.004, 0.2, 0.0064) == "weak"  # the top-1 share alone is clearly above chance
-    assert card.sink_verdict(0.45, 0.9, 0.0064) == "sink"
-    assert card.sink_verdict(0.3, None, 0.0064) == "sink"  # the bound itself: ε reached
+    assert card.sink_verdict(0.00646, 0.0066, chance, 0.0) == "no sink"  # the random gpt2-130m's 1.0×
+    assert card.sink_verdict(0.02, 0.056, 0.0349, 0.0) == "no sink"  # top-1 1.6× uniform: within the margin
+    assert card.sink_verdict(0.05, 0.05, 0.0064, 0.0) == "weak"  # 7.8× uniform, no head a sink
+    assert (
+        card.sink_verdict(0.004, 0.2, 0.0064, 0.0) == "weak"
+    )  # the top-1 share alone is clearly above chance
+    # SmolLM2: a mean weight of 0.226 over all heads, but 115 of its 270 heads above 0.3
+    assert card.sink_verdict(0.226, 0.39, 0.0031, 115 / 270) == "sink"
+    assert card.sink_verdict(0.31, None, 0.0064) == "sink"  # no per-head weights: the mean over 0.3
+    assert card.sink_verdict(0.2, None, 0.0064) == "weak"
     assert card.sink_verdict(None, 0.5, 0.0064) is None and card.sink_verdict(0.5, 0.5, None) is None
+    assert card.sink_heads_share([[0.5, 0.1], [0.31, 0.3]]) == 0.5  # strictly above ε
+    assert card.sink_heads_share(None) is None and card.sink_heads_share([]) is None
 
 
 def test_the_repair_targets_the_smallest_failing_format_that_could_pay():
@@ -600,7 +606,7 @@ def test_the_card_says_why_no_repair_was_tried():
     rows = [_row("int4", "zeropoint-int4", 5.0, 150)]
     lines = card._verdict(rows, {}, {}, None, 1.0, beat=(98_360_000, "the source file itself"))["lines"]
     assert (
-        "No repair tried: no format decidedly beyond 1 % is smaller than the source file itself (98.36 MB), and "
+        "No repair tried: no format decidedly beyond 1 % is smaller than the source file itself: 98.36 MB; "
         "keeping layers in float only adds bytes." in lines
     )
     rows = [_row("int4", "zeropoint-int4", 0.5, 150)]  # nothing fails: nothing to say

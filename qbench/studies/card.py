@@ -105,6 +105,7 @@ QUICK_FORMATS = (
     "mxfp4",
     "mxfp4:a=none",
     "nvfp4",
+    "nvfp4:a=none",
 )
 
 
@@ -2265,7 +2266,15 @@ def _not_measured(
             else "Algorithms: every format is round-to-nearest at its standard settings (`--budget standard` adds "
             "GPTQ, AWQ and QuaRot rows)"
         )
-        + " — no SmoothQuant α search or learned rotation (SpinQuant) was applied (each would change these rows).",
+        + " — no SmoothQuant α search or learned rotation (SpinQuant) was applied (each would change these rows). "
+        "Activation scales are dynamic (each sequence's own) in every row that quantises activations"
+        + (
+            ""
+            if any(f.get("quantised") and "static scales" in f["quantised"] for f in formats)
+            else "; static (calibrated once) scales, what an int8 serving engine may use, were not measured "
+            "(`--scheme absmax-coarse:static=true`)"
+        )
+        + ".",
         f"Tasks: next-token quality on {protocol.get('corpus')}/{protocol.get('split')} only "
         f"({protocol.get('tokens_scored'):,} tokens, window {protocol.get('window')}); no downstream task "
         "(`qbench lm-eval` runs lm-evaluation-harness tasks on a quantised model).",

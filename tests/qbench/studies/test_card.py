@@ -170,9 +170,9 @@ def test_the_whole_quick_budget_runs(ckpt_dir, tmp_path):
     (model,) = result["models"]
     assert [f["scheme"] for f in model["formats"]] == list(BUDGETS["quick"].formats)
     assert all(f["status"] == "ok" for f in model["formats"]), [f["error"] for f in model["formats"]]
-    assert card.planned_cells(cfg) == 16 and not any(counted)
+    assert card.planned_cells(cfg) == 17 and not any(counted)
     # on the micro model's 32-token windows KIVI is per-token blocks: its rows and the per-token ones coincide
-    assert len(counted) == 1 + len(model["formats"]) + len(model["kv"]["rows"]) == 15
+    assert len(counted) == 1 + len(model["formats"]) + len(model["kv"]["rows"]) == 16
     assert model["identity"]["attention"] == "softmax1" and model["identity"]["tied_head"] is True
     assert model["sensitivity"] is None  # nothing over 5 %
     assert (tmp_path / "card.html").exists() and (tmp_path / "card-attention-0.png").exists()

@@ -268,15 +268,18 @@ void qk_avx512_w4a8_gemm(const int8_t *q, const float *sx, int64_t m_rows, const
 
 /* ------------------------------------------------------------------------ W4A8 decode (GEMV), vpdpbusd
 
-   Four weight rows at a time, 128 channels a step: one 64-byte load per row holds four 32-channel groups, its
-   low nibbles (even channels) and high nibbles (odd) each meet their activation codes in one vpdpbusd, and
-   int32 lane L sums channels 8L … 8L + 7, so 128-bit lane l is group l of the step. The integer group sums are
-   exact; sum4x4 folds the four rows' lanes so that lane 4l + r is row r's sum of group l, and the float
-   epilogue then runs vectorised across the four rows in the reference's order (t = t + s_g · A_g group by
-   group, then t · s_x + b): bit-identical to native_ref.c, where the AVX2 decode loop (native_avx2.c) adds g = 32
-   groups in another order. Per channel and for g a multiple of 128 the rows' lanes accumulate over the group's
-   steps and fold once. Other groups (g = 64·odd) take the AVX2 loop. Σ c·q = Σ (c + 8)·q − 8·Σ q, as in the
-   GEMM. Masked loads end each row at its last byte: K need only be whole groups (per channel: anything). */
+   Blocks of four weight rows, 128 channels a step: one 64-byte load holds four 32-channel groups of a row, its
+   low nibbles (even channels) and high nibbles (odd) each meet their activation codes in one vpdpbusd, and int32
+   lane L sums channels 8L … 8L + 7, so 128-bit lane l is group l of the step. Each row is read start to end (one
+   sequential stream, which the hardware prefetcher follows: four rows read step by step ran at half the AVX2
+   loop's speed from DRAM, and a software prefetch 1-16 KB ahead measured no better than none here) and its steps'
+   partial sums are kept in L1; then sum4x4 folds the four rows' partials so that
+   lane 4l + r is row r's exact sum of group l, and the float epilogue runs vectorised across the four rows in the
+   reference's order (t = t + s_g · A_g group by group, then t · s_x + b): bit-identical to native_ref.c, where the
+   AVX2 decode loop (native_avx2.c) adds g = 32 groups in another order. Per channel and for g a multiple of 128 a
+   row's partials accumulate over each group and fold once per group. Other groups (g = 64·odd) take the AVX2
+   loop. Σ c·q = Σ (c + 8)·q − 8·Σ q, as in the GEMM. Masked loads end each row at its last byte: K need only be
+   whole groups (per channel: anything). */
 #define VD_ROWS 4
 
 /* One row's activation codes in the order the nibbles meet them: per 128-channel step, the even channels of its
@@ -299,78 +302,87 @@ static inline __m512i sum4x4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
     return _mm512_add_epi32(_mm512_unpacklo_epi64(u0, u1), _mm512_unpackhi_epi64(u0, u1));
 }
 
-/* acc[r] += Σ over the step at channel c of (nibble · code), row r's weights at wr[r] (bytes from c / 2 on) */
-static inline __attribute__((always_inline)) void vd_step(const uint8_t *const wr[VD_ROWS], int64_t c, int64_t ldw,
-                                                          __m512i xe, __m512i xo, __m512i acc[VD_ROWS]) {
+/* one row's Σ (nibble · code) over the step at channel c, added to acc (its bytes from c / 2 on, ldw in all) */
+static inline __attribute__((always_inline)) __m512i vd_step(const uint8_t *wr, int64_t c, int64_t ldw,
+                                                             const int8_t *xv, __m512i acc) {
     const __m512i nib = _mm512_set1_epi8(0x0F);
     int64_t left = ldw - c / 2;
     __mmask64 m = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
-    for (int r = 0; r < VD_ROWS; ++r) {
-        __m512i b = _mm512_maskz_loadu_epi8(m, wr[r] + c / 2);
-        acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_and_si512(b, nib), xe);
-        acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_and_si512(_mm512_srli_epi16(b, 4), nib), xo);
-    }
+    __m512i b = _mm512_maskz_loadu_epi8(m, wr + c / 2);
+    acc = _mm512_dpbusd_epi32(acc, _mm512_and_si512(b, nib), _mm512_loadu_si512(xv + c));
+    return _mm512_dpbusd_epi32(acc, _mm512_and_si512(_mm512_srli_epi16(b, 4), nib), _mm512_loadu_si512(xv + c + 64));
 }
 
 /* the four rows' exact sums of a whole group (or row) from their accumulators: lanes 0–3 = rows 0–3 */
-static inline __m128i vd_fold(const __m512i acc[VD_ROWS]) {
-    __m512i s = sum4x4(acc[0], acc[1], acc[2], acc[3]);
+static inline __m128i vd_fold(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+    __m512i s = sum4x4(a0, a1, a2, a3);
     __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
 /* y[n + r] (r < nr) for one activation row: xv its codes (vd_codes), xsum its Σ q per group, weights of rows
-   n … n + 3 (rows past nr repeat row n and are not stored) */
+   n … n + 3 (rows past nr are not read: their partials are zero and not stored). part: VD_ROWS × (steps or
+   groups) vectors of scratch. */
 static void vd_rows(const int8_t *xv, const int32_t *xsum, float sx, const uint8_t *w, int64_t ldw,
-                    const float *scale, int64_t groups, const float *bias, int64_t n, int nr, int64_t k, float *y) {
-    const uint8_t *wr[VD_ROWS];
+                    const float *scale, int64_t groups, const float *bias, int64_t n, int nr, int64_t k, float *y,
+                    __m512i *part) {
+    int64_t g = k / groups, steps = (k + 127) / 128;
     const float *sr[VD_ROWS];
-    for (int r = 0; r < VD_ROWS; ++r) wr[r] = w + (n + (r < nr ? r : 0)) * ldw, sr[r] = scale + (n + (r < nr ? r : 0)) * groups;
-    __m512i acc[VD_ROWS];
-    int64_t g = k / groups;
+    for (int r = 0; r < VD_ROWS; ++r) sr[r] = scale + (n + (r < nr ? r : 0)) * groups;
     float out[VD_ROWS];
+    __m128 t = _mm_setzero_ps();
     if (g == 32 && groups > 1) {
+        /* pass 1, row by row: each step's 16 partials (four groups × four lanes) into part[r · steps + step] */
+        for (int r = 0; r < VD_ROWS; ++r) {
+            const uint8_t *wr = w + (n + r) * ldw;
+            for (int64_t i = 0; i < steps; ++i)
+                part[r * steps + i] = r < nr ? vd_step(wr, 128 * i, ldw, xv, _mm512_setzero_si512())
+                                             : _mm512_setzero_si512();
+        }
+        /* pass 2, step by step: exact group sums of the four rows, then the fold in group order */
         const __m512i tr = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
         const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-        __m128 t = _mm_setzero_ps();
-        for (int64_t c = 0; c < k; c += 128) {
-            int64_t g0 = c / 32, ng = groups - g0 < 4 ? groups - g0 : 4;
+        for (int64_t i = 0; i < steps; ++i) {
+            int64_t g0 = 4 * i, ng = groups - g0 < 4 ? groups - g0 : 4;
             __mmask16 m4 = (__mmask16)((1u << ng) - 1);
-            for (int r = 0; r < VD_ROWS; ++r) acc[r] = _mm512_setzero_si512();
-            vd_step(wr, c, ldw, _mm512_loadu_si512(xv + c), _mm512_loadu_si512(xv + c + 64), acc);
             __m512i corr = _mm512_permutexvar_epi32(spread, _mm512_castsi128_si512(_mm_maskz_loadu_epi32(m4, xsum + g0)));
-            __m512i a = _mm512_sub_epi32(sum4x4(acc[0], acc[1], acc[2], acc[3]), _mm512_slli_epi32(corr, 3));
-            __m512 s = _mm512_castps128_ps512(_mm_maskz_loadu_ps(m4, sr[0] + g0));
-            s = _mm512_insertf32x4(s, _mm_maskz_loadu_ps(m4, sr[1] + g0), 1);
-            s = _mm512_insertf32x4(s, _mm_maskz_loadu_ps(m4, sr[2] + g0), 2);
-            s = _mm512_insertf32x4(s, _mm_maskz_loadu_ps(m4, sr[3] + g0), 3);
-            __m512 p = _mm512_mul_ps(_mm512_permutexvar_ps(tr, s), _mm512_cvtepi32_ps(a)); /* s_g · A_g, lane 4l + r */
+            __m512i a = _mm512_sub_epi32(sum4x4(part[i], part[steps + i], part[2 * steps + i], part[3 * steps + i]),
+                                         _mm512_slli_epi32(corr, 3));
+            __m512 sc = _mm512_castps128_ps512(_mm_maskz_loadu_ps(m4, sr[0] + g0));
+            sc = _mm512_insertf32x4(sc, _mm_maskz_loadu_ps(m4, sr[1] + g0), 1);
+            sc = _mm512_insertf32x4(sc, _mm_maskz_loadu_ps(m4, sr[2] + g0), 2);
+            sc = _mm512_insertf32x4(sc, _mm_maskz_loadu_ps(m4, sr[3] + g0), 3);
+            __m512 p = _mm512_mul_ps(_mm512_permutexvar_ps(tr, sc), _mm512_cvtepi32_ps(a)); /* s_g · A_g, 4l + r */
             t = _mm_add_ps(t, _mm512_castps512_ps128(p)); /* groups in order: the reference's sum */
             if (ng > 1) t = _mm_add_ps(t, _mm512_extractf32x4_ps(p, 1));
             if (ng > 2) t = _mm_add_ps(t, _mm512_extractf32x4_ps(p, 2));
             if (ng > 3) t = _mm_add_ps(t, _mm512_extractf32x4_ps(p, 3));
         }
-        _mm_storeu_ps(out, _mm_mul_ps(t, _mm_set1_ps(sx)));
-        for (int r = 0; r < nr; ++r) y[n + r] = bias ? out[r] + bias[n + r] : out[r];
-        return;
-    }
-    if (groups == 1) { /* per channel: one integer sum per row over all of K, then W8A8's epilogue */
-        for (int r = 0; r < VD_ROWS; ++r) acc[r] = _mm512_setzero_si512();
-        for (int64_t c = 0; c < k; c += 128)
-            vd_step(wr, c, ldw, _mm512_loadu_si512(xv + c), _mm512_loadu_si512(xv + c + 64), acc);
-        int32_t a[VD_ROWS];
-        _mm_storeu_si128((__m128i *)a, _mm_sub_epi32(vd_fold(acc), _mm_set1_epi32(8 * xsum[0])));
-        for (int r = 0; r < nr; ++r) y[n + r] = epilogue(a[r], sx, sr[r], 0, bias, n + r);
-        return;
-    }
-    __m128 t = _mm_setzero_ps(); /* g a multiple of 128: fold each group's steps, then t = t + s_g · A_g */
-    for (int64_t grp = 0; grp < groups; ++grp) {
-        for (int r = 0; r < VD_ROWS; ++r) acc[r] = _mm512_setzero_si512();
-        for (int64_t c = grp * g; c < grp * g + g; c += 128)
-            vd_step(wr, c, ldw, _mm512_loadu_si512(xv + c), _mm512_loadu_si512(xv + c + 64), acc);
-        __m128i a = _mm_sub_epi32(vd_fold(acc), _mm_set1_epi32(8 * xsum[grp]));
-        __m128 s = _mm_setr_ps(sr[0][grp], sr[1][grp], sr[2][grp], sr[3][grp]);
-        t = _mm_add_ps(t, _mm_mul_ps(s, _mm_cvtepi32_ps(a)));
+    } else {
+        /* per channel (one group: K) or g = 128·j: a row's partials summed over each group, row by row */
+        for (int r = 0; r < VD_ROWS; ++r) {
+            const uint8_t *wr = w + (n + r) * ldw;
+            for (int64_t grp = 0; grp < groups; ++grp) {
+                __m512i acc = _mm512_setzero_si512();
+                if (r < nr)
+                    for (int64_t c = grp * g; c < grp * g + g; c += 128) acc = vd_step(wr, c, ldw, xv, acc);
+                part[r * groups + grp] = acc;
+            }
+        }
+        if (groups == 1) { /* W8A8's epilogue on each row's exact sum */
+            int32_t a[VD_ROWS];
+            _mm_storeu_si128((__m128i *)a, _mm_sub_epi32(vd_fold(part[0], part[1], part[2], part[3]),
+                                                         _mm_set1_epi32(8 * xsum[0])));
+            for (int r = 0; r < nr; ++r) y[n + r] = epilogue(a[r], sx, sr[r], 0, bias, n + r);
+            return;
+        }
+        for (int64_t grp = 0; grp < groups; ++grp) {
+            __m128i a = _mm_sub_epi32(
+                vd_fold(part[grp], part[groups + grp], part[2 * groups + grp], part[3 * groups + grp]),
+                _mm_set1_epi32(8 * xsum[grp]));
+            __m128 sc = _mm_setr_ps(sr[0][grp], sr[1][grp], sr[2][grp], sr[3][grp]);
+            t = _mm_add_ps(t, _mm_mul_ps(sc, _mm_cvtepi32_ps(a)));
+        }
     }
     _mm_storeu_ps(out, _mm_mul_ps(t, _mm_set1_ps(sx)));
     for (int r = 0; r < nr; ++r) y[n + r] = bias ? out[r] + bias[n + r] : out[r];
@@ -378,7 +390,7 @@ static void vd_rows(const int8_t *xv, const int32_t *xsum, float sx, const uint8
 
 void qk_avx512_w4a8_gemv(const int8_t *q, const float *sx, int64_t m_rows, const uint8_t *w, const float *scale,
                          int64_t groups, const float *bias, float *y, int64_t n_out, int64_t k, int nthreads) {
-    int64_t g = k / groups, ldw = (k + 1) / 2, kb = (k + 127) / 128 * 128;
+    int64_t g = k / groups, ldw = (k + 1) / 2, kb = (k + 127) / 128 * 128, steps = kb / 128;
     if (groups > 1 && g != 32 && g % 128 != 0) { /* g = 64·odd: the AVX2 loop */
         qk_avx2_w4a8_gemv(q, sx, m_rows, w, scale, groups, bias, y, n_out, k, nthreads);
         return;
@@ -389,13 +401,19 @@ void qk_avx512_w4a8_gemv(const int8_t *q, const float *sx, int64_t m_rows, const
         vd_codes(q + m * k, k, xv + m * kb);
         for (int64_t i = 0; i < k; ++i) xsum[m * groups + i / g] += q[m * k + i];
     }
-    int64_t blocks = (n_out + VD_ROWS - 1) / VD_ROWS;
-#pragma omp parallel for num_threads(nthreads) if (nthreads > 1) schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
-        int64_t n = b * VD_ROWS;
-        int nr = n_out - n < VD_ROWS ? (int)(n_out - n) : VD_ROWS;
-        for (int64_t m = 0; m < m_rows; ++m)
-            vd_rows(xv + m * kb, xsum + m * groups, sx[m], w, ldw, scale, groups, bias, n, nr, k, y + m * n_out);
+    int64_t blocks = (n_out + VD_ROWS - 1) / VD_ROWS, per_row = g == 32 && groups > 1 ? steps : groups;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        __m512i *part = aligned_alloc(64, (size_t)(VD_ROWS * per_row) * sizeof(__m512i));
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; ++b) {
+            int64_t n = b * VD_ROWS;
+            int nr = n_out - n < VD_ROWS ? (int)(n_out - n) : VD_ROWS;
+            for (int64_t m = 0; m < m_rows; ++m)
+                vd_rows(xv + m * kb, xsum + m * groups, sx[m], w, ldw, scale, groups, bias, n, nr, k,
+                        y + m * n_out, part);
+        }
+        free(part);
     }
     free(xv);
     free(xsum);

@@ -1353,8 +1353,10 @@ def _sensitivity(
         repair_units=repair,
     )
     # written for the map alone too: its sensitivity.json marks the folder as a study's, which compare and
-    # read_records leave out (its cells keep most layers in float)
-    write_sensitivity(result, out, cfg.command or "qbench card")
+    # read_records leave out (its cells keep most layers in float) — unless a repair's report is already there
+    # (the full budget repairs by layer and maps by type in the same folder): that one is the richer
+    if repair or not (out / "sensitivity.json").exists():
+        write_sensitivity(result, out, cfg.command or "qbench card")
     return {**result, "output": str(out)}
 
 
@@ -2089,7 +2091,8 @@ def _verdict(
                 "blamed": [
                     {"name": u["name"], "ppl_change_pct": u["ppl_change_pct"]}
                     for u in mapped["top"]
-                    if u.get("ppl_change_pct") is not None and u["ppl_change_pct"] > 0
+                    # a unit that alone makes the perplexity NaN/inf (change None) is the worst of all
+                    if u.get("ppl_change_pct") is None or u["ppl_change_pct"] > 0
                 ][:3]
                 if mapped
                 else None,
@@ -2188,7 +2191,12 @@ def _verdict(
             )
             lines.append(f"Repair also tried on `{t['scheme']}`: {outcome}.")
         commands.append({"what": f"the repair of `{repair['scheme']}`", "command": repair["command"]})
-    elif avoid and beat and beat[0]:
+    elif (
+        beat
+        and beat[0]
+        and (sized := [f for f in beyond if f["status"] == "ok" and f.get("weight_bytes")])
+        and all(f["weight_bytes"] >= beat[0] for f in sized)
+    ):  # what repair_targets found: no candidate smaller than the size to beat (else it was not asked for)
         lines.append(
             f"No repair tried: no format decidedly beyond {limit} is smaller than {beat[1]}: "
             f"{_bytes(beat[0])}; keeping layers in float only adds bytes."

@@ -134,7 +134,8 @@ def _sink_text(outliers: Mapping[str, Any]) -> str:
     ]
     heads = outliers.get("sink_heads_share")
     why = {
-        "sink": f"{heads:.0%} of heads put more than 0.3 of their attention on key 0, Gu et al.'s sink"
+        "sink": ("< 1%" if heads < 0.005 else f"{heads:.0%}")
+        + " of heads put more than 0.3 of their attention on key 0, Gu et al.'s sink"
         if heads
         else "a mean weight above 0.3 on key 0",
         "weak": "above twice uniform; no head puts more than 0.3 on key 0",

@@ -281,6 +281,7 @@ PANEL_OPTIONS = {
     "gate": "the recipe sets the gate (qbench ls recipes); choose the recipes with --recipes",
     "optim": "the recipe sets the optimiser (qbench ls recipes); choose the recipes with --recipes",
     "emb_proj": "the recipe sets OSP's projections (qbench ls recipes); choose the recipes with --recipes",
+    "head_proj": "the recipe sets OSP's projections (qbench ls recipes); choose the recipes with --recipes",
     # the architecture the panel's budget builds every recipe in (GPT-2 style, --long: Llama style)
     "pos": "the panel's style sets the positions for every recipe (--long: Llama style)",
     "bias": "the panel's style sets the biases for every recipe (--long: Llama style)",
@@ -318,6 +319,14 @@ def check_train_args(cfg: RecipesConfig, train_args: tuple[str, ...] | list[str]
     owned = dict(PANEL_OPTIONS)
     if cfg.style_norm:
         owned["norm"] = f"the panel's style sets --norm {cfg.style_norm}"
+    # --set FIELD=VALUE reaches the same model fields: refused for the fields the options above own
+    for item in given.get("set") or []:
+        field = str(item).partition("=")[0].strip()
+        if field in owned and field not in ("preset", "recipe", "lr", "seed", "steps", "tokens", "out"):
+            raise UserError(
+                f"qbench recipes: --train-arg --set {item} sets what the panel itself sets for every run "
+                f"(table.md would describe another run); {owned[field]}"
+            )
     for dest, instead in owned.items():
         if dest in given:
             value = given[dest]

@@ -152,6 +152,9 @@ def test_recipes_refuses_trainer_arguments_the_panel_sets(tmp_path, capsys):
     refused([*argv, "--train-arg=--optim", "--train-arg=muon"], capsys, "--optim muon", "optimiser")
     refused([*argv, "--train-arg=--no-bias"], capsys, "--train-arg --no-bias sets", "style")
     refused([*argv, "--train-arg=--pos=rope"], capsys, "--pos rope", "style")
+    refused([*argv, "--train-arg=--head-proj"], capsys, "--head-proj", "OSP's projections")
+    refused([*argv, "--train-arg=--set", "--train-arg=pos=rope"], capsys, "--set pos=rope", "style")
+    refused([*argv, "--train-arg=--set", "--train-arg=attn=softmax1"], capsys, "--set attn=softmax1")
 
 
 def test_recipes_refuses_a_ckpt_root_holding_an_init_checkpoint(ckpt_dir, tmp_path, capsys):

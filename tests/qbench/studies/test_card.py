@@ -151,6 +151,14 @@ def test_the_verdict_is_generated_from_the_rows():
     avoid_map["top"] = [{"name": "*.mlp.c_proj", "ppl_change_pct": -0.14}, *avoid_map["top"]]
     verdict = card._verdict(rows, {}, {}, None, 1.0, avoid_map=avoid_map)
     assert [u["name"] for u in verdict["avoid"][0]["blamed"]] == ["*.mlp.down_proj", "*.attn.q_proj"]
+    # a unit that alone makes the perplexity NaN/inf (no change) is the worst of all: blamed first
+    avoid_map["top"] = [
+        {"name": "*.mlp.fc", "ppl_change_pct": None},
+        {"name": "*.attn", "ppl_change_pct": -0.1},
+    ]
+    verdict = card._verdict(rows, {}, {}, None, 1.0, avoid_map=avoid_map)
+    assert [u["name"] for u in verdict["avoid"][0]["blamed"]] == ["*.mlp.fc"]
+    assert any("comes most from `*.mlp.fc` NaN" in line for line in verdict["lines"])
     avoid_map["top"] = [{"name": "*.mlp.c_proj", "ppl_change_pct": -0.14}]
     verdict = card._verdict(rows, {}, {}, None, 1.0, avoid_map=avoid_map)
     assert verdict["avoid"][0]["blamed"] == []
@@ -603,7 +611,9 @@ def test_the_card_shows_the_first_repair_that_pays_with_its_size():
 def test_the_card_says_why_no_repair_was_tried():
     """Nothing failing is smaller than what must be beaten (here a block-quantised source file): no repair is
     tried, and the verdict says so with the size to beat."""
-    rows = [_row("int4", "zeropoint-int4", 5.0, 150)]
+    rows = [
+        _row("int4", "zeropoint-int4", 5.0, 110_480_000)
+    ]  # SmolLM2: its smallest format, larger than its file
     lines = card._verdict(rows, {}, {}, None, 1.0, beat=(98_360_000, "the source file itself"))["lines"]
     assert (
         "No repair tried: no format decidedly beyond 1 % is smaller than the source file itself: 98.36 MB; "
@@ -611,6 +621,13 @@ def test_the_card_says_why_no_repair_was_tried():
     )
     rows = [_row("int4", "zeropoint-int4", 0.5, 150)]  # nothing fails: nothing to say
     assert not any("repair" in x for x in card._verdict(rows, {}, {}, None, 1.0, beat=(10, "x"))["lines"])
+    # a NaN format is no repair candidate (repair_targets takes measured changes): the line must not claim a size
+    rows = [_row("W2", "absmax-fine:w=2", None, 50, status="nonfinite")]
+    assert not any("repair" in x for x in card._verdict(rows, {}, {}, None, 1.0, beat=(100, "x"))["lines"])
+    rows = [
+        _row("int4", "zeropoint-int4", 5.0, 50)
+    ]  # a candidate smaller than the size to beat: tried, not "not"
+    assert not any("No repair" in x for x in card._verdict(rows, {}, {}, None, 1.0, beat=(100, "x"))["lines"])
 
 
 def test_absolute_quality_is_decided_on_paired_windows():

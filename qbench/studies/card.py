@@ -2360,6 +2360,8 @@ def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, An
     """The card: a pure function of the records (see the module docstring); ``per_model`` entries hold ``fp``,
     ``profile``, ``formats``, ``kv`` (records), ``sweep`` (``run_sweep``'s result or None), ``sensitivity``
     (the study's result or None), ``speed`` (the speed record or None) and ``source`` (what ``--ckpt`` named)."""
+    from qbench.eval.harness import environment
+
     tolerance = settings["tolerance_pct"]
     metric = settings.get("metric") or "ppl"
     models = []
@@ -2486,16 +2488,10 @@ def build_card(per_model: Sequence[Mapping[str, Any]], settings: Mapping[str, An
         "comparison_lines": _comparison_lines(comparison) if comparison else [],
         # the code that built this card (each model's "env" is its float record's: what measured it); a card
         # re-rendered from cached records names the commit that rendered it here
-        "env": _render_env(settings.get("device", "cpu")),
+        "env": environment(settings.get("device", "cpu")),
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     return card
-
-
-def _render_env(device: str) -> dict[str, Any]:
-    from qbench.eval.harness import environment
-
-    return environment(device)
 
 
 def _least(values: Mapping[str, float]) -> str | None:

@@ -133,9 +133,9 @@ def _sink_text(outliers: Mapping[str, Any]) -> str:
         if r is not None
     ]
     heads = outliers.get("sink_heads_share")
+    share = "< 1%" if heads and heads < 0.005 else f"{heads or 0:.0%}"
     why = {
-        "sink": ("< 1%" if heads < 0.005 else f"{heads:.0%}")
-        + " of heads put more than 0.3 of their attention on key 0, Gu et al.'s sink"
+        "sink": f"{share} of heads put more than 0.3 of their attention on key 0, Gu et al.'s sink"
         if heads
         else "a mean weight above 0.3 on key 0",
         "weak": "above twice uniform; no head puts more than 0.3 on key 0",

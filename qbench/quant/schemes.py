@@ -478,6 +478,26 @@ _register(
     ),
     aliases=("w4a8-g32",),
 )
+# Zero-point W4A8: llama.cpp's Q4_1 arithmetic (codes u in [0, 15], one scale and zero point per block of 32,
+# ŵ = s · (u − z); int8 activations), the matched-bits counterpart of Q4_1 in `qbench speed --llama-cpp`.
+_register(
+    QuantScheme(
+        "zeropoint-w4a8",
+        "int4 zeropoint (asymmetric) weights per output channel, int8 absmax activations per token "
+        "(integer dot products)",
+        **dict(_INT8_FINE, weight_bits=4, weight_symmetric=False),
+    ),
+    aliases=("w4a8-zp",),
+)
+_register(
+    QuantScheme(
+        "zeropoint-w4a8-g32",
+        "int4 zeropoint weights per group of 32 input channels (llama.cpp Q4_1-style blocks), int8 activations "
+        "per token",
+        **dict(_INT8_FINE, weight_bits=4, weight_symmetric=False, weight_granularity=PerGroup(32)),
+    ),
+    aliases=("w4a8-zp-g32",),
+)
 
 # Floating-point formats, fake mode only (formats.py holds the exact definitions and the spec sections).
 for _fmt in ("fp8-e4m3", "fp8-e5m2"):

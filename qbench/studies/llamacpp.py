@@ -9,7 +9,8 @@ thread count. ``MATCHED`` pairs each type with the qbench scheme of the same bit
 ``qbench_vs_llama_cpp`` is that qbench row's tokens/s over llama.cpp's (minima of the same run).
 
 What differs, stated in ``docs/speed.md``: llama.cpp's Q8_0 / Q4_0 / Q4_1 quantise activations to 8-bit blocks of
-32 for the dot product (qbench's absmax-fine uses per-token int8, its int4 weight-only rows float activations);
+32 for the dot product (qbench's W8A8 and W4A8 rows use per-token int8, its int4 weight-only rows float
+activations);
 Q4_K_M mixes 4- and 6-bit super-blocks of 256 and falls back to other types where a row is not a multiple of 256
 (the record lists the tensor types actually written); llama.cpp builds one graph per step in C++ and keeps its
 KV cache in float16 by default; its threads are its own pool, torch's are OpenMP's.
@@ -39,8 +40,10 @@ MATCHED: dict[str, str] = {
     "BF16": "bf16",
     "Q8_0": "absmax-fine:head=true",  # int8 weights and activations
     "Q4_0": "absmax-w4a8-g32:head=true",  # symmetric int4 per 32 weights, int8 activations
-    "Q4_1": "zeropoint-int4-g32:head=true",  # asymmetric int4 per 32 (scale + minimum)
-    "Q4_K_M": "zeropoint-int4-g32:head=true",  # asymmetric 4-bit, super-blocks of 256 (some tensors 6-bit)
+    # asymmetric int4 per 32 (scale + minimum), int8 activations: Q4_1's own arithmetic (its "m · Σ q" term)
+    "Q4_1": "zeropoint-w4a8-g32:head=true",
+    # asymmetric 4-bit sub-blocks of 32 in super-blocks of 256 (some tensors 6-bit), int8 activations
+    "Q4_K_M": "zeropoint-w4a8-g32:head=true",
 }
 DEFAULT_TYPES = tuple(LLAMA_CPP_TYPES)
 

@@ -13,9 +13,12 @@ Ops (every tensor float32 unless said; the C kernels read contiguous CPU tensors
   w (N, K), the epilogue included — (M, N);
 - ``w8a8_forward(Tensor x, int rows_per_scale, Tensor w, Tensor sw, Tensor? bias, bool gemv) -> Tensor``: the
   W8A8 layer's whole forward (quantise + the GEMV, or the GEMM when ``gemv`` is False);
-- ``w4a8_forward(Tensor x, int rows_per_scale, Tensor w4, Tensor scale, Tensor? bias, bool gemv) -> Tensor``:
-  the same for int4 nibbles; the group size must have a loop (``w4a8.kernel_group_ok``), else it raises;
-- ``w4a8_int_mm(Tensor x, int rows_per_scale, Tensor w4, Tensor scale, Tensor? bias) -> Tensor``: the W4A8
+- ``w4a8_forward(Tensor x, int rows_per_scale, Tensor w4, Tensor scale, Tensor? bias, bool gemv,
+  Tensor? zero_term) -> Tensor``: the same for int4 nibbles (``zero_term``: zero-point codes, ``native.zero_term``);
+  the group size must have a
+  loop (``w4a8.kernel_group_ok``), else it raises;
+- ``w4a8_int_mm(Tensor x, int rows_per_scale, Tensor w4, Tensor scale, Tensor? bias, Tensor? zero_term) -> Tensor``:
+  the W4A8
   forward through ``torch._int_mm`` (nibbles unpacked to int8 once per call; one GEMM per channel or group);
 - ``scale_output(Tensor acc, Tensor sx, Tensor sw, Tensor? bias) -> Tensor``: the epilogue of an int32 (M, N);
 - ``weight_only_linear(Tensor x, Tensor codes, bool bits4, Tensor scale, Tensor? zero, Tensor? bias) -> Tensor``:
@@ -134,17 +137,35 @@ def scale_output(acc: Tensor, sx: Tensor, sw: Tensor, bias: Tensor | None) -> Te
 
 
 def _w4a8_forward_fake(
-    x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias: Tensor | None, gemv: bool
+    x: Tensor,
+    rows_per_scale: int,
+    w4: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    gemv: bool,
+    zero_term: Tensor | None = None,
 ) -> Tensor:
     return _rows_out(x, w4.shape[0])
 
 
 @_op(_w4a8_forward_fake)
 def w4a8_forward(
-    x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias: Tensor | None, gemv: bool
+    x: Tensor,
+    rows_per_scale: int,
+    w4: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    gemv: bool,
+    zero_term: Tensor | None = None,
 ) -> Tensor:
     y = native.w4a8_forward(
-        x.contiguous(), rows_per_scale, w4.contiguous(), scale.contiguous(), _c(bias), gemv=gemv
+        x.contiguous(),
+        rows_per_scale,
+        w4.contiguous(),
+        scale.contiguous(),
+        _c(bias),
+        gemv=gemv,
+        zero_term=_c(zero_term),
     )
     if y is None:
         raise ValueError(f"qbench::w4a8_forward: no loop for {scale.shape[1]} groups of a {x.shape[1]}-row")
@@ -152,14 +173,28 @@ def w4a8_forward(
 
 
 def _w4a8_int_mm_fake(
-    x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias: Tensor | None
+    x: Tensor,
+    rows_per_scale: int,
+    w4: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    zero_term: Tensor | None = None,
 ) -> Tensor:
     return _rows_out(x, w4.shape[0])
 
 
 @_op(_w4a8_int_mm_fake)
-def w4a8_int_mm(x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
-    return native.w4a8_int_mm(x.contiguous(), rows_per_scale, w4.contiguous(), scale.contiguous(), _c(bias))
+def w4a8_int_mm(
+    x: Tensor,
+    rows_per_scale: int,
+    w4: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    zero_term: Tensor | None = None,
+) -> Tensor:
+    return native.w4a8_int_mm(
+        x.contiguous(), rows_per_scale, w4.contiguous(), scale.contiguous(), _c(bias), _c(zero_term)
+    )
 
 
 # ------------------------------------------------------------------------------------------ weight-only

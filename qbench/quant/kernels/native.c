@@ -119,9 +119,61 @@ void qk_w8a8_forward(const float *x, int64_t m_rows, int64_t k, int64_t rows_per
    g = 32 groups in another float order than the reference (even groups, then odd: see native_avx2.c), so there
    the two builds agree to float rounding; every other W4A8 and W8A8 result, the AVX-512 VNNI decode loop's
    included, is bit-identical across builds. */
+int qk_w4a8_forward_zp(const float *x, int64_t m_rows, int64_t k, int64_t rows_per_scale, const uint8_t *w,
+                       const float *scale, const float *zt, int64_t groups, const float *bias, float *y,
+                       int64_t n_out, int nthreads, int gemv);
+
 int qk_w4a8_forward_path(const float *x, int64_t m_rows, int64_t k, int64_t rows_per_scale, const uint8_t *w,
                          const float *scale, int64_t groups, const float *bias, float *y, int64_t n_out,
                          int nthreads, int gemv) {
+    return qk_w4a8_forward_zp(x, m_rows, k, rows_per_scale, w, scale, NULL, groups, bias, y, n_out, nthreads,
+                              gemv);
+}
+
+/* Zero-point (asymmetric) W4A8: ŵ = s_g · (u − z_g) with codes u ∈ [0, 15] stored as the nibbles. Every W4A8
+   loop reads a nibble as c = u − 8 (the symmetric layout), so after it
+       y_true = y + s_x · Σ_g m_g · Q_g,     m_g = s_g · (8 − z_g),  Q_g = Σ_{k ∈ g} q_k (exact in int32 and float),
+   llama.cpp's Q4_1 "min" term (its dot product adds m · Σ q the same way). `zt` holds m transposed, (G, N) float32
+   (w4a8.py derives it once per layer), so the sum runs along contiguous rows of m, 16 outputs a vector; each
+   output's sum is in group order, then times s_x and added — one fixed order without contraction, so every build
+   and every path (the GEMV, the GEMM, the _int_mm prefill in native.py) adds the same float. */
+void qk_w4a8_zero_correct(const int8_t *q, const float *sx, int64_t m_rows, int64_t k, const float *zt,
+                          int64_t groups, float *y, int64_t n_out, int nthreads) {
+    const int64_t g = k / groups, nb = 256;
+    float *qf = malloc((size_t)(m_rows * groups) * sizeof(float));
+    for (int64_t m = 0; m < m_rows; ++m)
+        for (int64_t grp = 0; grp < groups; ++grp) {
+            int32_t t = 0;
+            for (int64_t i = grp * g; i < grp * g + g; ++i) t += q[m * k + i];
+            qf[m * groups + grp] = (float)t; /* |Q_g| ≤ 127 · g < 2^24 for g < 132,000: exact */
+        }
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        float *c = malloc((size_t)(m_rows * nb) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < n_out; n0 += nb) {
+            const int64_t w = n_out - n0 < nb ? n_out - n0 : nb;
+            memset(c, 0, (size_t)(m_rows * nb) * sizeof(float));
+            for (int64_t grp = 0; grp < groups; ++grp) {
+                const float *zr = zt + grp * n_out + n0;
+                for (int64_t m = 0; m < m_rows; ++m) {
+                    const float qg = qf[m * groups + grp];
+                    float *cm = c + m * nb;
+                    for (int64_t j = 0; j < w; ++j) cm[j] += zr[j] * qg;
+                }
+            }
+            for (int64_t m = 0; m < m_rows; ++m)
+                for (int64_t j = 0; j < w; ++j) y[m * n_out + n0 + j] += c[m * nb + j] * sx[m];
+        }
+        free(c);
+    }
+    free(qf);
+}
+
+/* qk_w4a8_forward_path for zero-point codes (zt: the (G, N) m_g of qk_w4a8_zero_correct; NULL: absmax codes) */
+int qk_w4a8_forward_zp(const float *x, int64_t m_rows, int64_t k, int64_t rows_per_scale, const uint8_t *w,
+                       const float *scale, const float *zt, int64_t groups, const float *bias, float *y,
+                       int64_t n_out, int nthreads, int gemv) {
     if (!w4a8_groups_ok(k, groups)) return 0;
     int8_t *q = malloc((size_t)(m_rows * k));
     float *sx = malloc((size_t)m_rows * sizeof(float));
@@ -130,6 +182,7 @@ int qk_w4a8_forward_path(const float *x, int64_t m_rows, int64_t k, int64_t rows
         W4A8_GEMV(q, sx, m_rows, w, scale, groups, bias, y, n_out, k, nthreads);
     else
         W4A8_GEMM(q, sx, m_rows, w, scale, groups, bias, y, n_out, k, nthreads);
+    if (zt) qk_w4a8_zero_correct(q, sx, m_rows, k, zt, groups, y, n_out, nthreads);
     free(q);
     free(sx);
     return 1;

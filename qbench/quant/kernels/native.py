@@ -12,8 +12,8 @@ without AVX-512 VNNI, slow at any size), and the int4 kernels want bf16 activati
   streams each weight row once (``maddubs`` with x's sign moved onto w); more rows an AVX2 GEMM on int16 codes
   (``madd_epi16`` on repacked weight panels, twice float32's multiply rate); portable C without AVX2;
 - ``qk_w8a8_forward`` (bound per layer in ``paths.py``): ``quantize_rows`` + ``w8a8_linear`` in one foreign call;
-- ``w4a8_forward``: the same for int4 weights (nibbles, per channel or per group) × int8 activations — exact
-  integer group sums (``maddubs`` of the nibble with the code at decode, the int16 panel GEMM above 16 rows);
+- ``w4a8_forward``: the same for int4 weights (nibbles, per channel or per group, absmax or zero-point codes) ×
+  int8 activations — exact integer group sums (``maddubs`` of the nibble with the code at decode, the int16 panel GEMM above 16 rows);
 - ``w4a8_int_mm``: the W4A8 prefill through ``torch._int_mm`` — the nibbles unpacked to an int8 (N, K) panel once
   per call (``qk_w4_unpack_i8``), one ``_int_mm`` per channel or per group (``qk_w4a8_fold`` folds each group's
   exact sums in the C loops' order): bit for bit the C GEMM;
@@ -71,6 +71,13 @@ _SIGNATURES = {
     # the same two forwards with the loop chosen by the caller (a trailing int: 1 the GEMV, 0 the GEMM)
     "qk_w8a8_forward_path": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT, _PTR, _PTR, _I64, _INT, _INT], None),
     "qk_w4a8_forward_path": ([_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _INT, _INT], _INT),
+    # zero-point W4A8: forward_path with the (G, N) float32 term s · (8 − z) after the scales; the correction
+    # alone (the int-mm path)
+    "qk_w4a8_forward_zp": (
+        [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _INT, _INT],
+        _INT,
+    ),
+    "qk_w4a8_zero_correct": ([_PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT], None),
     "qk_dequantize": ([_PTR, _INT, _INT, _PTR, _PTR, _I64, _I64, _I64, _PTR, _INT], None),
     "qk_w4_permute_x": ([_PTR, _I64, _I64, _PTR], None),
     # packed 2/3/4-bit codes (LowBitLinear): x (M, K), codes, bits, scale, zero, zconst, groups, bias, y, N
@@ -211,18 +218,26 @@ def w8a8_forward(
 
 
 def w4a8_forward(
-    x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias: Tensor | None, gemv: bool | None = None
+    x: Tensor,
+    rows_per_scale: int,
+    w4: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    gemv: bool | None = None,
+    zero_term: Tensor | None = None,
 ) -> Tensor | None:
     """float32 (M, N) of the W4A8 linear: x float32 (M, K) quantised per ``rows_per_scale`` rows, ``w4`` uint8
-    nibbles (c + 8) (N, ⌈K/2⌉), ``scale`` float32 (N, G). ``gemv``: the loop (None: the GEMV up to 16 rows).
-    None when the group size has no loop (g must be K, 32 or a multiple of 64)."""
-    _check(x, w4, scale, bias)
+    nibbles (N, ⌈K/2⌉), ``scale`` float32 (N, G). ``zero_term`` None: absmax codes, nibble = c + 8; else
+    zero-point codes, nibble = u and ŵ = s · (u − z), with ``zero_term`` float32 (G, N) = (s · (8 − z))ᵀ
+    (:func:`zero_term`). ``gemv``: the loop (None: the GEMV up to 16 rows). None when the group size has no loop
+    (g must be K, 32 or a multiple of 64)."""
+    _check(x, w4, scale, zero_term, bias)
     m, k = x.shape
     n, groups = scale.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    ok = _library().qk_w4a8_forward_path(
-        x.data_ptr(), m, k, max(1, rows_per_scale), w4.data_ptr(), scale.data_ptr(), groups, _ptr(bias),
-        y.data_ptr(), n, threads(), int(m <= GEMV_ROWS if gemv is None else gemv),
+    ok = _library().qk_w4a8_forward_zp(
+        x.data_ptr(), m, k, max(1, rows_per_scale), w4.data_ptr(), scale.data_ptr(), _ptr(zero_term), groups,
+        _ptr(bias), y.data_ptr(), n, threads(), int(m <= GEMV_ROWS if gemv is None else gemv),
     )  # fmt: skip
     return y if ok else None
 
@@ -305,12 +320,25 @@ def lowbit_dequantize(
     return out
 
 
-def w4a8_int_mm(x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+def zero_term(scale: Tensor, zero: Tensor) -> Tensor:
+    """The zero-point W4A8 kernels' (G, N) float32 term (s · (8 − z))ᵀ of (N, G) scales and uint8 zero points."""
+    return (scale.float() * (8 - zero.float())).t().contiguous()
+
+
+def w4a8_int_mm(
+    x: Tensor,
+    rows_per_scale: int,
+    w4: Tensor,
+    scale: Tensor,
+    bias: Tensor | None,
+    zero_term: Tensor | None = None,
+) -> Tensor:
     """The W4A8 linear (as :func:`w4a8_forward`) with oneDNN's int8 GEMM: float32 (M, N), bit for bit the C loops.
 
     Per output channel one ``_int_mm`` over all of K and W8A8's epilogue; per group one ``_int_mm`` per group
-    (folding groups into one GEMM would mix scales inside an int32 sum) and the scaled sums added in group order."""
-    _check(x, w4, scale, bias)
+    (folding groups into one GEMM would mix scales inside an int32 sum) and the scaled sums added in group order;
+    zero-point codes then get the C loops' own correction (``qk_w4a8_zero_correct``)."""
+    _check(x, w4, scale, zero_term, bias)
     m, k = x.shape
     n, groups = scale.shape
     q, sx = quantize_rows(x, rows_per_scale)
@@ -318,13 +346,18 @@ def w4a8_int_mm(x: Tensor, rows_per_scale: int, w4: Tensor, scale: Tensor, bias:
     lib = _library()
     lib.qk_w4_unpack_i8(w4.data_ptr(), n, k, w8.data_ptr(), threads())
     if groups == 1:
-        return scale_output(torch._int_mm(q, w8.t()), sx, scale.reshape(-1), bias, in_place=True)
-    g = k // groups
-    t = torch.empty(m, n, dtype=torch.float32)
-    for grp in range(groups):
-        acc = torch._int_mm(q[:, grp * g : grp * g + g].contiguous(), w8[:, grp * g : grp * g + g].t())
-        lib.qk_w4a8_fold(
-            acc.data_ptr(), m, n, scale.data_ptr(), groups, grp, sx.data_ptr(), _ptr(bias), t.data_ptr(),
-            int(grp == groups - 1), threads(),
-        )  # fmt: skip
+        t = scale_output(torch._int_mm(q, w8.t()), sx, scale.reshape(-1), bias, in_place=True)
+    else:
+        g = k // groups
+        t = torch.empty(m, n, dtype=torch.float32)
+        for grp in range(groups):
+            acc = torch._int_mm(q[:, grp * g : grp * g + g].contiguous(), w8[:, grp * g : grp * g + g].t())
+            lib.qk_w4a8_fold(
+                acc.data_ptr(), m, n, scale.data_ptr(), groups, grp, sx.data_ptr(), _ptr(bias), t.data_ptr(),
+                int(grp == groups - 1), threads(),
+            )  # fmt: skip
+    if zero_term is not None:
+        lib.qk_w4a8_zero_correct(
+            q.data_ptr(), sx.data_ptr(), m, k, zero_term.data_ptr(), groups, t.data_ptr(), n, threads()
+        )
     return t

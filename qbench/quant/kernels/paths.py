@@ -688,11 +688,11 @@ def int8_forward(
 
 
 def _w4a8_call(
-    w4: Tensor, scales: Tensor, bias: Tensor | None
+    w4: Tensor, scales: Tensor, bias: Tensor | None, zero_term: Tensor | None
 ) -> Callable[[Tensor, int, bool], Tensor | None]:
-    fn = native.library().qk_w4a8_forward_path
+    fn = native.library().qk_w4a8_forward_zp
     n, groups = scales.shape
-    args = (w4.data_ptr(), scales.data_ptr(), groups, _ptr(bias))
+    args = (w4.data_ptr(), scales.data_ptr(), _ptr(zero_term), groups, _ptr(bias))
 
     def call(x2: Tensor, rows_per_scale: int, gemv: bool) -> Tensor | None:
         y = torch.empty(x2.shape[0], n, dtype=torch.float32)
@@ -702,47 +702,56 @@ def _w4a8_call(
         )  # fmt: skip
         return y if ok else None
 
-    call.keep = (w4, scales, bias)
+    call.keep = (w4, scales, bias, zero_term)
     return call
 
 
 def w4a8_forward(
-    owner: object, x: Tensor, w4: Tensor, scales: Tensor, bias: Tensor | None, per_token: bool
+    owner: object,
+    x: Tensor,
+    w4: Tensor,
+    scales: Tensor,
+    bias: Tensor | None,
+    per_token: bool,
+    zero_term: Tensor | None = None,
 ) -> Tensor | None:
     """float32 (…, N) of the W4A8 linear (int4 nibbles × int8 activations) from the C kernel, or None (use the
-    torch path). Per-tensor activation scales are per leading batch element, as in ``Int8Linear``."""
+    torch path). Per-tensor activation scales are per leading batch element, as in ``Int8Linear``. ``zero_term``
+    (G, N) float32 (``native.zero_term``): zero-point codes (nibble = u, ŵ = s · (u − z)); None: absmax codes."""
     if not input_ok(x) or x.numel() == 0:
         return None
     k = x.shape[-1]
     rows = x.numel() // k
     path = _path(
-        "w4a8", rows, owner, (k, *scales.shape), lambda: w4a8_forward(owner, x, w4, scales, bias, per_token)
-    )
+        "w4a8", rows, owner, (k, *scales.shape),
+        lambda: w4a8_forward(owner, x, w4, scales, bias, per_token, zero_term),
+    )  # fmt: skip
     if path == "torch":
         return None
     per_scale = rows_per_scale(x, rows, per_token)
     if path == "int-mm":  # the nibbles unpacked to int8 once per call, then oneDNN's int8 GEMM (native.py)
-        if not stored_ok(w4, scales, bias):
+        if not stored_ok(w4, scales, bias, zero_term):
             return None
         x2 = x.reshape(rows, k).contiguous()
         if torch.compiler.is_compiling():
-            return torch.ops.qbench.w4a8_int_mm(x2, per_scale, w4, scales, bias).reshape(*x.shape[:-1], -1)
-        y = native.w4a8_int_mm(x2, per_scale, w4, scales, bias)
+            y = torch.ops.qbench.w4a8_int_mm(x2, per_scale, w4, scales, bias, zero_term)
+            return y.reshape(*x.shape[:-1], -1)
+        y = native.w4a8_int_mm(x2, per_scale, w4, scales, bias, zero_term)
         _record(owner, path)
         return y.reshape(*x.shape[:-1], -1)
     if torch.compiler.is_compiling():  # the layer checked the group size (w4a8.kernel_group_ok)
-        if not stored_ok(w4, scales, bias):
+        if not stored_ok(w4, scales, bias, zero_term):
             return None
         x2 = x.reshape(rows, k)
-        y = torch.ops.qbench.w4a8_forward(x2, per_scale, w4, scales, bias, path == "c-gemv")
+        y = torch.ops.qbench.w4a8_forward(x2, per_scale, w4, scales, bias, path == "c-gemv", zero_term)
         return y.reshape(*x.shape[:-1], -1)
-    call = _bound(owner, (w4, scales, bias), lambda: _w4a8_call(w4, scales, bias))
+    call = _bound(owner, (w4, scales, bias, zero_term), lambda: _w4a8_call(w4, scales, bias, zero_term))
     gemv = path == "c-gemv"
     y = None if call is None else call(x.reshape(rows, k).contiguous(), per_scale, gemv)
     if y is None:
         return None
     _record(owner, path)
-    _keep_fast(owner, k, rows, path, _scaled_run(call, k, per_token, gemv), (w4, scales, bias))
+    _keep_fast(owner, k, rows, path, _scaled_run(call, k, per_token, gemv), (w4, scales, bias, zero_term))
     return y.reshape(*x.shape[:-1], -1)
 
 

@@ -42,11 +42,11 @@ def _is_w8a8(scheme: QuantScheme) -> bool:
 
 
 def _is_w4a8(scheme: QuantScheme) -> bool:
-    """int4 absmax weights (per output channel or group) × int8 absmax activations per token / sequence, dynamic."""
+    """int4 weights, absmax or zero-point (per output channel or group) × int8 absmax activations per token /
+    sequence, dynamic."""
     return (
         not scheme.static
         and scheme.weight_bits == 4
-        and scheme.weight_symmetric
         and (per_out_channel(scheme) or isinstance(scheme.weight_granularity, PerGroup))
         and scheme.act_bits == 8
         and scheme.act_symmetric
@@ -114,7 +114,7 @@ REAL_KERNELS: tuple[RealKernel, ...] = (
         native=("Int8Linear",),
     ),
     RealKernel(
-        "W4A8 absmax (W per channel or group, A per token/sequence)",
+        "W4A8 (W int4 absmax or zero-point per channel or group, A int8 absmax per token/sequence)",
         "Int4A8Linear",
         "CPU: C int4×int8 GEMV/GEMM, torch._int_mm on the codes unpacked to int8 where faster (groups of 32 or "
         "64·n; others torch); else F.linear on s_x·q and Ŵ",

@@ -1,4 +1,4 @@
-"""Real W4A8: symmetric int4 weights (per output channel or per group) × int8 absmax activations, integer dot products.
+"""Real W4A8: int4 weights (per output channel or per group) × int8 absmax activations, integer dot products.
 
 The scheme is ``absmax-fine:w=4`` (``absmax-fine:w=4,group=32`` …): weights absmax 4-bit, codes c ∈ [−7, 7]
 with one scale per output channel or per group of g input channels; activations absmax 8-bit per token (or per
@@ -7,10 +7,19 @@ weight blocks with Q8-quantised activations in integer arithmetic — because in
 activations spends its time turning nibbles into floats (``int4.py``), while an int8 × int4 product keeps the
 integer rate of W8A8 and reads half its bytes.
 
+The zero-point variant (``zeropoint-w4a8``, ``zeropoint-w4a8-g32``; ``absmax-fine:w=4,sym=false`` …) is
+llama.cpp's Q4_1 arithmetic: codes u ∈ [0, 15] with one zero point per group, ŵ = s · (u − z), the primitives'
+zeropoint formulas (as ``Int4Linear``), int8 activations as above. Its kernel is the symmetric one reading the
+nibble as u − 8, plus the exact correction s_x · Σ_g s_g (8 − z_g) Σ_{k∈g} q_k (``qk_w4a8_zero_correct``, the
+"m · Σ q" term of llama.cpp's Q4_1 dot product).
+
 Storage (``qweight`` has the ``int4.pack_int4`` layout, so the same byte order serves every int4 kernel):
 
-- ``qweight``  uint8 (out, ⌈in'/2⌉): c + 8 ∈ [1, 15] of input channel 2j in the low nibble, 2j+1 in the high;
+- ``qweight``  uint8 (out, ⌈in'/2⌉): c + 8 ∈ [1, 15] (zero-point: u ∈ [0, 15]) of input channel 2j in the low
+  nibble, 2j+1 in the high;
 - ``scales``   float32 (out, in'/g): ŵ = s · c, equal to ``fake_quantize(W, 4, PerAxis(0) or PerGroup(g), True)``;
+- ``zeros``    uint8 (out, in'/g) for zero-point codes (None: absmax): ŵ = s · (u − z), equal to
+  ``fake_quantize(W, 4, …, symmetric=False)``;
   in' = in rounded up to whole groups: a group that does not divide the row is completed with zero channels,
   as fake mode does (``fake.pad_to_groups``), and the input is zero-padded to match (zeros change no absmax).
 
@@ -31,7 +40,7 @@ from torch import Tensor, nn
 from models.errors import UserError, unknown_choice
 from qbench.quant.fake import pad_to_groups, transform_input, transform_weight
 from qbench.quant.granularity import PerAxis, PerGroup, PerToken
-from qbench.quant.kernels import paths
+from qbench.quant.kernels import native, paths
 from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.kernels.int4 import pack_int4, unpack_int4
 from qbench.quant.kernels.int8 import ACT_GRANULARITIES, quantize_activation
@@ -54,7 +63,8 @@ def kernel_group_ok(group_size: int | None) -> bool:
 
 
 class Int4A8Linear(RealLinear):
-    """y = s_x · Σ_g s_g (c · q)_g + b: int4 weights × per-token int8 activations (see the module docstring)."""
+    """y = s_x · Σ_g s_g (c · q)_g + b: int4 weights × per-token int8 activations (see the module docstring);
+    c = u − z with ``zeros`` (zero-point codes), else the absmax code."""
 
     def __init__(
         self,
@@ -67,16 +77,47 @@ class Int4A8Linear(RealLinear):
         act: str = "per_token",
         input_scale: Tensor | None = None,
         rotation: nn.Module | None = None,
+        zeros: Tensor | None = None,
     ) -> None:
         super().__init__()
         if act not in ACT_GRANULARITIES:
             raise unknown_choice("W4A8 activation granularity", act, ACT_GRANULARITIES)
+        if zeros is not None and zeros.shape != scales.shape:
+            raise UserError(f"W4A8 zeros {tuple(zeros.shape)} must match the scales {tuple(scales.shape)}")
         self.in_features, self.out_features, self.act = in_features, qweight.shape[0], act
         self.group_size = group_size  # None: one group per output channel
-        # qweight (out, ⌈in/2⌉) uint8 nibbles c + 8, scales (out, groups)
+        # qweight (out, ⌈in/2⌉) uint8 nibbles c + 8 (zero-point: u), zeros (out, groups) or None, scales (out, groups)
         self.store(
-            {"qweight": qweight}, {"scales": scales, "bias": bias}, input_scale=input_scale, rotation=rotation
+            {"qweight": qweight, "zeros": zeros},
+            {"scales": scales, "bias": bias},
+            input_scale=input_scale,
+            rotation=rotation,
         )
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zeros is None
+
+    def zero_term(self) -> Tensor | None:
+        """The kernels' (G, N) float32 (s · (8 − z))ᵀ of zero-point codes (None: absmax), derived once and kept
+        (counted by :meth:`nbytes`; a device move or loaded state dict rebuilds it)."""
+        if self.zeros is None:
+            return None
+        if torch.compiler.is_compiling():  # traced: computed in the graph, no state kept
+            return native.zero_term(self.scales, self.zeros)
+        cached = self.__dict__.get("_zero_term")
+        if cached is None or cached.device != self.scales.device:
+            cached = self.__dict__["_zero_term"] = native.zero_term(self.scales, self.zeros)
+        return cached
+
+    def invalidate(self) -> None:
+        super().invalidate()
+        self.__dict__.pop("_zero_term", None)
+
+    def derived_tensors(self) -> tuple[Tensor | None, ...]:
+        """The zero-point kernels' term: counted whether or not a forward has built it yet, since every forward
+        on the kernels needs it (a size that moved with the first call or a cast would not be the layer's)."""
+        return () if self.zeros is None else (self.zero_term(),)
 
     @classmethod
     def from_float(
@@ -89,8 +130,10 @@ class Int4A8Linear(RealLinear):
         input_scale: Tensor | None = None,
         rotation: nn.Module | Tensor | None = None,
         weight_qparams: QParams | None = None,
+        symmetric: bool = True,
     ) -> Int4A8Linear:
-        """Quantise R(W · diag(s)) of an (out, in) float weight, absmax 4-bit per output channel or group."""
+        """Quantise R(W · diag(s)) of an (out, in) float weight, 4-bit per output channel or group: absmax, or
+        zero-point (``symmetric=False``, the primitives' zeropoint formulas)."""
         out_features, in_features = weight.shape
         check_group(group_size)
         if group_size is not None and group_size >= in_features:
@@ -103,13 +146,26 @@ class Int4A8Linear(RealLinear):
         # a group that does not divide the row: zero channels complete the last group, exactly as fake mode
         # quantises it (zeros change no absmax); the input is padded to match in forward
         w = pad_to_groups(w, granularity)
-        qp = given_or_chosen(w, BITS, granularity, True, weight_qparams)
-        codes = quantize(w, qp, BITS, granularity, symmetric=True)  # int8 in [−7, 7]
+        qp = given_or_chosen(w, BITS, granularity, symmetric, weight_qparams)
+        # absmax: int8 in [−7, 7], stored + 8; zero-point: uint8 u in [0, 15], stored as is
+        codes = quantize(w, qp, BITS, granularity, symmetric=symmetric)
         scales = qp.scale.reshape(out_features, -1).float().contiguous()
         b = None if bias is None else bias.detach().float().clone()
-        packed = pack_int4((codes.to(torch.int16) + OFFSET).to(torch.uint8))
+        if symmetric:
+            packed, zeros = pack_int4((codes.to(torch.int16) + OFFSET).to(torch.uint8)), None
+        else:
+            packed = pack_int4(codes)
+            zeros = qp.zero_point.reshape(out_features, -1).to(torch.uint8).contiguous()
         return cls(
-            packed, scales, b, in_features, group_size, act=act, input_scale=input_scale, rotation=rotation
+            packed,
+            scales,
+            b,
+            in_features,
+            group_size,
+            act=act,
+            input_scale=input_scale,
+            rotation=rotation,
+            zeros=zeros,
         )
 
     @property
@@ -122,12 +178,11 @@ class Int4A8Linear(RealLinear):
         return self.in_features + (-self.in_features % self.group)
 
     def dequantized_weight(self) -> Tensor:
-        """Ŵ = s · c in float32, (out, in) — equal to the fake-quantised weight."""
+        """Ŵ = s · c (zero-point: s · (u − z)) in float32, (out, in) — equal to the fake-quantised weight."""
         k = self.padded_features
-        codes = unpack_int4(self.qweight, k).float() - OFFSET
-        w = (codes.view(self.out_features, -1, self.group) * self.scales.unsqueeze(-1)).view(
-            self.out_features, k
-        )
+        codes = unpack_int4(self.qweight, k).float().view(self.out_features, -1, self.group)
+        codes = codes - (OFFSET if self.zeros is None else self.zeros.float().unsqueeze(-1))
+        w = (codes * self.scales.unsqueeze(-1)).view(self.out_features, k)
         return w[:, : self.in_features]
 
     def _forward(self, x: Tensor) -> Tensor:
@@ -139,7 +194,9 @@ class Int4A8Linear(RealLinear):
                 if self.padded_features == x.shape[-1]
                 else F.pad(x, (0, self.padded_features - x.shape[-1]))
             )
-            y = paths.w4a8_forward(self, padded, self.qweight, self.scales, self.bias, per_token)
+            y = paths.w4a8_forward(
+                self, padded, self.qweight, self.scales, self.bias, per_token, self.zero_term()
+            )
             if y is not None:
                 return y
         return self._torch_forward(x, per_token)
@@ -159,9 +216,10 @@ class Int4A8Linear(RealLinear):
     def extra_repr(self) -> str:
         gran = "per output channel" if self.scales.shape[1] == 1 else f"per group of {self.group}"
         act = "per token" if self.act == "per_token" else "per sequence"
+        kind = "absmax" if self.zeros is None else "zeropoint"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"W int4 absmax {gran}, A int8 absmax {act}, {self.nbytes() / 2**20:.2f} MiB"
+            f"W int4 {kind} {gran}, A int8 absmax {act}, {self.nbytes() / 2**20:.2f} MiB"
         )
 
 
@@ -179,4 +237,5 @@ def build_w4a8(
         input_scale=input_scale,
         rotation=rotation,
         weight_qparams=weight_qparams,
+        symmetric=scheme.weight_symmetric,
     )

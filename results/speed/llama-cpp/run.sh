@@ -12,8 +12,9 @@ mkdir -p "$out" && cd "$out"
 export MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000
 COMMON=(--no-layer --no-kv --mode real --repeats 3 --new-tokens 64 --model-tokens 128 --llama-cpp)
 # the matched qbench schemes (their heads quantised, as llama.cpp's are) are added by --llama-cpp itself;
-# absmax-w4a8 per channel is the fastest W4A8 layout and the float-head variants show what the head costs
-SCHEMES=(--scheme absmax-w4a8:head=true --scheme absmax-fine)
+# absmax-w4a8 per channel is the fastest W4A8 layout, the float-head variant shows what the head costs, and
+# weight-only int4-g32 (float activations) what Q4_1's int8 activations buy
+SCHEMES=(--scheme absmax-w4a8:head=true --scheme absmax-fine --scheme zeropoint-int4-g32:head=true)
 for threads in 1 2; do
     qbench speed "${COMMON[@]}" --model gpt2-130m --threads "$threads" "${SCHEMES[@]}" \
         --json "gpt2-130m-t$threads.json" > /dev/null

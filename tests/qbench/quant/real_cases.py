@@ -49,6 +49,8 @@ CASES = [
     ),
     Case("w4a8-channel", get_scheme("absmax-w4a8"), "w4a8", float_exact=True),
     Case("w4a8-g32", get_scheme("absmax-w4a8-g32"), "w4a8", float_exact=True),
+    Case("w4a8-zp-g32", get_scheme("zeropoint-w4a8-g32"), "w4a8", float_exact=True),
+    Case("w4a8-zp-channel", get_scheme("zeropoint-w4a8"), "w4a8", float_exact=True),
     Case(
         "w4a8-channel-sequence",
         _replace("absmax-w4a8", act_granularity=PerTensor()),

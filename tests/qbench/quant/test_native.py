@@ -517,6 +517,36 @@ def test_w4a8_gemm_entry_equals_the_portable_build_and_fake_mode(m, k, n, group,
         assert rel_err(y, FakeQuantLinear(weight, bias, scheme)(x[:, :k])) < 1e-5
 
 
+@pytest.mark.parametrize(
+    "m, k, n, group",
+    [(1, 64, 5, 32), (3, 200, 300, 64), (17, 1030, 9, None), (40, 384, 64, 128), (2, 768, 37, 32)],
+)
+@pytest.mark.parametrize("gemv", [1, 0])
+def test_w4a8_zero_point_entry_equals_the_portable_build(m, k, n, group, gemv):
+    """Zero-point W4A8 (qk_w4a8_forward_zp): the loops of each build plus the one correction, at both loops,
+    threads and tails — bit-identical to native_ref.c wherever the absmax loops are (the AVX2 g = 32 decode loop:
+    to float rounding)."""
+    portable = _portable()
+    torch.manual_seed(m * 3 + n)
+    layer = Int4A8Linear.from_float(torch.randn(n, k) * 0.05 + 0.02, torch.randn(n), group, symmetric=False)
+    kp = layer.padded_features
+    x = F.pad(torch.randn(m, k) * 3, (0, kp - k))
+    zt = layer.zero_term()
+    args = (x, m, kp, 1, layer.qweight, layer.scales, zt, layer.scales.shape[1], layer.bias)
+    want, y = torch.empty(m, n), torch.empty(m, n)
+    assert _call(portable, "qk_w4a8_forward_zp", *args, want, n, 1, gemv)
+    for lib in filter(None, (native.library(), _avx2())):
+        for threads in (1, 2):
+            y.fill_(float("nan"))
+            assert _call(lib, "qk_w4a8_forward_zp", *args, y, n, threads, gemv)
+            if gemv and group == 32 and not lib.qk_avx512_vnni():
+                assert rel_err(y, want) < 1e-6
+            else:
+                assert torch.equal(y, want), (threads, (y - want).abs().max())
+    with torch.inference_mode():
+        assert rel_err(y, layer(x[:, :k])) < 1e-5
+
+
 @pytest.mark.parametrize("m, k, n", [(1, 63, 5), (16, 1030, 67), (17, 256, 64), (512, 200, 130)])
 @pytest.mark.parametrize("per_channel", [1, 0])
 def test_w8a8_gemm_entry_equals_the_portable_build(m, k, n, per_channel):

@@ -27,6 +27,7 @@ CASES = [
     ("absmax-fine", "w8a8"),  # W8A8 per channel × per token
     ("absmax-fine:w=4", "w4a8"),  # W4A8 per channel
     ("absmax-fine:w=4,group=32", "w4a8"),  # W4A8 groups of 32: the g = 32 loops
+    ("zeropoint-w4a8-g32", "w4a8"),  # zero-point W4A8 (Q4_1-style): the loops plus the zero correction
     ("absmax-fine:a=none", "w8"),  # W8 weight-only
     ("zeropoint-int4", "w4"),  # W4 zeropoint weight-only (Int4Linear)
     ("zeropoint-int3-g128", "lowbit"),  # packed 3-bit codes (LowBitLinear)
@@ -81,18 +82,19 @@ def _op_samples():
     w4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
     w3 = torch.randint(0, 256, (n, k * 3 // 8), dtype=torch.uint8)
     scale, zero = torch.rand(n, 2), torch.randint(0, 16, (n, 2), dtype=torch.uint8)
+    zero_term = native.zero_term(scale, zero)  # zero-point W4A8: (groups, n)
     return {
         "quantize_rows": (x, 1),
         "w8a8_linear": (q, sx, w, sw, bias),
         "w8a8_forward": (x, m, w, sw, None, False),
-        "w4a8_forward": (x, 1, w4, scale, bias, True),
+        "w4a8_forward": (x, 1, w4, scale, bias, True, zero_term),
         "scale_output": (q.int()[:, :n].contiguous(), sx, sw, bias),
         "weight_only_linear": (x, w4, True, scale, zero, bias),
         "dequantize": (w4, True, scale, zero, k),
         # 3-bit codes: 8 in 3 bytes, rows of k = 2 groups of 64
         "lowbit_linear": (x, w3, 3, scale, zero, 3, bias),
         "lowbit_dequantize": (w3, 3, scale, None, 3, k, k - 5),
-        "w4a8_int_mm": (x, 1, w4, scale, bias),
+        "w4a8_int_mm": (x, 1, w4, scale, bias, zero_term),
     }
 
 

@@ -31,6 +31,7 @@ REAL_SCHEMES = [
     "zeropoint-int2-g64",
     "absmax-fine:w=4",  # W4A8
     "absmax-fine:w=4,group=32",
+    "zeropoint-w4a8-g32",  # W4A8 with zero points (Q4_1-style)
     "hadamard-absmax-coarse",
     "smoothquant",
 ]

@@ -29,6 +29,8 @@ EXPECTED = {
     # W4A8, integer
     "absmax-w4a8",
     "absmax-w4a8-g32",
+    "zeropoint-w4a8",
+    "zeropoint-w4a8-g32",
     # floating-point formats, fake mode
     *("fp8-e4m3", "fp8-e4m3-rowwise", "fp8-e5m2", "fp8-e5m2-rowwise", "mxfp8", "mxfp6", "mxfp4", "nvfp4"),
     "nvfp4-torchao",

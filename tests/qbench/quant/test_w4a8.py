@@ -152,3 +152,96 @@ def test_two_threads_equal_one():
     finally:
         torch.set_num_threads(previous)
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
+# ------------------------------------------------------------------------------- zero-point codes (Q4_1-style)
+
+
+def zero_point_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, group: int | None):
+    """y = s_x · Σ_g s_g · Σ_{k∈g} (u_k − z_g) q_k + b from the zeropoint formulas: integer sums exact (int64),
+    the rest in float64."""
+    n, k = weight.shape
+    granularity = PerAxis(0) if group is None else PerGroup(group)
+    qp = choose_qparams(weight, 4, granularity, symmetric=False)
+    u = quantize_codes(weight, qp, 4, granularity, symmetric=False).long()  # [0, 15]
+    g = k if group is None else group
+    z = qp.zero_point.reshape(n, -1).long()  # (n, G)
+    s_w = qp.scale.reshape(n, -1).double()
+    q, s_x = quantize_activation(x[None], per_token=True)
+    q, s_x = q[0].long(), s_x[0].double()
+    sums = torch.stack(
+        [q[:, i : i + g] @ (u[:, i : i + g] - z[:, i // g : i // g + 1]).T for i in range(0, k, g)], dim=-1
+    )
+    return ((sums.double() * s_w).sum(-1) * s_x + bias.double()).float()
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("m", "k", "n", "group"),
+    [
+        (1, 63, 37, None),  # odd K, per output channel
+        (1, 768, 9, 32),
+        (1, 96, 8, 32),  # a tail group
+        (4, 256, 33, 64),
+        (2, 512, 300, 128),  # more outputs than one 256-wide block of the correction
+        (17, 96, 37, 32),  # > 16 rows: the GEMM
+        (20, 2048, 40, None),
+    ],
+)
+def test_zero_point_kernel_equals_integer_reference(m, k, n, group):
+    torch.manual_seed(m * k + n)
+    weight, bias = torch.randn(n, k) + 0.3, torch.randn(n)  # a shifted row: zero points away from 8
+    x = torch.randn(m, k) * 2
+    x[0, 1] = 40.0
+    layer = Int4A8Linear.from_float(weight, bias, group, symmetric=False)
+    assert layer.zeros is not None and int(layer.zeros.min()) != int(layer.zeros.max())
+    got = native.w4a8_forward(x, 1, layer.qweight, layer.scales, layer.bias, zero_term=layer.zero_term())
+    assert rel_err(got, zero_point_reference(x, weight, bias, group)) < 1e-6
+    # without the correction the loops compute the absmax reading of the same nibbles: the term is what differs
+    plain = native.w4a8_forward(x, 1, layer.qweight, layer.scales, layer.bias)
+    assert rel_err(plain, got) > 1e-3
+
+
+@needs_native
+@pytest.mark.parametrize("group", [None, 32, 64])
+def test_zero_point_layer_equals_fake_and_its_paths_agree_bit_for_bit(group):
+    """Every C path (the GEMV, the GEMM, the _int_mm prefill) adds the same correction in the same order: equal
+    bit for bit at every row count; the torch path is fake mode's arithmetic. All equal fake mode to rounding."""
+    from qbench.quant.kernels import paths
+
+    torch.manual_seed(5)
+    k, n = 192, 40
+    weight, bias = torch.randn(n, k) * 0.1 + 0.05, torch.randn(n)
+    spec = get_scheme("absmax-fine:w=4,sym=false" + ("" if group is None else f",group={group}"))
+    fake = FakeQuantLinear(weight, bias, spec)
+    real = Int4A8Linear.from_float(weight, bias, group, symmetric=False)
+    gran = spec.weight_granularity_for(k)
+    assert torch.equal(real.dequantized_weight(), fake_quantize(weight, 4, gran, False))
+    for rows in (1, 5, 17, 40):
+        x = torch.randn(rows, k)
+        outs = {}
+        for path in paths.offered("w4a8"):
+            layer = Int4A8Linear.from_float(weight, bias, group, symmetric=False)
+            with torch.inference_mode(), paths.force(path):
+                outs[path] = layer(x)
+            assert layer.last_path == path
+        expected = fake(x)
+        c_outs = [y for path, y in outs.items() if path != "torch"]
+        assert all(torch.equal(c_outs[0], y) for y in c_outs), rows
+        assert all(rel_err(y, expected) < 1e-5 for y in outs.values()), rows
+
+
+def test_zero_point_schemes_dispatch_and_count_bytes():
+    model = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32))
+    for name, group in (("zeropoint-w4a8-g32", 32), ("w4a8-zp", None)):
+        real = quantize(model, name, mode="real")
+        first = next(m for m in real.modules() if isinstance(m, Int4A8Linear))
+        assert isinstance(model[0], nn.Linear) and first.zeros is not None and not first.symmetric
+        groups = 128 // (group or 128)
+        # nibbles, scales + zero points, bias, and the kernels' (groups, out) float32 term s · (8 − z)
+        stored = 64 * 128 // 2 + 64 * groups * (4 + 1) + 64 * 4 + 64 * groups * 4
+        assert first.nbytes() == stored
+        with torch.inference_mode():
+            y = real(torch.randn(2, 128))
+        assert torch.isfinite(y).all() and first.nbytes() == stored
+        assert "W int4 zeropoint" in repr(first)

@@ -79,10 +79,19 @@ def attention_fast(
     extra key and an explicit (T, T+1) mask, which rules out CUDA's flash kernel.
     """
     if kind == "softmax1" and SOFTMAX1_FLASH:
-        y = softmax1_flash(q, k, v)
+        y = softmax1_flash(q, *repeat_kv(q, k, v))
         if y is not None:
             return y
     return attention_extra_key(q, k, v, kind, sink_k, sink_v)
+
+
+def repeat_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Grouped-query attention's keys/values (B, n_kv, L, hs) repeated to q's heads (query head h reads head
+    h // (n_head / n_kv), transformers' repeat_kv); unchanged when the head counts match."""
+    rep = q.size(1) // k.size(1)
+    if rep == 1:
+        return k, v
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
 
 
 def attention_extra_key(
@@ -111,13 +120,20 @@ def attention_with_past(
 
     Query i sees keys 0 … past + i: the offset causal mask (True = may attend). One query sees every key and
     needs no mask, the case SDPA serves fastest; plain softmax without a past keeps SDPA's own causal kernel.
-    softmax-1 and the sink prepend their extra key, which every query sees.
+    softmax-1 and the sink prepend their extra key, which every query sees. k, v may have fewer heads than q
+    (grouped-query attention, :func:`repeat_kv`'s grouping).
     """
     T, L = q.size(2), k.size(2)
     extra = _extra_kv(kind, q, sink_k, sink_v)
+    # grouped-query keys/values (fewer heads than q): SDPA reads them as they are (enable_gqa: no copy of the
+    # cache per step, the same numbers); with an extra key they are repeated first
+    gqa = k.size(1) != q.size(1)
     if extra is None and past == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     mask = None if T == 1 else torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=past)
+    if extra is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    k, v = repeat_kv(q, k, v)
     if extra is not None:
         k, v = torch.cat([extra[0], k], dim=2), torch.cat([extra[1], v], dim=2)
         if mask is not None:

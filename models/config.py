@@ -77,6 +77,11 @@ class ModelConfig:
     clip_zeta: float = 1.0
     # Softpick's denominator epsilon: 1e-8, added to the (max-shifted) sum as the paper's reference code does.
     softpick_eps: float = 1e-8
+    # Grouped-query attention (Ainslie et al. 2023; Llama 2 70B, SmolLM2): n_kv_head key/value heads, each shared
+    # by n_head / n_kv_head consecutive query heads (query head h reads key/value head h // (n_head / n_kv_head),
+    # transformers' repeat_kv). None: one key/value head per query head. The Llama layout only (separate k_proj /
+    # v_proj of n_kv_head · head_dim outputs); the KV cache holds n_kv_head heads.
+    n_kv_head: int | None = None
 
     def __post_init__(self) -> None:
         for name, choices in CHOICES.items():
@@ -99,10 +104,25 @@ class ModelConfig:
             )
         if not self.softpick_eps > 0:
             raise UserError(f"softpick_eps must be > 0, got {self.softpick_eps}")
+        if self.n_kv_head is not None:
+            if not isinstance(self.n_kv_head, int) or self.n_kv_head <= 0 or self.n_head % self.n_kv_head:
+                raise UserError(
+                    f"n_kv_head={self.n_kv_head!r} must be a positive integer dividing n_head={self.n_head}"
+                )
+            if self.family != "llama" and self.n_kv_head != self.n_head:
+                raise UserError(
+                    f"n_kv_head={self.n_kv_head} (grouped-query attention) needs the llama family's separate "
+                    f"k_proj/v_proj; family {self.family!r} fuses q, k, v"
+                )
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``n_kv_head``, or ``n_head`` without grouped-query attention."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     @property
     def clip_gamma(self) -> float:
@@ -118,7 +138,12 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if (
+            data["n_kv_head"] is None
+        ):  # absent from every model without grouped-query attention, as before it existed
+            del data["n_kv_head"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:

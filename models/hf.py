@@ -24,22 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.attention import clipped_softmax, softmax1, softmax_with_sink_logit, softpick
+from models.attention import clipped_softmax, repeat_kv, softmax1, softmax_with_sink_logit, softpick
 from models.checkpoint import Checkpoint, load_checkpoint
-from models.config import ModelConfig
+from models.config import ModelConfig, family_config
 from models.errors import UserError
 from models.io import atomic_write_json
 
 SOFTMAX1 = "softmax1"
 SOFTMAX1_EAGER = "softmax1_eager"
-
-
-def _repeat_kv(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-    """Keys/values with fewer heads than the queries (grouped-query attention) repeated to the query's heads."""
-    if key.size(1) == query.size(1):
-        return key, value
-    n_rep = query.size(1) // key.size(1)
-    return key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
 
 
 def softmax1_attention(
@@ -57,7 +49,7 @@ def softmax1_attention(
     ``attention_mask`` is the additive float mask of the eager mask function, (B, 1, Q, K); the extra key gets
     a 0 (visible) column in front. Keys/values with fewer heads (GQA) are repeated to the query's heads.
     """
-    key, value = _repeat_kv(query, key, value)
+    key, value = repeat_kv(query, key, value)
     B, H, Q, D = query.shape
     zero = query.new_zeros(B, H, 1, D)
     key, value = torch.cat([zero, key], dim=2), torch.cat([zero, value], dim=2)
@@ -91,7 +83,7 @@ def softmax1_eager_attention(
 
     Registered as ``softmax1_eager``: what metrics switch a softmax-1 model to when they need attention weights.
     """
-    key, value = _repeat_kv(query, key, value)
+    key, value = repeat_kv(query, key, value)
     scale = scaling if scaling is not None else query.size(-1) ** -0.5
     scores = (query @ key.transpose(-2, -1)).float() * scale
     if attention_mask is not None:
@@ -170,7 +162,7 @@ def clipped_softmax_attention(
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor]:
     """Clipped softmax (``models.attention.clipped_softmax``) with γ, ζ from the model config."""
-    key, value = _repeat_kv(query, key, value)
+    key, value = repeat_kv(query, key, value)
     scores = _masked_scores(query, key, attention_mask, scaling)
     cfg = module.config
     return _explicit(
@@ -189,7 +181,7 @@ def softpick_attention(
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor]:
     """Softpick (``models.attention.softpick``) with ε from the model config; masked keys count 0."""
-    key, value = _repeat_kv(query, key, value)
+    key, value = repeat_kv(query, key, value)
     scores = _masked_scores(query, key, attention_mask, scaling)
     return _explicit(query, key, value, softpick(scores, module.config.softpick_eps))
 
@@ -206,7 +198,7 @@ def sink_logit_attention(
 ) -> tuple[Tensor, Tensor]:
     """A learned logit per head appended to each row, softmaxed and dropped (gpt-oss's eager attention with
     ``module.sinks``); the logits are the config's ``sink_logits[layer_idx]``."""
-    key, value = _repeat_kv(query, key, value)
+    key, value = repeat_kv(query, key, value)
     scores = _masked_scores(query, key, attention_mask, scaling)
     sinks = torch.tensor(
         module.config.sink_logits[module.layer_idx], dtype=torch.float32, device=query.device
@@ -553,7 +545,7 @@ def _llama_model(config: ModelConfig, state: dict[str, Tensor]) -> Any:
         intermediate_size=config.d_ff,
         num_hidden_layers=config.n_layer,
         num_attention_heads=config.n_head,
-        num_key_value_heads=config.n_head,
+        num_key_value_heads=config.kv_heads,
         head_dim=config.head_dim,
         max_position_embeddings=config.context,
         rms_norm_eps=config.norm_eps,
@@ -566,6 +558,11 @@ def _llama_model(config: ModelConfig, state: dict[str, Tensor]) -> Any:
         eos_token_id=None,
     )
     gated = config.gate != "none"
+    if gated and config.kv_heads != config.n_head:  # the gate's extra query heads would regroup the heads
+        raise UserError(
+            "cannot export to LlamaForCausalLM: an output gate with grouped-query attention (n_kv_head="
+            f"{config.n_kv_head}) has no equivalent there; keep using the qbench checkpoint for this model"
+        )
     if gated:  # the gate rides in n extra query heads (see "gated attention (export)" above)
         hf_config.num_attention_heads = 2 * config.n_head
         hf_config.attention_bias = True  # the gate's bias; zero for q, k, v and o where the model has none
@@ -674,3 +671,101 @@ def export_to_hf(checkpoint: Checkpoint | str | Path, out: str | Path) -> Path:
         ]
     atomic_write_json(config_file, hf_config)
     return out
+
+
+# ------------------------------------------------------------------------------------ import from transformers
+
+
+def _hf_rope_theta(c: Any) -> float | None:
+    """RoPE's base of a transformers config, None when it scales positions (no plain-RoPE equivalent here)."""
+    params = getattr(c, "rope_parameters", None) or {}
+    scaling = getattr(c, "rope_scaling", None) or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        return None
+    theta = params.get("rope_theta", getattr(c, "rope_theta", None))
+    return None if theta is None else float(theta)
+
+
+def hf_config_to_ours(c: Any) -> ModelConfig:
+    """The :class:`ModelConfig` of a transformers ``LlamaForCausalLM`` config, or a one-line :class:`UserError`
+    naming what has no equivalent here (another architecture, scaled RoPE, biases on only some projections …)."""
+    arch = (getattr(c, "architectures", None) or [type(c).__name__])[0]
+    if getattr(c, "model_type", None) != "llama":
+        raise UserError(
+            f"{arch} (model_type {getattr(c, 'model_type', None)!r}) has no qbench equivalent: only "
+            "LlamaForCausalLM models convert (GPT-2's transformers graph uses tanh GELU, ours exact GELU)"
+        )
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    theta = _hf_rope_theta(c)
+    problems = []
+    if head_dim * heads != c.hidden_size:
+        problems.append(f"head_dim {head_dim} x {heads} heads != hidden_size {c.hidden_size}")
+    if getattr(c, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {c.hidden_act!r} (SwiGLU needs silu)")
+    if theta is None:
+        problems.append("scaled RoPE (rope_type other than default)")
+    if bool(getattr(c, "attention_bias", False)) != bool(getattr(c, "mlp_bias", False)):
+        problems.append("biases on the attention or the MLP only")
+    if getattr(c, "pretraining_tp", 1) not in (None, 1):
+        problems.append(f"pretraining_tp {c.pretraining_tp}")
+    if problems:
+        raise UserError(f"{arch} does not convert to a qbench model: {'; '.join(problems)}")
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    return family_config(
+        "llama",
+        n_layer=c.num_hidden_layers,
+        n_head=heads,
+        n_kv_head=None if kv == heads else kv,
+        d_model=c.hidden_size,
+        d_ff=c.intermediate_size,
+        context=c.max_position_embeddings,
+        vocab_size=c.vocab_size,
+        bias=bool(getattr(c, "attention_bias", False)),
+        tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        norm_eps=float(c.rms_norm_eps),
+        rope_theta=theta,
+    )
+
+
+def from_hf_model(hf_model: torch.nn.Module, check: Tensor | None = None) -> torch.nn.Module:
+    """A qbench :class:`~models.transformer.Transformer` computing what a transformers ``LlamaForCausalLM``
+    computes (float32 copies of its weights; the inverse of :func:`to_hf_model`'s Llama mapping), so it runs on
+    qbench's own graph and KV cache. Tied embeddings stay tied. With ``check`` (token ids (B, T)) both models'
+    logits are compared and a difference beyond 1e-4 of their scale is an error — a conversion that did not
+    apply is never used silently."""
+    from models.transformer import Transformer
+
+    config = hf_config_to_ours(hf_model.config)
+    with torch.device("meta"):
+        ours = Transformer(config)
+    theirs = hf_model.state_dict()
+    state = {}
+    for name in ours.state_dict():
+        if config.tie_embeddings and name == "lm_head.weight":
+            continue
+        hf_name = _llama_name(name)
+        if hf_name not in theirs:
+            raise UserError(f"{type(hf_model).__name__} has no tensor {hf_name} (for qbench's {name})")
+        state[name] = theirs[hf_name].detach().float().clone()
+    if not config.tie_embeddings:
+        state["lm_head.weight"] = theirs["lm_head.weight"].detach().float().clone()
+    missing, unexpected = ours.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (config.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"import mapping is incomplete: missing {missing}, unexpected {unexpected}")
+    ours.tie_weights()
+    device = next(hf_model.parameters()).device
+    ours.make_rope_tables(device)
+    ours = ours.to(device).eval()
+    if check is not None:
+        with torch.inference_mode():
+            want = hf_model(check.to(device), use_cache=False).logits.float()
+            got = ours(check.to(device))
+        err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+        if not err <= 1e-4:
+            raise RuntimeError(
+                f"the converted model's logits differ from the transformers model's by {err:.2e}"
+            )
+    return ours

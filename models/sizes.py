@@ -19,8 +19,9 @@ def _norm(config: ModelConfig) -> int:
 
 
 def _attention(config: ModelConfig) -> int:
-    d = config.d_model
-    n = 4 * d * d + (4 * d if config.bias else 0)  # q, k, v (fused or not: the same count) and the output
+    d, kv = config.d_model, config.kv_heads * config.head_dim
+    # q and the output d x d, k and v d x kv (kv = d without grouped-query attention; fused or not: the same count)
+    n = 2 * d * d + 2 * d * kv + ((2 * d + 2 * kv) if config.bias else 0)
     if config.attn == "sink":
         n += 2 * config.n_head * config.head_dim  # the learned sink key and value per head
     if config.attn == "sink-logit":

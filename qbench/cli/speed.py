@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--generate-via",
         default="own",
-        help="our models decode with their own KV cache (own) or exported to transformers (transformers)",
+        help="whole-model generation on qbench's graph and KV cache (own; a transformers Llama-family model is "
+        "converted, its logits checked) or on transformers' (transformers: ours exported; default own)",
     )
     p.add_argument(
         "--llama-cpp",

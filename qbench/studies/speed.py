@@ -23,8 +23,11 @@ What is measured:
   16-token prompt, batch 1, with a KV cache, fp32 and bf16 vs each scheme in real mode; ``tokens_per_s`` per record.
   Our own ``Transformer`` generates with its own cache (``models.KVCache`` through ``Transformer.generate``),
   or with ``generate_via="transformers"`` through its exported transformers twin (``models.hf.to_hf_model``:
-  same weights, same function, the path of a user who converts the checkpoint) — quantised the same way; a
-  transformers checkpoint generates with its own cache.
+  same weights, same function, the path of a user who converts the checkpoint) — quantised the same way. A
+  transformers Llama-family checkpoint (a folder or a GGUF) is converted the other way
+  (``models.hf.from_hf_model``, its logits checked against the transformers model's) and generates on
+  qbench's graph and cache too, as llama.cpp generates on its own; ``generate_via="transformers"`` keeps
+  transformers' own, and so do architectures without a qbench equivalent (the record's ``via`` says which).
 - ``backend`` of a real layer names the module and, where the compiled CPU kernels run
   (``kernels/paths.py``), the instruction set they were built for.
 
@@ -50,7 +53,9 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import UserError, unknown_choice
+from models.transformer import Transformer, fuse_projections
 from qbench.quant.apply import model_bytes, real_kernels
+from qbench.quant.granularity import PerGroup
 from qbench.studies.timing import time_interleaved
 
 DEFAULT_MODES = ("fake", "real")
@@ -480,13 +485,46 @@ def greedy_generate(model: nn.Module, prompt: Tensor, new_tokens: int) -> Tensor
 GENERATE_VIA = ("own", "transformers")
 
 
+def fusable(scheme: str) -> bool:
+    """Quantising ``fuse_projections``' fused q/k/v and gate/up gives what quantising them apart gives: integer
+    round-to-nearest with weight scales per output channel or group (a row never sees another's values), no
+    per-layer calibration (SmoothQuant, static scales, GPTQ/AWQ, rotations) and no output quantisation."""
+    from qbench.quant.kernels.registry import per_out_channel
+    from qbench.quant.schemes import get_scheme
+
+    try:
+        s = get_scheme(scheme)
+    except UserError:
+        return False
+    return (
+        s.method == "rtn"
+        and s.algo == "rtn"
+        and s.rotate == "none"
+        and getattr(s, "format", "int") == "int"
+        and not s.static
+        and s.out_bits is None
+        and (per_out_channel(s) or isinstance(s.weight_granularity, PerGroup))
+    )
+
+
 def _generation_model(model: nn.Module, via: str = "own") -> tuple[nn.Module, str]:
-    """A model with a KV cache: transformers models as they are; ours with their own cache (``via="own"``) or
-    exported to transformers (``via="transformers"``, the path of a user who converts the checkpoint)."""
+    """A model with a KV cache: ours with their own cache (``via="own"``) or exported to transformers
+    (``via="transformers"``, the path of a user who converts the checkpoint); a transformers model converted to
+    ours where it has an equivalent (``via="own"``: ``models.hf.from_hf_model``), else as it is."""
     if via not in GENERATE_VIA:
         raise unknown_choice("generation path", via, GENERATE_VIA)
     if _is_transformers(model):
-        return model, "transformers (KV cache)"
+        if via == "transformers":
+            return model, "transformers (KV cache)"
+        from models.errors import UserError as _Unconvertible
+        from models.hf import from_hf_model
+
+        vocab = model.config.vocab_size
+        check = torch.randint(0, vocab, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
+        try:  # the same function on qbench's graph: logits checked against transformers' before any timing
+            return from_hf_model(model, check=check), "qbench models.KVCache (converted from transformers)"
+        except _Unconvertible as e:
+            return model, f"transformers (KV cache; no qbench equivalent: {str(e)[:120]})"
     if via == "own":
         return model, "qbench models.KVCache"
     from models.hf import to_hf_model
@@ -545,6 +583,10 @@ def _generation(
     """The generation figure's candidates timed together; each of ``extra_candidates`` (an outside engine's
     generator taking (prompt ids, new tokens), and fields for its record) gets the same prompt."""
     gen_model, how = _generation_model(model, via)
+    separate = gen_model
+    if isinstance(gen_model, Transformer) and gen_model.config.family == "llama":
+        gen_model = fuse_projections(gen_model)  # q/k/v and gate/up one matmul each, as engines store them
+        how += ", q/k/v and gate/up fused"
     prompt = torch.randint(0, vocab, (1, PROMPT_TOKENS), device=common["device"])
     calibration = torch.randint(0, vocab, (2, PROMPT_TOKENS * 4), device=common["device"])
     fp32 = Candidate("generate", f"{name} fp32", partial(greedy_generate, gen_model, prompt, new_tokens))
@@ -560,7 +602,8 @@ def _generation(
     for scheme in schemes:
         c = Candidate("generate", f"{scheme} [real]", None, scheme, "real", "real")
         try:
-            q = _quantized(gen_model, scheme, "real", calibration).eval()
+            # the fused copy where quantising it equals quantising the layers apart, else the separate layers
+            q = _quantized(gen_model if fusable(scheme) else separate, scheme, "real", calibration).eval()
         except CANDIDATE_ERRORS as err:
             c.error = f"{type(err).__name__}: {err}".splitlines()[0][:200]
         else:

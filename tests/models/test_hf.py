@@ -7,7 +7,7 @@ import torch
 
 from models import UserError, build
 from models.checkpoint import save_checkpoint
-from models.hf import export_to_hf, to_hf_model
+from models.hf import export_to_hf, from_hf_model, hf_config_to_ours, to_hf_model
 from models.tokenizer import load_tokenizer
 
 from .conftest import micro
@@ -98,3 +98,77 @@ def test_softmax1_attention_functions_handle_grouped_query_attention():
     torch.testing.assert_close(fast, softmax1_attention(module, q, k4, v4, mask)[0])
     torch.testing.assert_close(fast, eager, atol=1e-5, rtol=1e-5)
     assert (probs.sum(-1) < 1).all()
+
+
+# ------------------------------------------------------------------------- grouped-query attention, import
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_grouped_query_attention_exports_and_imports_with_equal_logits(tie):
+    """n_kv_head = 2 of 4 heads: transformers' repeat_kv grouping (query head h reads key/value head h // 2) is
+    ours; the exported model gives our logits, and importing it back gives a model equal to the first."""
+    config = micro("llama", n_kv_head=2, tie_embeddings=tie, bias=not tie)
+    model = _perturbed(config)
+    assert model.transformer.h[0].attn.k_proj.weight.shape == (16, 32)  # 2 heads of 8
+    x = torch.randint(0, config.vocab_size, (2, config.context))
+    hf = to_hf_model(model)
+    assert hf.config.num_key_value_heads == 2
+    with torch.no_grad():
+        assert (hf(x).logits - model(x)).abs().max() <= 1e-4
+    back = from_hf_model(hf, check=x)
+    assert back.config == config
+    for name, t in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], t), name
+    assert (back.lm_head.weight is back.transformer.wte.weight) == tie
+
+
+@pytest.mark.parametrize("attn", ["softmax1", "sink-logit", "clipped"])
+def test_grouped_query_attention_with_the_remedies_matches_transformers(attn):
+    """The remedies' paths repeat the grouped heads (ours) or read them through repeat_kv (the exported
+    attention functions): the same function, prefill and decode."""
+    config = micro("llama", n_kv_head=2, attn=attn)
+    model = _perturbed(config)
+    x = torch.randint(0, config.vocab_size, (1, config.context))
+    with torch.no_grad():
+        assert (to_hf_model(model)(x).logits - model(x)).abs().max() <= 1e-4
+    with torch.inference_mode():
+        cache = model.new_cache()
+        model(x[:, :10], cache)
+        step = model(x[:, 10:11], cache)
+        assert (step[0, -1] - model(x)[0, 10]).abs().max() <= 1e-5
+
+
+def test_grouped_cache_holds_the_key_value_heads_and_decodes_as_the_full_forward():
+    config = micro("llama", n_kv_head=1)
+    model = _perturbed(config)
+    x = torch.randint(0, config.vocab_size, (1, 12))
+    with torch.inference_mode():
+        full = model(x)
+        cache = model.new_cache()
+        model(x[:, :8], cache)
+        steps = [model(x[:, i : i + 1], cache) for i in range(8, 12)]
+    assert cache._k[0].shape[1] == 1  # one key/value head stored, repeated to the four query heads on read
+    assert all((s[0, -1] - full[0, 8 + i]).abs().max() <= 1e-5 for i, s in enumerate(steps))
+
+
+def test_grouping_errors_are_one_line():
+    with pytest.raises(UserError, match="n_kv_head=3 must be a positive integer dividing n_head=4"):
+        micro("llama", n_kv_head=3)
+    with pytest.raises(UserError, match="needs the llama family"):
+        micro("gpt2", n_kv_head=2)
+    assert "n_kv_head" not in micro("llama").to_dict()  # configs without grouping serialise as before
+    assert micro("llama", n_kv_head=2).to_dict()["n_kv_head"] == 2
+    with pytest.raises(UserError, match="output gate with grouped-query attention"):
+        to_hf_model(build(micro("llama", n_kv_head=2, gate="headwise")))
+
+
+def test_import_refuses_what_has_no_equivalent():
+    from transformers import GPT2Config, LlamaConfig
+
+    with pytest.raises(UserError, match="only LlamaForCausalLM models convert"):
+        hf_config_to_ours(GPT2Config())
+    scaled = LlamaConfig(num_hidden_layers=1, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(UserError, match="scaled RoPE"):
+        hf_config_to_ours(scaled)
+    with pytest.raises(UserError, match="hidden_act 'gelu'"):
+        hf_config_to_ours(LlamaConfig(num_hidden_layers=1, hidden_act="gelu"))

@@ -27,6 +27,8 @@ def _variants():
         )
         yield family_config(family, **base)
         yield family_config(family, **base, emb_proj=True)  # a boolean switch, not in CHOICES
+        if family == "llama":  # grouped-query attention: k and v narrower than q
+            yield family_config(family, **dict(base, n_head=4), n_kv_head=2)
         for switch, values in CHOICES.items():  # a switch added to the config is covered at once
             for value in values:
                 if switch != "family":

@@ -108,3 +108,40 @@ def test_config_json_round_trip():
 def test_context_overflow_is_an_error():
     with pytest.raises(ValueError, match="context"):
         build(micro())(torch.zeros(1, 25, dtype=torch.long))
+
+
+@pytest.mark.parametrize("single_gain", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 37, 32), (2, 128, 768), (5, 1000)])
+def test_rmsnorm_equals_its_formula_bit_for_bit(shape, dtype, single_gain):
+    """RMSNorm runs on F.rms_norm for speed; what it must compute is the written-out formula, computed in float32
+    and cast back (Llama's): x / sqrt(mean(x^2) + eps) * gain — exactly, so no stored result moves."""
+    from models.transformer import RMSNorm
+
+    torch.manual_seed(sum(shape))
+    norm = RMSNorm(shape[-1], 1e-5, single_gain=single_gain).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn_like(norm.weight))
+    x = (torch.randn(*shape) * 3).to(dtype)
+    x32 = x.float()
+    want = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    assert torch.equal(norm(x), want)
+
+
+@pytest.mark.parametrize("kv", [None, 2])
+def test_fused_projections_compute_the_same_function_on_a_copy(kv):
+    from models.transformer import fuse_projections
+
+    model = build(micro("llama", n_kv_head=kv, bias=True), seed=3).eval()
+    fused = fuse_projections(model)
+    attn, mlp = fused.transformer.h[0].attn, fused.transformer.h[0].mlp
+    assert attn.qkv_proj.out_features == 32 + 2 * (kv or 4) * 8 and mlp.gate_up_proj.out_features == 2 * 64
+    assert not hasattr(attn, "q_proj") and hasattr(model.transformer.h[0].attn, "q_proj")  # the original kept
+    x = torch.randint(0, 97, (2, 24))
+    with torch.inference_mode():
+        assert torch.allclose(fused(x), model(x), rtol=0, atol=1e-5)
+        cache = fused.new_cache()
+        fused(x[:1, :20], cache)
+        assert torch.allclose(fused(x[:1, 20:21], cache)[0, -1], model(x[:1])[0, 20], rtol=0, atol=1e-5)
+    gpt2 = build(micro("gpt2"), seed=3)
+    assert fuse_projections(gpt2).state_dict().keys() == gpt2.state_dict().keys()  # c_attn is fused already

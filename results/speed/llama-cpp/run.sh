@@ -28,6 +28,14 @@ if [ -n "${SMOLLM2_GGUF:-}" ]; then  # a real pretrained model: the file runs in
     done
     names+=(smollm2-135m-q4_1-t1 smollm2-135m-q4_1-t2)
 fi
+# one thread is the comparison the goal names: a second run of it minutes later gives the spread
+qbench speed "${COMMON[@]}" --model gpt2-130m --threads 1 "${SCHEMES[@]}" --json gpt2-130m-t1-run2.json > /dev/null
+names+=(gpt2-130m-t1-run2)
+if [ -n "${SMOLLM2_GGUF:-}" ]; then
+    qbench speed "${COMMON[@]}" --ckpt "$SMOLLM2_GGUF" --threads 1 "${SCHEMES[@]}" \
+        --json smollm2-135m-q4_1-t1-run2.json > /dev/null
+    names+=(smollm2-135m-q4_1-t1-run2)
+fi
 for f in "${names[@]}"; do
     qbench speed --from-json "$f.json" --format md > "$f.md.tmp" && mv "$f.md.tmp" "$f.md"  # atomic
 done

@@ -240,7 +240,18 @@ def test_whole_model_figures_for_a_checkpoint(request, fixture):
     gen = [r for r in recs if r["kind"] == "generate"]
     assert all(r["error"] is None and r["tokens_per_s"] > 0 for r in gen), gen
     via = gen[0]["via"]
-    assert via == ("transformers (KV cache)" if fixture == "hf_llama_dir" else "qbench models.KVCache")
+    # a transformers Llama folder generates on qbench's graph, converted and checked (models.hf.from_hf_model)
+    assert via == (
+        "qbench models.KVCache (converted from transformers), q/k/v and gate/up fused"
+        if fixture == "hf_llama_dir"
+        else "qbench models.KVCache"
+    )
+    if fixture == "hf_llama_dir":  # transformers' own graph on request
+        own = run_speed(
+            repeats=1, schemes=["absmax-fine"], modes=["real"], model=None, ckpt=ckpt, model_tokens=8,
+            new_tokens=3, layer=False, generate_via="transformers", kv=False,
+        )  # fmt: skip
+        assert {r["via"] for r in own if r["kind"] == "generate"} == {"transformers (KV cache)"}
     if fixture == "ckpt_dir":  # the export path a user who converts the checkpoint would run
         exported = run_speed(
             repeats=1, schemes=[], modes=["real"], model=None, ckpt=ckpt, model_tokens=8, new_tokens=3,
@@ -311,3 +322,36 @@ def test_call_overhead_records_time_generic_fast_and_the_bare_kernel():
     table = format_speed_table(recs)
     assert "per-call overhead at decode: 64→48, 1 row" in table and "LowBitLinear c-gemv" in table
     assert call_overhead_records({**common, "device": "cuda"}) == []
+
+
+def test_fused_projections_quantise_as_the_separate_layers_where_fusable():
+    """Generation quantises the fused q/k/v and gate/up where that equals quantising them apart (row-wise scales,
+    round to nearest, nothing calibrated per layer): the real models' outputs are equal bit for bit; per-tensor
+    scales would see the three matrices at once, so those schemes keep the separate layers."""
+    from models import family_config
+    from models.transformer import build, fuse_projections
+    from qbench.quant import quantize
+    from qbench.quant.kernels import paths
+    from qbench.studies.speed import fusable
+
+    assert all(fusable(s) for s in ("absmax-fine", "zeropoint-w4a8-g32:head=true", "absmax-w4a8", "int4-g32"))
+    assert not any(
+        fusable(s)
+        for s in (
+            "absmax-moderate",
+            "absmax-coarse",
+            "smoothquant",
+            "absmax-w4a8-g32:algo=gptq",
+            "nvfp4",
+            "no",
+        )
+    )
+    model = build(family_config("llama", n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96, context=32,
+                                vocab_size=100, bias=True), seed=1).eval()  # fmt: skip
+    fused = fuse_projections(model)
+    x = torch.randint(0, 100, (1, 20))
+    for scheme in ("zeropoint-w4a8-g32", "absmax-fine", "zeropoint-int4-g32"):
+        a, b = quantize(model, scheme, mode="real"), quantize(fused, scheme, mode="real")
+        for path in ("c-gemv", None):
+            with torch.inference_mode(), paths.force(path):
+                assert torch.equal(a(x), b(x)), (scheme, path)

@@ -136,8 +136,7 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:  # (B, nh, T, hs)
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if getattr(self.kv_transform, "streaming", False):  # the gate applies as on every other path
-            # grouped heads repeated first: the quantised caches hold (and measure) one head per query head
-            return self._project(self._read_quantised_cache(q, *repeat_kv(q, k, v), kv), x)
+            return self._project(self._read_quantised_cache(q, k, v, kv), x)
         if self.kv_transform is not None:
             k, v = self.kv_transform(k, v)
         past = 0
@@ -195,6 +194,10 @@ class CausalSelfAttention(nn.Module):
             if not hasattr(cache, "append_read"):
                 raise ValueError("a model with a quantised KV cache generates with model.new_cache()")
             past, view = cache.pos, cache.append_read(layer, k, v, self.kv_transform)
+        if k.size(1) != q.size(1):  # grouped-query attention: stored (and quantised) as the n_kv_head heads,
+            k, v = repeat_kv(q, k, v)  # read by every query head
+            (vk, vv), (vkh, vvh) = repeat_kv(q, view.k, view.v), repeat_kv(q, view.k_hat, view.v_hat)
+            view = view._replace(k=vk, v=vv, k_hat=vkh, v_hat=vvh)
         if self.kv_transform.observing and self.probs_hook is None and kv is None:
             # the sink finder's float pass: the attention received, without materialising the probabilities
             fast = attention_received(q, k, v, self.kind, self.sink_k, self.sink_v)

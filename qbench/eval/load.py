@@ -110,7 +110,7 @@ def resolve(spec: str) -> Path | str:
     if "/" in spec and not spec.startswith((".", "/")) and spec.count("/") == 1:
         return spec  # looks like org/name on a hub
     raise UserError(
-        f"--ckpt {spec!r} does not exist (looked for {path} and {CKPT_ROOT / spec}); give a qbench "
+        f"model {spec!r} does not exist (looked for {path} and {CKPT_ROOT / spec}); give a qbench "
         "checkpoint folder, a transformers model folder, or a hub name like org/model"
     )
 

@@ -732,7 +732,7 @@ def architecture(lm: Any) -> dict[str, Any]:
             sliding_window=None,
             layers=config.get("n_layer"),
             heads=config.get("n_head"),
-            kv_heads=config.get("n_head"),
+            kv_heads=config.get("n_kv_head") or config.get("n_head"),  # grouped-query attention: fewer
             head_dim=config["d_model"] // config["n_head"] if config.get("n_head") else None,
             d_model=config.get("d_model"),
             context=config.get("context"),

@@ -583,7 +583,7 @@ def _generation(
     """The generation figure's candidates timed together; each of ``extra_candidates`` (an outside engine's
     generator taking (prompt ids, new tokens), and fields for its record) gets the same prompt."""
     gen_model, how = _generation_model(model, via)
-    separate = gen_model
+    separate, how_separate = gen_model, how
     if isinstance(gen_model, Transformer) and gen_model.config.family == "llama":
         gen_model = fuse_projections(gen_model)  # q/k/v and gate/up one matmul each, as engines store them
         how += ", q/k/v and gate/up fused"
@@ -599,18 +599,21 @@ def _generation(
         fp32.name: gen_model,
         bf16.name: gen16,
     }  # what each candidate generates with
+    fields_of: dict[str, dict[str, Any]] = {}
     for scheme in schemes:
         c = Candidate("generate", f"{scheme} [real]", None, scheme, "real", "real")
+        # the fused copy where quantising it equals quantising the layers apart, else the separate layers
+        fused = fusable(scheme)
+        if not fused:
+            fields_of[c.name] = {"via": how_separate}
         try:
-            # the fused copy where quantising it equals quantising the layers apart, else the separate layers
-            q = _quantized(gen_model if fusable(scheme) else separate, scheme, "real", calibration).eval()
+            q = _quantized(gen_model if fused else separate, scheme, "real", calibration).eval()
         except CANDIDATE_ERRORS as err:
             c.error = f"{type(err).__name__}: {err}".splitlines()[0][:200]
         else:
             c.fn, nets[c.name] = partial(greedy_generate, q, prompt, new_tokens), q
             c.backend, c.weight_bytes = _backend_of(q, "real"), partial(model_bytes, q)
         candidates.append(c)
-    fields_of: dict[str, dict[str, Any]] = {}
     for c, fields in extra_candidates:
         if c.fn is not None:
             c.fn = partial(c.fn, prompt[0].tolist(), new_tokens)

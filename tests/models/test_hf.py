@@ -172,3 +172,7 @@ def test_import_refuses_what_has_no_equivalent():
         hf_config_to_ours(scaled)
     with pytest.raises(UserError, match="hidden_act 'gelu'"):
         hf_config_to_ours(LlamaConfig(num_hidden_layers=1, hidden_act="gelu"))
+    # an exported softmax-1 (or other remedy) Llama: its attention function has no plain-softmax equivalent
+    exported = to_hf_model(build(micro("llama", attn="softmax1")))
+    with pytest.raises(UserError, match="attention implementation 'softmax1'"):
+        from_hf_model(exported)

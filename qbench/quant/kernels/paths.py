@@ -72,13 +72,13 @@ MEASURE_RUNS = 5  # at most, per candidate
 # once, so a candidate timed on weights already in cache is judged on the wrong thing: on Zen 4 hot timing chose
 # torch._int_mm for gpt2-130m's W8A8 layers (2-3x faster than the C GEMV hot), while in the model's step, weights
 # cold, the C GEMV made a token 1.4x faster (10.2 against 14.9 ms).
-# "+margin": the rule's path stays unless another is faster by MEASURE_MARGIN (below).
-MEASURE_PROTOCOL = "cold+margin"
 # A candidate replaces the rule's path only when at least this much faster (its time < rule's / (1 + margin)). A
 # handful of cold calls per path is noisy: on Zen 4 the W8A8 768 x 768 decode class flipped between the C GEMV and
 # torch._int_mm from run to run (0.142 against 0.160 ms one time, the reverse another), and the int-mm pick made
 # gpt2-130m's W8A8 generation 14 % slower (98.7 against 114.6 tokens/s): a near tie keeps the rule's choice.
 MEASURE_MARGIN = 0.15
+# "+margin": the rule's path stays unless another is faster by MEASURE_MARGIN (its value is part of the key).
+MEASURE_PROTOCOL = f"cold+margin{MEASURE_MARGIN}"
 Shape = tuple[int, int, int]  # a layer's (in_features, out_features, weight groups)
 PATHS = ("c-gemv", "c-gemm", "int-mm", "c-dequant", "torch")
 KINDS = ("w8a8", "w4a8", "w4", "w8", "lowbit")
@@ -534,12 +534,17 @@ def _dispatch_token() -> tuple:
 
 
 class _FastEntry:
-    __slots__ = ("checks", "path", "run", "token")
+    __slots__ = ("checks", "path", "run", "token", "versions")
 
-    def __init__(self, path: str, run: Callable[[Tensor, int], Tensor], tensors: tuple) -> None:
+    def __init__(
+        self, path: str, run: Callable[[Tensor, int], Tensor], tensors: tuple, derived_from: tuple = ()
+    ) -> None:
         self.path, self.run, self.token = path, run, _dispatch_token()
         # (tensor, pointer): a tensor whose storage was swapped (``.data =``) no longer matches its bound pointer
         self.checks = tuple((t, t.data_ptr()) for t in tensors if t is not None)
+        # (tensor, version): the stored tensors a bound derived one was computed from (zero-point W4A8's
+        # s · (8 − z)); an in-place edit of one makes the derived tensor stale. Inference tensors keep no version.
+        self.versions = tuple((t, t._version) for t in derived_from if t is not None and not t.is_inference())
 
 
 class _FastTable(_LayerLocal):
@@ -600,12 +605,21 @@ def run_fast(owner: object, x: Tensor) -> Tensor | None:
     for t, ptr in entry.checks:
         if t.data_ptr() != ptr:
             return None
+    for t, version in entry.versions:
+        if t._version != version:
+            return None
     owner.__dict__["last_path"] = entry.path
     return entry.run(x, rows)
 
 
 def _keep_fast(
-    owner: object, k: int, rows: int, path: str, run: Callable[[Tensor, int], Tensor], tensors: tuple
+    owner: object,
+    k: int,
+    rows: int,
+    path: str,
+    run: Callable[[Tensor, int], Tensor],
+    tensors: tuple,
+    derived_from: tuple = (),
 ) -> None:
     """After a call of ``rows`` rows took ``path`` through a bound C kernel: keep ``run`` (x, rows) -> output
     for this row class when the layer's output is that kernel's output (``owner.fast_direct()``)."""
@@ -615,7 +629,7 @@ def _keep_fast(
     table = owner.__dict__.get("_fast")
     if table is None or table.k != k:
         table = owner.__dict__["_fast"] = _FastTable(k)
-    table.entries[1 if rows == 1 else 2] = _FastEntry(path, run, tensors)
+    table.entries[1 if rows == 1 else 2] = _FastEntry(path, run, tensors, derived_from)
 
 
 def _ptr(t: Tensor | None) -> int | None:
@@ -760,7 +774,9 @@ def w4a8_forward(
     if y is None:
         return None
     _record(owner, path)
-    _keep_fast(owner, k, rows, path, _scaled_run(call, k, per_token, gemv), (w4, scales, bias, zero_term))
+    derived_from = () if zero_term is None else (scales, getattr(owner, "zeros", None))
+    stored = (w4, scales, bias, zero_term)
+    _keep_fast(owner, k, rows, path, _scaled_run(call, k, per_token, gemv), stored, derived_from)
     return y.reshape(*x.shape[:-1], -1)
 
 

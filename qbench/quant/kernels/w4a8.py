@@ -100,24 +100,29 @@ class Int4A8Linear(RealLinear):
 
     def zero_term(self) -> Tensor | None:
         """The kernels' (G, N) float32 (s · (8 − z))ᵀ of zero-point codes (None: absmax), derived once and kept
-        (counted by :meth:`nbytes`; a device move or loaded state dict rebuilds it)."""
+        while ``scales`` and ``zeros`` are the same tensors, unmodified (their pointers and versions: a replaced,
+        moved or in-place-edited one rebuilds it)."""
         if self.zeros is None:
             return None
         if torch.compiler.is_compiling():  # traced: computed in the graph, no state kept
             return native.zero_term(self.scales, self.zeros)
+        key = tuple((t.data_ptr(), t.device, _version(t)) for t in (self.scales, self.zeros))
         cached = self.__dict__.get("_zero_term")
-        if cached is None or cached.device != self.scales.device:
-            cached = self.__dict__["_zero_term"] = native.zero_term(self.scales, self.zeros)
-        return cached
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_zero_term"] = (key, native.zero_term(self.scales, self.zeros))
+        return cached[1]
 
     def invalidate(self) -> None:
         super().invalidate()
         self.__dict__.pop("_zero_term", None)
 
-    def derived_tensors(self) -> tuple[Tensor | None, ...]:
-        """The zero-point kernels' term: counted whether or not a forward has built it yet, since every forward
-        on the kernels needs it (a size that moved with the first call or a cast would not be the layer's)."""
-        return () if self.zeros is None else (self.zero_term(),)
+    def nbytes(self) -> int:
+        """Stored tensors, plus for zero-point codes with a C loop the (G, N) float32 term those kernels read
+        (counted whether or not a forward has built it: the size of the layer as it runs, not of its history)."""
+        term = 0
+        if self.zeros is not None and kernel_group_ok(self.group_size):
+            term = self.scales.numel() * 4
+        return super().nbytes() + term
 
     @classmethod
     def from_float(
@@ -221,6 +226,14 @@ class Int4A8Linear(RealLinear):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"W int4 {kind} {gran}, A int8 absmax {act}, {self.nbytes() / 2**20:.2f} MiB"
         )
+
+
+def _version(t: Tensor) -> int | None:
+    """A tensor's in-place edit counter; None for inference tensors, which do not track one."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def build_w4a8(

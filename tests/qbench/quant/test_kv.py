@@ -359,3 +359,31 @@ def test_attention_that_never_reaches_the_quantiser_is_refused_in_one_line():
         apply_kv(ToyLM(), KVConfig(2))
     with pytest.raises(UserError, match=r"sinks of ToyLM in float"):
         apply_kv(ToyLM(), KVConfig(2, "per-token", keep_sinks=1))
+
+
+@pytest.mark.parametrize("scheme, bits", [("per-token", 4), ("fp8-e4m3", 8)])
+def test_grouped_query_cache_quantises_and_stores_the_key_value_heads(scheme, bits):
+    """A grouped-query model's quantised KV cache holds its n_kv_head heads (a 24-wide head: per-token blocks of
+    32 cross heads, so quantising repeated heads would be another computation), equal to its transformers twin
+    (which quantises before repeat_kv) and, decoding, to the one-pass window."""
+    from models.config import family_config
+    from models.hf import to_hf_model
+    from models.transformer import build
+    from qbench.quant.kv import KVConfig, apply_kv
+
+    config = family_config(
+        "llama", n_layer=2, n_head=4, n_kv_head=2, d_model=96, d_ff=64, context=64, vocab_size=64
+    )
+    model = build(config, seed=1).eval()
+    kv = KVConfig(bits, scheme)
+    ours, theirs = apply_kv(model, kv), apply_kv(to_hf_model(model).eval(), kv)
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        window = ours(ids)
+        assert (window - theirs(ids).logits).abs().max() <= 1e-5
+        assert (window - model(ids)).abs().max() > 1e-4  # the cache is quantised at all
+        cache = ours.new_cache()
+        ours(ids[:, :32], cache)
+        steps = [ours(ids[:, i : i + 1], cache)[0, -1] for i in range(32, 40)]
+    assert cache._k[0].shape[1] == 2 and cache._v[0].shape[1] == 2
+    assert all((s - window[0, 32 + i]).abs().max() <= 1e-4 for i, s in enumerate(steps))

@@ -245,3 +245,23 @@ def test_zero_point_schemes_dispatch_and_count_bytes():
             y = real(torch.randn(2, 128))
         assert torch.isfinite(y).all() and first.nbytes() == stored
         assert "W int4 zeropoint" in repr(first)
+
+
+@needs_native
+def test_zero_point_term_follows_replaced_or_edited_tensors():
+    """The kernels' derived s · (8 − z) term is rebuilt when scales or zero points are replaced or edited in
+    place: the C path keeps equal to the torch path (fake mode's arithmetic on the stored codes)."""
+    torch.manual_seed(9)
+    layer = Int4A8Linear.from_float(torch.randn(48, 128) + 0.5, None, 32, symmetric=False)
+    other = Int4A8Linear.from_float(torch.randn(48, 128) - 0.5, None, 32, symmetric=False)
+    x = torch.randn(1, 128)
+    with torch.no_grad():
+        layer(x)
+        layer.scales, layer.zeros, layer.qweight = (
+            other.scales.clone(),
+            other.zeros.clone(),
+            other.qweight.clone(),
+        )
+        assert rel_err(layer(x), layer._torch_forward(x, True)) < 1e-5
+        layer.scales.mul_(2)
+        assert rel_err(layer(x), layer._torch_forward(x, True)) < 1e-5

@@ -246,6 +246,13 @@ def test_whole_model_figures_for_a_checkpoint(request, fixture):
         if fixture == "hf_llama_dir"
         else "qbench models.KVCache"
     )
+    if fixture == "hf_llama_dir":  # a scheme that does not fuse ran on the separate layers, and says so
+        moderate = run_speed(
+            repeats=1, schemes=["absmax-moderate"], modes=["real"], model=None, ckpt=ckpt, model_tokens=8,
+            new_tokens=3, layer=False, kv=False,
+        )  # fmt: skip
+        vias = {r["name"]: r["via"] for r in moderate if r["kind"] == "generate"}
+        assert vias["absmax-moderate [real]"] == "qbench models.KVCache (converted from transformers)", vias
     if fixture == "hf_llama_dir":  # transformers' own graph on request
         own = run_speed(
             repeats=1, schemes=["absmax-fine"], modes=["real"], model=None, ckpt=ckpt, model_tokens=8,

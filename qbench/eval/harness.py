@@ -885,16 +885,23 @@ def cell_record(spec: GridSpec, evaluation: ModelEvaluation, scheme: str, mode: 
     Returns (record, reused). ``qbench.eval.ranks`` calls it for the cells of one rank."""
     path = evaluation.cell_path(scheme, mode)
     existing = _read_record(path)
-    reusable = (
+    same_cell = (
         existing is not None
         and evaluation.matches(existing)
         and existing.get("scheme") == spec.scheme_record(scheme)
         and kv_identity(existing.get("kv")) == spec.kv_record()
-        and existing.get("status") != "unsupported"
     )
+    # an unsupported cell is tried again every run (a kernel, library or device may have appeared since)
+    reusable = same_cell and existing.get("status") != "unsupported"
     if reusable and existing.get("status") == "ok" and read_evidence(path, existing) is None:
         reusable = False  # its per-token evidence is missing or altered: the cell is redone, not trusted
     record = existing if reusable else evaluation.quantised_record(scheme, mode)
     if not reusable:
+        if (
+            same_cell
+            and record.get("status") == existing.get("status") == "unsupported"
+            and (record.get("error") == existing.get("error"))
+        ):
+            return existing, False  # refused again for the same reason: the record on disk stays as it was
         evaluation.write(path, record)
     return record, reusable

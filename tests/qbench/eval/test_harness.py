@@ -274,6 +274,22 @@ def test_an_unsupported_record_is_recomputed_once_the_backend_exists(ckpt_dir, t
     assert flags == [True, False] and again["status"] == "ok"
 
 
+def test_a_cell_refused_again_for_the_same_reason_is_not_rewritten(ckpt_dir, tmp_path):
+    """Unsupported cells are tried again every run; when the refusal is the same, the record on disk stays
+    byte for byte (no churn in committed results), and a different refusal is written."""
+    s = spec(tmp_path, [ckpt_dir], schemes=("nvfp4",), modes=("real",))
+    (_fp, cell) = run_grid(s)
+    assert cell["status"] == "unsupported"
+    path = next((tmp_path / "results").rglob("nvfp4__real.json"))
+    before = path.read_bytes()
+    flags = []
+    (_, again) = run_grid(s, on_record=lambda r, was_reused: flags.append(was_reused))
+    assert flags == [True, False] and again["status"] == "unsupported" and path.read_bytes() == before
+    path.write_text(json.dumps(dict(cell, error="refused for another reason")))
+    run_grid(s)
+    assert json.loads(path.read_text())["error"] == cell["error"]
+
+
 @pytest.mark.parametrize("missing", ["eval_version", "linear_ranges"])
 def test_a_baseline_record_lacking_newer_fields_is_recomputed(ckpt_dir, tmp_path, missing):
     s = spec(tmp_path, [ckpt_dir], schemes=())

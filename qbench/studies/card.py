@@ -2696,8 +2696,12 @@ def _comparison(models: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         }
         name = next(r["scheme_name"] for r in found.values() if r is not None)
         label = f"KV {name} {bits} bit" + (f", {keep} sink(s) kept" if keep else "")
+        # quantised perplexity beside each change (at the KV window, whose float baseline is the row's own)
+        quantised = {
+            k: None if r is None or r["status"] == "skipped" else r.get("perplexity") for k, r in found.items()
+        }
         # a row one model could not measure names no more robust model
-        row("kv", label, None, values, None if skipped else _more_robust_change(found))
+        row("kv", label, None, values, None if skipped else _more_robust_change(found), perplexity=quantised)
     for family, axis in dict.fromkeys((b["family"], b["axis"]) for m in models for b in m["breaking_points"]):
         found = {
             m["name"]: next(

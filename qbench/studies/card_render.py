@@ -1035,7 +1035,8 @@ COMPARISON_CAPTION = (
     "a breaking point the lower one; for an outlier statistic (no interval) the one at most half the others'. "
     "Better to ship: the model whose quantised perplexity is decidedly lower than every other model's quantised "
     "one — paired over the same windows, whatever each lost to quantisation; each cell also names the models whose "
-    "*float* perplexity it is decidedly below. - : the measurement does not tell them apart."
+    "*float* perplexity it is decidedly below. KV rows give the quantised perplexity at the KV window (a longer "
+    "one than the formats', with its own float baseline). - : the measurement does not tell them apart."
 )
 
 
@@ -1054,6 +1055,8 @@ def _cell(c: Mapping[str, Any], name: str) -> str:
         text = f"{_pct(v)} (ppl {c['perplexity'][name]:.2f})"  # relative damage and absolute quality
         below = (c.get("below_others_float") or {}).get(name)
         return text + (f", below {', '.join(below)} in float" if below else "")
+    if c["section"] == "kv" and (c.get("perplexity") or {}).get(name) is not None:
+        return f"{_pct(v)} (ppl {c['perplexity'][name]:.2f})"  # at the KV window (its own float baseline)
     if c["section"] in ("formats", "kv"):
         return _pct(v)
     if c["section"] == "breaking points":

@@ -289,8 +289,17 @@ def test_two_models_side_by_side(ckpt_dir, hf_llama_dir, tmp_path, monkeypatch):
         others = [o for o in windows if o != name and card._decidedly_below(windows[name][0], windows[o][1])]
         assert coarse["below_others_float"].get(name, []) == others
     assert rows[0]["section"] == "float" and set(rows[0]["values"]) == {vanilla["name"], llama["name"]}
+    # the KV row carries each model's quantised perplexity (at the KV window) beside its change, on the page too
+    kv = next(r for r in rows if r["section"] == "kv")
+    measured = {m["name"]: next(r for r in m["kv"]["rows"] if r["bits"] == 2) for m in (vanilla, llama)}
+    assert kv["perplexity"] == {
+        n: (None if r["status"] == "skipped" else r["perplexity"]) for n, r in measured.items()
+    }
     page = (tmp_path / "card.md").read_text()
     assert "## Side by side" in page and vanilla["name"] in page and llama["name"] in page
+    kv_line = next(line for line in page.splitlines() if line.startswith(f"| kv | {kv['row']}"))
+    assert any(p is not None for p in kv["perplexity"].values())
+    assert all(f"(ppl {p:.2f})" in kv_line for p in kv["perplexity"].values() if p is not None)
 
 
 @pytest.mark.parametrize("bad", [{"tolerance": -1.0}, {"tokens": 1}, {"budget": "huge"}])

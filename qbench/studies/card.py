@@ -2696,7 +2696,7 @@ def _comparison(models: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         }
         name = next(r["scheme_name"] for r in found.values() if r is not None)
         label = f"KV {name} {bits} bit" + (f", {keep} sink(s) kept" if keep else "")
-        # quantised perplexity beside each change (at the KV window, whose float baseline is the row's own)
+        # quantised perplexity beside each change (at the KV section's window, against the float model there)
         quantised = {
             k: None if r is None or r["status"] == "skipped" else r.get("perplexity") for k, r in found.items()
         }

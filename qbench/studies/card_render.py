@@ -1035,8 +1035,8 @@ COMPARISON_CAPTION = (
     "a breaking point the lower one; for an outlier statistic (no interval) the one at most half the others'. "
     "Better to ship: the model whose quantised perplexity is decidedly lower than every other model's quantised "
     "one — paired over the same windows, whatever each lost to quantisation; each cell also names the models whose "
-    "*float* perplexity it is decidedly below. KV rows give the quantised perplexity at the KV window (a longer "
-    "one than the formats', with its own float baseline). - : the measurement does not tell them apart."
+    "*float* perplexity it is decidedly below. KV rows give the quantised perplexity at the KV section's window "
+    "(its change against the float model at that window). - : the measurement does not tell them apart."
 )
 
 

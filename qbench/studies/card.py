@@ -2698,7 +2698,8 @@ def _comparison(models: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         label = f"KV {name} {bits} bit" + (f", {keep} sink(s) kept" if keep else "")
         # quantised perplexity beside each change (at the KV section's window, against the float model there)
         quantised = {
-            k: None if r is None or r["status"] == "skipped" else r.get("perplexity") for k, r in found.items()
+            k: None if r is None or r["status"] == "skipped" else r.get("perplexity")
+            for k, r in found.items()
         }
         # a row one model could not measure names no more robust model
         row("kv", label, None, values, None if skipped else _more_robust_change(found), perplexity=quantised)

@@ -718,7 +718,7 @@ def _sections(
             _num(x["max_abs"]),
             str(x["massive_count"]),
             ", ".join(map(str, x["massive_channels"][:8])) or "-",
-            ", ".join(f"{s['position']}:{s['token']!r}" for s in x["massive_sites"][:4]) or "-",
+            ", ".join(_site(s) for s in x["massive_sites"][:4]) or "-",
         ]
         for x in m["outliers"]["layers"]
     ]
@@ -767,7 +767,7 @@ def _sections(
         ("Identity and protocol", ["what", "value"], identity, ""),
         (
             "Outlier profile per layer",
-            ["block", first, "κ other", "max |act|", "massive", "channels", "sites (position:token)"],
+            ["block", first, "κ other", "max |act|", "massive", "channels", "sites (window/position:token)"],
             outlier_rows,
             f"Raw kurtosis across channels of each block's output ({start}). Summary: {first} "
             f"{_num(o['kurtosis_first'])}, κ other {_num(o['kurtosis_other'])}, max |act| {_num(o['max_abs'])}, "
@@ -1064,6 +1064,12 @@ def _cell(c: Mapping[str, Any], name: str) -> str:
     if c["row"] == "1st-token top-1":
         return _share(v)
     return _num(v)
+
+
+def _site(s: Mapping[str, Any]) -> str:
+    """A massive activation's site: the window it was found in (records' window order), position and token."""
+    where = f"{s['window']}/{s['position']}" if s.get("window") is not None else str(s["position"])
+    return f"{where}:{s['token']!r}"
 
 
 def _definition_rows(card: Mapping[str, Any]) -> list[list[str]]:

@@ -843,3 +843,14 @@ def test_heat_map_cells_carry_numbers_only_where_they_are_legible(layers, heads,
     plt.close(fig)
     assert bool(cells) is numbers
     assert all(t.get_fontsize() >= 9 for t in cells)
+
+
+def test_massive_activation_sites_name_their_window():
+    """A site is found in one of the profiled windows: the outlier table names it (window/position:token), so a
+    reader can find the text that produced it; records without a window keep position:token."""
+    from qbench.studies.card_render import _site
+
+    assert _site({"window": 3, "position": 0, "channel": 507, "value": 2e4, "token": "<|endoftext|>"}) == (
+        "3/0:'<|endoftext|>'"
+    )
+    assert _site({"position": 5, "token": "the"}) == "5:'the'"

@@ -711,7 +711,7 @@ def hf_config_to_ours(c: Any) -> ModelConfig:
     if getattr(c, "pretraining_tp", 1) not in (None, 1):
         problems.append(f"pretraining_tp {c.pretraining_tp}")
     impl = getattr(c, "_attn_implementation", None) or "eager"
-    if impl not in ("eager", "sdpa", "flash_attention_2", "flex_attention"):  # softmax-1, remedies, gates
+    if impl in HF_ATTENTION_KINDS or impl.startswith(GATED_PREFIX):  # qbench's softmax-1, remedies and gates
         problems.append(f"attention implementation {impl!r} (only plain softmax converts)")
     if problems:
         raise UserError(f"{arch} does not convert to a qbench model: {'; '.join(problems)}")

@@ -194,13 +194,11 @@ class CausalSelfAttention(nn.Module):
             if not hasattr(cache, "append_read"):
                 raise ValueError("a model with a quantised KV cache generates with model.new_cache()")
             past, view = cache.pos, cache.append_read(layer, k, v, self.kv_transform)
-        if k.size(1) != q.size(1):  # grouped-query attention: stored (and quantised) as the n_kv_head heads,
-            k, v = repeat_kv(q, k, v)  # read by every query head
-            (vk, vv), (vkh, vvh) = repeat_kv(q, view.k, view.v), repeat_kv(q, view.k_hat, view.v_hat)
-            view = view._replace(k=vk, v=vv, k_hat=vkh, v_hat=vvh)
+        # grouped-query attention: stored (and quantised) as the n_kv_head heads; SDPA reads them as they are,
+        # the other paths get them repeated to the query heads (repeat_kv), only when they run
         if self.kv_transform.observing and self.probs_hook is None and kv is None:
             # the sink finder's float pass: the attention received, without materialising the probabilities
-            fast = attention_received(q, k, v, self.kind, self.sink_k, self.sink_v)
+            fast = attention_received(q, *repeat_kv(q, k, v), self.kind, self.sink_k, self.sink_v)
             if fast is not None:
                 self.kv_transform.add_received(fast[1])
                 return fast[0]
@@ -208,12 +206,16 @@ class CausalSelfAttention(nn.Module):
             # Every position a query may see is stored (or kept float) the moment it is written: the stored
             # version alone, on the fused kernels.
             if self.kind in REMEDY_KINDS:
-                return remedy_attention(q, view.k_hat, view.v_hat, self.kind, self._remedy_params())
+                k_hat, v_hat = repeat_kv(q, view.k_hat, view.v_hat)
+                return remedy_attention(q, k_hat, v_hat, self.kind, self._remedy_params())
             if past:
                 return attention_with_past(
                     q, view.k_hat, view.v_hat, past, self.kind, self.sink_k, self.sink_v
                 )
             return attention_fast(q, view.k_hat, view.v_hat, self.kind, self.sink_k, self.sink_v)
+        if view.k.size(1) != q.size(1):
+            (vk, vv), (vkh, vvh) = repeat_kv(q, view.k, view.v), repeat_kv(q, view.k_hat, view.v_hat)
+            view = view._replace(k=vk, v=vv, k_hat=vkh, v_hat=vvh)
         y, probs = attention_two_version(
             q, view.k, view.k_hat, view.v, view.v_hat, view.key_quantised, view.value_quantised,
             self.kind, self.sink_k, self.sink_v, past=past,

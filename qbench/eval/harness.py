@@ -902,6 +902,8 @@ def cell_record(spec: GridSpec, evaluation: ModelEvaluation, scheme: str, mode: 
             and record.get("status") == existing.get("status") == "unsupported"
             and (record.get("error") == existing.get("error"))
         ):
-            return existing, False  # refused again for the same reason: the record on disk stays as it was
+            # refused again for the same reason: the record on disk stays as it was, its env (versions, commit)
+            # that of the run that first wrote it
+            return existing, False
         evaluation.write(path, record)
     return record, reusable

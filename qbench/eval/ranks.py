@@ -87,9 +87,10 @@ def run_grid_ranks(
         dist.barrier()
         for i, scheme, mode in share(grid_cells(spec), rank, world_size):
             ev = evaluation(i)
-            _, reused = cell_record(spec, ev, scheme, mode)
+            record, reused = cell_record(spec, ev, scheme, mode)
             if not reused:
-                say(f"{tag} wrote {ev.cell_path(scheme, mode)}")
+                done = "refused" if record.get("status") == "unsupported" else "wrote"
+                say(f"{tag} {done} {ev.cell_path(scheme, mode)}")
         evaluations.clear()  # free the models before rank 0 loads them all for the summary
         dist.barrier()
         records = run_grid(spec, on_record=on_record) if rank == 0 else None

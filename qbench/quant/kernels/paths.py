@@ -774,8 +774,9 @@ def w4a8_forward(
     if y is None:
         return None
     _record(owner, path)
-    derived_from = () if zero_term is None else (scales, getattr(owner, "zeros", None))
-    stored = (w4, scales, bias, zero_term)
+    zeros = None if zero_term is None else getattr(owner, "zeros", None)
+    derived_from = () if zero_term is None else (scales, zeros)
+    stored = (w4, scales, bias, zero_term, zeros)  # zeros too: a swapped .data leaves its version as it was
     _keep_fast(owner, k, rows, path, _scaled_run(call, k, per_token, gemv), stored, derived_from)
     return y.reshape(*x.shape[:-1], -1)
 

@@ -101,7 +101,9 @@ class Int4A8Linear(RealLinear):
     def zero_term(self) -> Tensor | None:
         """The kernels' (G, N) float32 (s · (8 − z))ᵀ of zero-point codes (None: absmax), derived once and kept
         while ``scales`` and ``zeros`` are the same tensors, unmodified (their pointers and versions: a replaced,
-        moved or in-place-edited one rebuilds it)."""
+        moved or in-place-edited one rebuilds it). Inference tensors (a layer built under
+        ``torch.inference_mode``) keep no version counter: after editing one of those in place, call
+        :meth:`invalidate`."""
         if self.zeros is None:
             return None
         if torch.compiler.is_compiling():  # traced: computed in the graph, no state kept

@@ -265,3 +265,5 @@ def test_zero_point_term_follows_replaced_or_edited_tensors():
         assert rel_err(layer(x), layer._torch_forward(x, True)) < 1e-5
         layer.scales.mul_(2)
         assert rel_err(layer(x), layer._torch_forward(x, True)) < 1e-5
+        layer.zeros.data = torch.randint_like(layer.zeros, 0, 16)  # a swapped storage keeps its version
+        assert rel_err(layer(x), layer._torch_forward(x, True)) < 1e-5

@@ -2702,7 +2702,15 @@ def _comparison(models: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             for k, r in found.items()
         }
         # a row one model could not measure names no more robust model
-        row("kv", label, None, values, None if skipped else _more_robust_change(found), perplexity=quantised)
+        row(
+            "kv",
+            label,
+            None,
+            values,
+            None if skipped else _more_robust_change(found),
+            perplexity=quantised,
+            missing=[k for k, r in found.items() if r is None],  # not in that model's budget: "-", not NaN
+        )
     for family, axis in dict.fromkeys((b["family"], b["axis"]) for m in models for b in m["breaking_points"]):
         found = {
             m["name"]: next(

@@ -1049,6 +1049,8 @@ def _cell(c: Mapping[str, Any], name: str) -> str:
     v = c["values"].get(name)
     if isinstance(v, str) and c["section"] == "kv":  # a row that model could not measure: "skipped"
         return v
+    if c["section"] == "kv" and name in c.get("missing", ()):  # a row that model's card did not run
+        return "-"
     if c["section"] == "float":
         return "-" if v is None else f"ppl {v:.2f}"
     if c["section"] == "formats" and (c.get("perplexity") or {}).get(name) is not None:

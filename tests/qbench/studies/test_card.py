@@ -854,3 +854,18 @@ def test_massive_activation_sites_name_their_window():
         "3/0:'<|endoftext|>'"
     )
     assert _site({"position": 5, "token": "the"}) == "5:'the'"
+
+
+def test_side_by_side_kv_cells_tell_missing_from_nan():
+    """A KV row only one model ran shows "-" for the other; a measured NaN stays "NaN"; a measured change carries
+    its quantised perplexity."""
+    from qbench.studies.card_render import _cell
+
+    row = {
+        "section": "kv",
+        "values": {"a": 0.5, "b": None, "c": None},
+        "perplexity": {"a": 88.9, "b": None, "c": None},
+        "missing": ["c"],
+    }
+    assert _cell(row, "a") == "+0.50 % (ppl 88.90)"
+    assert _cell(row, "b") == "NaN" and _cell(row, "c") == "-"

@@ -94,10 +94,6 @@ class Int4A8Linear(RealLinear):
             rotation=rotation,
         )
 
-    @property
-    def symmetric(self) -> bool:
-        return self.zeros is None
-
     def zero_term(self) -> Tensor | None:
         """The kernels' (G, N) float32 (s · (8 − z))ᵀ of zero-point codes (None: absmax), derived once and kept
         while ``scales`` and ``zeros`` are the same tensors, unmodified (their pointers and versions: a replaced,

@@ -134,10 +134,9 @@ def attention_with_past(
     if extra is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     k, v = repeat_kv(q, k, v)
-    if extra is not None:
-        k, v = torch.cat([extra[0], k], dim=2), torch.cat([extra[1], v], dim=2)
-        if mask is not None:
-            mask = torch.cat([torch.ones(T, 1, dtype=torch.bool, device=q.device), mask], dim=1)
+    k, v = torch.cat([extra[0], k], dim=2), torch.cat([extra[1], v], dim=2)
+    if mask is not None:
+        mask = torch.cat([torch.ones(T, 1, dtype=torch.bool, device=q.device), mask], dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 

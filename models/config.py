@@ -139,9 +139,8 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        if (
-            data["n_kv_head"] is None
-        ):  # absent from every model without grouped-query attention, as before it existed
+        # absent from every model without grouped-query attention, as before the field existed
+        if data["n_kv_head"] is None:
             del data["n_kv_head"]
         return data
 

@@ -8,6 +8,7 @@ one-to-one onto its transformers layout (``models.hf``).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 
@@ -426,8 +427,6 @@ def fuse_projections(model: Transformer) -> Transformer:
     spends. Weights are concatenated copies (the float model is untouched); GPT-2-family models (already fused)
     come back as an unchanged copy. Quantising the fused copy equals quantising the separate layers wherever the
     weight scales are per output row or group (not per tensor) and nothing is calibrated per layer."""
-    import copy
-
     fused = copy.deepcopy(model)
     for block in fused.transformer.h:
         attn, mlp = block.attn, block.mlp

@@ -415,8 +415,6 @@ def _load_model(preset: str | None, ckpt: str | None) -> tuple[nn.Module, str, i
 
 def _is_transformers(model: nn.Module) -> bool:
     """A transformers model (its own generation API and ``use_cache``), as opposed to our ``Transformer``."""
-    from models.transformer import Transformer
-
     return (
         not isinstance(model, Transformer)
         and callable(getattr(model, "generate", None))
@@ -516,14 +514,13 @@ def _generation_model(model: nn.Module, via: str = "own") -> tuple[nn.Module, st
     if _is_transformers(model):
         if via == "transformers":
             return model, "transformers (KV cache)"
-        from models.errors import UserError as _Unconvertible
         from models.hf import from_hf_model
 
         vocab = model.config.vocab_size
         check = torch.randint(0, vocab, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
         try:  # the same function on qbench's graph: logits checked against transformers' before any timing
             return from_hf_model(model, check=check), "qbench models.KVCache (converted from transformers)"
-        except _Unconvertible as e:
+        except UserError as e:  # no qbench equivalent: transformers' graph, said so
             return model, f"transformers (KV cache; no qbench equivalent: {str(e)[:120]})"
     if via == "own":
         return model, "qbench models.KVCache"

@@ -14,12 +14,11 @@ Ops (every tensor float32 unless said; the C kernels read contiguous CPU tensors
 - ``w8a8_forward(Tensor x, int rows_per_scale, Tensor w, Tensor sw, Tensor? bias, bool gemv) -> Tensor``: the
   W8A8 layer's whole forward (quantise + the GEMV, or the GEMM when ``gemv`` is False);
 - ``w4a8_forward(Tensor x, int rows_per_scale, Tensor w4, Tensor scale, Tensor? bias, bool gemv,
-  Tensor? zero_term) -> Tensor``: the same for int4 nibbles (``zero_term``: zero-point codes, ``native.zero_term``);
-  the group size must have a
-  loop (``w4a8.kernel_group_ok``), else it raises;
-- ``w4a8_int_mm(Tensor x, int rows_per_scale, Tensor w4, Tensor scale, Tensor? bias, Tensor? zero_term) -> Tensor``:
-  the W4A8
-  forward through ``torch._int_mm`` (nibbles unpacked to int8 once per call; one GEMM per channel or group);
+  Tensor? zero_term) -> Tensor``: the same for int4 nibbles (``zero_term``: zero-point codes,
+  ``native.zero_term``); the group size must have a loop (``w4a8.kernel_group_ok``), else it raises;
+- ``w4a8_int_mm(Tensor x, int rows_per_scale, Tensor w4, Tensor scale, Tensor? bias, Tensor? zero_term)
+  -> Tensor``: the W4A8 forward through ``torch._int_mm`` (nibbles unpacked to int8 once per call; one GEMM per
+  channel or group);
 - ``scale_output(Tensor acc, Tensor sx, Tensor sw, Tensor? bias) -> Tensor``: the epilogue of an int32 (M, N);
 - ``weight_only_linear(Tensor x, Tensor codes, bool bits4, Tensor scale, Tensor? zero, Tensor? bias) -> Tensor``:
   x · Ŵᵀ + b reading the codes, where this build and group size have a loop (:func:`weight_only_loop`), else

@@ -113,23 +113,6 @@ void qk_w8a8_forward(const float *x, int64_t m_rows, int64_t k, int64_t rows_per
                          m_rows <= GEMV_ROWS);
 }
 
-/* x float32 (M, K) -> y float32 (M, N) for the W4A8 layer: quantise the activations, then the GEMV (gemv != 0,
-   or the portable build) or the GEMM, as the caller chose (paths.choose). Returns 0 (nothing written) when the
-   group size has no loop here: g must be K, 32 or a multiple of 64. The AVX2-only build's decode loop sums
-   g = 32 groups in another float order than the reference (even groups, then odd: see native_avx2.c), so there
-   the two builds agree to float rounding; every other W4A8 and W8A8 result, the AVX-512 VNNI decode loop's
-   included, is bit-identical across builds. */
-int qk_w4a8_forward_zp(const float *x, int64_t m_rows, int64_t k, int64_t rows_per_scale, const uint8_t *w,
-                       const float *scale, const float *zt, int64_t groups, const float *bias, float *y,
-                       int64_t n_out, int nthreads, int gemv);
-
-int qk_w4a8_forward_path(const float *x, int64_t m_rows, int64_t k, int64_t rows_per_scale, const uint8_t *w,
-                         const float *scale, int64_t groups, const float *bias, float *y, int64_t n_out,
-                         int nthreads, int gemv) {
-    return qk_w4a8_forward_zp(x, m_rows, k, rows_per_scale, w, scale, NULL, groups, bias, y, n_out, nthreads,
-                              gemv);
-}
-
 /* Zero-point (asymmetric) W4A8: ŵ = s_g · (u − z_g) with codes u ∈ [0, 15] stored as the nibbles. Every W4A8
    loop reads a nibble as c = u − 8 (the symmetric layout), so after it
        y_true = y + s_x · Σ_g m_g · Q_g,     m_g = s_g · (8 − z_g),  Q_g = Σ_{k ∈ g} q_k (exact in int32 and float),
@@ -170,7 +153,13 @@ void qk_w4a8_zero_correct(const int8_t *q, const float *sx, int64_t m_rows, int6
     free(qf);
 }
 
-/* qk_w4a8_forward_path for zero-point codes (zt: the (G, N) m_g of qk_w4a8_zero_correct; NULL: absmax codes) */
+/* x float32 (M, K) -> y float32 (M, N) for the W4A8 layer: quantise the activations, then the GEMV (gemv != 0,
+   or the portable build) or the GEMM, as the caller chose (paths.choose). Returns 0 (nothing written) when the
+   group size has no loop here: g must be K, 32 or a multiple of 64. The AVX2-only build's decode loop sums
+   g = 32 groups in another float order than the reference (even groups, then odd: see native_avx2.c), so there
+   the two builds agree to float rounding; every other W4A8 and W8A8 result, the AVX-512 VNNI decode loop's
+   included, is bit-identical across builds.
+   zt: zero-point codes' (G, N) m_g of qk_w4a8_zero_correct, added after the loop; NULL: absmax codes. */
 int qk_w4a8_forward_zp(const float *x, int64_t m_rows, int64_t k, int64_t rows_per_scale, const uint8_t *w,
                        const float *scale, const float *zt, int64_t groups, const float *bias, float *y,
                        int64_t n_out, int nthreads, int gemv) {
@@ -186,6 +175,14 @@ int qk_w4a8_forward_zp(const float *x, int64_t m_rows, int64_t k, int64_t rows_p
     free(q);
     free(sx);
     return 1;
+}
+
+/* qk_w4a8_forward_zp for absmax codes: the entry the tests and the portable comparisons call */
+int qk_w4a8_forward_path(const float *x, int64_t m_rows, int64_t k, int64_t rows_per_scale, const uint8_t *w,
+                         const float *scale, int64_t groups, const float *bias, float *y, int64_t n_out,
+                         int nthreads, int gemv) {
+    return qk_w4a8_forward_zp(x, m_rows, k, rows_per_scale, w, scale, NULL, groups, bias, y, n_out, nthreads,
+                              gemv);
 }
 
 /* The W4A8 forward with the default split: the GEMV up to 16 rows, the GEMM above. */

@@ -104,7 +104,11 @@ class Int4A8Linear(RealLinear):
             return None
         if torch.compiler.is_compiling():  # traced: computed in the graph, no state kept
             return native.zero_term(self.scales, self.zeros)
-        key = tuple((t.data_ptr(), t.device, _version(t)) for t in (self.scales, self.zeros))
+        # inference tensors keep no version counter (see above)
+        key = tuple(
+            (t.data_ptr(), t.device, None if t.is_inference() else t._version)
+            for t in (self.scales, self.zeros)
+        )
         cached = self.__dict__.get("_zero_term")
         if cached is None or cached[0] != key:
             cached = self.__dict__["_zero_term"] = (key, native.zero_term(self.scales, self.zeros))
@@ -224,14 +228,6 @@ class Int4A8Linear(RealLinear):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"W int4 {kind} {gran}, A int8 absmax {act}, {self.nbytes() / 2**20:.2f} MiB"
         )
-
-
-def _version(t: Tensor) -> int | None:
-    """A tensor's in-place edit counter; None for inference tensors, which do not track one."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
 
 
 def build_w4a8(

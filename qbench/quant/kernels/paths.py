@@ -345,14 +345,22 @@ def _measure(owner: object, kind: str, rows: int, shape: Shape, run: Callable[[]
             times[path] = best
     _eviction_buffer.cache_clear()  # 2x the last-level cache: not held between measurements
     if times:
-        fastest = min(times, key=times.__getitem__)
-        default = rule(kind, rows, shape)
-        if default in times and times[fastest] * (1 + MEASURE_MARGIN) > times[default]:
-            fastest = default  # a near tie: the rule's path (see MEASURE_MARGIN)
         _save(
             class_key(kind, rows, shape),
-            {"path": fastest, "ms": {p: round(t * 1e3, 4) for p, t in times.items()}},
+            {
+                "path": measured_choice(times, rule(kind, rows, shape)),
+                "ms": {p: round(t * 1e3, 4) for p, t in times.items()},
+            },
         )
+
+
+def measured_choice(times: dict[str, float], default: str) -> str:
+    """The path kept from measured ``times``: the fastest, unless the rule's ``default`` was timed and the fastest
+    beats it by less than :data:`MEASURE_MARGIN` (a near tie keeps the rule's path)."""
+    fastest = min(times, key=times.__getitem__)
+    if default in times and times[fastest] * (1 + MEASURE_MARGIN) > times[default]:
+        return default
+    return fastest
 
 
 def describe(kind: str, rows: int) -> str:

@@ -287,3 +287,17 @@ def _key_with(monkeypatch, attribute, value):
     finally:
         monkeypatch.undo()
         paths.machine_key.cache_clear()
+
+
+def test_a_near_tie_keeps_the_rules_path():
+    """A measured path replaces the rule's only when MEASURE_MARGIN faster: cold timings of a few calls are noisy,
+    and a 10 % reading once moved gpt2-130m's W8A8 decode onto the slower torch._int_mm."""
+    margin = paths.MEASURE_MARGIN
+    assert (
+        paths.measured_choice({"c-gemv": 0.160, "int-mm": 0.142}, "c-gemv") == "c-gemv"
+    )  # 11 % faster: a tie
+    faster = 0.160 / (1 + margin) * 0.99
+    assert paths.measured_choice({"c-gemv": 0.160, "int-mm": faster}, "c-gemv") == "int-mm"
+    assert (
+        paths.measured_choice({"c-gemm": 0.3, "int-mm": 0.2}, "c-gemv") == "int-mm"
+    )  # the rule's path untimed

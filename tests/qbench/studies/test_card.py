@@ -869,3 +869,18 @@ def test_side_by_side_kv_cells_tell_missing_from_nan():
     }
     assert _cell(row, "a") == "+0.50 % (ppl 88.90)"
     assert _cell(row, "b") == "NaN" and _cell(row, "c") == "-"
+
+
+def test_architecture_reads_grouped_key_value_heads():
+    """A qbench checkpoint with grouped-query attention reports its n_kv_head key/value heads (the KV memory
+    estimate multiplies by them), and n_head without grouping."""
+    from types import SimpleNamespace
+
+    from models import build, family_config
+
+    for kv in (None, 2):
+        config = family_config("llama", n_layer=1, n_head=4, n_kv_head=kv, d_model=32, d_ff=64, vocab_size=97)
+        lm = SimpleNamespace(
+            model=build(config), description={"kind": "qbench", "config": config.to_dict(), "parameters": 1}
+        )
+        assert card.architecture(lm)["kv_heads"] == (kv or 4)

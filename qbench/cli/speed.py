@@ -110,7 +110,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--from-json",
         metavar="FILE",
-        help="measure nothing: print the tables of a file written by --output-path",
+        nargs="+",
+        help="measure nothing: print the tables of a file written by --output-path; several files (runs of the "
+        "same --llama-cpp comparison): each llama.cpp type's ratio across them, with its 95%% interval",
+    )
+    p.add_argument(
+        "--goal",
+        type=_ratio,
+        metavar="RATIO",
+        help="with --from-json: the verdict met / not met / undecided of qbench ≥ RATIO × llama.cpp's tokens/s, "
+        "from the interval across the files' runs (one run: undecided) (default: none)",
     )
     p.add_argument("--format", default="simple", help="table format: simple | md (GitHub markdown)")
 
@@ -148,6 +157,32 @@ def check_layer_shape(
     return in_features, out_features
 
 
+def _ratio(text: str) -> float:
+    """--goal: a positive ratio (0.8: qbench at least 0.8 × llama.cpp's tokens/s)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"--goal must be a positive ratio such as 0.8, got {text!r}")
+    return value
+
+
+def _read_records(path: Path) -> list[dict]:
+    """The records of a ``qbench speed --output-path`` file, or a one-line error."""
+    import json
+
+    if not path.is_file():
+        raise UserError(f"no speed records at {path} (write them with qbench speed --output-path {path})")
+    try:
+        records = json.loads(path.read_text())["records"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise UserError(f"{path} is not a qbench speed --output-path file ({err})") from None
+    if not isinstance(records, list):
+        raise UserError(f"{path} is not a qbench speed --output-path file (its records are not a list)")
+    return records
+
+
 def run(args: argparse.Namespace) -> None:
     import json
 
@@ -159,15 +194,18 @@ def run(args: argparse.Namespace) -> None:
     if tablefmt is None:
         raise UserError(f"unknown table format {args.format!r}; choose simple or md")
     if args.from_json:
-        path = Path(args.from_json)
-        if not path.is_file():
-            raise UserError(f"no speed records at {path} (write them with qbench speed --output-path {path})")
-        try:
-            payload = json.loads(path.read_text())
-            records = payload["records"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise UserError(f"{path} is not a qbench speed --output-path file ({err})") from None
-        sys.stdout.write(format_speed_table(records, tablefmt) + "\n")
+        runs = [_read_records(Path(f)) for f in args.from_json]
+        if len(runs) == 1:
+            sys.stdout.write(format_speed_table(runs[0], tablefmt) + "\n")
+        if len(runs) > 1 or args.goal is not None:
+            from qbench.studies.llamacpp import across_runs, across_runs_table
+
+            rows = across_runs(runs, args.goal)
+            if not rows:
+                raise UserError(
+                    "no llama.cpp rows in " + ", ".join(args.from_json) + " (written by --llama-cpp)"
+                )
+            sys.stdout.write(("\n" if len(runs) == 1 else "") + across_runs_table(rows, tablefmt) + "\n")
         return
     shape = check_layer_shape(args.in_features, args.out_features, args.tokens, layer=not args.no_layer)
     kv_configs = None

@@ -254,3 +254,108 @@ def annotate(records: list[dict[str, Any]], model_name: str) -> None:
         rec["qbench_match"] = target
         mine, theirs = (ours or {}).get("tokens_per_s"), rec.get("tokens_per_s")
         rec["qbench_vs_llama_cpp"] = mine / theirs if mine and theirs else None
+
+
+# Verdicts of a ratio goal over several runs (:func:`across_runs`), and what makes two runs the same comparison
+MET, NOT_MET, UNDECIDED = "met", "not met", "undecided"
+_RUN_KEY = ("model", "threads", "cpu", "prompt_tokens", "new_tokens", "llama_cpp_type", "qbench_match")
+
+
+def across_runs(
+    runs: Sequence[Sequence[dict[str, Any]]], goal: float | None = None, level: float = 0.95
+) -> list[dict[str, Any]]:
+    """Each llama.cpp type's ratio qbench / llama.cpp over several runs of the same comparison, with its interval.
+
+    One run's ratio is a point (the minima of its interleaved repeats); what moves it is the run itself — the
+    machine's state minutes apart (0.77 and 0.81 for the same pair on one CPU). So the runs are the replicates:
+    per (model, threads, CPU, protocol, llama.cpp type, qbench match) the geometric mean of the runs' ratios and
+    its ``level`` t-interval on their logarithms (ratios multiply, so their spread is symmetric in the log), and
+    against ``goal`` (qbench at least ``goal`` × llama.cpp's tokens/s) the verdict: *met* when the interval lies at
+    or above it, *not met* when it lies below, else *undecided* — always undecided from a single run, which has
+    no interval. Runs of another protocol (prompt, new tokens) or thread count are never pooled."""
+    import math
+
+    from qbench.eval.evidence import t_quantile
+
+    groups: dict[tuple, dict[str, Any]] = {}
+    for records in runs:
+        for rec in records:
+            if rec.get("kind") != "generate" or not rec.get("llama_cpp_type"):
+                continue
+            key = tuple(rec.get(k) for k in _RUN_KEY)
+            entry = groups.setdefault(key, {**dict(zip(_RUN_KEY, key)), "ratios": []})
+            ratio = rec.get("qbench_vs_llama_cpp")
+            if ratio is not None and ratio > 0:
+                entry["ratios"].append(float(ratio))
+    rows = []
+    for entry in groups.values():
+        r = entry["ratios"]
+        logs, n = [math.log(x) for x in r], len(r)
+        log_mean = sum(logs) / n if n else None
+        mean = math.exp(log_mean) if n else None
+        lo = hi = None
+        if n >= 2:
+            sd = math.sqrt(sum((x - log_mean) ** 2 for x in logs) / (n - 1))
+            half = t_quantile(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
+            lo, hi = mean * math.exp(-half), mean * math.exp(half)
+        verdict = None if goal is None else _goal_verdict(lo, hi, goal)
+        rows.append(
+            {
+                **entry,
+                "runs": n,
+                "geomean": mean,
+                "ci": [lo, hi] if lo is not None else None,
+                "level": level,
+                "goal": goal,
+                "verdict": verdict,
+            }
+        )
+    return rows
+
+
+def _goal_verdict(lo: float | None, hi: float | None, goal: float) -> str:
+    if lo is None or hi is None:
+        return UNDECIDED  # one run: no interval
+    return MET if lo >= goal else NOT_MET if hi < goal else UNDECIDED
+
+
+def across_runs_table(rows: Sequence[dict[str, Any]], tablefmt: str = "simple") -> str:
+    """:func:`across_runs` as a table: each run's ratio, their geometric mean, its interval and the verdict."""
+    from tabulate import tabulate
+
+    def f(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    table = [
+        [
+            r["model"],
+            r["threads"],
+            r["llama_cpp_type"],
+            r["qbench_match"] or "",
+            " / ".join(f(x) for x in r["ratios"]) or "-",
+            f(r["geomean"]),
+            f"{f(r['ci'][0])} – {f(r['ci'][1])}" if r["ci"] else "- (one run)",
+            r["verdict"] or "",
+        ]
+        for r in rows
+    ]
+    level = rows[0]["level"] if rows else 0.95
+    goal = rows[0]["goal"] if rows else None
+    head = (
+        f"qbench / llama.cpp tokens/s across runs: geometric mean and its {level:.0%} t-interval (log scale), "
+        + (f"verdict against {goal:g}×" if goal is not None else "no goal given (--goal)")
+        + "\n"
+        + ("\n" if tablefmt == "github" else "")
+    )
+    headers = [
+        "model",
+        "threads",
+        "llama.cpp",
+        "qbench match",
+        "ratio per run",
+        "geomean",
+        "interval",
+        "verdict",
+    ]
+    # as written: tabulate would read "0.50" back as a number and print 0.5
+    return head + tabulate(table, headers, tablefmt=tablefmt, disable_numparse=True)

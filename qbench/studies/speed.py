@@ -330,6 +330,7 @@ def _records(
             "backend": c.backend,
             "ms": ms,
             "ms_min": ms_min,
+            "ms_repeats": [t * 1e3 for t in ts] if ts else None,  # each interleaved repeat, in order
             "speedup": statistics.median(ref_ts) * 1e3 / ms if ms and ref_ts else None,
             "speedup_best": min(ref_ts) * 1e3 / ms_min if ms_min and ref_ts else None,
             "weight_bytes": c.weight_bytes,

@@ -210,7 +210,27 @@ def test_speed_writes_json_and_renders_it_again(tmp_path, capsys):
     code, again, _ = run(["speed", "--from-json", records, "--format", "md"], capsys)
     assert code == 0 and "| absmax-w4a8 [real]" in again and "per layer: 64→32, 1 tokens" in again
     assert json.loads(records.read_text())["git_commit"]
+    for rec in json.loads(records.read_text())["records"]:  # each repeat's time is kept, not only the summary
+        if rec["kind"] == "layer" and rec.get("ms") is not None:
+            assert len(rec["ms_repeats"]) == 1 and rec["ms_repeats"][0] == pytest.approx(rec["ms_min"])
     code, _, err = run(["speed", "--from-json", tmp_path / "missing.json"], capsys)
     assert code == 2 and "no speed records at" in err
+    # several runs: the across-runs section needs llama.cpp rows, and --goal a positive ratio
+    code, _, err = run(["speed", "--from-json", records, records, "--goal", "0.8"], capsys)
+    assert code == 2 and "no llama.cpp rows in" in err
+    code, _, err = run(["speed", "--from-json", records, "--goal", "-1"], capsys)
+    assert code == 2 and "--goal must be a positive ratio" in err
+    row = {"kind": "generate", "name": "llama.cpp Q8_0", "model": "m", "threads": 1, "cpu": "c"}
+    row |= {"prompt_tokens": 16, "new_tokens": 8, "llama_cpp_type": "Q8_0", "qbench_vs_llama_cpp": 0.9}
+    llama = {
+        **json.loads(records.read_text()),
+        "records": [row | {"qbench_match": "absmax-fine:head=true [real]"}],
+    }
+    one, two = tmp_path / "r1.json", tmp_path / "r2.json"
+    one.write_text(json.dumps(llama))
+    llama["records"][0]["qbench_vs_llama_cpp"] = 0.92
+    two.write_text(json.dumps(llama))
+    code, out, _ = run(["speed", "--from-json", one, two, "--goal", "0.8", "--format", "md"], capsys)
+    assert code == 0 and "| 0.90 / 0.92" in out and "verdict against 0.8×" in out
     code, _, err = run(["speed", "--from-json", records, "--format", "html"], capsys)
     assert code == 2 and "unknown table format 'html'" in err

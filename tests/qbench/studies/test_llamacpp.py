@@ -49,6 +49,62 @@ def test_annotate_divides_the_matched_qbench_row():
     assert q4["qbench_vs_llama_cpp"] is None  # llama.cpp row failed: no ratio, not a zero
 
 
+def _run(ratio_q4: float | None, threads: int = 1, new_tokens: int = 64) -> list[dict]:
+    """One run's records as ``annotate`` leaves them: a Q4_0 row (and a qbench row that is not llama.cpp's)."""
+    common = {"kind": "generate", "model": "m", "threads": threads, "cpu": "cpu", "prompt_tokens": 16}
+    return [
+        {
+            **common,
+            "name": "absmax-w4a8-g32:head=true [real]",
+            "new_tokens": new_tokens,
+            "tokens_per_s": 80.0,
+        },
+        {
+            **common,
+            "name": "llama.cpp Q4_0",
+            "new_tokens": new_tokens,
+            "llama_cpp_type": "Q4_0",
+            "qbench_match": "absmax-w4a8-g32:head=true [real]",
+            "qbench_vs_llama_cpp": ratio_q4,
+        },
+    ]
+
+
+def test_across_runs_interval_and_verdict():
+    import math
+
+    from qbench.eval.evidence import t_quantile
+
+    ratios = [0.77, 0.81, 0.80, 0.82]
+    (row,) = llamacpp.across_runs([_run(r) for r in ratios], goal=0.8)
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / 4
+    half = t_quantile(0.975, 3) * math.sqrt(sum((x - mean) ** 2 for x in logs) / 3) / 2
+    assert row["runs"] == 4 and row["ratios"] == ratios
+    assert row["geomean"] == pytest.approx(math.exp(mean))
+    assert row["ci"] == pytest.approx([math.exp(mean - half), math.exp(mean + half)])
+    assert row["ci"][0] < 0.8 < row["ci"][1] and row["verdict"] == llamacpp.UNDECIDED
+    # the interval entirely above, entirely below; one run has no interval; no goal, no verdict
+    assert llamacpp.across_runs([_run(r) for r in (0.90, 0.91, 0.92)], goal=0.8)[0]["verdict"] == llamacpp.MET
+    assert (
+        llamacpp.across_runs([_run(r) for r in (0.60, 0.61, 0.62)], goal=0.8)[0]["verdict"]
+        == llamacpp.NOT_MET
+    )
+    single = llamacpp.across_runs([_run(0.99)], goal=0.8)[0]
+    assert single["ci"] is None and single["verdict"] == llamacpp.UNDECIDED
+    assert llamacpp.across_runs([_run(0.9), _run(0.9)])[0]["verdict"] is None
+
+
+def test_across_runs_pools_only_the_same_comparison():
+    runs = [_run(0.8), _run(0.9, threads=2), _run(0.7, new_tokens=32), _run(None)]
+    rows = llamacpp.across_runs(runs, goal=0.8)
+    by = {(r["threads"], r["new_tokens"]): r for r in rows}
+    assert set(by) == {(1, 64), (2, 64), (1, 32)}
+    assert by[(1, 64)]["ratios"] == [0.8]  # the failed run (no ratio) adds nothing, not a zero
+    table = llamacpp.across_runs_table(rows)
+    assert "0.80" in table and "- (one run)" in table and "undecided" in table
+
+
 def test_generation_rows_from_llama_cpp(tmp_path):
     pytest.importorskip("llama_cpp")
     pytest.importorskip("gguf")

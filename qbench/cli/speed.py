@@ -193,7 +193,14 @@ def run(args: argparse.Namespace) -> None:
     tablefmt = {"simple": "simple", "md": "github"}.get(args.format)
     if tablefmt is None:
         raise UserError(f"unknown table format {args.format!r}; choose simple or md")
+    if args.goal is not None and not args.from_json:
+        raise UserError(
+            "--goal decides from runs already written: give them with --from-json RUN1.json RUN2.json …"
+        )
     if args.from_json:
+        paths = [Path(f).resolve() for f in args.from_json]
+        if len(set(paths)) < len(paths):  # one run counted twice would narrow the interval it does not have
+            raise UserError("--from-json names the same file twice: each run once")
         runs = [_read_records(Path(f)) for f in args.from_json]
         if len(runs) == 1:
             sys.stdout.write(format_speed_table(runs[0], tablefmt) + "\n")

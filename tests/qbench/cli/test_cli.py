@@ -216,8 +216,12 @@ def test_speed_writes_json_and_renders_it_again(tmp_path, capsys):
     code, _, err = run(["speed", "--from-json", tmp_path / "missing.json"], capsys)
     assert code == 2 and "no speed records at" in err
     # several runs: the across-runs section needs llama.cpp rows, and --goal a positive ratio
-    code, _, err = run(["speed", "--from-json", records, records, "--goal", "0.8"], capsys)
+    code, _, err = run(["speed", "--from-json", records, "--goal", "0.8"], capsys)
     assert code == 2 and "no llama.cpp rows in" in err
+    code, _, err = run(["speed", "--from-json", records, records], capsys)
+    assert code == 2 and "the same file twice" in err
+    code, _, err = run(["speed", "--no-model", "--goal", "0.8"], capsys)
+    assert code == 2 and "--goal decides from runs already written" in err
     code, _, err = run(["speed", "--from-json", records, "--goal", "-1"], capsys)
     assert code == 2 and "--goal must be a positive ratio" in err
     row = {"kind": "generate", "name": "llama.cpp Q8_0", "model": "m", "threads": 1, "cpu": "c"}

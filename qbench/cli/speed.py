@@ -164,7 +164,7 @@ def _ratio(text: str) -> float:
     except ValueError:
         value = float("nan")
     if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"--goal must be a positive ratio such as 0.8, got {text!r}")
+        raise argparse.ArgumentTypeError(f"a positive ratio such as 0.8 is needed, got {text!r}")
     return value
 
 
@@ -198,13 +198,14 @@ def run(args: argparse.Namespace) -> None:
             "--goal decides from runs already written: give them with --from-json RUN1.json RUN2.json …"
         )
     if args.from_json:
-        paths = [Path(f).resolve() for f in args.from_json]
-        if len(set(paths)) < len(paths):  # one run counted twice would narrow the interval it does not have
-            raise UserError("--from-json names the same file twice: each run once")
+        seen: set[Path] = set()
+        for f in args.from_json:  # one run counted twice would narrow the interval it does not have
+            if Path(f).resolve() in seen:
+                raise UserError(f"--from-json names {f} twice: each run once")
+            seen.add(Path(f).resolve())
         runs = [_read_records(Path(f)) for f in args.from_json]
-        if len(runs) == 1:
-            sys.stdout.write(format_speed_table(runs[0], tablefmt) + "\n")
-        if len(runs) > 1 or args.goal is not None:
+        table = None
+        if len(runs) > 1 or args.goal is not None:  # decided before anything is written
             from qbench.studies.llamacpp import across_runs, across_runs_table
 
             rows = across_runs(runs, args.goal)
@@ -212,7 +213,11 @@ def run(args: argparse.Namespace) -> None:
                 raise UserError(
                     "no llama.cpp rows in " + ", ".join(args.from_json) + " (written by --llama-cpp)"
                 )
-            sys.stdout.write(("\n" if len(runs) == 1 else "") + across_runs_table(rows, tablefmt) + "\n")
+            table = across_runs_table(rows, tablefmt)
+        if len(runs) == 1:
+            sys.stdout.write(format_speed_table(runs[0], tablefmt) + "\n" + ("\n" if table else ""))
+        if table:
+            sys.stdout.write(table + "\n")
         return
     shape = check_layer_shape(args.in_features, args.out_features, args.tokens, layer=not args.no_layer)
     kv_configs = None

@@ -258,7 +258,17 @@ def annotate(records: list[dict[str, Any]], model_name: str) -> None:
 
 # Verdicts of a ratio goal over several runs (:func:`across_runs`), and what makes two runs the same comparison
 MET, NOT_MET, UNDECIDED = "met", "not met", "undecided"
-_RUN_KEY = ("model", "threads", "cpu", "prompt_tokens", "new_tokens", "llama_cpp_type", "qbench_match")
+# (the build's instruction sets too: an AVX2-only build of the same CPU is another comparison)
+_RUN_KEY = (
+    "model",
+    "threads",
+    "cpu",
+    "native_isa",
+    "prompt_tokens",
+    "new_tokens",
+    "llama_cpp_type",
+    "qbench_match",
+)
 
 
 def across_runs(
@@ -279,14 +289,18 @@ def across_runs(
 
     groups: dict[tuple, dict[str, Any]] = {}
     for records in runs:
+        seen: set[tuple] = set()  # one ratio per run and comparison: a record repeated in a file is not a run
         for rec in records:
             if rec.get("kind") != "generate" or not rec.get("llama_cpp_type"):
                 continue
             key = tuple(rec.get(k) for k in _RUN_KEY)
-            entry = groups.setdefault(key, {**dict(zip(_RUN_KEY, key)), "ratios": []})
+            entry = groups.setdefault(key, {**dict(zip(_RUN_KEY, key)), "ratios": [], "commits": []})
             ratio = rec.get("qbench_vs_llama_cpp")
-            if ratio is not None and ratio > 0:
-                entry["ratios"].append(float(ratio))
+            if key in seen or ratio is None or not ratio > 0:
+                continue
+            seen.add(key)
+            entry["ratios"].append(float(ratio))
+            entry["commits"].append(rec.get("git_commit"))
     rows = []
     for entry in groups.values():
         r = entry["ratios"]
@@ -333,8 +347,9 @@ def across_runs_table(rows: Sequence[dict[str, Any]], tablefmt: str = "simple") 
             r["llama_cpp_type"],
             r["qbench_match"] or "",
             " / ".join(f(x) for x in r["ratios"]) or "-",
+            f"{r['prompt_tokens']} + {r['new_tokens']}",
             f(r["geomean"]),
-            f"{f(r['ci'][0])} – {f(r['ci'][1])}" if r["ci"] else "- (one run)",
+            f"{f(r['ci'][0])} – {f(r['ci'][1])}" if r["ci"] else "- (one run)" if r["runs"] else "- (no run)",
             r["verdict"] or "",
         ]
         for r in rows
@@ -353,9 +368,18 @@ def across_runs_table(rows: Sequence[dict[str, Any]], tablefmt: str = "simple") 
         "llama.cpp",
         "qbench match",
         "ratio per run",
+        "prompt + new tokens",
         "geomean",
         "interval",
         "verdict",
     ]
+    builds = sorted({f"{r['cpu']} ({r['native_isa'] or 'no C kernels'})" for r in rows})
+    commits = sorted(
+        {str(c)[:7] + ("-dirty" if str(c).endswith("-dirty") else "") for r in rows for c in r["commits"]}
+    )
+    foot = (
+        f"\n\nCPU (qbench's C kernels): {'; '.join(builds)}. The runs' commits: {', '.join(commits) or '-'} — pooled "
+        "as one comparison, so a change of code between them is part of the spread."
+    )
     # as written: tabulate would read "0.50" back as a number and print 0.5
-    return head + tabulate(table, headers, tablefmt=tablefmt, disable_numparse=True)
+    return head + tabulate(table, headers, tablefmt=tablefmt, disable_numparse=True) + foot

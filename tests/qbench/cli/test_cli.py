@@ -219,11 +219,11 @@ def test_speed_writes_json_and_renders_it_again(tmp_path, capsys):
     code, _, err = run(["speed", "--from-json", records, "--goal", "0.8"], capsys)
     assert code == 2 and "no llama.cpp rows in" in err
     code, _, err = run(["speed", "--from-json", records, records], capsys)
-    assert code == 2 and "the same file twice" in err
+    assert code == 2 and f"names {records} twice" in err
     code, _, err = run(["speed", "--no-model", "--goal", "0.8"], capsys)
     assert code == 2 and "--goal decides from runs already written" in err
     code, _, err = run(["speed", "--from-json", records, "--goal", "-1"], capsys)
-    assert code == 2 and "--goal must be a positive ratio" in err
+    assert code == 2 and "--goal: a positive ratio such as 0.8 is needed, got '-1'" in err
     row = {"kind": "generate", "name": "llama.cpp Q8_0", "model": "m", "threads": 1, "cpu": "c"}
     row |= {"prompt_tokens": 16, "new_tokens": 8, "llama_cpp_type": "Q8_0", "qbench_vs_llama_cpp": 0.9}
     llama = {

@@ -102,7 +102,14 @@ def test_across_runs_pools_only_the_same_comparison():
     assert set(by) == {(1, 64), (2, 64), (1, 32)}
     assert by[(1, 64)]["ratios"] == [0.8]  # the failed run (no ratio) adds nothing, not a zero
     table = llamacpp.across_runs_table(rows)
-    assert "0.80" in table and "- (one run)" in table and "undecided" in table
+    assert "0.80" in table and "- (one run)" in table and "undecided" in table and "64 + 32" not in table
+    assert "16 + 32" in table  # the protocol is shown: rows that differ only there do not look alike
+    # a record repeated within one run is one ratio, and a build with other instruction sets is not pooled
+    (row,) = llamacpp.across_runs([_run(0.8) + _run(0.9)])
+    assert row["ratios"] == [0.8]
+    avx2 = [{**r, "native_isa": "AVX2"} for r in _run(0.7)]
+    assert len(llamacpp.across_runs([_run(0.8), avx2])) == 2
+    assert "- (no run)" in llamacpp.across_runs_table(llamacpp.across_runs([_run(None)]))
 
 
 def test_generation_rows_from_llama_cpp(tmp_path):

@@ -198,12 +198,12 @@ def run(args: argparse.Namespace) -> None:
             "--goal decides from runs already written: give them with --from-json RUN1.json RUN2.json …"
         )
     if args.from_json:
-        seen: set[Path] = set()
-        for f in args.from_json:  # one run counted twice would narrow the interval it does not have
-            if Path(f).resolve() in seen:
-                raise UserError(f"--from-json names {f} twice: each run once")
-            seen.add(Path(f).resolve())
-        runs = [_read_records(Path(f)) for f in args.from_json]
+        paths = [Path(f) for f in args.from_json]
+        resolved = [p.resolve() for p in paths]
+        for i, p in enumerate(paths):  # one run counted twice would narrow the interval it does not have
+            if resolved[i] in resolved[:i]:
+                raise UserError(f"--from-json names {p} twice: each run once")
+        runs = [_read_records(p) for p in paths]
         table = None
         if len(runs) > 1 or args.goal is not None:  # decided before anything is written
             from qbench.studies.llamacpp import across_runs, across_runs_table

@@ -285,7 +285,9 @@ def across_runs(
     no interval. Runs of another protocol (prompt, new tokens) or thread count are never pooled."""
     import math
 
-    from qbench.eval.evidence import t_quantile
+    import torch
+
+    from qbench.eval.evidence import cluster_interval
 
     groups: dict[tuple, dict[str, Any]] = {}
     for records in runs:
@@ -303,15 +305,12 @@ def across_runs(
             entry["commits"].append(rec.get("git_commit"))
     rows = []
     for entry in groups.values():
-        r = entry["ratios"]
-        logs, n = [math.log(x) for x in r], len(r)
-        log_mean = sum(logs) / n if n else None
-        mean = math.exp(log_mean) if n else None
-        lo = hi = None
-        if n >= 2:
-            sd = math.sqrt(sum((x - log_mean) ** 2 for x in logs) / (n - 1))
-            half = t_quantile(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
-            lo, hi = mean * math.exp(-half), mean * math.exp(half)
+        r, n = entry["ratios"], len(entry["ratios"])
+        logs = torch.tensor([math.log(x) for x in r], dtype=torch.float64)
+        mean = math.exp(logs.mean().item()) if n else None
+        # the t-interval of the mean log ratio (None from one run), back on the ratio scale
+        ci = cluster_interval(logs, level)
+        lo, hi = (math.exp(ci[1]), math.exp(ci[2])) if ci else (None, None)
         verdict = None if goal is None else _goal_verdict(lo, hi, goal)
         rows.append(
             {

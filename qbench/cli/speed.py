@@ -48,8 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--generate-via",
         default="own",
-        help="whole-model generation on qbench's graph and KV cache (own; a transformers Llama-family model is "
-        "converted, its logits checked) or on transformers' (transformers: ours exported; default own)",
+        help="whole-model generation on qbench's graph and KV cache, decode steps through qbench's decode runtime "
+        "where it serves the model (own; a transformers Llama-family model is converted, its logits checked), "
+        "the same with every step the model's torch forward (eager), or on transformers' (transformers: ours "
+        "exported; default own)",
     )
     p.add_argument(
         "--llama-cpp",

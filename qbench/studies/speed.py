@@ -21,7 +21,11 @@ What is measured:
   every parameter and buffer.
 - ``generate``: whole-model **generation** — greedy decoding of ``new_tokens`` tokens (default 128) after a
   16-token prompt, batch 1, with a KV cache, fp32 and bf16 vs each scheme in real mode; ``tokens_per_s`` per record.
-  Our own ``Transformer`` generates with its own cache (``models.KVCache`` through ``Transformer.generate``),
+  Our own ``Transformer`` generates with its own cache (``models.KVCache``): the prompt through the model's
+  forward, each later token through qbench's decode runtime where it serves the model (``qbench.eval.decode``:
+  the model's own linears — a quantised copy's real kernels — with one C call for each norm and each attention
+  between them; the record's ``decode`` names the engine, and why not where the model's eager step ran), every
+  step through ``Transformer.generate`` with ``generate_via="eager"``,
   or with ``generate_via="transformers"`` through its exported transformers twin (``models.hf.to_hf_model``:
   same weights, same function, the path of a user who converts the checkpoint) — quantised the same way. A
   transformers Llama-family checkpoint (a folder or a GGUF) is converted the other way
@@ -465,7 +469,8 @@ def _model_records(
 
 def greedy_generate(model: nn.Module, prompt: Tensor, new_tokens: int) -> Tensor:
     """``new_tokens`` greedy tokens after ``prompt`` (1, P) with the model's KV cache: our models' own
-    (``models.KVCache``, through ``Transformer.generate``), a transformers model's through its API."""
+    (``models.KVCache``, through ``Transformer.generate``: every step the model's torch forward), a transformers
+    model's through its API."""
     if not _is_transformers(model):
         return model.generate(prompt, new_tokens)
     # transformers 5 names the cache argument and output ``cache`` (``past_key_values`` before)
@@ -481,7 +486,24 @@ def greedy_generate(model: nn.Module, prompt: Tensor, new_tokens: int) -> Tensor
     return torch.cat(out_ids, dim=1)
 
 
-GENERATE_VIA = ("own", "transformers")
+def _generator(model: nn.Module, prompt: Tensor, new_tokens: int, via: str) -> tuple[Callable[[], Any], str]:
+    """One candidate's generation call and the engine of its decode steps: with ``via="own"``, qbench's decode
+    runtime where it serves the model (``qbench.eval.decode``: C norms and attention between the model's own
+    linears), else — and with ``via="eager"`` — the model's torch forward every step; transformers' loop for a
+    transformers model."""
+    from qbench.eval import decode
+
+    if not isinstance(model, Transformer):
+        return partial(greedy_generate, model, prompt, new_tokens), "transformers forward per step"
+    reason = decode.unsupported(model) if via == "own" else "--generate-via eager"
+    if reason is None:
+        return partial(decode.DecodeRuntime(model).generate, prompt, new_tokens), decode.ENGINE
+    return partial(greedy_generate, model, prompt, new_tokens), f"{decode.EAGER}: {reason}"
+
+
+# own: qbench's graph and KV cache, decode steps through the runtime where it serves the model; eager: the same
+# graph, every step the model's torch forward (what the runtime is tested against); transformers: transformers'
+GENERATE_VIA = ("own", "eager", "transformers")
 
 
 def fusable(scheme: str) -> bool:
@@ -507,9 +529,9 @@ def fusable(scheme: str) -> bool:
 
 
 def _generation_model(model: nn.Module, via: str = "own") -> tuple[nn.Module, str]:
-    """A model with a KV cache: ours with their own cache (``via="own"``) or exported to transformers
-    (``via="transformers"``, the path of a user who converts the checkpoint); a transformers model converted to
-    ours where it has an equivalent (``via="own"``: ``models.hf.from_hf_model``), else as it is."""
+    """A model with a KV cache: ours with their own cache (``via="own"`` or ``"eager"``) or exported to
+    transformers (``via="transformers"``, the path of a user who converts the checkpoint); a transformers model
+    converted to ours where it has an equivalent (``models.hf.from_hf_model``), else as it is."""
     if via not in GENERATE_VIA:
         raise unknown_choice("generation path", via, GENERATE_VIA)
     if _is_transformers(model):
@@ -523,7 +545,7 @@ def _generation_model(model: nn.Module, via: str = "own") -> tuple[nn.Module, st
             return from_hf_model(model, check=check), "qbench models.KVCache (converted from transformers)"
         except UserError as e:  # no qbench equivalent: transformers' graph, said so
             return model, f"transformers (KV cache; no qbench equivalent: {str(e)[:120]})"
-    if via == "own":
+    if via != "transformers":
         return model, "qbench models.KVCache"
     from models.hf import to_hf_model
 
@@ -587,10 +609,10 @@ def _generation(
         how += ", q/k/v and gate/up fused"
     prompt = torch.randint(0, vocab, (1, PROMPT_TOKENS), device=common["device"])
     calibration = torch.randint(0, vocab, (2, PROMPT_TOKENS * 4), device=common["device"])
-    fp32 = Candidate("generate", f"{name} fp32", partial(greedy_generate, gen_model, prompt, new_tokens))
+    fp32 = Candidate("generate", f"{name} fp32", None)
     fp32.backend, fp32.weight_bytes = "torch", partial(model_bytes, gen_model)
     gen16 = _bf16(gen_model)
-    bf16 = Candidate("generate", f"{name} bf16", partial(greedy_generate, gen16, prompt, new_tokens))
+    bf16 = Candidate("generate", f"{name} bf16", None)
     bf16.backend, bf16.weight_bytes = "torch", partial(model_bytes, gen16)
     candidates = [fp32, bf16]
     nets: dict[str, nn.Module] = {
@@ -609,9 +631,13 @@ def _generation(
         except CANDIDATE_ERRORS as err:
             c.error = f"{type(err).__name__}: {err}".splitlines()[0][:200]
         else:
-            c.fn, nets[c.name] = partial(greedy_generate, q, prompt, new_tokens), q
+            nets[c.name] = q
             c.backend, c.weight_bytes = _backend_of(q, "real"), partial(model_bytes, q)
         candidates.append(c)
+    for c in candidates:  # each generates through its decode engine (the runtime where it serves the net)
+        if c.name in nets:
+            c.fn, engine = _generator(nets[c.name], prompt, new_tokens, via)
+            fields_of.setdefault(c.name, {})["decode"] = engine
     for c, fields in extra_candidates:
         if c.fn is not None:
             c.fn = partial(c.fn, prompt[0].tolist(), new_tokens)
@@ -886,7 +912,7 @@ def format_speed_table(records: Sequence[dict[str, Any]], tablefmt: str = "simpl
                     if kind == "generate"
                     else []
                 ),
-                _short(r["error"]),
+                _short(r["error"] or _other_engine(r, rows[0])),
             ]
             for r in rows
         ]
@@ -989,6 +1015,12 @@ def _kv_sections(rows: Sequence[dict[str, Any]], tablefmt: str) -> list[str]:
     return out
 
 
+def _other_engine(rec: dict[str, Any], first: dict[str, Any]) -> str | None:
+    """A generation row's decode engine where it is not the one the section's title names (the first row's)."""
+    engine = rec.get("decode")
+    return None if engine is None or engine == first.get("decode") else f"decode: {engine}"
+
+
 def _short(note: str | None, width: int = 60) -> str:
     return "" if not note else note if len(note) <= width else note[: width - 1] + "…"
 
@@ -1005,6 +1037,8 @@ def _section_title(title: str, rec: dict[str, Any]) -> str:
             f"{rec['model']}, {rec['new_tokens']} new tokens after {rec['prompt_tokens']}, batch 1, KV cache"
             f" ({rec['via']})"
         )
+        if rec.get("decode"):  # records before the runtime: every step the model's forward
+            shape += f", decode steps: {rec['decode']}"
     on_cpu = rec.get("device", "cpu") == "cpu"  # the C kernels are CPU-only
     if rec["kind"] in ("model", "generate") and rec.get("native_isa") and on_cpu:
         shape += f", C kernels: {rec['native_isa']}"

@@ -26,6 +26,10 @@ without AVX-512 VNNI, slow at any size), and the int4 kernels want bf16 activati
   the portable build); ``lowbit_dequantize``: their Ŵ, bit-identical to ``LowBitLinear.dequantized_weight``;
 - ``dequantize``: Ŵ as float32, bit-identical to ``primitives.dequantize`` (the prefill path: one pass, then
   torch's sgemm, so prefill equals fake mode exactly).
+- ``decode_norm`` and ``decode_attention`` (``native_decode.c``): the float work between a decode step's linears
+  for ``qbench.eval.decode``'s runtime — the residual add and a LayerNorm / RMSNorm in one pass; RoPE, the KV
+  cache write and single-query softmax / softmax-1 / sink attention in one call (plain C that each target
+  vectorises, equal to torch to float rounding).
 
 Build: on first use, like every kernel of qbench (``build.py``: one compiler lookup, ``-O3 -march=native
 -fopenmp`` and fallbacks, cached on disk per CPU, compiler and source, so a binary built for one CPU never runs
@@ -58,7 +62,7 @@ LEGACY_ENV = "QBENCH_NATIVE_KERNELS"
 ISA_NAMES = {0: "C", 1: "AVX2"}
 GEMV_ROWS = 16  # native.h: the default split between the decode loop and the GEMM
 _STATE = {"enabled": kernel_build.switched_on(LEGACY_ENV)}
-_I64, _INT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_I64, _INT, _PTR, _F32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
     "qk_isa": ([], _INT),
     "qk_openmp": ([], _INT),
@@ -92,11 +96,38 @@ _SIGNATURES = {
         [_PTR, _I64, _PTR, _INT, _INT, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT],
         _INT,
     ),
+    # native_decode.c, the float work between a decode step's linears (qbench.eval.decode): x, delta, n, w, w_len,
+    # b, eps, rms, out; q, k, v, nh, nkv, hs, kcache, vcache, head_stride, pos, cos, sin, extra, extra_k,
+    # extra_v, scale, out, threads
+    "qk_decode_norm": ([_PTR, _PTR, _I64, _PTR, _I64, _PTR, _F32, _INT, _PTR], None),
+    "qk_decode_attention": (
+        [
+            _PTR,
+            _PTR,
+            _PTR,
+            _I64,
+            _I64,
+            _I64,
+            _PTR,
+            _PTR,
+            _I64,
+            _I64,
+            _PTR,
+            _PTR,
+            _INT,
+            _PTR,
+            _PTR,
+            _F32,
+            _PTR,
+            _INT,
+        ],
+        None,
+    ),
 }
 
 
 # one library: the entry points (dispatch), the portable loops, the AVX2 loops (empty unless the target has AVX2)
-NATIVE_SOURCES = ("native.c", "native_ref.c", "native_avx2.c", "native_avx512.c")
+NATIVE_SOURCES = ("native.c", "native_ref.c", "native_avx2.c", "native_avx512.c", "native_decode.c")
 
 
 @functools.cache

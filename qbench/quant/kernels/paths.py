@@ -620,6 +620,27 @@ def run_fast(owner: object, x: Tensor) -> Tensor | None:
     return entry.run(x, rows)
 
 
+def kept_decode_call(owner: object) -> Callable[[Tensor], Tensor] | None:
+    """The layer's kept one-row call (a decode forward already ran through it), its token and pointers checked
+    now, once: for a caller that runs many one-row steps with nothing in between that could change the layer or
+    the dispatch — ``qbench.eval.decode``'s runtime within one generation, which binds every linear after the
+    first step and so pays :func:`run_fast`'s per-call checks once per layer instead of once per token. The
+    caller guarantees each input is what ``run_fast`` would have accepted (float32, CPU, contiguous, no autograd,
+    one row of ``k`` features). None when the layer keeps no such call or it is stale."""
+    table = owner.__dict__.get("_fast")
+    entry = None if table is None else table.entries.get(1)
+    if (
+        entry is None
+        or entry.token != _dispatch_token()
+        or any(t.data_ptr() != ptr for t, ptr in entry.checks)
+        or any(t._version != version for t, version in entry.versions)
+    ):
+        return None
+    owner.__dict__["last_path"] = entry.path
+    run = entry.run
+    return lambda x: run(x, 1)
+
+
 def _keep_fast(
     owner: object,
     k: int,

@@ -97,6 +97,27 @@ def test_generate_records(records):
         assert rec["linear_share"] == rec["linear_kernels_ms"] / rec["ms_per_token"]
     assert "no real kernel" in gen["absmax-fine-perchannel [real]"]["error"]
     assert gen["absmax-fine-perchannel [real]"]["linear_share"] is None
+    # decode steps through qbench's runtime where it serves the net (float32 on CPU), the eager step elsewhere
+    from qbench.eval import decode
+    from qbench.quant.kernels import native
+
+    runtime = (
+        decode.ENGINE if native.available() else f"{decode.EAGER}: native kernels not built or switched off"
+    )
+    for name in ("tiny fp32", "absmax-fine [real]", "zeropoint-int4 [real]", "absmax-w4a8 [real]"):
+        assert gen[name]["decode"] == runtime, name
+    assert gen["tiny bf16"]["decode"].startswith(f"{decode.EAGER}: torch.bfloat16")
+    assert "decode steps: " in format_speed_table(records)
+
+
+def test_generate_eager_runs_the_model_forward_every_step():
+    recs = run_speed(
+        repeats=1, schemes=["absmax-fine"], modes=["real"], model="tiny", model_tokens=8, new_tokens=3,
+        layer=False, kv=False, generate_via="eager", threads=1,
+    )  # fmt: skip
+    gen = {r["name"]: r for r in recs if r["kind"] == "generate"}
+    assert {r["decode"] for r in gen.values()} == {"model.generate (torch eager): --generate-via eager"}
+    assert all(r["error"] is None for r in gen.values())
 
 
 def test_kv_records(records):

@@ -53,12 +53,19 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 
 def git_commit(cwd: str | os.PathLike | None = None) -> str | None:
-    """The commit of the qbench source tree (with '-dirty' for uncommitted changes), or None outside git.
+    """The commit of the qbench source tree (with '-dirty' for uncommitted changes to it), or None outside git.
 
+    The source is every tracked file outside ``results/`` and ``docs/``: generated tables and prose cannot change a
+    number, and a script that regenerates ``results/`` (``results/speed/run.sh``) rewrites tracked files as it
+    goes, which would otherwise mark every record after its first as dirty.
     Asked once per process and folder: the code that runs is the code imported at the start, and a grid writes
     a record per cell (two git calls each cost ~0.2 s, a tenth of a small cell).
     """
     return _git_commit(str(Path(cwd) if cwd else Path(__file__).resolve().parent))
+
+
+# git pathspecs from the repository's top: everything but the generated results and the docs
+SOURCE_PATHSPEC = (":(top)", ":(top,exclude)results", ":(top,exclude)docs")
 
 
 @functools.cache
@@ -68,7 +75,7 @@ def _git_commit(cwd: str) -> str | None:
             ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", *SOURCE_PATHSPEC],
             cwd=cwd,
             capture_output=True,
             text=True,

@@ -46,6 +46,16 @@ class KVCache:
         self._v[layer][:, :, self.pos : end] = v
         return self._k[layer][:, :, :end], self._v[layer][:, :, :end]
 
+    def buffers(self, layer: int) -> tuple[Tensor, Tensor]:
+        """``layer``'s whole (B, nh, context, hs) key and value buffers, for a decode engine that writes position
+        ``pos`` itself and reads 0 … pos (``qbench.eval.decode``); they exist once a forward has appended."""
+        k, v = self._k[layer], self._v[layer]
+        if k is None or v is None:
+            raise ValueError(
+                f"layer {layer} of the KV cache holds nothing yet: run the prompt through the model first"
+            )
+        return k, v
+
 
 class CacheView(NamedTuple):
     """What one layer's queries read: float and quantised versions of every cached position (B, nh, L, hs), and

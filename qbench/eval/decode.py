@@ -37,7 +37,6 @@ from models.kvcache import KVCache
 from models.transformer import RMSNorm, Transformer
 
 ATTENTION_KINDS = {"softmax": 0, "softmax1": 1, "sink": 2}  # qk_decode_attention's ``extra``
-MAX_HEAD_DIM = 512  # native_decode.c's per-head query buffer
 
 ENGINE = "qbench decode runtime (C norms and attention between the model's linears)"
 EAGER = "model.generate (torch eager)"
@@ -62,8 +61,6 @@ def unsupported(model: nn.Module) -> str | None:
     ):
         if value not in allowed:
             return f"{field}={value}"
-    if c.head_dim > MAX_HEAD_DIM or c.n_head % c.kv_heads:
-        return f"head_dim={c.head_dim}, {c.n_head} heads over {c.kv_heads} key/value heads"
     norms = [model.transformer.ln_f] + [m for b in model.transformer.h for m in (b.ln_1, b.ln_2)]
     for norm in norms:
         if not isinstance(norm, (nn.LayerNorm, RMSNorm)) or (
@@ -183,7 +180,7 @@ class DecodeRuntime:
         lib.qk_decode_norm(x.data_ptr(), None, self.d, *self.norms[0], h.data_ptr())
         for i, layer in enumerate(calls):
             (q, k, v), _keep = self._qkv(layer, h)
-            kc, vc = cache._k[i], cache._v[i]
+            kc, vc = cache.buffers(i)
             sink_k, sink_v = self.sinks[i]
             lib.qk_decode_attention(
                 q, k, v, self.nh, self.nkv, self.hs, kc.data_ptr(), vc.data_ptr(), kc.stride(1), pos, cos, sin,

@@ -128,8 +128,8 @@ void qk_decode_attention(const float *q, const float *k, const float *v, int64_t
 #endif
     for (int64_t h = 0; h < nh; ++h) {
         const float *K = kcache + (h / group) * head_stride, *V = vcache + (h / group) * head_stride;
-        float qh[512], *y = out + h * hs;
-        float *p = malloc((size_t)L * sizeof(float));
+        float *y = out + h * hs;
+        float *p = malloc((size_t)(L + hs) * sizeof(float)), *qh = p + L; /* scores, then the rotated query */
         if (cos_)
             rope_head(q + h * hs, cos_, sin_, hs, qh);
         else

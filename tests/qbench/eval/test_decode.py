@@ -107,7 +107,8 @@ def _attention_reference(q, k_new, v_new, kc, vc, pos, cos, sin, kind, sink_k, s
 @pytest.mark.parametrize("build_name", BUILDS)
 @pytest.mark.parametrize("kind", [0, 1, 2])
 @pytest.mark.parametrize(
-    "nh, nkv, hs, pos, rope", [(4, 4, 16, 0, False), (6, 2, 64, 37, True), (3, 1, 8, 70, True)]
+    "nh, nkv, hs, pos, rope",
+    [(4, 4, 16, 0, False), (6, 2, 64, 37, True), (3, 1, 8, 70, True), (2, 1, 640, 5, True)],
 )
 def test_attention_matches_the_model(build_name, kind, nh, nkv, hs, pos, rope):
     lib = _lib(build_name)
@@ -283,6 +284,12 @@ def test_runtime_refuses_past_the_context():
         decode.DecodeRuntime(model).generate(torch.zeros(1, 8, dtype=torch.long), 6)
     with pytest.raises(ValueError, match="one sequence"):
         decode.DecodeRuntime(model).generate(torch.zeros(2, 3, dtype=torch.long), 2)
+
+
+def test_cache_buffers_need_a_prefill():
+    cache = _model("gpt2").new_cache()
+    with pytest.raises(ValueError, match="layer 0 of the KV cache holds nothing yet"):
+        cache.buffers(0)
 
 
 def test_runtime_does_not_touch_the_model():

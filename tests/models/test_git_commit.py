@@ -18,7 +18,7 @@ def _git(repo, *args: str) -> None:
 
 def test_only_source_changes_make_a_commit_dirty(tmp_path):
     repo = tmp_path / "repo"
-    for path in ("models/io.py", "results/speed/table.md", "docs/speed.md", "pyproject.toml"):
+    for path in ("models/io.py", "results/speed/README.md", "docs/speed.md", "pyproject.toml"):
         (repo / path).parent.mkdir(parents=True, exist_ok=True)
         (repo / path).write_text("v1\n")
     _git(repo, "init", "-q")
@@ -28,7 +28,7 @@ def test_only_source_changes_make_a_commit_dirty(tmp_path):
         ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True
     ).stdout.strip()
     # each check from its own folder: git_commit is asked once per process and folder
-    (repo / "results/speed/table.md").write_text("regenerated\n")
+    (repo / "results/speed/README.md").write_text("regenerated\n")
     (repo / "docs/speed.md").write_text("reworded\n")
     assert (
         git_commit(repo / "results") == sha

@@ -106,6 +106,7 @@ class DecodeRuntime:
         c = model.config
         self.d, self.nh, self.nkv, self.hs = c.d_model, c.n_head, c.kv_heads, c.head_dim
         self.kind, self.scale = ATTENTION_KINDS[c.attn], 1.0 / c.head_dim**0.5
+        self.rope = c.pos == "rope"
         t = model.transformer
         self.norms = [_norm_args(b.ln_1) for b in t.h] + [_norm_args(t.ln_f)]
         self.post_norms = [_norm_args(b.ln_2) for b in t.h]
@@ -172,9 +173,8 @@ class DecodeRuntime:
             x = t.emb_proj(x)
         x = x + t.wpe.weight[pos] if "wpe" in t else x.clone()  # the residual stream, owned: updated in place
         h = torch.empty_like(x)
-        rope = model.config.pos == "rope"
-        cos = _ptr(model.rope_cos[pos]) if rope else None
-        sin = _ptr(model.rope_sin[pos]) if rope else None
+        cos = _ptr(model.rope_cos[pos]) if self.rope else None
+        sin = _ptr(model.rope_sin[pos]) if self.rope else None
         threads = torch.get_num_threads()
         y = torch.empty(1, 1, self.nh * self.hs)
         lib.qk_decode_norm(x.data_ptr(), None, self.d, *self.norms[0], h.data_ptr())
@@ -214,10 +214,20 @@ class DecodeRuntime:
         return torch.cat(out, dim=1)
 
 
-def generate(model: nn.Module, prompt: Tensor, new_tokens: int) -> tuple[Tensor, str]:
-    """Greedy tokens and the engine that made them: the runtime where it serves ``model`` (and the prompt is one
-    sequence), else ``model.generate`` with the reason."""
-    reason = unsupported(model) if prompt.size(0) == 1 else "batch > 1"
+def generator(
+    model: nn.Module, prompt: Tensor, new_tokens: int, eager: str | None = None
+) -> tuple[Callable[[], Tensor], str]:
+    """A call making ``new_tokens`` greedy tokens after ``prompt``, and the engine of its decode steps: the runtime
+    (built once, here) where it serves ``model`` and the prompt is one sequence, else ``model.generate`` with the
+    reason — ``eager``, when given, is the caller's reason for the model's own step (the runtime's reference)."""
+    reason = eager or (unsupported(model) if prompt.size(0) == 1 else "batch > 1")
     if reason is None:
-        return DecodeRuntime(model).generate(prompt, new_tokens), ENGINE
-    return model.generate(prompt, new_tokens), f"{EAGER}: {reason}"
+        runtime = DecodeRuntime(model)
+        return lambda: runtime.generate(prompt, new_tokens), ENGINE
+    return lambda: model.generate(prompt, new_tokens), f"{EAGER}: {reason}"
+
+
+def generate(model: nn.Module, prompt: Tensor, new_tokens: int) -> tuple[Tensor, str]:
+    """Greedy tokens and the engine that made them (:func:`generator`, called once)."""
+    call, engine = generator(model, prompt, new_tokens)
+    return call(), engine

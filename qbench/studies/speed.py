@@ -495,10 +495,9 @@ def _generator(model: nn.Module, prompt: Tensor, new_tokens: int, via: str) -> t
 
     if not isinstance(model, Transformer):
         return partial(greedy_generate, model, prompt, new_tokens), "transformers forward per step"
-    reason = decode.unsupported(model) if via == "own" else "--generate-via eager"
-    if reason is None:
-        return partial(decode.DecodeRuntime(model).generate, prompt, new_tokens), decode.ENGINE
-    return partial(greedy_generate, model, prompt, new_tokens), f"{decode.EAGER}: {reason}"
+    return decode.generator(
+        model, prompt, new_tokens, eager="--generate-via eager" if via == "eager" else None
+    )
 
 
 # own: qbench's graph and KV cache, decode steps through the runtime where it serves the model; eager: the same

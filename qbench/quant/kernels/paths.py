@@ -554,6 +554,15 @@ class _FastEntry:
         # s · (8 − z)); an in-place edit of one makes the derived tensor stale. Inference tensors keep no version.
         self.versions = tuple((t, t._version) for t in derived_from if t is not None and not t.is_inference())
 
+    def current(self) -> bool:
+        """Whether the call still computes the layer's output: the same dispatch, the same storages, no in-place
+        edit of what a derived tensor came from."""
+        return (
+            self.token == _dispatch_token()
+            and all(t.data_ptr() == ptr for t, ptr in self.checks)
+            and all(t._version == version for t, version in self.versions)
+        )
+
 
 class _FastTable(_LayerLocal):
     """A layer's fast calls per row class (1 row; 2–16 rows), for inputs with ``k`` features. Dropped with the
@@ -608,14 +617,8 @@ def run_fast(owner: object, x: Tensor) -> Tensor | None:
         return None
     rows = x.numel() // table.k
     entry = table.entries.get(1 if rows == 1 else (2 if 1 < rows <= DECODE_ROWS else 0))
-    if entry is None or entry.token != _dispatch_token():
+    if entry is None or not entry.current():
         return None
-    for t, ptr in entry.checks:
-        if t.data_ptr() != ptr:
-            return None
-    for t, version in entry.versions:
-        if t._version != version:
-            return None
     owner.__dict__["last_path"] = entry.path
     return entry.run(x, rows)
 
@@ -629,12 +632,7 @@ def kept_decode_call(owner: object) -> Callable[[Tensor], Tensor] | None:
     one row of ``k`` features). None when the layer keeps no such call or it is stale."""
     table = owner.__dict__.get("_fast")
     entry = None if table is None else table.entries.get(1)
-    if (
-        entry is None
-        or entry.token != _dispatch_token()
-        or any(t.data_ptr() != ptr for t, ptr in entry.checks)
-        or any(t._version != version for t, version in entry.versions)
-    ):
+    if entry is None or not entry.current():
         return None
     owner.__dict__["last_path"] = entry.path
     run = entry.run

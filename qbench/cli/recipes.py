@@ -10,7 +10,9 @@ from models.errors import UserError
 from qbench.cli.args import add_seed_arguments
 from qbench.cli.base import add_output_argument, console
 from qbench.cli.budgets import DEMO_LONG_STEPS, DEMO_STEPS, DEMO_TOKENS
-from qbench.studies.recipes import DEFAULT_RECIPES, LR_SWEEP  # torch-free: the parser stays light
+
+# torch-free: the parser stays light
+from qbench.studies.recipes import DEFAULT_RECIPES, LR_RULE, LR_SWEEP, valid_lr
 
 NAME = "recipes"
 HELP = (
@@ -108,9 +110,10 @@ def run(args: argparse.Namespace) -> None:
     base = long_config() if args.long else RecipesConfig()
     steps = base.steps if args.steps is None else args.steps
     lrs = () if args.lr_sweep is None else tuple(args.lr_sweep or LR_SWEEP)
-    bad = [x for x in (args.lr, *lrs) if not x > 0]
-    if bad:
-        raise UserError(f"learning rates must be > 0, got {bad[0]:g} (--lr, --lr-sweep)")
+    for flag, values in (("--lr", [args.lr]), ("--lr-sweep", lrs)):
+        bad = [x for x in values if not valid_lr(x)]
+        if bad:
+            raise UserError(f"{flag} {bad[0]:g}: {LR_RULE}")
     if args.lr_from is not None and args.lr_sweep is not None:
         raise UserError(
             "give one of --lr-sweep (choose the lr here) and --lr-from (an earlier sweep's choice)"

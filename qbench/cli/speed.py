@@ -170,19 +170,115 @@ def _ratio(text: str) -> float:
     return value
 
 
+# the fields the tables and the across-runs interval compute with: a hand-edited "0.9" would fail there, mid-table
+_NUMBER_FIELDS = (
+    "ms",
+    "ms_min",
+    "speedup",
+    "speedup_best",
+    "weight_bytes",
+    "bytes_vs_fp32",
+    "gb_per_s",
+    "vs_copy",
+    "tokens_per_s",
+    "linear_share",
+    "qbench_vs_llama_cpp",
+    "cache_bytes",
+    "bytes_vs_float",
+)
+# what decides which runs are one comparison: compared and hashed, so never a list or an object
+_KEY_FIELDS = ("kind", "name", "model", "threads", "cpu", "native_isa", "prompt_tokens", "new_tokens")
+_KEY_FIELDS += ("llama_cpp_type", "qbench_match")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _read_records(path: Path) -> list[dict]:
-    """The records of a ``qbench speed --output-path`` file, or a one-line error."""
+    """The records of a ``qbench speed --output-path`` file, or a one-line error naming the file and the fault."""
     import json
+    import math
 
     if not path.is_file():
         raise UserError(f"no speed records at {path} (write them with qbench speed --output-path {path})")
+    not_ours = f"{path} is not a qbench speed --output-path file"
     try:
-        records = json.loads(path.read_text())["records"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise UserError(f"{path} is not a qbench speed --output-path file ({err})") from None
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise UserError(f"{not_ours} (not UTF-8 text: {err.reason} at byte {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise UserError(f"{not_ours} (not JSON: {err})") from None
+    if not isinstance(data, dict) or "records" not in data:
+        raise UserError(f'{not_ours} (no "records" at its top level)')
+    records = data["records"]
     if not isinstance(records, list):
-        raise UserError(f"{path} is not a qbench speed --output-path file (its records are not a list)")
+        raise UserError(f"{not_ours} (its records are not a list)")
+    for i, rec in enumerate(records, 1):
+        if not isinstance(rec, dict):
+            raise UserError(f"{not_ours} (record {i} is {json.dumps(rec)[:40]}, not an object)")
+        what = (
+            f"{path}: record {i} ({rec.get('name')!r})"
+            if isinstance(rec.get("name"), str)
+            else f"{path}: record {i}"
+        )
+        for field in _NUMBER_FIELDS:
+            if rec.get(field) is not None and not _is_number(rec[field]):
+                raise UserError(f"{what} has {field} {json.dumps(rec[field])[:40]}, not a number")
+        ratio = rec.get("qbench_vs_llama_cpp")  # annotate writes a quotient of two speeds, or None
+        if ratio is not None and not (math.isfinite(ratio) and ratio > 0):
+            raise UserError(f"{what} has qbench_vs_llama_cpp {json.dumps(ratio)}, not a ratio > 0")
+        repeats = rec.get("ms_repeats")
+        if repeats is not None and not (isinstance(repeats, list) and all(map(_is_number, repeats))):
+            raise UserError(f"{what} has ms_repeats {json.dumps(repeats)[:40]}, not a list of numbers")
+        for field in _KEY_FIELDS:
+            if isinstance(rec.get(field), (list, dict)):
+                raise UserError(f"{what} has {field} {json.dumps(rec[field])[:40]}, not a single value")
     return records
+
+
+def _speed_table(path: Path, records: list[dict], tablefmt: str) -> str:
+    """The tables of one file: a record that holds no qbench speed figure (a field missing, another shape) fails in
+    one line naming the file, as a file that is not JSON does."""
+    from qbench.studies.speed import format_speed_table
+
+    try:
+        return format_speed_table(records, tablefmt)
+    except KeyError as err:
+        raise UserError(
+            f"{path} is not a qbench speed --output-path file (a record has no {err} field)"
+        ) from None
+    except (TypeError, ValueError, IndexError, AttributeError) as err:
+        raise UserError(
+            f"{path} is not a qbench speed --output-path file (a record cannot be shown: {err})"
+        ) from None
+
+
+def _check_pooled(paths: list[Path], runs: list[list[dict]]) -> None:
+    """Several runs pool into one interval only when each is its own run and gives a ratio: a copied file would
+    narrow the interval as a second run, and a file giving nothing would look counted (refused, named)."""
+    from qbench.studies.llamacpp import ratios_of, same_run
+
+    for i, (path, records) in enumerate(zip(paths, runs)):
+        for earlier, before in zip(paths[:i], runs[:i]):
+            why = same_run(before, records)
+            if why is not None:
+                raise UserError(
+                    f"--from-json {path} is the same run as {earlier} ({why}): a copy pooled as a second run "
+                    "narrows the interval; give each run once"
+                )
+    if len(paths) < 2:
+        return
+    for path, records in zip(paths, runs):
+        if ratios_of(records):
+            continue
+        has_rows = any(r.get("kind") == "generate" and r.get("llama_cpp_type") for r in records)
+        what = (
+            "its llama.cpp rows have no qbench / llama.cpp ratio (failed, or no matched qbench row)"
+            if has_rows
+            else "it has no llama.cpp rows (written by qbench speed --llama-cpp)"
+        )
+        raise UserError(f"--from-json {path} adds no run to the comparison: {what}; drop it from --from-json")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -210,14 +306,16 @@ def run(args: argparse.Namespace) -> None:
         if len(runs) > 1 or args.goal is not None:  # decided before anything is written
             from qbench.studies.llamacpp import across_runs, across_runs_table
 
+            _check_pooled(paths, runs)
             rows = across_runs(runs, args.goal)
             if not rows:
                 raise UserError(
                     "no llama.cpp rows in " + ", ".join(args.from_json) + " (written by --llama-cpp)"
                 )
-            table = across_runs_table(rows, tablefmt)
+            table = across_runs_table(rows, tablefmt, names=args.from_json if len(runs) > 1 else None)
         if len(runs) == 1:
-            sys.stdout.write(format_speed_table(runs[0], tablefmt) + "\n" + ("\n" if table else ""))
+            text = _speed_table(paths[0], runs[0], tablefmt)
+            sys.stdout.write(text + "\n" + ("\n" if table else ""))
         if table:
             sys.stdout.write(table + "\n")
         return

@@ -271,6 +271,33 @@ _RUN_KEY = (
 )
 
 
+def same_run(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> str | None:
+    """Why the records ``a`` and ``b`` are one run (a file copied under another name), or None: pooled twice, one
+    run would narrow an interval it does not have. Two runs never time a candidate to the same repeat times, to the
+    last bit of the float, so a shared one is a copy, even of a file edited since; files without timings are the
+    same run when their records are equal."""
+    if list(a) == list(b):
+        return "identical records"
+    timed = {(rec.get("name"), tuple(rec["ms_repeats"])) for rec in a if rec.get("ms_repeats")}
+    for rec in b:
+        if rec.get("ms_repeats") and (rec.get("name"), tuple(rec["ms_repeats"])) in timed:
+            return f"identical repeat timings of {rec.get('name')!r}"
+    return None
+
+
+def ratios_of(records: Sequence[dict[str, Any]]) -> int:
+    """How many llama.cpp ratios ``records`` give :func:`across_runs` (a failed type, or one without its matched
+    qbench row, has none)."""
+    return sum(
+        1
+        for rec in records
+        if rec.get("kind") == "generate"
+        and rec.get("llama_cpp_type")
+        and rec.get("qbench_vs_llama_cpp") is not None
+        and rec["qbench_vs_llama_cpp"] > 0
+    )
+
+
 def across_runs(
     runs: Sequence[Sequence[dict[str, Any]]], goal: float | None = None, level: float = 0.95
 ) -> list[dict[str, Any]]:
@@ -282,7 +309,8 @@ def across_runs(
     its ``level`` t-interval on their logarithms (ratios multiply, so their spread is symmetric in the log), and
     against ``goal`` (qbench at least ``goal`` × llama.cpp's tokens/s) the verdict: *met* when the interval lies at
     or above it, *not met* when it lies below, else *undecided* — always undecided from a single run, which has
-    no interval. Runs of another protocol (prompt, new tokens) or thread count are never pooled."""
+    no interval. Runs of another protocol (prompt, new tokens) or thread count are never pooled. Each row's
+    ``run_numbers`` are the runs (1-based, in the order given) its ratios come from."""
     import math
 
     import torch
@@ -290,19 +318,22 @@ def across_runs(
     from qbench.eval.evidence import cluster_interval
 
     groups: dict[tuple, dict[str, Any]] = {}
-    for records in runs:
+    for number, records in enumerate(runs, 1):
         seen: set[tuple] = set()  # one ratio per run and comparison: a record repeated in a file is not a run
         for rec in records:
             if rec.get("kind") != "generate" or not rec.get("llama_cpp_type"):
                 continue
             key = tuple(rec.get(k) for k in _RUN_KEY)
-            entry = groups.setdefault(key, {**dict(zip(_RUN_KEY, key)), "ratios": [], "commits": []})
+            entry = groups.setdefault(
+                key, {**dict(zip(_RUN_KEY, key)), "ratios": [], "commits": [], "run_numbers": []}
+            )
             ratio = rec.get("qbench_vs_llama_cpp")
             if key in seen or ratio is None or not ratio > 0:
                 continue
             seen.add(key)
             entry["ratios"].append(float(ratio))
             entry["commits"].append(rec.get("git_commit"))
+            entry["run_numbers"].append(number)
     rows = []
     for entry in groups.values():
         r, n = entry["ratios"], len(entry["ratios"])
@@ -332,8 +363,11 @@ def _goal_verdict(lo: float | None, hi: float | None, goal: float) -> str:
     return MET if lo >= goal else NOT_MET if hi < goal else UNDECIDED
 
 
-def across_runs_table(rows: Sequence[dict[str, Any]], tablefmt: str = "simple") -> str:
-    """:func:`across_runs` as a table: each run's ratio, their geometric mean, its interval and the verdict."""
+def across_runs_table(
+    rows: Sequence[dict[str, Any]], tablefmt: str = "simple", names: Sequence[str] | None = None
+) -> str:
+    """:func:`across_runs` as a table: each run's ratio, which runs gave them, their geometric mean, its interval
+    and the verdict; ``names`` (the runs' files, in :func:`across_runs`' order) are listed under it."""
     from tabulate import tabulate
 
     def f(x: float | None) -> str:
@@ -346,6 +380,8 @@ def across_runs_table(rows: Sequence[dict[str, Any]], tablefmt: str = "simple") 
             r["llama_cpp_type"],
             r["qbench_match"] or "",
             " / ".join(f(x) for x in r["ratios"]) or "-",
+            # a run that gave this comparison nothing (another protocol, a failed type) is seen missing here
+            ", ".join(map(str, r.get("run_numbers", []))) or "-",
             f"{r['prompt_tokens']} + {r['new_tokens']}",
             f(r["geomean"]),
             f"{f(r['ci'][0])} – {f(r['ci'][1])}" if r["ci"] else "- (one run)" if r["runs"] else "- (no run)",
@@ -367,6 +403,7 @@ def across_runs_table(rows: Sequence[dict[str, Any]], tablefmt: str = "simple") 
         "llama.cpp",
         "qbench match",
         "ratio per run",
+        "runs",
         "prompt + new tokens",
         "geomean",
         "interval",
@@ -380,5 +417,7 @@ def across_runs_table(rows: Sequence[dict[str, Any]], tablefmt: str = "simple") 
         f"\n\nCPU (qbench's C kernels): {'; '.join(builds)}. The runs' commits: {', '.join(commits) or '-'} — pooled "
         "as one comparison, so a change of code between them is part of the spread."
     )
+    if names:
+        foot += "\nRuns: " + ", ".join(f"{i} = {name}" for i, name in enumerate(names, 1)) + "."
     # as written: tabulate would read "0.50" back as a number and print 0.5
     return head + tabulate(table, headers, tablefmt=tablefmt, disable_numparse=True) + foot

@@ -233,6 +233,17 @@ def choose_lrs(cfg: RecipesConfig) -> dict[str, Any]:
     }
 
 
+LR_RULE = "a learning rate must be a finite number > 0, e.g. 0.004"
+
+
+def valid_lr(value: Any) -> bool:
+    """A peak learning rate the trainer can use: inf or a negative rate trains to NaN or climbs the loss, and JSON's
+    ``true`` is an int to Python (1), not a rate anyone chose."""
+    return (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    )
+
+
 def read_lr_choice(path: Path, recipes: Sequence[str]) -> tuple[tuple[str, float], ...]:
     """(recipe, lr) for every recipe of ``recipes`` from a sweep's ``lr_sweep.json`` (``--lr-from``: the ``--long``
     panel trains at the lr the demo budget's sweep chose, a sweep at its own budget costing three panels). A
@@ -250,11 +261,19 @@ def read_lr_choice(path: Path, recipes: Sequence[str]) -> tuple[tuple[str, float
         raise UserError(
             f"--lr-from {path}: not an lr_sweep.json of qbench recipes --lr-sweep ({e})"
         ) from None
-    missing = [r for r in recipes if not isinstance(chosen.get(r), (int, float)) or not chosen[r] > 0]
+    # a value that is there but no rate is a damaged or hand-edited file, not a recipe the sweep left unchosen
+    for r in recipes:
+        if chosen.get(r) is not None and not valid_lr(chosen[r]):
+            raise UserError(
+                f"--lr-from {path}: the learning rate chosen for {r} is {json.dumps(chosen[r])}; {LR_RULE} "
+                f"(sweep {r} again or drop it from --recipes)"
+            )
+    missing = [r for r in recipes if chosen.get(r) is None]
     if missing:
         raise UserError(
             f"--lr-from {path} chose no learning rate for {', '.join(missing)} (it has: "
-            f"{', '.join(r for r, lr in chosen.items() if lr) or 'none'}); sweep them or drop them from --recipes"
+            f"{', '.join(r for r, lr in chosen.items() if valid_lr(lr)) or 'none'}); sweep them or drop them "
+            "from --recipes"
         )
     return tuple((r, float(chosen[r])) for r in recipes)
 

@@ -418,6 +418,21 @@ def _load_model(preset: str | None, ckpt: str | None) -> tuple[nn.Module, str, i
     return build(config, seed=0).eval(), preset, config.context, config.vocab_size
 
 
+def check_generation_fits(name: str, context: int, new_tokens: int) -> None:
+    """Refuse, in one line, a generation the model's context cannot hold: every row of the figure would record
+    the same error, after the minutes of timing before it."""
+    needed = PROMPT_TOKENS + new_tokens - 1  # the last new token is produced, never fed back
+    if needed <= context:
+        return
+    largest = context - PROMPT_TOKENS + 1
+    fix = f"the largest valid --new-tokens is {largest}, or" if largest >= 1 else "no --new-tokens fits:"
+    raise UserError(
+        f"--new-tokens {new_tokens} does not fit {name}'s context of {context} tokens: the "
+        f"{PROMPT_TOKENS}-token prompt and {new_tokens} new tokens need {needed} positions (the last token is not "
+        f"fed back); {fix} pass --no-generate"
+    )
+
+
 def _is_transformers(model: nn.Module) -> bool:
     """A transformers model (its own generation API and ``use_cache``), as opposed to our ``Transformer``."""
     return (
@@ -729,6 +744,19 @@ def run_speed(
         kv_configs = (
             list(kv_configs) if kv_configs else default_kv_configs()
         )  # bad configs fail before timing
+    if generate and model and not ckpt:  # a preset's context is known without building it
+        from models import preset_config
+
+        check_generation_fits(model, preset_config(model).context, new_tokens)
+    net = None
+    if model or ckpt:
+        # before anything is measured: a checkpoint's context is known once it is loaded, and a generation it
+        # cannot hold is refused then, not minutes later as an error in every row
+        with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+            net, name, context, vocab = _load_model(model, ckpt)
+        if generate:
+            check_generation_fits(name, context, new_tokens)
+        net = net.to(device)
     common = {
         **measured_where(threads, device, seed),
         "shape": list(shape),
@@ -751,9 +779,7 @@ def run_speed(
                 from qbench.studies.overhead import call_overhead_records
 
                 records += call_overhead_records(common)
-            if model or ckpt:
-                net, name, context, vocab = _load_model(model, ckpt)
-                net = net.to(device)
+            if net is not None:
                 records += _model_records(
                     net, name, context, vocab, model_tokens, repeats, schemes, modes, common
                 )

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # The commands whose peak resident memory is printed when they finish: those that evaluate many cells.
-MEMORY_REPORTED = ("card", "sweep", "sensitivity", "grid", "demo")
+MEMORY_REPORTED = ("card", "run", "sweep", "sensitivity", "grid", "score", "algorithms", "demo")
 
 
 def peak_memory_gib() -> float:

@@ -322,6 +322,25 @@ def float_scheme() -> Any:
     return QuantScheme(FLOAT_SCHEME, "weights and activations in float", weight_bits=None)
 
 
+def nonfinite_weights(model: torch.nn.Module) -> str | None:
+    """``"the float weights hold N NaN/inf value(s) (first in NAME)"``, or None when every parameter is finite."""
+    bad = [(name, int((~p.isfinite()).sum())) for name, p in model.named_parameters()]
+    bad = [(name, n) for name, n in bad if n]
+    if not bad:
+        return None
+    return f"the float weights hold {sum(n for _, n in bad)} NaN/inf value(s) (first in {bad[0][0]})"
+
+
+def refuse_unscorable(name: str, fp: dict[str, Any], study: str) -> None:
+    """A study that compares cells with the float model stops, in one line, when that model has no finite
+    perplexity (NaN weights, an overflow in float16): every comparison would be NaN."""
+    if fp.get("status") != "ok":
+        raise UserError(
+            f"{name}: the float model cannot be scored ({fp.get('error') or fp.get('status')}); {study} compares "
+            "every cell with it, so nothing would be measured"
+        )
+
+
 def is_float_scheme(scheme: Any) -> bool:
     return scheme.weight_bits is None and scheme.act_bits is None and scheme.out_bits is None
 
@@ -417,12 +436,8 @@ class ModelEvaluation:
 
     def _nonfinite_weights(self) -> str:
         """``"; the float weights hold N NaN/inf values (first in NAME)"`` when they do, else ``""``."""
-        bad = [(name, int((~p.isfinite()).sum())) for name, p in self.lm.model.named_parameters()]
-        bad = [(name, n) for name, n in bad if n]
-        if not bad:
-            return ""
-        total = sum(n for _, n in bad)
-        return f"; the float weights hold {total} NaN/inf value(s) (first in {bad[0][0]})"
+        found = nonfinite_weights(self.lm.model)
+        return f"; {found}" if found else ""
 
     def check(self) -> None:
         """Refuse bad input before anything is evaluated (one line each): an ``exclude`` pattern that matches no

@@ -194,12 +194,24 @@ def caption(records: list[dict[str, Any]]) -> str:
     excluded = sorted({p for r in records for p in (r["scheme"].get("exclude") or [])})
     if excluded:
         text += f" Layers kept in float (--exclude): {', '.join(excluded)}."
-    if any(r.get("kv") for r in records):
-        text += (
-            " +kvN: KV cache quantised to N bits after RoPE (KIVI: asymmetric round-to-nearest, keys per channel "
-            "over the scored window, values per token; -tok: keys per token too; -keepK: positions < K float)."
-        )
+    text += _kv_footer(records)
     return text
+
+
+def _kv_footer(records: list[dict[str, Any]]) -> str:
+    """What each KV-cache label in the table means, from the records' own descriptions (each record says how its
+    cache was quantised; a fixed sentence here described one scheme and went stale when the default changed)."""
+    described: dict[str, str] = {}
+    for r in records:
+        kv = r.get("kv") or {}
+        if kv:
+            label = kv.get("label") or f"kv{kv.get('bits')}"
+            text = kv.get("description") or "KV cache quantised (no description recorded)"
+            described.setdefault(label, f"{text}; keys {kv.get('keys', '?')}; values {kv.get('values', '?')}")
+    if not described:
+        return ""
+    parts = "; ".join(f"+{label}: {text}" for label, text in sorted(described.items()))
+    return f" KV cache ({parts}). -keepK: positions < K kept in float."
 
 
 def render(

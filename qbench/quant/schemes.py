@@ -149,6 +149,7 @@ class QuantScheme:
         _check_algo(self)
         object.__setattr__(self, "algo_params", {**_ALGO_PARAMS[self.algo], **self.algo_params})
         _check_rotate(self)
+        _check_transform_applies(self)
 
     def __hash__(self) -> int:  # params is a dict; hash its items so schemes can key caches
         return hash(
@@ -250,6 +251,20 @@ def _check_rotate(s: QuantScheme) -> None:
         )
     if s.algo == "awq":
         raise UserError(f"scheme {s.name!r}: rotate={s.rotate} composes with algo=rtn or gptq, not awq")
+
+
+def _check_transform_applies(s: QuantScheme) -> None:
+    """A model-wide rotation or a method's per-layer transform exists to make quantisation kinder; with nothing
+    quantised (w, a and o all none) the cell would be the float model labelled with a transform that never ran."""
+    if s.weight_bits is not None or s.act_bits is not None or s.out_bits is not None:
+        return
+    applied = [f"rotate={s.rotate}"] if s.rotate != "none" else []
+    applied += [f"method={s.method}"] if s.method != "rtn" else []
+    if applied:
+        raise UserError(
+            f"scheme {s.name!r}: {' and '.join(applied)} would not apply, since w=none, a=none and o=none "
+            "quantise nothing; give w=, a= or o= (the float model is the 'fp' scheme)"
+        )
 
 
 def _check_algo(s: QuantScheme) -> None:

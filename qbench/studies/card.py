@@ -468,6 +468,17 @@ def sweep_config(cfg: CardConfig, model: str) -> Any:
     )
 
 
+def calibrates(cfg: CardConfig) -> bool:
+    """Whether any row of the card reads calibration windows (a format or a KV cache with calibrated scales)."""
+    from qbench.eval.harness import kv_calibrated
+    from qbench.quant.calibrate import needs_calibration
+    from qbench.quant.schemes import get_scheme
+
+    if any(needs_calibration(get_scheme(s)) for s in cfg.plan.formats):
+        return True
+    return any(kv_calibrated(kv) for kv in kv_configs(cfg, KV_MIN_WINDOW))
+
+
 def validate(cfg: CardConfig) -> None:
     """Refuse bad options before a model loads."""
     from qbench.quant.schemes import get_scheme
@@ -483,6 +494,12 @@ def validate(cfg: CardConfig) -> None:
     if cfg.kv_scheme is not None:
         kv_widths(plan, cfg.kv_scheme)
     cfg.calibration()  # a bad --calib-data or --calib-tokens: its one-line error before a model loads
+    if (cfg.calib_data is not None or cfg.calib_tokens is not None) and not calibrates(cfg):
+        given = "--calib-data" if cfg.calib_data is not None else "--calib-tokens"
+        raise UserError(
+            f"{given}: budget {cfg.budget!r} calibrates nothing (no GPTQ, AWQ, SmoothQuant, static-scale or "
+            "calibrated-FP8 rows), so it would change no number; drop it, or use --budget standard or full"
+        )
     check_distinct(cfg.models)
     if plan.sweep_families:
         from qbench.studies import sweep
@@ -1023,7 +1040,13 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
     from dataclasses import replace
 
     from qbench.eval.adapters import default_window
-    from qbench.eval.harness import ModelEvaluation, cell_record, run_grid
+    from qbench.eval.harness import (
+        ModelEvaluation,
+        cell_record,
+        nonfinite_weights,
+        refuse_unscorable,
+        run_grid,
+    )
     from qbench.eval.load import load_model
 
     progress = progress or Progress()
@@ -1072,7 +1095,13 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
         spec = _spec(cfg, model, list(plan.formats))
         evaluation = ModelEvaluation(spec, model, lm=lm)
         evaluation.check()
+        bad = nonfinite_weights(lm.model)  # before any cell: a NaN weight makes every number of the card NaN
+        if bad:
+            raise UserError(
+                f"{lm.name}: {bad}; a card compares every format with the float model's perplexity"
+            )
         fp = evaluation.fp_record()
+        refuse_unscorable(lm.name, fp, "a card")
         progress.cell(fp, evaluation.fp_reused)
         progress.estimate(planned_cells(cfg), fp.get("eval_seconds") or 0.0, lm.name)
         profile, _ = profile_record(evaluation, fp, cfg.device)

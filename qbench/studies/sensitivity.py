@@ -40,7 +40,14 @@ from typing import Any
 
 from models.errors import UserError, unknown_choice
 from models.io import atomic_write_json, atomic_write_text
-from qbench.eval.harness import GridSpec, environment, kv_identity, run_grid
+from qbench.eval.harness import (
+    GridSpec,
+    environment,
+    kv_identity,
+    nonfinite_weights,
+    refuse_unscorable,
+    run_grid,
+)
 from qbench.eval.load import LoadedModel, load_model
 from qbench.eval.metric_registry import UNIT_STATISTICS
 from qbench.eval.prefix import BlockPrefix
@@ -410,11 +417,15 @@ def sensitivity(
     units = units_of(lm.model, study.targets, by)
     if not units:
         raise UserError(f"scheme {scheme.name!r} quantises no layer of {lm.name}: nothing to map")
+    bad = nonfinite_weights(lm.model)  # before the first cell: every unit's change would be NaN
+    if bad:
+        raise UserError(f"{lm.name}: {bad}; a sensitivity map compares every cell with the float model")
     if on_units:
         on_units(len(units))
     records = [study.unit_cell(unit) for unit in units]  # the first one also writes the float record
     kv_only = study.cell("kv-only", study.targets, "kv") if spec.kv is not None else None
     fp = _read_fp(spec, lm)
+    refuse_unscorable(lm.name, fp, "a sensitivity map")
     if quantised is not None:
         same = (
             quantised.get("scheme") == spec.scheme_record(spec.schemes[0])

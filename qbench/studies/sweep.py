@@ -46,7 +46,15 @@ from typing import Any
 
 from models.errors import UserError, unknown_choice
 from models.io import atomic_write_json, atomic_write_text
-from qbench.eval.evidence import BEYOND, DEFAULT_METRIC, UNDECIDED, WITHIN, format_interval, row_fields
+from qbench.eval.evidence import (
+    BEYOND,
+    DEFAULT_METRIC,
+    UNDECIDED,
+    WITHIN,
+    format_interval,
+    row_fields,
+    tolerance_text,
+)
 from qbench.eval.harness import FLOAT_SCHEME as FLOAT_FAMILY  # the KV curves: only the cache quantised
 from qbench.eval.metrics import Protocol
 
@@ -678,9 +686,7 @@ def sweep_table(sweep: Mapping[str, Any]) -> str:
         for key, cells in curves_of(sweep).items()
         for model, family, axis in [key]
     ]
-    metric = sweep.get("metric", DEFAULT_METRIC)
-    unit = " %" if metric != "kld" else " nats"
-    goal = f"{metric} ≤ {tol:g}{unit}" if metric != "ppl" else f"≤ {tol:g} %"
+    goal = f"≤ {tolerance_text(tol, sweep.get('metric', DEFAULT_METRIC))}"
     headers = ["model", "family", "axis", *(f"{b} bit" for b in bits), f"breaking point ({goal})"]
     return tabulate(rows, headers, tablefmt="github", disable_numparse=True)
 
@@ -757,7 +763,9 @@ def breaking_point_columns(sweep: Mapping[str, Any]) -> dict[str, dict[str, str]
     """{model: {"break <family> <axis>": "4" | "none" | "≤2"}} — extra columns for ``qbench compare``."""
     columns: dict[str, dict[str, str]] = {}
     for p in sweep["breaking_points"]:
-        header = f"break {p['family']} {p['axis']} (≤{p['tolerance_pct']:g} %)"
+        header = (
+            f"break {p['family']} {p['axis']} (≤ {tolerance_text(p['tolerance_pct'], _metric(p, sweep))})"
+        )
         columns.setdefault(p["model"], {})[header] = format_breaking_point(p)
     return columns
 
@@ -776,4 +784,9 @@ def describe_breaking_points(points: Iterable[Mapping[str, Any]]) -> str:
     if not points:
         return "no breaking points"
     text = ", ".join(f"{p['family']} {p['axis']}: {format_breaking_point(p)}" for p in points)
-    return f"{text} bits (change ≤ {points[0]['tolerance_pct']:g} %)"
+    return f"{text} bits (≤ {tolerance_text(points[0]['tolerance_pct'], points[0].get('metric', DEFAULT_METRIC))})"
+
+
+def _metric(point: Mapping[str, Any], sweep: Mapping[str, Any]) -> str:
+    """A breaking point's metric (records from before metrics were recorded per point: the sweep's, else ppl)."""
+    return point.get("metric") or sweep.get("metric") or DEFAULT_METRIC

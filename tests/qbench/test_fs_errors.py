@@ -61,3 +61,23 @@ def test_full_or_read_only_disk_keeps_earlier_records(ckpt_dir, tmp_path, capsys
     assert code == 2 and str(out) in line and __import__("os").strerror(code_) in line
     assert {p: p.read_bytes() for p in out.rglob("*.json")} == before  # nothing earlier lost or torn
     assert not list(out.rglob("*.tmp")) and all(json.loads(b) for b in before.values())
+
+
+def test_a_full_disk_that_names_no_file_is_named_by_the_writer(ckpt_dir, tmp_path, capsys, monkeypatch):
+    """A write to an open file (ENOSPC from ``write``) carries no file name; the line names the file being
+    written, never "?"."""
+    out = tmp_path / "res"
+
+    def failing_write(self, data):
+        raise OSError(errno.ENOSPC, __import__("os").strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_bytes", failing_write)
+    code, _, err = run(["run", "--ckpt", ckpt_dir, *FAST, "--output-path", out], capsys)
+    line = _one_error_line(err)
+    assert code == 2 and str(out) in line and "?:" not in line and "No space left" in line
+    assert not list(out.rglob("*.tmp"))
+
+
+def test_run_prints_its_peak_memory(ckpt_dir, tmp_path, capsys):
+    code, out, _ = run(["run", "--ckpt", ckpt_dir, *FAST, "--output-path", tmp_path / "res"], capsys)
+    assert code == 0 and "peak memory" in out and "GiB" in out

@@ -45,7 +45,47 @@ def quantize(
             f"qbench.quantize: model must be a torch nn.Module (e.g. qbench.load(...).model), "
             f"got {_shown(model)}"
         )
+    if calibration is not None and _is_causal_lm(model):
+        calibration = _calibration_ids(model, calibration)
     return _quantize(model, scheme, mode=mode, exclude=_patterns(exclude), calibration=calibration)
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    """Rows of the model's token embedding (transformers' ``get_input_embeddings``, else ``config.vocab_size``)."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    rows = getattr(embedding, "num_embeddings", None)
+    if isinstance(rows, int):
+        return rows
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def _calibration_ids(model: nn.Module, calibration: Any) -> Tensor:
+    """A language model's calibration windows checked before they reach the embedding, where a wrong shape, dtype
+    or id fails deep inside the forward pass with an IndexError or RuntimeError naming neither: a 2-d integer
+    tensor (windows x tokens), ids in [0, vocabulary). Returned as int64, what an embedding takes."""
+    import torch
+
+    what = "calibration must be a 2-d integer tensor of token ids (windows x tokens)"
+    if not isinstance(calibration, torch.Tensor):
+        raise UserError(f"{what}, got {_shown(calibration)}")
+    if calibration.is_floating_point() or calibration.is_complex() or calibration.dtype == torch.bool:
+        raise UserError(f"{what}, got a {str(calibration.dtype).removeprefix('torch.')} tensor")
+    if calibration.ndim != 2:
+        hint = "; one window: ids.unsqueeze(0)" if calibration.ndim == 1 else ""
+        raise UserError(f"{what}, got shape {tuple(calibration.shape)}{hint}")
+    if calibration.numel() == 0:
+        raise UserError(f"{what} holding at least one token, got shape {tuple(calibration.shape)}")
+    vocab = _vocab_size(model)
+    lo, hi = int(calibration.min()), int(calibration.max())
+    if lo < 0 or (vocab is not None and hi >= vocab):
+        where = "ids are never negative" if vocab is None else f"the model's vocabulary has {vocab} tokens"
+        raise UserError(
+            f"calibration holds token id {lo if lo < 0 else hi}, outside the vocabulary ({where}: ids 0 to "
+            f"{'...' if vocab is None else vocab - 1})"
+        )
+    return calibration.long()
 
 
 def load(
@@ -246,6 +286,13 @@ def evaluate(
         raise TypeError(f"device must be a string such as 'cpu' or 'cuda:0', got {_shown(device)}")
     check_device(device)
     exclude = _patterns(exclude)
+    if calib_tokens is not None and (
+        isinstance(calib_tokens, bool) or not isinstance(calib_tokens, int) or calib_tokens < 1
+    ):
+        raise UserError(
+            f"calib_tokens must be a positive integer (calibration tokens) or None (each scheme's windows), "
+            f"got {_shown(calib_tokens)}"
+        )
     calibration = CalibrationData(calib_data, calib_tokens)
     lm, dtype = _as_loaded(model_or_ckpt, tokenizer, dtype, device, name)
     protocol = Protocol(corpus=corpus, split=split, tokens=tokens, window=window, batch_size=batch_size)

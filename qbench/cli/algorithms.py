@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from qbench.cli.args import add_calibration_arguments, add_model_arguments
+from qbench.cli.args import add_calibration_arguments, add_model_arguments, seed_value
 from qbench.cli.base import SEED_HELP, add_output_argument, console
 from qbench.cli.budgets import EVAL_TOKENS
 
@@ -30,13 +30,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--algorithms",
         default=ALGORITHM_CHOICES.replace(" ", ""),
         help="comma list of algorithms, rtn required (the others are compared with it); GPTQ and AWQ "
-        "calibrate on 8 windows of the train split (--calib-data, --calib-tokens)",
+        "calibrate on 8 windows of the train split, or of --calib-data (--calib-tokens)",
     )
     add_calibration_arguments(p)
     add_output_argument(
         p, "the records, algorithms.json and table.md", default="results/algorithms", metavar="DIR"
     )
-    p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
+    p.add_argument("--seed", type=seed_value, default=0, help=SEED_HELP)
     p.add_argument(
         "--attention", action="store_true", help="also record attention statistics (slower; default: off)"
     )
@@ -50,8 +50,9 @@ def run(args: argparse.Namespace) -> int | None:
 
     cfg = AlgorithmsConfig(
         models=tuple(args.ckpt),
-        formats=tuple(f.strip() for f in args.formats.split(",") if f.strip()),
-        algorithms=tuple(a.strip() for a in args.algorithms.split(",") if a.strip()),
+        # empty items kept: AlgorithmsConfig.check refuses them rather than running less than was typed
+        formats=tuple(f.strip() for f in args.formats.split(",")),
+        algorithms=tuple(a.strip() for a in args.algorithms.split(",")),
         output_path=Path(args.output_path),
         command=getattr(args, "command_line", ""),
     )

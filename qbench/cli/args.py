@@ -23,6 +23,26 @@ if TYPE_CHECKING:
 
 console = Console(soft_wrap=True)  # long result lines stay whole in pipes and logs
 
+# torch.manual_seed overflows above 2**64 - 1; negatives are refused too, as numpy's SeedSequence (training's
+# data order) and the Python API refuse them
+SEED_RANGE = (0, 2**64 - 1)
+
+
+def seed_value(text: str) -> int:
+    """The argparse ``type`` of ``--seed``: refused while parsing, before any command loads or writes anything."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid seed {text!r}; give an integer from {SEED_RANGE[0]} to {SEED_RANGE[1]}"
+        ) from None
+    lo, hi = SEED_RANGE
+    if not lo <= seed <= hi:
+        raise argparse.ArgumentTypeError(
+            f"{seed} is outside the range torch.manual_seed accepts; give an integer from {lo} to {hi}"
+        )
+    return seed
+
 
 def add_load_arguments(parser: argparse.ArgumentParser, many: bool = False) -> None:
     """--ckpt (repeatable with ``many``) and how to load it."""
@@ -211,7 +231,9 @@ def tolerance_from_args(args: argparse.Namespace) -> float:
 def add_seed_arguments(parser: argparse.ArgumentParser, runs: str) -> None:
     """``--seed`` and ``--seeds`` of the commands that train (``qbench demo``, ``qbench recipes``); ``runs``
     names what is trained once per seed and what the tables add."""
-    parser.add_argument("--seed", type=int, default=0, help="training and evaluation seed (default: 0)")
+    parser.add_argument(
+        "--seed", type=seed_value, default=0, help="training and evaluation seed (default: 0)"
+    )
     parser.add_argument(
         "--seeds",
         type=int,

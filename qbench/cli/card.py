@@ -14,6 +14,7 @@ from qbench.cli.args import (
     add_resolve_argument,
     add_tolerance_arguments,
     console,
+    seed_value,
     tolerance_from_args,
 )
 from qbench.cli.base import SEED_HELP, add_output_argument
@@ -60,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="replace a card of other models or settings in --output-path (the records it was built from stay)",
     )
-    p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
+    p.add_argument("--seed", type=seed_value, default=0, help=SEED_HELP)
     add_calibration_arguments(p)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from qbench.cli.args import add_calibration_arguments, add_kv_arguments, add_model_arguments
+from qbench.cli.args import add_calibration_arguments, add_kv_arguments, add_model_arguments, seed_value
 from qbench.cli.base import SEED_HELP, add_output_argument, console, print_wide
 from qbench.cli.budgets import EVAL_TOKENS
 
@@ -25,7 +25,7 @@ def add_eval_arguments(p: argparse.ArgumentParser, many: bool = False) -> None:
     p.add_argument(
         "--exclude", action="append", help="fnmatch pattern of layer names to keep in float (repeatable)"
     )
-    p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
+    p.add_argument("--seed", type=seed_value, default=0, help=SEED_HELP)
     p.add_argument("--no-attention", action="store_true", help="skip attention statistics (faster)")
     p.add_argument(
         "--quantize-lm-head",

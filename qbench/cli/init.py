@@ -7,6 +7,7 @@ from pathlib import Path
 
 from models.config import CHOICES
 from models.errors import UserError
+from qbench.cli.args import seed_value
 from qbench.cli.base import add_output_argument, console, refuse_non_empty
 
 NAME = "init"
@@ -16,7 +17,7 @@ HELP = "write a randomly initialised checkpoint of a preset"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", help="model preset (qbench ls presets)")
     add_output_argument(p, "checkpoint folder to write", "--out", required=True, metavar="DIR")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
+    p.add_argument("--seed", type=seed_value, default=0, help="seed of the random initialisation")
     p.add_argument("--tokenizer", help="tokenizer name or folder (default: the preset's)")
     for switch in ("attn", "norm", "norm_position", "pos"):
         p.add_argument(

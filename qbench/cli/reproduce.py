@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from qbench.cli.args import seed_value
 from qbench.cli.base import add_output_argument, console
 from qbench.cli.budgets import PAPER_TOKENS
 from qbench.cli.evaluate import (
@@ -28,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     budget.add_argument("--tokens", type=int, help="training tokens per model (default: the preset's)")
     p.add_argument("--data", default="embedded", help="corpus: embedded | mix | c4 | a local path")
     p.add_argument("--lr", type=float, help="peak learning rate (default: the trainer's)")
-    p.add_argument("--seed", type=int, default=0, help="training and evaluation seed")
+    p.add_argument("--seed", type=seed_value, default=0, help="training and evaluation seed")
     p.add_argument(
         "--eval-tokens",
         type=int,

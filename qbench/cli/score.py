@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> None:
     kv = kv_from_args(args)
     calibration = calibration_from_args(args)
     existing_sweep = read_sweep(args.sweep) if args.sweep else None
+    _check_tolerance_used(args, existing_sweep)
     sweep_cfg = _sweep_config(args, protocol, kv) if args.breaking_points and not args.sweep else None
     lm = load_from_args(args)
     result = score(
@@ -123,6 +124,34 @@ def run(args: argparse.Namespace) -> None:
     if args.json:
         atomic_write_json(Path(args.json), result)
         console.print(f"wrote {args.json}")
+
+
+def _check_tolerance_used(args: argparse.Namespace, sweep: dict | None) -> None:
+    """--metric and --tolerance decide breaking points only; the score itself has no tolerance. Given without
+    --breaking-points, or unlike the tolerance a --sweep file was decided with, they would be ignored silently."""
+    given = [f"--{k} {v:g}" if isinstance(v, float) else f"--{k} {v}" for k, v in _tolerance_flags(args)]
+    if not given:
+        return
+    if not args.breaking_points and sweep is None:
+        raise UserError(
+            f"{' '.join(given)} decides breaking points only (the score has no tolerance): add --breaking-points "
+            "or --sweep PATH, or drop it"
+        )
+    if sweep is not None:
+        from qbench.cli.args import tolerance_from_args
+        from qbench.eval.evidence import DEFAULT_METRIC
+
+        have = (sweep.get("metric", DEFAULT_METRIC), sweep["tolerance_pct"])
+        if (args.metric, tolerance_from_args(args)) != have:
+            raise UserError(
+                f"{' '.join(given)}: the sweep {args.sweep} decided its breaking points with --metric {have[0]} "
+                f"--tolerance {have[1]:g}; give those, or run the sweep again with --breaking-points"
+            )
+
+
+def _tolerance_flags(args: argparse.Namespace) -> list[tuple[str, object]]:
+    flags: list[tuple[str, object]] = [("metric", args.metric)] if args.metric != "ppl" else []
+    return flags + ([("tolerance", args.tolerance)] if args.tolerance is not None else [])
 
 
 def _kv_scheme_text(kv: KVConfig) -> str:

@@ -28,6 +28,7 @@ from qbench.cli.args import (
     kv_from_args,
     load_from_args,
     protocol_from_args,
+    seed_value,
     tolerance_from_args,
 )
 from qbench.cli.base import add_output_argument
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_output_argument(
         parser, "output folder (default: qbench_sensitivity/<model>/<scheme>)", "--out", metavar="DIR"
     )
-    parser.add_argument("--seed", type=int, default=0, help="torch seed set before each evaluation")
+    parser.add_argument("--seed", type=seed_value, default=0, help="torch seed set before each evaluation")
     parser.add_argument(
         "--quantize-lm-head", action="store_true", help="the LM head is a unit too (default: float)"
     )

@@ -11,6 +11,7 @@ from qbench.cli.args import (
     add_model_arguments,
     add_resolve_argument,
     add_tolerance_arguments,
+    seed_value,
 )
 from qbench.cli.base import SEED_HELP, add_output_argument, console
 from qbench.cli.budgets import EVAL_TOKENS
@@ -65,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "curves per scheme (default: kivi, with residual 32 on windows ≤ 128, per-token on windows ≤ 32)",
     )
     add_output_argument(p, "records, sweep.json/.md/.png", default="qbench_results/sweep", metavar="DIR")
-    p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
+    p.add_argument("--seed", type=seed_value, default=0, help=SEED_HELP)
     p.add_argument("--no-attention", action="store_true", help="skip attention statistics (faster)")
     add_calibration_arguments(p)
 

@@ -299,6 +299,7 @@ def gptq_layers(
             damp=float(params["damp"]),
             block=int(params["block"]),
             act_order=bool(params["act_order"]),
+            name=name,
         )
         out[name] = (_inverse_transform(result.weight, s, r), result.qparams)
     return out

@@ -33,12 +33,14 @@ Where this differs from the reference code, and why:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from qbench.quant.fake import fake_quantize_weight, pad_to_groups
 from qbench.quant.granularity import Granularity, PerGroup, PerTensor
-from qbench.quant.primitives import QParams, qparams_from_stats, qrange
+from qbench.quant.primitives import NonFiniteError, QParams, qparams_from_stats, qrange
 
 AWQ_DEFAULTS = {"grid": 20, "clip": True}
 MAX_SHRINK = (
@@ -93,6 +95,12 @@ def search_scale(
         errors.append(total)
         if best is None or total < best[0]:
             best = (total, alpha, s)
+    # NaN never compares smaller: with every error NaN the "best" would be α = 0, never searched
+    if not math.isfinite(best[0]):
+        raise NonFiniteError(
+            f"AWQ scale search on {len(weights)} layer(s) of input size {h.shape[0]}: the output error is NaN "
+            "or inf for every scale (the weights or their inputs overflow float32); cannot quantise"
+        )
     return best[2], best[1], errors
 
 
@@ -143,6 +151,11 @@ def search_clip(
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_lo, best_hi = torch.where(better, c_lo, best_lo), torch.where(better, c_hi, best_hi)
+    if not bool(torch.isfinite(best_err).all()):
+        raise NonFiniteError(
+            f"AWQ clipping search on a {weight.shape[0]}x{weight.shape[1]} weight: the output error is NaN or inf "
+            "(the weights or their inputs overflow float32); cannot quantise"
+        )
     scale, zero = qparams_from_stats((best_lo, best_hi), bits, symmetric)
     grid_shape = (1, 1) if per_tensor else (out, n_groups)
     return QParams(

@@ -86,7 +86,9 @@ class CalibrationData:
     tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.tokens is not None and (isinstance(self.tokens, bool) or self.tokens < 1):
+        if self.tokens is not None and (
+            isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1
+        ):
             raise UserError(f"--calib-tokens must be a positive number of tokens, got {self.tokens!r}")
         if self.data is not None:
             from trainers.data import get_corpus
@@ -327,6 +329,7 @@ def input_statistics(model: nn.Module, layers: dict[str, nn.Module], calibration
     key = _fingerprint(model, calibration, names)
     cached = _HESSIANS.get(model, {})
     if key in cached:
+        check_statistics_finite(cached[key], names)
         return cached[key]
     accumulators: dict[str, HessianAccumulator] = {}
     last: dict[str, Any] = {"input": None, "owner": None}
@@ -370,4 +373,25 @@ def input_statistics(model: nn.Module, layers: dict[str, nn.Module], calibration
     out.update({name: out[owner] for name, owner in shared.items()})
     _HESSIANS.setdefault(model, {}).clear()  # one entry per model: a new protocol replaces the old one
     _HESSIANS[model][key] = out
+    check_statistics_finite(out, names)
     return out
+
+
+def check_statistics_finite(stats: dict[str, Any], names: Iterable[str]) -> None:
+    """Refuse statistics that overflowed or hold NaN, naming the first such layer: GPTQ's Cholesky and AWQ's
+    searches would fail on them with a linear-algebra traceback, or pick a scale from NaN errors. The harness
+    records the ``NonFiniteError`` as a non-finite cell. Checked on cached statistics too, so every cell of a grid
+    is refused the same way, without recomputing them."""
+    from qbench.quant.primitives import NonFiniteError
+
+    bad = [n for n in names if not _finite_statistics(stats[n])]
+    if bad:
+        more = f" (and {len(bad) - 1} more layer(s))" if len(bad) > 1 else ""
+        raise NonFiniteError(
+            f"calibration: the inputs of layer {bad[0]!r}{more} hold NaN or inf, or overflow float32 in their "
+            "Hessian (2/n) sum x x^T; GPTQ/AWQ cannot quantise it"
+        )
+
+
+def _finite_statistics(acc: Any) -> bool:
+    return bool(torch.isfinite(acc.h).all()) and bool(torch.isfinite(acc.abs_sum).all())

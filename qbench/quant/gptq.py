@@ -42,8 +42,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from models.errors import UserError
 from qbench.quant.granularity import Granularity, PerAxis, PerGroup, PerTensor
-from qbench.quant.primitives import QParams, qparams_from_stats, qrange
+from qbench.quant.primitives import NonFiniteError, QParams, qparams_from_stats, qrange
 
 GPTQ_DEFAULTS = {"damp": 0.01, "block": 128, "act_order": False}
 
@@ -134,15 +135,25 @@ def gptq_quantize(
     block: int = GPTQ_DEFAULTS["block"],
     act_order: bool = GPTQ_DEFAULTS["act_order"],
     dtype: torch.dtype = torch.float32,
+    name: str | None = None,
 ) -> GPTQResult:
     """GPTQ of one (out, in) weight given its input Hessian (in, in) (module docstring). Neither input is modified.
 
-    ``dtype``: the arithmetic of the solve (float32; float64 for tests against a reference)."""
+    ``dtype``: the arithmetic of the solve (float32; float64 for tests against a reference). ``name``: the layer,
+    for the errors. NaN/inf in either input, or a solve that overflows, raise ``NonFiniteError`` (the harness
+    records a non-finite cell); a damped Hessian that is still not positive definite raises ``UserError``."""
     if weight.ndim != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
         raise ValueError(
             f"gptq_quantize: weight (out, in) and hessian (in, in), got {weight.shape}, {hessian.shape}"
         )
     rows, cols = weight.shape
+    what = f"GPTQ of layer {name!r}" if name else f"GPTQ of a {rows}x{cols} weight"
+    if not bool(torch.isfinite(weight).all()):
+        raise NonFiniteError(f"{what}: the weight holds NaN or inf; cannot quantise")
+    if not bool(torch.isfinite(hessian).all()):
+        raise NonFiniteError(
+            f"{what}: its input Hessian holds NaN or inf (the inputs overflow); cannot quantise"
+        )
     group = _group_size(granularity, cols)
     per_tensor = isinstance(granularity, PerTensor)
     qmin, qmax = qrange(bits, symmetric)
@@ -175,8 +186,7 @@ def gptq_quantize(
         w, h = w[:, perm], h[perm][:, perm]
     lam = damp * float(torch.diagonal(h).mean())
     h.diagonal().add_(lam)
-    # U = chol(H⁻¹), upper: the reference's Cholesky reformulation (H⁻¹ = UᵀU)
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    u = _inverse_factor(h, what, damp)
 
     if group is not None and not act_order:
         block = group * -(-block // group)  # whole groups per block (see the loop)
@@ -211,7 +221,27 @@ def gptq_quantize(
     zp = None if zeros is None else zeros.to(torch.int32)
     qparams = QParams(scales.contiguous(), None if zp is None else zp.contiguous())
     deq = _dequantize(codes, qparams, group, cols)
+    if not bool(torch.isfinite(deq).all()):
+        raise NonFiniteError(f"{what}: the solve overflowed float32 (a weight or Hessian entry too large)")
     return GPTQResult(codes.to(code_dtype), qparams, deq, int(dead.sum()), lam)
+
+
+def _inverse_factor(h: Tensor, what: str, damp: float) -> Tensor:
+    """U = chol(H⁻¹), upper: the reference's Cholesky reformulation (H⁻¹ = UᵀU), of the damped ``h``. A failed
+    factorisation is a one-line error naming the layer (``what``), not torch's linear-algebra traceback: non-finite
+    when float32 overflowed on the way, else a Hessian that the damping did not make positive definite."""
+    lower, info = torch.linalg.cholesky_ex(h)
+    inverse = torch.cholesky_inverse(lower) if int(info) == 0 else None
+    if inverse is not None:
+        u, info = torch.linalg.cholesky_ex(inverse, upper=True)
+        if int(info) == 0 and bool(torch.isfinite(u).all()):
+            return u
+    if not bool(torch.isfinite(h).all()) or (inverse is not None and not bool(torch.isfinite(inverse).all())):
+        raise NonFiniteError(f"{what}: the damped Hessian or its inverse overflows float32; cannot quantise")
+    raise UserError(
+        f"{what}: the damped Hessian is not positive definite (Cholesky failed at column {int(info)} of "
+        f"{h.shape[0]}, damp {damp}); raise damp, e.g. the scheme override damp=0.1"
+    )
 
 
 def _dequantize(codes: Tensor, qparams: QParams, group: int | None, cols: int) -> Tensor:

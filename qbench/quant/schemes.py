@@ -149,7 +149,6 @@ class QuantScheme:
         _check_algo(self)
         object.__setattr__(self, "algo_params", {**_ALGO_PARAMS[self.algo], **self.algo_params})
         _check_rotate(self)
-        _check_transform_applies(self)
 
     def __hash__(self) -> int:  # params is a dict; hash its items so schemes can key caches
         return hash(
@@ -253,11 +252,11 @@ def _check_rotate(s: QuantScheme) -> None:
         raise UserError(f"scheme {s.name!r}: rotate={s.rotate} composes with algo=rtn or gptq, not awq")
 
 
-def _check_transform_applies(s: QuantScheme) -> None:
+def _check_transform_applies(s: QuantScheme) -> QuantScheme:
     """A model-wide rotation or a method's per-layer transform exists to make quantisation kinder; with nothing
     quantised (w, a and o all none) the cell would be the float model labelled with a transform that never ran."""
     if s.weight_bits is not None or s.act_bits is not None or s.out_bits is not None:
-        return
+        return s
     applied = [f"rotate={s.rotate}"] if s.rotate != "none" else []
     applied += [f"method={s.method}"] if s.method != "rtn" else []
     if applied:
@@ -265,6 +264,7 @@ def _check_transform_applies(s: QuantScheme) -> None:
             f"scheme {s.name!r}: {' and '.join(applied)} would not apply, since w=none, a=none and o=none "
             "quantise nothing; give w=, a= or o= (the float model is the 'fp' scheme)"
         )
+    return s
 
 
 def _check_algo(s: QuantScheme) -> None:
@@ -555,11 +555,15 @@ def get_scheme(scheme: str | QuantScheme | dict[str, Any]) -> QuantScheme:
     ``overrides.py``), a ``QuantScheme``, or its ``to_dict()`` form -> ``QuantScheme``."""
     if isinstance(scheme, QuantScheme):
         return scheme
+    # a scheme someone names or reads from a file is checked to apply; a QuantScheme built in code may be a
+    # layer-level probe (a float layer with a Hadamard rotation equals the float layer)
     if isinstance(scheme, dict):
-        return QuantScheme.from_dict(scheme)
+        return _check_transform_applies(QuantScheme.from_dict(scheme))
     if isinstance(scheme, str):
         base, sep, spec = scheme.partition(":")
-        return apply_overrides(SCHEMES.get(base.strip()), spec, scheme) if sep else SCHEMES.get(scheme)
+        if not sep:
+            return SCHEMES.get(scheme)
+        return _check_transform_applies(apply_overrides(SCHEMES.get(base.strip()), spec, scheme))
     raise UserError(
         f"a quantisation scheme must be a name, a QuantScheme or a dict, got {type(scheme).__name__}"
     )

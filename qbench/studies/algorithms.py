@@ -13,7 +13,11 @@ intervals on the same tokens (the per-token NLL of each algorithm against round-
 With several models, the first is the baseline (the model one already has, e.g. ``vanilla``) and each other model
 (a training-time remedy) is compared with round-to-nearest against the baseline's best algorithm: *below* when its
 interval lies wholly below the baseline's, *above* when wholly above, else *overlapping* (the models differ, so
-these intervals are not paired).
+these intervals are not paired). The models must share a tokenizer (the same token count is other text for another
+vocabulary): a mix is refused before anything runs (:func:`check_inputs`), as ``qbench card`` refuses one.
+
+Every input is checked before anything is written (:func:`check_inputs`), and the table states the calibration the
+GPTQ/AWQ cells really took: the text, the tokens it holds, and the windows and tokens taken from it.
 
 Two rotations, said apart in the table: "Hadamard" is the in-layer rotation of the ``hadamard-*`` schemes (each
 linear's input and weight rows rotated inside the layer, the residual stream untouched); "QuaRot" rotates the
@@ -24,6 +28,7 @@ models, transformers' Llama, Mistral, Qwen2/3) — elsewhere its cells record th
 from __future__ import annotations
 
 import math
+import os
 import platform
 import time
 from collections.abc import Mapping, Sequence
@@ -92,24 +97,161 @@ class AlgorithmsConfig:
     command: str = ""
 
     def format_indices(self) -> list[int]:
-        out = []
-        for key in self.formats:
-            if key not in FORMAT_KEYS:
-                raise unknown_choice("--formats", key, tuple(FORMAT_KEYS))
-            out.append(FORMAT_KEYS[key])
-        return out
+        return [FORMAT_KEYS[key] for key in _checked_list("--formats", self.formats, tuple(FORMAT_KEYS))]
 
     def check(self) -> None:
         self.format_indices()
-        for algo in self.algorithms:
-            if algo not in ALGORITHMS:
-                raise unknown_choice("--algorithms", algo, ALGORITHMS)
+        _checked_list("--algorithms", self.algorithms, ALGORITHMS)
         if "rtn" not in self.algorithms:
             raise UserError("--algorithms must include rtn: every other algorithm is compared with it")
 
 
+def _checked_list(option: str, items: Sequence[str], choices: Sequence[str]) -> Sequence[str]:
+    """``items`` when each is a known choice named once; an empty list or item (``--formats ,``) would run
+    nothing (or less than asked) and exit 0, and a repeated name repeats rows: both are almost surely typos."""
+    given = ",".join(items)
+    if not any(items):
+        raise UserError(f"{option} {given!r} names nothing; give a comma list of: {', '.join(choices)}")
+    if not all(items):
+        raise UserError(
+            f"{option} {given!r} has an empty item (a doubled or trailing comma); choose from: {', '.join(choices)}"
+        )
+    for item in items:
+        if item not in choices:
+            raise unknown_choice(option, item, choices)
+    repeated = next((item for i, item in enumerate(items) if item in items[:i]), None)
+    if repeated is not None:
+        raise UserError(f"{option} {given!r} names {repeated!r} twice; give each once")
+    return items
+
+
 def schemes(cfg: AlgorithmsConfig) -> list[str]:
     return [scheme_for(i, a) for i in cfg.format_indices() for a in cfg.algorithms]
+
+
+def check_inputs(cfg: AlgorithmsConfig, spec: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Refuse every bad input before anything is written (one line each), so a refused command leaves no output
+    folder behind: the lists, the output path, each model (it loads, is given once, has a name of its own, passes
+    the grid's own checks), one tokenizer for all of them, and calibration text that holds a window for each.
+
+    Returns (the models to hand to ``run_grid``: the one model of a one-model run, so it is loaded once; with
+    several, each is loaded again in turn rather than all held at once) and the calibration each model's
+    calibrated cells really take (:func:`_calibration_taken`, by model name; {} when no algorithm calibrates)."""
+    from qbench.eval.harness import ModelEvaluation
+    from qbench.quant.calibrate import needs_calibration
+
+    cfg.check()
+    out = Path(cfg.output_path)
+    if out.exists() and not out.is_dir():
+        raise UserError(
+            f"--output-path {out} is an existing file; give a folder for the records and the table"
+        )
+    calibrated = [spec.scheme(n) for n in spec.schemes if needs_calibration(spec.scheme(n))]
+    if not calibrated and (spec.calibration.data is not None or spec.calibration.tokens is not None):
+        raise UserError(
+            f"--calib-data / --calib-tokens are given, but none of --algorithms {','.join(cfg.algorithms)} "
+            "calibrates (gptq, awq, hadamard+gptq and quarot+gptq do); leave them out or add one of those"
+        )
+    loaded: dict[str, Any] = {}
+    sources: dict[str, str] = {}  # model name -> the --ckpt that named it
+    seen: dict[str, str] = {}  # real path (or hub name) -> the --ckpt that named it
+    tokenizers: list[tuple[str, Any]] = []
+    calibration: dict[str, Any] = {}
+    for model in spec.models:
+        evaluation = ModelEvaluation(spec, model)
+        lm = evaluation.lm
+        key = os.path.realpath(lm.source) if os.path.exists(lm.source) else lm.source
+        if key in seen:
+            raise UserError(
+                f"--ckpt {seen[key]} and --ckpt {model} name the same model ({key}); give each model once"
+            )
+        if lm.name in sources:
+            raise UserError(
+                f"--ckpt {sources[lm.name]} and --ckpt {model} are both named {lm.name!r}: their results would "
+                f"share {Path(spec.output_path) / lm.name}/; rename one folder or run them separately"
+            )
+        seen[key], sources[lm.name] = model, model
+        tokenizers.append((lm.name, lm.tokenizer))
+        _check_tokenizers(tokenizers)
+        evaluation.check()
+        if calibrated:
+            calibration[lm.name] = _calibration_taken(spec, lm, evaluation.windows.window, calibrated)
+        if len(spec.models) == 1:
+            loaded[model] = lm
+    return loaded, calibration
+
+
+def _check_tokenizers(named: Sequence[tuple[str, Any]]) -> None:
+    """Models of one run share a tokenizer: the same token count is other text for another vocabulary, so the
+    remedies' relations (each model's change against the first's) would compare numbers made on different text.
+    Refused, as ``qbench card`` refuses such a mix (its ``check_tokenizers``), rather than marked: every row of the
+    table would otherwise need two readings."""
+    from models.tokenizer import tokenizer_fingerprint
+
+    (first, tok0), (name, tok) = named[0], named[-1]
+    fp0, fp = tokenizer_fingerprint(tok0), tokenizer_fingerprint(tok)
+    if fp != fp0:
+        from qbench.studies.card import _tokenizer_name
+
+        raise UserError(
+            f"{first} and {name} use different tokenizers ({first}: {_tokenizer_name(tok0, fp0)}; {name}: "
+            f"{_tokenizer_name(tok, fp)}): the same token count is different text for each, so their cells would "
+            "not compare; run them in separate qbench algorithms runs"
+        )
+
+
+def _calibration_taken(spec: Any, lm: Any, window: int, calibrated: Sequence[Any]) -> dict[str, Any]:
+    """What the calibrated cells of one model really calibrate on, from the harness's own
+    ``calibration_windows``: the text (``--calib-data`` or the scored corpus's train split), the tokens it holds
+    and the windows and tokens taken. Text that holds less than one window (empty, binary, too short) is refused
+    here: GPTQ would otherwise run on nothing and record a NaN cell as unsupported, with exit status 0."""
+    from qbench.eval.harness import calibration_windows
+    from trainers.batches import window_span
+    from trainers.data import token_stream
+
+    cal, protocol = spec.calibration, spec.protocol
+    corpus, split = str(cal.corpus(protocol.corpus)), cal.split()
+    named = f"--calib-data {corpus!r}" if cal.data is not None else f"the {split} split of {corpus!r}"
+    span = window_span(window, protocol.bos)
+    need = f"one calibration window takes {span} (windows of {window} tokens, model {lm.name})"
+    path = Path(corpus)
+    if cal.data is not None and path.is_file():
+        with path.open("rb") as f:
+            binary = b"\x00" in f.read(65536)
+        if binary:
+            raise UserError(
+                f"{named} is a binary file (it holds NUL bytes), not text: it holds no tokens, and {need}; give a "
+                "UTF-8 text file"
+            )
+    try:
+        held = len(token_stream(corpus, split, lm.tokenizer))
+    except UserError as e:
+        if f"has no {split} documents" not in str(e):  # unreadable text: its own reason, under our option
+            raise UserError(f"{named}: {str(e).replace('--data ', '', 1)}") from None
+        held = 0
+    if held < span:
+        raise UserError(f"{named} holds {held} tokens, and {need}; give more text (or a smaller --window)")
+    taken = []
+    for key in dict.fromkeys((s.calib_windows, s.calib_seed) for s in calibrated):
+        scheme = next(s for s in calibrated if (s.calib_windows, s.calib_seed) == key)
+        ids = calibration_windows(lm.tokenizer, protocol, window, scheme, cal)
+        taken.append(
+            {
+                "windows_requested": cal.windows(scheme.calib_windows, window),
+                "windows": int(ids.shape[0]),
+                "window": int(ids.shape[1]),
+                "tokens": int(ids.numel()),
+                "seed": scheme.calib_seed,
+                "schemes": [s.name for s in calibrated if (s.calib_windows, s.calib_seed) == key],
+            }
+        )
+    return {
+        "corpus": corpus,
+        "split": split,
+        "given": cal.data is not None,
+        "tokens_held": held,
+        "taken": taken,
+    }
 
 
 def _tokens(output_path: Path, record: Mapping[str, Any]) -> Any:
@@ -149,8 +291,14 @@ def _cell(record: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def build(cfg: AlgorithmsConfig, records: Sequence[Mapping[str, Any]], output_path: Path) -> dict[str, Any]:
-    """The comparison (algorithms.json's content) from the grid's records."""
+def build(
+    cfg: AlgorithmsConfig,
+    records: Sequence[Mapping[str, Any]],
+    output_path: Path,
+    calibration: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The comparison (algorithms.json's content) from the grid's records; ``calibration``: what each model's
+    calibrated cells took (:func:`check_inputs`), stated as it is."""
     by_key = {(r["model"]["name"], r["scheme"]["name"]): r for r in records}
     fps = [r for r in records if r["scheme"]["name"] == "fp"]
     models = list(dict.fromkeys(r["model"]["name"] for r in fps))
@@ -205,6 +353,7 @@ def build(cfg: AlgorithmsConfig, records: Sequence[Mapping[str, Any]], output_pa
         "env": fp0.get("env"),
         "machine": machine_line(),
         "seed": fp0.get("seed"),
+        "calibration": dict(calibration or {}),
         "rows": rows,
         "remedies": remedies,
     }
@@ -282,6 +431,33 @@ def _cell_text(cell: Mapping[str, Any] | None) -> str:
     return text
 
 
+def calibration_text(result: Mapping[str, Any]) -> str:
+    """The calibration sentence of table.md: the text each model's calibrated cells took, and how much of it."""
+    if "calibration" not in result:  # an algorithms.json from before the calibration was recorded
+        return "Calibration: not recorded."
+    if not result["calibration"]:
+        return "Calibration: none (no algorithm of this run calibrates)."
+    said: dict[str, list[str]] = {}
+    for model, cal in result["calibration"].items():
+        # a user's file or folder: all of it is calibration text, so it is named alone
+        whole = cal["given"] and cal["split"] == "all"
+        source = cal["corpus"] if whole else f"the {cal['split']} split of {cal['corpus']}"
+        for t in cal["taken"]:
+            picked = "the first" if t["seed"] is None else f"a seeded sample (seed {t['seed']}) of"
+            windows = f"{t['windows']} window{'s' if t['windows'] != 1 else ''}"
+            text = (
+                f"{picked} {windows} of {t['window']} tokens ({t['tokens']:,} tokens) of {source}, which holds "
+                f"{cal['tokens_held']:,} tokens"
+            )
+            if t["windows"] < t["windows_requested"]:
+                text += f" ({t['windows_requested']} windows asked for; the text holds fewer)"
+            said.setdefault(text, []).append(model)
+    head = "Calibration (cells with GPTQ or AWQ):"
+    if len(said) == 1:
+        return f"{head} {next(iter(said))}."
+    return f"{head} " + "; ".join(f"{', '.join(models)}: {text}" for text, models in said.items()) + "."
+
+
 def render(result: Mapping[str, Any]) -> str:
     """table.md from algorithms.json's content."""
     algos = result["algorithms"]
@@ -303,7 +479,7 @@ def render(result: Mapping[str, Any]) -> str:
         "quantise (the cell's wall time minus its evaluation: calibration forward, Hessians and solves; a grid "
         "computes the Hessians once per model, so the first GPTQ/AWQ cell carries them); (better) / (worse): the "
         "paired 95 % interval of its perplexity against round-to-nearest's on the same tokens lies wholly below / "
-        "above zero. Calibration: 8 windows of the train split. Hadamard: the in-layer rotation of the "
+        f"above zero. {calibration_text(result)} Hadamard: the in-layer rotation of the "
         "`hadamard-*` schemes (the residual stream untouched); QuaRot: the residual stream rotated with the norms "
         "folded and an online Hadamard before o_proj and down_proj (`rotate=quarot`; refused on models it cannot "
         "fold: LayerNorm, GPT-2 style).",
@@ -343,11 +519,12 @@ def run_algorithms(cfg: AlgorithmsConfig, spec_for: Any, on_record: Any = None) 
     ``algorithms.json`` and ``table.md`` under ``cfg.output_path``."""
     from qbench.eval.harness import run_grid
 
+    start = time.perf_counter()
     cfg.check()
     spec = spec_for(schemes(cfg))
-    start = time.perf_counter()
-    records = run_grid(spec, on_record=on_record)
-    result = build(cfg, records, Path(spec.output_path))
+    loaded, calibration = check_inputs(cfg, spec)
+    records = run_grid(spec, on_record=on_record, loaded=loaded)
+    result = build(cfg, records, Path(spec.output_path), calibration)
     result["wall_seconds"] = time.perf_counter() - start
     out = Path(cfg.output_path)
     out.mkdir(parents=True, exist_ok=True)

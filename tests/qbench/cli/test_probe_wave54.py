@@ -4,6 +4,8 @@ footer of ``qbench compare`` and the breaking points' unit. Micro models: second
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -155,3 +157,20 @@ def test_a_kld_sweep_table_heads_its_breaking_point_in_nats():
     point |= {"decided": True, "widest": 8, "lowest_swept": 8, "tolerance_pct": 0.05, "metric": "kld"}
     sweep = {"tolerance_pct": 0.05, "metric": "kld", "bits": [8], "breaking_points": [point], "cells": []}
     assert "breaking point (≤ KLD 0.05 nats)" in sweep_table(sweep)
+
+
+def test_score_refuses_a_metric_it_would_ignore(ckpt_dir, tmp_path, capsys):
+    """Before: ``score --metric kld`` without --breaking-points ran and ignored the metric."""
+    out = tmp_path / "res"
+    code = main(["score", "--ckpt", str(ckpt_dir), *FAST, "--metric", "kld", "--output-path", str(out)])
+    line = _error(capsys.readouterr().err)
+    assert code == 2 and "--metric kld decides breaking points only" in line and not out.exists()
+
+
+def test_score_refuses_a_tolerance_unlike_its_sweep_files(ckpt_dir, tmp_path, capsys):
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"breaking_points": [], "metric": "ppl", "tolerance_pct": 1.0}))
+    argv = ["score", "--ckpt", str(ckpt_dir), *FAST, "--sweep", str(sweep), "--tolerance", "2"]
+    code = main([*argv, "--output-path", str(tmp_path / "res")])
+    line = _error(capsys.readouterr().err)
+    assert code == 2 and "decided its breaking points with --metric ppl --tolerance 1" in line

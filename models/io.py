@@ -132,7 +132,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         os.replace(tmp, path)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
-        if e.filename is None:  # a write to an open file (a full disk) names no file: name the one being written
+        # a write to an open file (a full disk) names no file: name the one being written
+        if e.filename is None:
             raise type(e)(e.errno, e.strerror or str(e), str(path)) from e
         raise
     except BaseException:

@@ -57,8 +57,9 @@ from qbench.eval.metrics import (
     output_width,
     perplexity,
     protocol_record,
+    scoring_rows,
 )
-from qbench.eval.prefix import BlockPrefix
+from qbench.eval.prefix import BlockPrefix, ReplayMismatch
 from qbench.eval.reference import ReferenceLogits, reference_store
 from qbench.quant.apply import MODES
 from qbench.quant.calibrate import CalibrationData
@@ -214,6 +215,8 @@ class CellResult:
     kv_calibration: dict[str, Any] | None = None
     # decoder blocks whose float output was replayed rather than recomputed (qbench.eval.prefix); 0: none
     replayed_blocks: int = 0
+    # why a replay was abandoned for the plain evaluation (qbench.eval.prefix.ReplayMismatch); None: it was not
+    replay_fallback: str | None = None
 
 
 def evidence_metrics(
@@ -619,6 +622,7 @@ class ModelEvaluation:
             "model_bytes": r.model_bytes,
             # how the number was computed, not what it is: the same perplexity either way (qbench.eval.prefix)
             "replayed_blocks": r.replayed_blocks,
+            **({"replay_fallback": r.replay_fallback} if r.replay_fallback else {}),
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         record["cell_id"] = cell_identity(record)
@@ -671,19 +675,29 @@ class ModelEvaluation:
         eval_start = time.perf_counter()
         batch_size = self.spec.protocol.batch_size
         replayed = self.prefix.first_changed_block(qmodel) if self.prefix is not None else 0
+        reference = self.reference() or self.lm.model
+        fallback = None
         try:
-            with (
-                self.prefix.replay(qmodel, replayed, self.windows.ids, batch_size, self.spec.device)
-                if replayed
-                else nullcontext()
-            ):
-                ppl = perplexity(
-                    qmodel,
-                    self.windows,
-                    batch_size,
-                    self.spec.device,
-                    reference=self.reference() or self.lm.model,
-                )
+            try:
+                with (
+                    self.prefix.replay(
+                        qmodel,
+                        replayed,
+                        self.windows.ids,
+                        # the batches perplexity() makes: fewer windows than --batch-size when two sets of
+                        # logits (a large vocabulary) exceed the budget
+                        scoring_rows(qmodel, batch_size, self.windows.window, reference),
+                        self.spec.device,
+                    )
+                    if replayed
+                    else nullcontext()
+                ):
+                    ppl = perplexity(qmodel, self.windows, batch_size, self.spec.device, reference=reference)
+            except (
+                ReplayMismatch
+            ) as e:  # never a wrong number: the whole model runs instead, and the record says so
+                fallback, replayed = str(e), 0
+                ppl = perplexity(qmodel, self.windows, batch_size, self.spec.device, reference=reference)
         except NonFiniteError as e:  # NaN/inf reached a quantiser: the cell failed, the grid goes on
             return self.record(
                 replace(
@@ -706,6 +720,7 @@ class ModelEvaluation:
                 eval_seconds=eval_seconds,
                 model_bytes=_model_bytes(qmodel),
                 replayed_blocks=replayed,
+                replay_fallback=fallback,
             )
         )
 

@@ -233,6 +233,13 @@ def token_comparison(out: Tensor, ref: Tensor, chunk: int = 256) -> tuple[Tensor
 
 
 @torch.no_grad()
+def scoring_rows(model: nn.Module, batch_size: int, window: int, reference: object = None) -> int:
+    """Windows per forward pass of :func:`perplexity` (fewer than ``batch_size`` when its logits, and a
+    reference's beside them, exceed :data:`LOGITS_BUDGET`): one rule for it and for whatever must see the same
+    batches (``qbench.eval.prefix`` replays stored block outputs batch by batch)."""
+    return forward_rows(model, batch_size, window, copies=1 if reference is None else 2)
+
+
 def perplexity(
     model: nn.Module,
     windows: Windows,
@@ -254,7 +261,7 @@ def perplexity(
     model's. ``keep``: a store this (float) model's logits are written to as they are computed.
     """
     total_nll, total_tokens = 0.0, 0
-    rows = forward_rows(model, batch_size, windows.window, copies=1 if reference is None else 2)
+    rows = scoring_rows(model, batch_size, windows.window, reference)
     nll, kld, top1 = [], [], []
     for start in range(0, len(windows.ids), rows):
         batch = windows.ids[start : start + rows].to(device)

@@ -55,6 +55,11 @@ _STRUCTURAL = frozenset(
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
+class ReplayMismatch(RuntimeError):
+    """A replayed forward pass did not meet the batches that were stored (another batching, order or count): the
+    caller evaluates the whole model instead, never a number from the wrong hidden states."""
+
+
 class _Stop(BaseException):  # not an Exception: no ``except Exception`` in model code may swallow it
     """Raised from a hook once the wanted block output is captured: the rest of the forward pass is not needed."""
 
@@ -275,7 +280,7 @@ class BlockPrefix:
         with _replaying(model, stored) as calls:
             yield
         if calls["n"] != len(stored.outputs):
-            raise RuntimeError(f"replayed {calls['n']} of {len(stored.outputs)} stored batches")
+            raise ReplayMismatch(f"replayed {calls['n']} of {len(stored.outputs)} stored batches")
         self.stats["replayed"] += 1
         self.stats["blocks_skipped"] += block
 
@@ -299,9 +304,9 @@ def _replaying(model: nn.Module, stored: _Stored, batch: int | None = None) -> I
     def head(*args: Any, **kwargs: Any) -> Any:  # block 0: find this batch, check it is the stored one
         index = calls["n"]
         if index >= len(stored.outputs):
-            raise RuntimeError(f"more forward passes than the {len(stored.outputs)} stored batches")
+            raise ReplayMismatch(f"more forward passes than the {len(stored.outputs)} stored batches")
         if _fingerprint(_hidden_input(args, kwargs)) != stored.fingerprints[index]:
-            raise RuntimeError(f"batch {index} is not the batch whose hidden states were stored")
+            raise ReplayMismatch(f"batch {index} is not the batch whose hidden states were stored")
         if batch is None:
             calls["n"] += 1
         # a copy per pass: a block that wrote into its input in place must not change what later cells read

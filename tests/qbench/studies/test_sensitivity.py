@@ -242,3 +242,42 @@ def test_a_quantised_kv_cache_is_in_every_cell_and_measured_alone(planted_ckpt, 
     assert result["units"][0]["name"] == "transformer.h.1.*"
     # block 1's cell and the KV-only cell start from the float model's stored states (with the cache applied)
     assert result["timing"]["replay"]["replayed"] == 2
+
+
+@pytest.mark.parametrize("which", ["ours", "transformers-llama"])
+def test_replay_follows_the_batches_a_large_vocabulary_makes(
+    planted_ckpt, hf_llama_dir, tmp_path, monkeypatch, which
+):
+    """A large vocabulary's logits shrink perplexity()'s batches below --batch-size (SmolLM2: 49,152 logits a
+    token, two windows of 2,048 → one window a pass); the replay stored batches of --batch-size and stopped the
+    card's repair with "batch 0 is not the batch whose hidden states were stored". It now replays the batches
+    perplexity() makes: the same numbers as the plain evaluation, blocks replayed."""
+    from qbench.eval import metrics
+
+    monkeypatch.setattr(metrics, "LOGITS_BUDGET", 1)  # one window a forward pass
+    ckpt = planted_ckpt if which == "ours" else hf_llama_dir
+    scheme = SCHEME if which == "ours" else "absmax-fine"
+    replayed = sensitivity(_spec(ckpt, tmp_path / "a", scheme), tolerance=0.1)
+    plain = sensitivity(_spec(ckpt, tmp_path / "b", scheme), tolerance=0.1, replay=False)
+    key = lambda r: {u["name"]: (u["ppl"], u["ppl_change_pct"]) for u in r["units"]}  # noqa: E731
+    assert key(replayed) == key(plain) and replayed["repair"] == plain["repair"]
+    assert replayed["timing"]["replay"]["replayed"] >= 7
+    cells = [json.loads(p.read_text()) for p in (tmp_path / "a").glob("unit-*/**/*__fake.json")]
+    assert any(c["replayed_blocks"] for c in cells) and not any("replay_fallback" in c for c in cells)
+
+
+def test_a_replay_that_meets_other_batches_falls_back_to_the_plain_evaluation(
+    planted_ckpt, tmp_path, monkeypatch
+):
+    """Should the replay's batches ever differ from the evaluation's, the cell is evaluated whole and says so —
+    never a number from the wrong hidden states, never a crash that loses the study."""
+    from qbench.eval import harness
+
+    # the replay stores batches of one window; perplexity() scores the protocol's batches of several
+    monkeypatch.setattr(harness, "scoring_rows", lambda *a, **k: 1)
+    replayed = sensitivity(_spec(planted_ckpt, tmp_path / "a"), tolerance=0.1)
+    plain = sensitivity(_spec(planted_ckpt, tmp_path / "b"), tolerance=0.1, replay=False)
+    key = lambda r: {u["name"]: (u["ppl"], u["ppl_change_pct"]) for u in r["units"]}  # noqa: E731
+    assert key(replayed) == key(plain)
+    cell = json.loads(next((tmp_path / "a").glob("unit-transformer.h.1.mlp.down_proj/**/*.json")).read_text())
+    assert cell["replayed_blocks"] == 0 and "not the batch" in cell["replay_fallback"]

@@ -961,6 +961,7 @@ def speed_record(
             peers=False,
             layer=False,
             generate=False,
+            kv=False,  # the card shows prefill speed-ups only: KV-cache generation would be timed and dropped
             ckpt=lm.source,
             model=None,
             model_tokens=512,

@@ -174,3 +174,19 @@ def test_score_refuses_a_tolerance_unlike_its_sweep_files(ckpt_dir, tmp_path, ca
     code = main([*argv, "--output-path", str(tmp_path / "res")])
     line = _error(capsys.readouterr().err)
     assert code == 2 and "decided its breaking points with --metric ppl --tolerance 1" in line
+
+
+def test_the_full_cards_speed_record_times_prefill_only(ckpt_dir, tmp_path, monkeypatch):
+    """Before: run_speed's KV-cache section ran (minutes of KV generation) and its records were thrown away."""
+    from qbench.eval.load import load_model
+    from qbench.studies import card, speed
+
+    calls = []
+    monkeypatch.setattr(speed, "run_speed", lambda **kw: calls.append(kw) or [])
+    cfg = card.CardConfig(models=[str(ckpt_dir)], budget="full", output_path=tmp_path)
+    lm = load_model(str(ckpt_dir))
+    fp = {"model": {"fingerprint": "x"}}
+    record = card.speed_record(cfg, lm, fp, ["absmax-fine"])
+    assert record is not None and record["records"] == []
+    (kw,) = calls
+    assert kw["kv"] is False and kw["generate"] is False and kw["layer"] is False

@@ -449,15 +449,21 @@ class ModelEvaluation:
         from qbench.quant.apply import select_layers
 
         protocol, calibration = self.spec.protocol, self.spec.calibration
+        calibrated = False
         for name in self.spec.schemes:
             if name != FLOAT_SCHEME:
                 scheme = self.spec.scheme(name)
                 select_layers(self.lm.model, scheme, self.spec.exclude, self.spec.allow_empty)
                 if _needs_calibration(scheme):
                     calibration.check_disjoint(protocol.corpus, protocol.split, f"scheme {name}")
+                    calibrated = True
         kv = self.spec.kv
         if kv_calibrated(kv):
             calibration.check_disjoint(protocol.corpus, protocol.split, f"KV scheme {kv.label}")
+        if (
+            calibrated
+        ):  # text holding no window is refused now, not recorded as unsupported cells after the float one
+            calibration_text_tokens(self.spec, self.lm.tokenizer, self.windows.window)
         check_kv_window(kv, self.windows.window)
 
     def identity(self, scheme_name: str | None, mode: str) -> str:
@@ -766,6 +772,38 @@ class ModelEvaluation:
         return calibration_windows(
             self.lm.tokenizer, self.spec.protocol, self.windows.window, scheme, self.spec.calibration
         )
+
+
+def calibration_text_tokens(spec: GridSpec, tokenizer: Any, window: int) -> tuple[str, str, int]:
+    """(corpus, split, tokens it holds) of the text calibrated schemes cut their windows from, or a one-line error
+    under the option that named it when that text holds no window (empty, binary, too short): calibration would
+    run on nothing and the cell would be recorded as unsupported, with exit status 0."""
+    from trainers.batches import window_span
+    from trainers.data import token_stream
+
+    cal, protocol = spec.calibration, spec.protocol
+    corpus, split = str(cal.corpus(protocol.corpus)), cal.split()
+    named = f"--calib-data {corpus!r}" if cal.data is not None else f"the {split} split of {corpus!r}"
+    span = window_span(window, protocol.bos)
+    need = f"one calibration window takes {span} (windows of {window} tokens)"
+    path = Path(corpus)
+    if cal.data is not None and path.is_file():
+        with path.open("rb") as f:
+            binary = b"\x00" in f.read(65536)
+        if binary:
+            raise UserError(
+                f"{named} is a binary file (it holds NUL bytes), not text: it holds no tokens, and {need}; give a "
+                "UTF-8 text file"
+            )
+    try:
+        held = len(token_stream(corpus, split, tokenizer))
+    except UserError as e:
+        if f"has no {split} documents" not in str(e):  # unreadable text: its own reason, under our option
+            raise UserError(f"{named}: {str(e).replace('--data ', '', 1)}") from None
+        held = 0
+    if held < span:
+        raise UserError(f"{named} holds {held} tokens, and {need}; give more text (or a smaller --window)")
+    return corpus, split, held
 
 
 def calibration_windows(

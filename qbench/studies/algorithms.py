@@ -203,34 +203,11 @@ def _check_tokenizers(named: Sequence[tuple[str, Any]]) -> None:
 def _calibration_taken(spec: Any, lm: Any, window: int, calibrated: Sequence[Any]) -> dict[str, Any]:
     """What the calibrated cells of one model really calibrate on, from the harness's own
     ``calibration_windows``: the text (``--calib-data`` or the scored corpus's train split), the tokens it holds
-    and the windows and tokens taken. Text that holds less than one window (empty, binary, too short) is refused
-    here: GPTQ would otherwise run on nothing and record a NaN cell as unsupported, with exit status 0."""
-    from qbench.eval.harness import calibration_windows
-    from trainers.batches import window_span
-    from trainers.data import token_stream
+    and the windows and tokens taken (text holding no window was refused by the grid's own check)."""
+    from qbench.eval.harness import calibration_text_tokens, calibration_windows
 
     cal, protocol = spec.calibration, spec.protocol
-    corpus, split = str(cal.corpus(protocol.corpus)), cal.split()
-    named = f"--calib-data {corpus!r}" if cal.data is not None else f"the {split} split of {corpus!r}"
-    span = window_span(window, protocol.bos)
-    need = f"one calibration window takes {span} (windows of {window} tokens, model {lm.name})"
-    path = Path(corpus)
-    if cal.data is not None and path.is_file():
-        with path.open("rb") as f:
-            binary = b"\x00" in f.read(65536)
-        if binary:
-            raise UserError(
-                f"{named} is a binary file (it holds NUL bytes), not text: it holds no tokens, and {need}; give a "
-                "UTF-8 text file"
-            )
-    try:
-        held = len(token_stream(corpus, split, lm.tokenizer))
-    except UserError as e:
-        if f"has no {split} documents" not in str(e):  # unreadable text: its own reason, under our option
-            raise UserError(f"{named}: {str(e).replace('--data ', '', 1)}") from None
-        held = 0
-    if held < span:
-        raise UserError(f"{named} holds {held} tokens, and {need}; give more text (or a smaller --window)")
+    corpus, split, held = calibration_text_tokens(spec, lm.tokenizer, window)
     taken = []
     for key in dict.fromkeys((s.calib_windows, s.calib_seed) for s in calibrated):
         scheme = next(s for s in calibrated if (s.calib_windows, s.calib_seed) == key)

@@ -45,3 +45,14 @@ def test_nothing_cites_issue_numbers():
         for m in re.finditer(r"\bissues? \d+(\.\d+)?\b", text, re.IGNORECASE)
     ]
     assert not tagged, tagged
+
+
+def test_the_readme_command_table_lists_every_command():
+    """A command missing from the README's table is a command a newcomer never finds."""
+    from qbench.cli import COMMAND_MODULES
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Commands") : readme.index("## Python API")]
+    listed = set(re.findall(r"^\| `qbench ([a-z-]+)", table, flags=re.M))
+    names = {__import__(f"qbench.cli.{m}", fromlist=["NAME"]).NAME for m in COMMAND_MODULES}
+    assert names - listed == set(), f"commands missing from the README's table: {sorted(names - listed)}"

@@ -1,4 +1,4 @@
-"""Issue 54's probe of ``speed --from-json``, ``speed --new-tokens`` and ``recipes``' learning rates: each bad input
+"""A probe of ``speed --from-json``, ``speed --new-tokens`` and ``recipes``' learning rates: each bad input
 ends in one line naming the file or flag, the bad value and what is valid, exit status 2, nothing written."""
 
 from __future__ import annotations

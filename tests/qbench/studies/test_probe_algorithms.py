@@ -1,4 +1,4 @@
-"""Hostile or unusual inputs to ``qbench algorithms``, GPTQ/AWQ and the Python API's calibration (issue 54): each a
+"""Hostile or unusual inputs to ``qbench algorithms``, GPTQ/AWQ and the Python API's calibration: each a
 one-line refusal naming the bad value, before anything is written — or, for non-finite weights, a recorded
 non-finite cell — never a traceback, and the table's calibration sentence names what was really used."""
 

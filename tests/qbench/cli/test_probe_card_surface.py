@@ -1,4 +1,4 @@
-"""The second probe of the card's surface (issue 54): a transform that quantises nothing, a card or map of a
+"""A probe of the card's surface: a transform that quantises nothing, a card or map of a
 model with NaN weights, --calib-data on a budget that calibrates nothing, the tolerance's unit per metric, the KV
 footer of ``qbench compare`` and the breaking points' unit. Micro models: seconds each."""
 

@@ -184,9 +184,7 @@ def gptq_quantize(
     perm = torch.argsort(torch.diagonal(h), descending=True) if act_order else None
     if perm is not None:
         w, h = w[:, perm], h[perm][:, perm]
-    lam = damp * float(torch.diagonal(h).mean())
-    h.diagonal().add_(lam)
-    u = _inverse_factor(h, what, damp)
+    u, lam = _damped_inverse_factor(h, what, damp)
 
     if group is not None and not act_order:
         block = group * -(-block // group)  # whole groups per block (see the loop)
@@ -226,10 +224,36 @@ def gptq_quantize(
     return GPTQResult(codes.to(code_dtype), qparams, deq, int(dead.sum()), lam)
 
 
-def _inverse_factor(h: Tensor, what: str, damp: float) -> Tensor:
-    """U = chol(H⁻¹), upper: the reference's Cholesky reformulation (H⁻¹ = UᵀU), of the damped ``h``. A failed
-    factorisation is a one-line error naming the layer (``what``), not torch's linear-algebra traceback: non-finite
-    when float32 overflowed on the way, else a Hessian that the damping did not make positive definite."""
+# The largest damping tried when the factorisation fails: λ = the Hessian's mean diagonal. Beyond it the solve
+# would mostly reflect the damping, not the calibration data.
+MAX_DAMP = 1.0
+
+
+def _damped_inverse_factor(h: Tensor, what: str, damp: float) -> tuple[Tensor, float]:
+    """(U, λ): U = chol((H + λI)⁻¹), upper — the reference's Cholesky reformulation (H⁻¹ = UᵀU) — with
+    λ = ``damp`` · mean diag H, ``damp`` raised ×10 while the factorisation fails, up to :data:`MAX_DAMP`, as
+    GPTQModel and llm-compressor raise theirs (a rank-deficient H from too few calibration tokens, a float32
+    cancellation). Then a one-line error naming the layer (``what``), not torch's linear-algebra traceback.
+    ``h`` is damped in place with the λ that worked."""
+    mean = float(torch.diagonal(h).mean())
+    tried = damp
+    while True:
+        damped = h.clone()
+        damped.diagonal().add_(tried * mean)
+        u = _inverse_factor(damped, what)
+        if u is not None:
+            h.copy_(damped)
+            return u, tried * mean
+        if tried * 10 > MAX_DAMP * (1 + 1e-9):
+            raise UserError(
+                f"{what}: the Hessian is not positive definite even damped by {tried:g} of its mean diagonal "
+                f"(tried from damp={damp:g}, ×10 up to {MAX_DAMP:g}); calibrate on more tokens (--calib-tokens)"
+            )
+        tried *= 10
+
+
+def _inverse_factor(h: Tensor, what: str) -> Tensor | None:
+    """chol(h⁻¹), upper, or None when ``h`` is not positive definite; NonFiniteError when float32 overflowed."""
     lower, info = torch.linalg.cholesky_ex(h)
     inverse = torch.cholesky_inverse(lower) if int(info) == 0 else None
     if inverse is not None:
@@ -238,10 +262,7 @@ def _inverse_factor(h: Tensor, what: str, damp: float) -> Tensor:
             return u
     if not bool(torch.isfinite(h).all()) or (inverse is not None and not bool(torch.isfinite(inverse).all())):
         raise NonFiniteError(f"{what}: the damped Hessian or its inverse overflows float32; cannot quantise")
-    raise UserError(
-        f"{what}: the damped Hessian is not positive definite (Cholesky failed at column {int(info)} of "
-        f"{h.shape[0]}, damp {damp}); raise damp, e.g. the scheme override damp=0.1"
-    )
+    return None
 
 
 def _dequantize(codes: Tensor, qparams: QParams, group: int | None, cols: int) -> Tensor:

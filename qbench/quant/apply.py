@@ -330,28 +330,48 @@ def awq_layers(
     for name in layers:
         groups.setdefault(id(stats[name]), []).append(name)
     scales, solved = {}, {}
+    unscaled = {n for n in layers if _grouped_query_output(model, n, layers[n])}
     for names in groups.values():
         acc = stats[names[0]]
         weights = {n: linear_weight(layers[n])[0] for n in names}
         dim = next(iter(weights.values())).shape[1]
         granularity = scheme.weight_granularity_for(dim)
-        s, _, _ = search_scale(
-            list(weights.values()),
-            acc.hessian,
-            acc.abs_mean,
-            scheme.weight_bits,
-            granularity,
-            scheme.weight_symmetric,
-            grid,
-        )
-        h_s = acc.hessian.float() / (s.unsqueeze(0) * s.unsqueeze(1))
+        if set(names) <= unscaled:  # llm-awq's mapping: no scale it could not fold; the clipping still runs
+            s = None
+        else:
+            s, _, _ = search_scale(
+                list(weights.values()),
+                acc.hessian,
+                acc.abs_mean,
+                scheme.weight_bits,
+                granularity,
+                scheme.weight_symmetric,
+                grid,
+            )
+        h_s = acc.hessian.float() if s is None else acc.hessian.float() / (s.unsqueeze(0) * s.unsqueeze(1))
         for n, w in weights.items():
-            w_s = w.float() * s.to(w.device)
+            w_s = w.float() if s is None else w.float() * s.to(w.device)
             qp = None  # not clipped: round-to-nearest's own grid of W · diag(s)
             if clip and clipped(n):
                 qp = search_clip(w_s, h_s, scheme.weight_bits, granularity, scheme.weight_symmetric, grid)
-            scales[n], solved[n] = s.to(w.device), (w, qp)
+            if s is not None:
+                scales[n] = s.to(w.device)
+            solved[n] = (w, qp)
     return scales, solved
+
+
+def _grouped_query_output(model: nn.Module, name: str, layer: nn.Module) -> bool:
+    """Whether ``name`` is an attention output projection whose input is wider than its ``v_proj``'s output
+    (grouped-query attention: n_kv_head < n_head). AWQ folds that layer's input scale into ``v_proj``, which
+    cannot hold one scale per query-head channel, so llm-awq and AutoAWQ leave it unscaled; so does qbench."""
+    parent_name, _, leaf = name.rpartition(".")
+    if leaf not in ("o_proj", "c_proj", "out_proj", "dense"):
+        return False
+    parent = model.get_submodule(parent_name) if parent_name else model
+    value = getattr(parent, "v_proj", None)
+    if value is None or not is_linear(value):
+        return False
+    return linear_weight(value)[0].shape[0] != linear_weight(layer)[0].shape[1]
 
 
 def _check_not_quantized(model: nn.Module) -> None:

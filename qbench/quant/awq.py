@@ -7,12 +7,14 @@ From the paper's §3.2 ("Searching to scale"):
 
 - Scales s = s_X^α per input channel, s_X the mean |x| of that channel over the calibration tokens, α searched on
   a grid of ``grid`` points α = 0, 1/grid, …, (grid−1)/grid (20 in the paper and its reference code), normalised as
-  the reference code does (s / √(max s · min s), clamped at 1e-4 first), minimising the output error
+  the reference code does (s_X^α clamped at 1e-4, then s / √(max s · min s)), minimising the output error
   ‖Q(W · diag(s)) (diag(s)⁻¹ X) − W X‖². α = 0 is s = 1, plain round-to-nearest, so the search never does worse
   on its objective.
 - Layers that read one tensor (q/k/v after the attention norm, gate/up after the MLP norm, GPT-2's fused c_attn)
   share one s, searched on the sum of their errors — the reference code's mappings, whose scale it folds into the
-  norm before them. o_proj and down_proj get their own s (the reference folds those into v_proj / up_proj).
+  norm before them. o_proj and down_proj get their own s (the reference folds those into v_proj / up_proj);
+  on grouped-query attention, where v_proj has fewer outputs than o_proj has inputs and no fold exists, o_proj
+  gets no scale (its clipping is still searched), as in llm-awq and AutoAWQ (``apply._grouped_query_output``).
 - Clipping search (the reference code's ``auto_clip``): per output channel and group, the weight range clipped to
   r · max|w|, r = 1, 1 − 1/grid, … down to 1 − ``max_shrink`` (0.5), the r minimising that group's output error
   kept. q_proj and k_proj (and a fused qkv) are not clipped, as in the reference code (their errors are amplified
@@ -62,12 +64,13 @@ def _error(delta: Tensor, h: Tensor) -> Tensor:
 
 
 def candidate_scales(abs_mean: Tensor, grid: int) -> list[tuple[float, Tensor]]:
-    """(α, s) for α = 0, 1/grid, …: s = s_X^α normalised by √(max s · min s) (s_X clamped at 1e-4)."""
-    x = abs_mean.float().clamp_min(1e-4)
+    """(α, s) for α = 0, 1/grid, …: s = max(s_X^α, 1e-4) normalised by √(max s · min s) — the reference's order
+    (``auto_scale.py``: ``x_max.pow(ratio).clamp(min=1e-4)``, then the normalisation)."""
+    x = abs_mean.float()
     out = []
     for i in range(grid):
         alpha = i / grid
-        s = x.pow(alpha)
+        s = x.pow(alpha).clamp_min(1e-4)
         out.append((alpha, s / (s.max() * s.min()).sqrt()))
     return out
 

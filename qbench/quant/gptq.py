@@ -31,7 +31,7 @@ What is implemented, from the paper's §4 ("The Full Algorithm") and Algorithm 1
 The Hessian here is the one of the *float* model's inputs for every layer (one calibration pass, cached per model
 and calibration windows so that a grid computes it once). The reference implementation instead runs the
 calibration through the blocks already quantised, so later layers see quantised inputs; that sequential variant
-costs one pass per block and a Hessian per scheme. The record's scheme says which (``hessian_inputs``: "float").
+costs one pass per block and a Hessian per scheme; qbench does not implement it yet.
 """
 
 from __future__ import annotations

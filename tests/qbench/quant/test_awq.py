@@ -98,13 +98,16 @@ def test_the_scales_leave_the_float_model_unchanged_and_errors_fall():
         not clipped(attn + "q_proj") and clipped(attn + "v_proj") and clipped("model.layers.0.mlp.down_proj")
     )
     assert solved[attn + "q_proj"][1] is None and solved[attn + "v_proj"][1] is not None
+    # grouped-query attention (4 query, 2 key/value heads): v_proj cannot absorb o_proj's scale, so llm-awq
+    # leaves o_proj unscaled; its clipping is still searched
+    assert attn + "o_proj" not in scales and solved[attn + "o_proj"][1] is not None
     float_scheme = QuantScheme("float", weight_bits=None)
     x = torch.randn(3, 5, 128)
     groups = {}
     for name, module in layers.items():
         w, b = linear_weight(module)
         # folding s into the layer changes nothing in float: (x / s) · (W · diag(s))ᵀ = x · Wᵀ
-        scaled = FakeQuantLinear(w, b, float_scheme, input_scale=scales[name])
+        scaled = FakeQuantLinear(w, b, float_scheme, input_scale=scales.get(name))
         torch.testing.assert_close(
             scaled(x[..., : w.shape[1]]), module(x[..., : w.shape[1]]), rtol=1e-5, atol=1e-5
         )
@@ -168,3 +171,23 @@ def test_awq_scheme_names_and_refusals():
     ):
         with pytest.raises(UserError, match=match):
             get_scheme(bad)
+
+
+def test_o_proj_is_scaled_where_v_proj_can_absorb_it():
+    """With one key/value head per query head v_proj's outputs are o_proj's inputs, and the fold exists."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=128,
+        max_position_embeddings=32,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    scheme = get_scheme("zeropoint-int4-g128:algo=awq,group=32")
+    scales, _ = awq_layers(model, select_layers(model, scheme), scheme, CALIB)
+    assert "model.layers.0.self_attn.o_proj" in scales

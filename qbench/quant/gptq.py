@@ -14,15 +14,19 @@ What is implemented, from the paper's §4 ("The Full Algorithm") and Algorithm 1
   block move by −err · U_j,j+1:).
 - Lazy batch updates (§4, "Lazy Batch-Updates"): the columns are processed in blocks of ``block`` (128); inside a
   block the updates are applied column by column, the rest of the matrix is updated once per block with the
-  block's accumulated errors, W_:,rest −= E · U_block,rest. With groups a block is rounded up to whole groups,
-  so that a group's qparams see all of its columns' updates so far. The result equals the unbatched algorithm
-  (the paper's Eq. 2–3, one column at a time with H⁻¹ updated by Gaussian elimination) in exact arithmetic.
+  block's accumulated errors, W_:,rest −= E · U_block,rest. With groups a block is rounded up to whole groups
+  (so a group never spans two blocks). The codes equal the unbatched algorithm (the paper's Eq. 2–3, one column at
+  a time with H⁻¹ updated by Gaussian elimination) in exact arithmetic, with each group's grid taken as below.
 - Quantisation grid: the scheme's bits, symmetry and granularity with qbench's qparams formulas
   (``primitives.qparams_from_stats``). Per channel and per tensor, the qparams come from the original W; for
-  groups of g input channels they are chosen when the algorithm reaches the group's first column, from the
-  *updated* weights (the reference code's default), so that the grid of a group already contains the error
-  compensation from the groups before it. A group that does not divide the row leaves a shorter last group, as
-  round-to-nearest does (``fake.pad_to_groups``).
+  groups of g input channels they are chosen when the algorithm reaches the group's first column, from that
+  group's weights as they were when its lazy block began: the error compensation of the earlier blocks in, that
+  of the columns before it in the same block not yet — the reference code's rule (IST-DASLab ``gptq.py``
+  ``find_params(W[:, i1 + i : i1 + i + groupsize])`` on ``W``, not the block's working copy; GPTQModel and
+  llm-compressor alike). So with g below ``block`` the grid depends on the block size, as in the reference. (The
+  grid from the fully updated weights, qbench's rule before, gave 0–3 % larger layer errors in 19 of 20 synthetic
+  comparisons.) A group that does not divide the row leaves a shorter last group, as round-to-nearest does
+  (``fake.pad_to_groups``).
 - ``act_order`` (the reference code's ``--act-order``, the paper's discussion of LLaMA/OPT-66B outliers): columns
   in order of decreasing diag H. With groups this uses the *static-groups* rule: every group's qparams are
   computed from the original W before the permutation, so group membership stays contiguous in the original
@@ -198,9 +202,10 @@ def gptq_quantize(
         for i in range(end - start):
             j = int(col_group[start + i])
             if group is not None and not act_order and j % group == 0:
-                # a group's grid from the current (updated) weights of its columns (dynamic groups); blocks are
-                # whole groups, so all of them are in w1 and up to date, as in the unbatched algorithm
-                set_group(j // group, w1[:, i : i + group])
+                # a group's grid from its columns as they were when this lazy block began — the earlier blocks'
+                # updates in, this block's not yet (``w``, not ``w1``): the reference code's rule
+                # (IST-DASLab gptq.py: find_params(W[:, i1 + i : i1 + i + groupsize]); GPTQModel, llm-compressor)
+                set_group(j // group, w[:, start + i : start + i + group])
             g = 0 if group is None else j // group
             s = scales[:, g].to(dtype)
             z = None if zeros is None else zeros[:, g].to(dtype)

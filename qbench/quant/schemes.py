@@ -213,6 +213,14 @@ class QuantScheme:
         if self.rotate == "none":  # likewise: records from before rotations keep their identity
             del d["rotate"]
         d["label"] = self.label  # informative only; from_dict ignores it
+        if (
+            self.algo == "gptq"
+            and isinstance(self.weight_granularity, PerGroup)
+            and not self.algo_params["act_order"]
+        ):
+            # GPTQ's group grid changed to the reference code's rule (qbench.quant.gptq): a grouped GPTQ record made
+            # under the earlier rule has no such field, so it is recomputed, not reused. Derived; from_dict ignores it.
+            d["algo_recipe"] = GPTQ_GROUP_RULE
         if self.format != INT and FORMATS[self.format].recipe:
             # The block-scale rule, in every record: nvfp4's changed (the E4M3 floor dropped, NVIDIA's recipe), so a
             # record made under the old rule has none and is recomputed, not reused. Derived; from_dict ignores it.
@@ -222,7 +230,7 @@ class QuantScheme:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> QuantScheme:
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names - {"label", "format_recipe"}
+        unknown = set(d) - names - {"label", "format_recipe", "algo_recipe"}
         if unknown:
             raise UserError(f"unknown quantisation scheme field(s) {sorted(unknown)}; known: {sorted(names)}")
         kwargs = {k: v for k, v in d.items() if k in names}
@@ -233,6 +241,8 @@ class QuantScheme:
 
 
 ROTATIONS = ("none", "quarot")
+# How GPTQ chooses a group's grid (qbench.quant.gptq), in every grouped GPTQ record
+GPTQ_GROUP_RULE = "group grid from the weights at the start of its lazy block (IST-DASLab gptq.py)"
 
 
 def _check_rotate(s: QuantScheme) -> None:

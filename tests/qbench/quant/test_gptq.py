@@ -36,11 +36,13 @@ def _params(w, bits, sym, per_tensor=False):
     return s.double().reshape(-1), None if z is None else z.double().reshape(-1)
 
 
-def reference_gptq(w, h, bits, sym, damp=0.01, group=None, act_order=False, per_tensor=False):
+def reference_gptq(w, h, bits, sym, damp=0.01, group=None, act_order=False, per_tensor=False, block=128):
     """Written from the paper (Frantar et al. 2023): the greedy OBS step of Eq. 2–3, one column at a time, with
     the inverse Hessian updated by Gaussian elimination — no Cholesky, no lazy batches — in float64. Groups take
-    their grid from the current weights at their first column; with ``act_order`` from the original weights
-    (static groups). Returns codes in the original column order."""
+    their grid at their first column from the weights as they were when that column's ``block`` of columns began
+    (the reference code's ``find_params(W[:, i1 + i : …])``: W carries the earlier blocks' updates, not those of
+    the columns before it in its own block); with ``act_order`` from the original weights (static groups).
+    Returns codes in the original column order."""
     w, h = w.double().clone(), h.double().clone()
     cols = w.shape[1]
     qmin, qmax = qrange(bits, sym)
@@ -55,10 +57,13 @@ def reference_gptq(w, h, bits, sym, damp=0.01, group=None, act_order=False, per_
     hinv = torch.linalg.inv(h)
     codes = torch.zeros_like(w)
     remaining = list(order)
+    at_block_start = w.clone()
     for j in order:
         g = 0 if group is None else j // group
+        if j % block == 0:
+            at_block_start = w.clone()
         if group is not None and not act_order and j % group == 0:
-            grids[g] = _params(w[:, j : j + group].float(), bits, sym)
+            grids[g] = _params(at_block_start[:, j : j + group].float(), bits, sym)
         s, z = grids[g]
         q = (torch.round(w[:, j] / s) + (0 if z is None else z)).clamp(qmin, qmax)
         codes[:, j] = q
@@ -87,10 +92,18 @@ def reference_gptq(w, h, bits, sym, damp=0.01, group=None, act_order=False, per_
 def test_codes_equal_a_reference_written_from_the_paper(bits, sym, granularity, act_order):
     w, h = _layer_case()
     group = granularity.group_size if isinstance(granularity, PerGroup) else None
-    expected = reference_gptq(
-        w, h, bits, sym, group=group, act_order=act_order, per_tensor=granularity == PerTensor()
-    )
-    for block in (16, 128):  # lazy batches of any size: the same codes
+    for block in (16, 128):  # lazy batches of any size (a grouped block rounded up to whole groups)
+        whole = block if group is None or act_order else group * -(-block // group)
+        expected = reference_gptq(
+            w,
+            h,
+            bits,
+            sym,
+            group=group,
+            act_order=act_order,
+            per_tensor=granularity == PerTensor(),
+            block=whole,
+        )
         got = gptq_quantize(
             w, h, bits, granularity, sym, block=block, act_order=act_order, dtype=torch.float64
         )
@@ -293,3 +306,16 @@ def test_calibration_stops_at_the_head_with_the_same_statistics(make):
         assert len(calls) == len(CALIB.split(CALIBRATION_BATCH))  # observed: not stopped, once per batch
     finally:
         handle.remove()
+
+
+def test_a_grouped_gptq_record_names_its_group_rule():
+    """Records made under the earlier rule (the grid from the fully updated weights) lack the field, so their
+    cells are recomputed rather than reused; per-channel GPTQ, whose grid comes from the original weights, and
+    act-order's static groups are unchanged."""
+    from qbench.quant.schemes import GPTQ_GROUP_RULE, QuantScheme
+
+    grouped = get_scheme("zeropoint-int4-g128:algo=gptq").to_dict()
+    assert grouped["algo_recipe"] == GPTQ_GROUP_RULE
+    assert QuantScheme.from_dict(grouped) == get_scheme("zeropoint-int4-g128:algo=gptq")
+    assert "algo_recipe" not in get_scheme("zeropoint-int4:algo=gptq").to_dict()
+    assert "algo_recipe" not in get_scheme("zeropoint-int4-g128:algo=gptq,act_order=true").to_dict()

@@ -393,10 +393,10 @@ def _tokens_to_decide(record: Mapping[str, Any], metric: str, tolerance: float) 
 
 def check_tolerance(tolerance: float, metric: str) -> float:
     if not math.isfinite(tolerance) or tolerance < 0 or (metric == "top1" and tolerance > 100):
-        unit = METRICS[metric][1]
+        name, unit = METRICS[metric][0], METRICS[metric][1]
         valid = "a share from 0 to 100" if metric == "top1" else "a finite number ≥ 0"
         raise UserError(
-            f"--tolerance {tolerance} is not a valid {METRICS[metric][0]} in {unit}; give {valid}"
+            f"--tolerance {tolerance:g} is out of range for --metric {metric} ({name}, in {unit}); give {valid}"
         )
     return tolerance
 

@@ -113,7 +113,8 @@ def test_the_tolerance_error_states_the_metrics_valid_range(
     argv = ["card", "--ckpt", str(ckpt_dir), "--metric", metric, "--tolerance", tolerance]
     code = main([*argv, "--output-path", str(tmp_path / "c")])
     line = _error(capsys.readouterr().err)
-    assert code == 2 and f"--tolerance {float(tolerance)}" in line and valid in line
+    assert code == 2 and f"--tolerance {float(tolerance):g} is out of range for --metric {metric}" in line
+    assert valid in line
     assert "give ≥ 0" not in line or metric != "top1"
 
 

@@ -13,30 +13,13 @@ import qbench
 from models.checkpoint import save_checkpoint
 from models.errors import UserError
 from models.tokenizer import load_tokenizer
-from qbench.cli import main
 from qbench.quant.primitives import NonFiniteError
+from tests.qbench.cli_probe import refused, run
 from tests.qbench.conftest import micro_config, trained_like
 
 FAST = ["--tokens", "64", "--batch-size", "4"]
 GPTQ_ONLY = ["--formats", "int4", "--algorithms", "rtn,gptq"]
 BIG_SEED = "99999999999999999999"
-
-
-def run(argv, capsys) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def refused(argv, capsys, *needles: str) -> str:
-    """``argv`` exits 2 with one error line holding every needle."""
-    code, _, err = run(argv, capsys)
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert code == 2, (code, err)
-    assert len(errors) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in errors[0], errors[0]
-    return errors[0]
 
 
 def _save(path, model, tokenizer):

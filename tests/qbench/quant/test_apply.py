@@ -48,14 +48,14 @@ def tiny_gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(config).eval()
 
 
-def tiny_llama() -> nn.Module:
+def tiny_llama(kv_heads: int = 2) -> nn.Module:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         vocab_size=128,
         max_position_embeddings=32,
         bos_token_id=0,

@@ -175,19 +175,7 @@ def test_awq_scheme_names_and_refusals():
 
 def test_o_proj_is_scaled_where_v_proj_can_absorb_it():
     """With one key/value head per query head v_proj's outputs are o_proj's inputs, and the fold exists."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=128,
-        max_position_embeddings=32,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = tiny_llama(kv_heads=4)
     scheme = get_scheme("zeropoint-int4-g128:algo=awq,group=32")
     scales, _ = awq_layers(model, select_layers(model, scheme), scheme, CALIB)
     assert "model.layers.0.self_attn.o_proj" in scales

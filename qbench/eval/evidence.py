@@ -41,7 +41,8 @@ gives no interval (no variance to estimate).
 **Verdicts** (:func:`decide`): with ``tolerance`` in the metric's unit, *within* when the interval's upper end is
 ≤ the tolerance, *beyond* when its lower end is > the tolerance, *undecided* when it straddles it (or when no
 interval exists). Never a point estimate against a threshold. For an undecided cell, :func:`decide` says how
-many tokens would decide it at the observed variance (windows needed = (t · sd / |mean − tolerance|)²).
+many tokens would decide it :data:`DECIDE_POWER` of the time if its mean and per-window spread are what was
+observed: the fewest windows m with (t₀.₉₇₅,ₘ₋₁ + z_power) · sd / √m ≤ |mean − tolerance|.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ from models.errors import UserError
 
 SIDECAR_SUFFIX = ".tokens.safetensors"
 LEVEL = 0.95  # every interval qbench reports
+# How often the tokens a card suggests for an undecided cell decide it, at the cell's observed mean and spread. The
+# budget at which the interval's half-width just reaches the tolerance decides only half the time.
+DECIDE_POWER = 0.8
 WITHIN, BEYOND, UNDECIDED = "within", "beyond", "undecided"
 VERDICTS = (WITHIN, BEYOND, UNDECIDED)
 # What a tolerance applies to (``--metric``), in that metric's unit, and its default.
@@ -365,8 +369,11 @@ def decide(record: Mapping[str, Any], tolerance: float, metric: str = DEFAULT_ME
 
 
 def _tokens_to_decide(record: Mapping[str, Any], metric: str, tolerance: float) -> int | None:
-    """Tokens whose interval, at this cell's per-window spread, would no longer straddle ``tolerance``: windows
-    m with t · sd/√m = |mean − tolerance| (the normal quantile for the unknown m), times the window."""
+    """Tokens that decide this cell :data:`DECIDE_POWER` of the time, were its mean and per-window spread the
+    observed ones: the fewest windows m (more than it has) whose interval mean ± t·sd/√m, its centre spread by
+    sd/√m, leaves ``tolerance`` with that probability — (t_{m−1} + z_power)·sd/√m ≤ |mean − tolerance| — times
+    the window. (With t·sd/√m = |mean − tolerance| the interval's centre lands on either side of its reach: half
+    the time.)"""
     m = record.get("metrics") or {}
     protocol = record.get("protocol") or {}
     windows, per_window = (m.get("interval") or {}).get("windows"), protocol.get("window")
@@ -387,8 +394,20 @@ def _tokens_to_decide(record: Mapping[str, Any], metric: str, tolerance: float) 
         return None  # exactly on the line: no number of tokens decides it
     half = (high - low) / 2
     sd = half * math.sqrt(windows) / t_quantile((1 + LEVEL) / 2, windows - 1)
-    needed = math.ceil((1.96 * sd / distance) ** 2)
-    return max(needed, windows + 1) * int(per_window)
+    if not math.isfinite(sd):
+        return None
+    z = _normal_quantile(DECIDE_POWER)
+
+    def enough(m: int) -> bool:  # t falls with m: a monotone test, so a bisection finds the fewest
+        return (t_quantile((1 + LEVEL) / 2, m - 1) + z) * sd / math.sqrt(m) <= distance
+
+    lo, hi = windows, windows + 1  # lo is not enough (it is undecided now), hi is searched for
+    while not enough(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if enough(mid) else (mid, hi)
+    return hi * int(per_window)
 
 
 def check_tolerance(tolerance: float, metric: str) -> float:

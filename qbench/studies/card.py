@@ -2161,7 +2161,7 @@ def _verdict(
                 f"{f['label']} {_pct(f['ppl_change_pct'])}"
                 + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci and f["ppl_change_pct"] is not None else "")
                 + (
-                    f" (~{f['tokens_to_decide']:,} tokens would decide it)"
+                    f" (~{f['tokens_to_decide']:,} tokens would decide it 4 times in 5)"
                     if f.get("tokens_to_decide")
                     else ""
                 )

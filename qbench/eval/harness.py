@@ -24,7 +24,6 @@ import math
 import platform
 import time
 from collections.abc import Callable, Iterable
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -460,9 +459,7 @@ class ModelEvaluation:
         kv = self.spec.kv
         if kv_calibrated(kv):
             calibration.check_disjoint(protocol.corpus, protocol.split, f"KV scheme {kv.label}")
-        if (
-            calibrated
-        ):  # text holding no window is refused now, not recorded as unsupported cells after the float one
+        if calibrated:  # text holding no window: refused now, not recorded as unsupported cells later
             calibration_text_tokens(self.spec, self.lm.tokenizer, self.windows.window)
         check_kv_window(kv, self.windows.window)
 
@@ -679,31 +676,10 @@ class ModelEvaluation:
                 )
             )
         eval_start = time.perf_counter()
-        batch_size = self.spec.protocol.batch_size
         replayed = self.prefix.first_changed_block(qmodel) if self.prefix is not None else 0
         reference = self.reference() or self.lm.model
-        fallback = None
         try:
-            try:
-                with (
-                    self.prefix.replay(
-                        qmodel,
-                        replayed,
-                        self.windows.ids,
-                        # the batches perplexity() makes: fewer windows than --batch-size when two sets of
-                        # logits (a large vocabulary) exceed the budget
-                        scoring_rows(qmodel, batch_size, self.windows.window, reference),
-                        self.spec.device,
-                    )
-                    if replayed
-                    else nullcontext()
-                ):
-                    ppl = perplexity(qmodel, self.windows, batch_size, self.spec.device, reference=reference)
-            except (
-                ReplayMismatch
-            ) as e:  # never a wrong number: the whole model runs instead, and the record says so
-                fallback, replayed = str(e), 0
-                ppl = perplexity(qmodel, self.windows, batch_size, self.spec.device, reference=reference)
+            ppl, replayed, fallback = self._scored(qmodel, replayed, reference)
         except NonFiniteError as e:  # NaN/inf reached a quantiser: the cell failed, the grid goes on
             return self.record(
                 replace(
@@ -729,6 +705,29 @@ class ModelEvaluation:
                 replay_fallback=fallback,
             )
         )
+
+    def _scored(
+        self, qmodel: torch.nn.Module, replayed: int, reference: Any
+    ) -> tuple[dict[str, Any], int, str | None]:
+        """(perplexity() of ``qmodel``, blocks replayed, why a replay was abandoned): blocks 0 .. replayed-1 start
+        from the float model's stored outputs; a replay that meets other batches than it stored runs the whole
+        copy instead — never a number from the wrong hidden states — and says why."""
+        batch_size, device = self.spec.protocol.batch_size, self.spec.device
+        fallback = None
+        if replayed:
+            # the batches perplexity() makes: fewer windows than --batch-size when two sets of logits exceed its
+            # budget (a large vocabulary)
+            rows = scoring_rows(qmodel, batch_size, self.windows.window, reference)
+            try:
+                with self.prefix.replay(qmodel, replayed, self.windows.ids, rows, device):
+                    return (
+                        perplexity(qmodel, self.windows, batch_size, device, reference=reference),
+                        replayed,
+                        None,
+                    )
+            except ReplayMismatch as e:
+                fallback = str(e)
+        return perplexity(qmodel, self.windows, batch_size, device, reference=reference), 0, fallback
 
     def _with_kv(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` with the grid's KV-cache quantisation: a copy of the float model, or ``quantize``'s own copy

@@ -61,7 +61,9 @@ def test_records_carry_the_kv_block_and_names_show_it(fixture, request, tmp_path
         "absmax-fine+kv2-g4r8-keep1/fake",
         "absmax-fine+kv2-g4r8-keep1/real",
     ]
-    assert "+kvN: KV cache quantised" in caption
+    # each cache described from its record (the label, then the scheme's own description)
+    assert "KV cache (+kv2-g4r8-keep1: KIVI streaming" in caption
+    assert "-keepK: positions < K kept in float" in caption
 
 
 def test_the_reuse_key_includes_the_kv_block(ckpt_dir, tmp_path):

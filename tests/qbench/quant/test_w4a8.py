@@ -226,8 +226,12 @@ def test_zero_point_layer_equals_fake_and_its_paths_agree_bit_for_bit(group):
                 outs[path] = layer(x)
             assert layer.last_path == path
         expected = fake(x)
-        c_outs = [y for path, y in outs.items() if path != "torch"]
+        # an AVX2 build without VNNI sums g = 32 groups at decode in another float order (even groups, then odd:
+        # native_avx2.c): its GEMV agrees with the other paths to rounding, every other path bit for bit
+        reordered = {"c-gemv"} if group == 32 and native.isa() == "AVX2" and not native.vnni() else set()
+        c_outs = [y for path, y in outs.items() if path not in {"torch", *reordered}]
         assert all(torch.equal(c_outs[0], y) for y in c_outs), rows
+        assert all(rel_err(outs[p], c_outs[0]) < 1e-6 for p in reordered), rows
         assert all(rel_err(y, expected) < 1e-5 for y in outs.values()), rows
 
 

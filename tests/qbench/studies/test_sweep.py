@@ -315,7 +315,7 @@ def test_sweep_command_then_compare_and_score_show_the_breaking_points(ckpt_dir,
     assert main(["compare", str(res), "--format", "csv", "--breaking-points"]) == 0
     header, row = capsys.readouterr().out.strip().splitlines()
     assert "absmax-coarse/fake" in header and "@" not in header  # the sweep's own cells stay out
-    assert header.endswith("break absmax-coarse w (≤1 %)") and row.endswith(f",{shown}")
+    assert header.endswith("break absmax-coarse w (≤ 1 %)") and row.endswith(f",{shown}")
 
     score = ["score", "--ckpt", str(ckpt_dir), "--scheme", "int4", "--output-path", str(res), *fast]
     assert main([*score, "--sweep", str(res / "sweep"), "--json", str(tmp_path / "s.json")]) == 0

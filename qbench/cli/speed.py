@@ -257,7 +257,7 @@ def _speed_table(path: Path, records: list[dict], tablefmt: str) -> str:
 def _check_pooled(paths: list[Path], runs: list[list[dict]]) -> None:
     """Several runs pool into one interval only when each is its own run and gives a ratio: a copied file would
     narrow the interval as a second run, and a file giving nothing would look counted (refused, named)."""
-    from qbench.studies.llamacpp import ratios_of, same_run
+    from qbench.studies.llamacpp import llama_row, ratios_of, same_run
 
     for i, (path, records) in enumerate(zip(paths, runs)):
         for earlier, before in zip(paths[:i], runs[:i]):
@@ -272,7 +272,7 @@ def _check_pooled(paths: list[Path], runs: list[list[dict]]) -> None:
     for path, records in zip(paths, runs):
         if ratios_of(records):
             continue
-        has_rows = any(r.get("kind") == "generate" and r.get("llama_cpp_type") for r in records)
+        has_rows = any(map(llama_row, records))
         what = (
             "its llama.cpp rows have no qbench / llama.cpp ratio (failed, or no matched qbench row)"
             if has_rows

@@ -333,6 +333,14 @@ def nonfinite_weights(model: torch.nn.Module) -> str | None:
     return f"the float weights hold {sum(n for _, n in bad)} NaN/inf value(s) (first in {bad[0][0]})"
 
 
+def refuse_nonfinite_weights(name: str, model: torch.nn.Module, study: str) -> None:
+    """A study that compares cells with the float model stops before its first cell when a weight is NaN or
+    inf: every number it would measure is NaN."""
+    bad = nonfinite_weights(model)
+    if bad:
+        raise UserError(f"{name}: {bad}; {study} compares every cell with the float model's perplexity")
+
+
 def refuse_unscorable(name: str, fp: dict[str, Any], study: str) -> None:
     """A study that compares cells with the float model stops, in one line, when that model has no finite
     perplexity (NaN weights, an overflow in float16): every comparison would be NaN."""

@@ -1044,7 +1044,7 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
     from qbench.eval.harness import (
         ModelEvaluation,
         cell_record,
-        nonfinite_weights,
+        refuse_nonfinite_weights,
         refuse_unscorable,
         run_grid,
     )
@@ -1096,11 +1096,7 @@ def run_card(cfg: CardConfig, progress: Progress | None = None) -> dict[str, Any
         spec = _spec(cfg, model, list(plan.formats))
         evaluation = ModelEvaluation(spec, model, lm=lm)
         evaluation.check()
-        bad = nonfinite_weights(lm.model)  # before any cell: a NaN weight makes every number of the card NaN
-        if bad:
-            raise UserError(
-                f"{lm.name}: {bad}; a card compares every format with the float model's perplexity"
-            )
+        refuse_nonfinite_weights(lm.name, lm.model, "a card")
         fp = evaluation.fp_record()
         refuse_unscorable(lm.name, fp, "a card")
         progress.cell(fp, evaluation.fp_reused)

@@ -285,17 +285,20 @@ def same_run(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> str | 
     return None
 
 
+def llama_row(rec: dict[str, Any]) -> bool:
+    """A generation record of llama.cpp's (one per type and run): what :func:`across_runs` pools."""
+    return rec.get("kind") == "generate" and bool(rec.get("llama_cpp_type"))
+
+
+def _ratio(rec: dict[str, Any]) -> float | None:
+    """A llama.cpp row's qbench / llama.cpp ratio; None for a failed type or one without its matched qbench row."""
+    ratio = rec.get("qbench_vs_llama_cpp")
+    return float(ratio) if ratio is not None and ratio > 0 else None
+
+
 def ratios_of(records: Sequence[dict[str, Any]]) -> int:
-    """How many llama.cpp ratios ``records`` give :func:`across_runs` (a failed type, or one without its matched
-    qbench row, has none)."""
-    return sum(
-        1
-        for rec in records
-        if rec.get("kind") == "generate"
-        and rec.get("llama_cpp_type")
-        and rec.get("qbench_vs_llama_cpp") is not None
-        and rec["qbench_vs_llama_cpp"] > 0
-    )
+    """How many llama.cpp ratios ``records`` give :func:`across_runs`."""
+    return sum(1 for rec in records if llama_row(rec) and _ratio(rec) is not None)
 
 
 def across_runs(
@@ -321,17 +324,17 @@ def across_runs(
     for number, records in enumerate(runs, 1):
         seen: set[tuple] = set()  # one ratio per run and comparison: a record repeated in a file is not a run
         for rec in records:
-            if rec.get("kind") != "generate" or not rec.get("llama_cpp_type"):
+            if not llama_row(rec):
                 continue
             key = tuple(rec.get(k) for k in _RUN_KEY)
             entry = groups.setdefault(
                 key, {**dict(zip(_RUN_KEY, key)), "ratios": [], "commits": [], "run_numbers": []}
             )
-            ratio = rec.get("qbench_vs_llama_cpp")
-            if key in seen or ratio is None or not ratio > 0:
+            ratio = _ratio(rec)
+            if key in seen or ratio is None:
                 continue
             seen.add(key)
-            entry["ratios"].append(float(ratio))
+            entry["ratios"].append(ratio)
             entry["commits"].append(rec.get("git_commit"))
             entry["run_numbers"].append(number)
     rows = []

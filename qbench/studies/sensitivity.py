@@ -44,7 +44,7 @@ from qbench.eval.harness import (
     GridSpec,
     environment,
     kv_identity,
-    nonfinite_weights,
+    refuse_nonfinite_weights,
     refuse_unscorable,
     run_grid,
 )
@@ -417,9 +417,7 @@ def sensitivity(
     units = units_of(lm.model, study.targets, by)
     if not units:
         raise UserError(f"scheme {scheme.name!r} quantises no layer of {lm.name}: nothing to map")
-    bad = nonfinite_weights(lm.model)  # before the first cell: every unit's change would be NaN
-    if bad:
-        raise UserError(f"{lm.name}: {bad}; a sensitivity map compares every cell with the float model")
+    refuse_nonfinite_weights(lm.name, lm.model, "a sensitivity map")
     if on_units:
         on_units(len(units))
     records = [study.unit_cell(unit) for unit in units]  # the first one also writes the float record

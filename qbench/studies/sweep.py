@@ -784,7 +784,7 @@ def describe_breaking_points(points: Iterable[Mapping[str, Any]]) -> str:
     if not points:
         return "no breaking points"
     text = ", ".join(f"{p['family']} {p['axis']}: {format_breaking_point(p)}" for p in points)
-    return f"{text} bits (≤ {tolerance_text(points[0]['tolerance_pct'], points[0].get('metric', DEFAULT_METRIC))})"
+    return f"{text} bits (≤ {tolerance_text(points[0]['tolerance_pct'], _metric(points[0], {}))})"
 
 
 def _metric(point: Mapping[str, Any], sweep: Mapping[str, Any]) -> str:

@@ -191,3 +191,23 @@ def test_the_full_cards_speed_record_times_prefill_only(ckpt_dir, tmp_path, monk
     assert record is not None and record["records"] == []
     (kw,) = calls
     assert kw["kv"] is False and kw["generate"] is False and kw["layer"] is False
+
+
+@pytest.mark.parametrize(("text", "needle"), [(b"", "holds 0 tokens"), (b"\x00\x01bin", "binary file")])
+def test_run_refuses_calibration_text_that_holds_no_window(ckpt_dir, tmp_path, capsys, text, needle):
+    """Before: the GPTQ cell was recorded "unsupported" after the float evaluation, with exit status 0."""
+    calib, out = tmp_path / "calib.txt", tmp_path / "res"
+    calib.write_bytes(text)
+    argv = [
+        "run",
+        "--ckpt",
+        str(ckpt_dir),
+        *FAST,
+        "--scheme",
+        "zeropoint-int4:algo=gptq",
+        "--calib-data",
+        str(calib),
+    ]
+    code = main([*argv, "--output-path", str(out)])
+    line = _error(capsys.readouterr().err)
+    assert code == 2 and f"--calib-data '{calib}'" in line and needle in line and not out.exists()

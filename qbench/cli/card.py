@@ -1,6 +1,6 @@
 """``qbench card --ckpt X [--ckpt Y …] [--budget quick|standard|full]``: one page per model, from the grid's records.
 
-The study is :mod:`qbench.studies.card` (running and building), the pages :mod:`qbench.studies.card_render`.
+The study is the package :mod:`qbench.studies.card` (plan, config, measure, build), the pages :mod:`qbench.studies.card.render`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ HELP = "one page per model: outliers, attention sink, deployable formats, breaki
 
 def budget_help() -> str:
     """What each budget measures, from the budgets themselves (``qbench.studies.card`` imports no torch)."""
-    from qbench.studies.card import BUDGETS, FORMATS, KV_KEEP_SINKS, KV_MIN_WINDOW
+    from qbench.studies.card.plan import BUDGETS, FORMATS, KV_KEEP_SINKS, KV_MIN_WINDOW
 
     labels = {f.scheme: f.label for f in FORMATS}
     quick = BUDGETS["quick"]
@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config(args: argparse.Namespace):
-    from qbench.studies.card import CardConfig, validate
+    from qbench.studies.card.config import CardConfig, validate
 
     cfg = CardConfig(
         models=list(args.ckpt),

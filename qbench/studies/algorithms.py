@@ -191,11 +191,11 @@ def _check_tokenizers(named: Sequence[tuple[str, Any]]) -> None:
     (first, tok0), (name, tok) = named[0], named[-1]
     fp0, fp = tokenizer_fingerprint(tok0), tokenizer_fingerprint(tok)
     if fp != fp0:
-        from qbench.studies.card import _tokenizer_name
+        from qbench.studies.card.config import tokenizer_name
 
         raise UserError(
-            f"{first} and {name} use different tokenizers ({first}: {_tokenizer_name(tok0, fp0)}; {name}: "
-            f"{_tokenizer_name(tok, fp)}): the same token count is different text for each, so their cells would "
+            f"{first} and {name} use different tokenizers ({first}: {tokenizer_name(tok0, fp0)}; {name}: "
+            f"{tokenizer_name(tok, fp)}): the same token count is different text for each, so their cells would "
             "not compare; run them in separate qbench algorithms runs"
         )
 

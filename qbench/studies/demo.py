@@ -155,7 +155,7 @@ def sweep_config(cfg: Any, recipes: tuple[str, ...] | None = None) -> Any:
 def card_config(cfg: DemoConfig, command: str | None = None) -> Any:
     """The card of the two models (``qbench card --budget quick``) on the demo's own protocol and folder, so it
     reuses the grid's cells (the float models and the paper's four) and adds only the formats and KV rows."""
-    from qbench.studies.card import CardConfig
+    from qbench.studies.card.config import CardConfig
 
     return CardConfig(
         models=[str(cfg.ckpt_root / r) for r in RECIPES],

@@ -450,7 +450,7 @@ def test_gated_llama_exports_and_generates_the_same_tokens(gate, attn, tmp_path)
     assert (again(x).logits - model(x)).abs().max() <= 1e-4
     from types import SimpleNamespace
 
-    from qbench.studies.card import architecture
+    from qbench.studies.card.profile import architecture
 
     arch = architecture(SimpleNamespace(model=again, description={}))  # what a card of the folder says
     assert (arch["attention"], arch["gate"], arch["heads"]) == (attn, gate, model.config.n_head)

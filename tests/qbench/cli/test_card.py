@@ -223,7 +223,7 @@ def test_an_interrupted_card_resumes_where_it_stopped(planted_ckpt, tmp_path, mo
 
 def test_the_pages_are_written_atomically(card_dir, monkeypatch):
     import models.io as io
-    from qbench.studies.card import read_card, write_card
+    from qbench.studies.card.write import read_card, write_card
 
     card = read_card(card_dir)
     written: list[str] = []
@@ -337,7 +337,8 @@ def _study(section: dict | None) -> dict | None:
 
 def test_the_card_is_a_function_of_the_records_on_disk(card_dir):
     """Rebuilt from the record files card.json names (and the sensitivity study's result), the card is the same."""
-    from qbench.studies.card import build_card
+    from qbench.studies.card.build import build_card
+    from qbench.studies.card.result import ModelResult
 
     saved = card_of(card_dir)
     (model,) = saved["models"]
@@ -346,7 +347,7 @@ def test_the_card_is_a_function_of_the_records_on_disk(card_dir):
         return json.loads((card_dir / rel).read_text())
 
     sensitivity = _study(model["sensitivity"])
-    from qbench.studies.card import _window_nll
+    from qbench.studies.card.measure import _window_nll
 
     records = {
         "fp": read(model["fp"]["record"]),
@@ -381,7 +382,9 @@ def test_the_card_is_a_function_of_the_records_on_disk(card_dir):
             "device",
         )
     }
-    rebuilt = build_card([records], {**settings, "wall_seconds": saved["wall_seconds"]})
+    rebuilt = build_card(
+        [ModelResult.from_mapping(records)], {**settings, "wall_seconds": saved["wall_seconds"]}
+    )
     rebuilt = json.loads(json.dumps(rebuilt))  # tuples and such as card.json holds them
     for key in ("created_utc", "env"):  # when, and the process that rendered it
         rebuilt.pop(key), saved.pop(key)

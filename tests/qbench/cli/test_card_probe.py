@@ -162,6 +162,7 @@ def test_an_fp8_kv_scheme_on_a_budget_without_8_bit_rows_names_the_budget(
     models_dir, tmp_path, monkeypatch, capsys
 ):
     from qbench.studies import card as study
+    from qbench.studies.card import config as card_config
 
     rows = (study.KVRow("kivi", 4), study.KVRow("kivi", 2))
     monkeypatch.setitem(study.BUDGETS, "quick", replace(study.BUDGETS["quick"], kv_rows=rows))
@@ -172,18 +173,21 @@ def test_an_fp8_kv_scheme_on_a_budget_without_8_bit_rows_names_the_budget(
     assert "quick budget's KV rows are at 4/2 bits" in err and "--budget standard or full" in err
     assert "give bits 8" not in err and not out.exists()
     # a budget with 8-bit rows measures those only, and says so
-    assert study.kv_widths(study.BUDGETS["standard"], "fp8-e4m3") == (8,)
+    assert card_config.kv_widths(study.BUDGETS["standard"], "fp8-e4m3") == (8,)
     cfg = study.CardConfig(models=["m"], budget="standard", kv_scheme="fp8-e4m3")
     standard_rows = len(study.BUDGETS["standard"].kv_rows)
-    assert study.planned_cells(cfg) == study.planned_cells(replace(cfg, kv_scheme=None)) - standard_rows + 2
+    assert (
+        card_config.planned_cells(cfg)
+        == card_config.planned_cells(replace(cfg, kv_scheme=None)) - standard_rows + 2
+    )
     # the unpatched quick budget has an FP8 row: --kv-scheme fp8-e4m3 measures 8 bits there, plain and with a sink
-    assert study.kv_widths(study.budget("standard"), "fp8-e4m3") == (8,)
+    assert card_config.kv_widths(study.budget("standard"), "fp8-e4m3") == (8,)
 
 
 def test_the_kv_caption_says_how_each_scheme_takes_its_statistics():
     from qbench.quant.kv import KVConfig
-    from qbench.studies.card import _kv_rows
-    from qbench.studies.card_render import _kv_caption
+    from qbench.studies.card.build import kv_section as _kv_rows
+    from qbench.studies.card.render.sections import _kv_caption
 
     def caption(scheme: str, widths: tuple[int, ...] = (4, 2)) -> str:
         records = [

@@ -95,7 +95,7 @@ def test_calib_data_on_a_budget_that_calibrates_nothing_is_refused(ckpt_dir, tmp
 
 
 def test_a_budget_with_calibrated_rows_takes_calib_data():
-    from qbench.studies.card import CardConfig, calibrates
+    from qbench.studies.card.config import CardConfig, calibrates
 
     assert calibrates(CardConfig(models=["m"], budget="standard"))  # GPTQ / AWQ / SmoothQuant rows
     assert not calibrates(CardConfig(models=["m"], budget="quick"))
@@ -181,13 +181,14 @@ def test_the_full_cards_speed_record_times_prefill_only(ckpt_dir, tmp_path, monk
     """Before: run_speed's KV-cache section ran (minutes of KV generation) and its records were thrown away."""
     from qbench.eval.load import load_model
     from qbench.studies import card, speed
+    from qbench.studies.card import profile as card_profile
 
     calls = []
     monkeypatch.setattr(speed, "run_speed", lambda **kw: calls.append(kw) or [])
     cfg = card.CardConfig(models=[str(ckpt_dir)], budget="full", output_path=tmp_path)
     lm = load_model(str(ckpt_dir))
     fp = {"model": {"fingerprint": "x"}}
-    record = card.speed_record(cfg, lm, fp, ["absmax-fine"])
+    record = card_profile.speed_record(cfg, lm, fp, ["absmax-fine"])
     assert record is not None and record["records"] == []
     (kw,) = calls
     assert kw["kv"] is False and kw["generate"] is False and kw["layer"] is False

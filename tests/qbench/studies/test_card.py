@@ -10,7 +10,18 @@ from dataclasses import replace
 import pytest
 
 from qbench.studies import card
-from qbench.studies.card import BUDGETS, FORMATS, CardConfig, budget, run_card, weight_bytes
+from qbench.studies.card import build as card_build
+from qbench.studies.card import config as card_config
+from qbench.studies.card import decide as card_decide
+from qbench.studies.card import plan as card_plan
+from qbench.studies.card import profile as card_profile
+from qbench.studies.card import sizes as card_sizes
+from qbench.studies.card import words as card_words
+from qbench.studies.card.config import CardConfig
+from qbench.studies.card.measure import run_card
+from qbench.studies.card.plan import BUDGETS, FORMATS, budget
+from qbench.studies.card.result import ModelResult
+from qbench.studies.card.sizes import weight_bytes
 
 
 def test_the_budgets_use_the_named_token_budgets_and_registered_schemes():
@@ -87,7 +98,7 @@ def test_nominal_bytes_count_codes_scales_and_zero_points():
 
 
 def test_sizes_are_in_decimal_units():
-    from qbench.studies.card_render import _bytes
+    from qbench.studies.card.units import decimal_bytes as _bytes
 
     assert [_bytes(n) for n in (None, 999, 1000, 14_750_000, 2_500_000_000)] == [
         "-",
@@ -130,7 +141,7 @@ def test_the_verdict_is_generated_from_the_rows():
             {"name": "*.attn.q_proj", "ppl_change_pct": 0.4},
         ],
     }
-    verdict = card._verdict(rows, {}, {}, None, 1.0, avoid_map=avoid_map)
+    verdict = card_words.verdict_of(rows, {}, {}, None, 1.0, avoid_map=avoid_map)
     assert verdict["recommended"]["scheme"] == "zeropoint-int4"  # the fewest bytes within 1 %
     assert verdict["beyond"] == ["coarse", "per-tensor"]  # every failing format, worst first
     assert [a["scheme"] for a in verdict["avoid"]] == ["absmax-coarse", "absmax-moderate"]
@@ -149,25 +160,27 @@ def test_the_verdict_is_generated_from_the_rows():
     assert len(lines) == 3
     # a unit that lowers perplexity alone carries none of the damage: never blamed
     avoid_map["top"] = [{"name": "*.mlp.c_proj", "ppl_change_pct": -0.14}, *avoid_map["top"]]
-    verdict = card._verdict(rows, {}, {}, None, 1.0, avoid_map=avoid_map)
+    verdict = card_words.verdict_of(rows, {}, {}, None, 1.0, avoid_map=avoid_map)
     assert [u["name"] for u in verdict["avoid"][0]["blamed"]] == ["*.mlp.down_proj", "*.attn.q_proj"]
     # a unit that alone makes the perplexity NaN/inf (no change) is the worst of all: blamed first
     avoid_map["top"] = [
         {"name": "*.mlp.fc", "ppl_change_pct": None},
         {"name": "*.attn", "ppl_change_pct": -0.1},
     ]
-    verdict = card._verdict(rows, {}, {}, None, 1.0, avoid_map=avoid_map)
+    verdict = card_words.verdict_of(rows, {}, {}, None, 1.0, avoid_map=avoid_map)
     assert [u["name"] for u in verdict["avoid"][0]["blamed"]] == ["*.mlp.fc"]
     assert any("comes most from `*.mlp.fc` NaN" in line for line in verdict["lines"])
     avoid_map["top"] = [{"name": "*.mlp.c_proj", "ppl_change_pct": -0.14}]
-    verdict = card._verdict(rows, {}, {}, None, 1.0, avoid_map=avoid_map)
+    verdict = card_words.verdict_of(rows, {}, {}, None, 1.0, avoid_map=avoid_map)
     assert verdict["avoid"][0]["blamed"] == []
     assert any("no single unit quantised alone costs more than float" in line for line in verdict["lines"])
     assert all("qbench run" not in line for line in lines)  # commands are in verdict["commands"]
     rows[2] = _row("coarse", "absmax-coarse", None, 200, status="nonfinite")
-    assert card._verdict(rows, {}, {}, None, 1.0)["avoid"][0]["scheme"] == "absmax-coarse"  # NaN is the worst
+    assert (
+        card_words.verdict_of(rows, {}, {}, None, 1.0)["avoid"][0]["scheme"] == "absmax-coarse"
+    )  # NaN is the worst
     rows = [_row("per-tensor", "absmax-moderate", 3.0, 200)]
-    verdict = card._verdict(rows, {}, {}, None, 1.0)
+    verdict = card_words.verdict_of(rows, {}, {}, None, 1.0)
     assert verdict["recommended"] is None and verdict["lines"][0].startswith("Recommended: none")
 
 
@@ -178,7 +191,7 @@ def test_the_whole_quick_budget_runs(ckpt_dir, tmp_path):
     (model,) = result["models"]
     assert [f["scheme"] for f in model["formats"]] == list(BUDGETS["quick"].formats)
     assert all(f["status"] == "ok" for f in model["formats"]), [f["error"] for f in model["formats"]]
-    assert card.planned_cells(cfg) == 17 and not any(counted)
+    assert card_config.planned_cells(cfg) == 17 and not any(counted)
     # on the micro model's 32-token windows KIVI is per-token blocks: its rows and the per-token ones coincide
     assert len(counted) == 1 + len(model["formats"]) + len(model["kv"]["rows"]) == 16
     assert model["identity"]["attention"] == "softmax1" and model["identity"]["tied_head"] is True
@@ -189,7 +202,7 @@ def test_the_whole_quick_budget_runs(ckpt_dir, tmp_path):
     o = model["outliers"]
     assert o["sink_chance"] == uniform_first_key_share(model["protocol"]["window"])
     summary = o["summary"]
-    assert o["sink"] == card.sink_verdict(
+    assert o["sink"] == card_decide.sink_verdict(
         summary["first_token_mass"], summary["first_token_top1_share"], o["sink_chance"]
     )
     assert "uniform attention over the window would put" in (tmp_path / "card.md").read_text()
@@ -231,14 +244,16 @@ def test_the_card_decides_on_the_metric_it_is_given(ckpt_dir, tmp_path):
     """``--metric kld``: every row's verdict is the KL divergence's against a tolerance in nats (the cells are the
     perplexity card's, reused), the page says so, and a card on another metric is another card."""
     from qbench.eval.evidence import decide
-    from qbench.studies.card import card_inputs, planned_inputs
+    from qbench.studies.card.config import card_inputs, planned_inputs
 
     base = CardConfig(models=[str(ckpt_dir)], budget="quick", output_path=tmp_path, tokens=64, tolerance=5.0)
     run_card(base)
     cfg = replace(base, metric="kld", tolerance=1e-4, overwrite=True)
     counted: list[bool] = []
     result = run_card(cfg, card.Progress(cell=lambda r, reused: counted.append(reused)))
-    assert result["metric"] == "kld" and counted and all(counted[: card.planned_cells(cfg)])  # reused cells
+    assert (
+        result["metric"] == "kld" and counted and all(counted[: card_config.planned_cells(cfg)])
+    )  # reused cells
     (model,) = result["models"]
     for row in model["formats"]:
         assert row["decision"]["metric"] == "kld"
@@ -286,7 +301,9 @@ def test_two_models_side_by_side(ckpt_dir, hf_llama_dir, tmp_path, monkeypatch):
     }
     assert all(len(q) == len(f) == vanilla["protocol"]["windows"] for q, f in windows.values())
     for name in windows:
-        others = [o for o in windows if o != name and card._decidedly_below(windows[name][0], windows[o][1])]
+        others = [
+            o for o in windows if o != name and card_decide._decidedly_below(windows[name][0], windows[o][1])
+        ]
         assert coarse["below_others_float"].get(name, []) == others
     assert rows[0]["section"] == "float" and set(rows[0]["values"]) == {vanilla["name"], llama["name"]}
     # the KV row carries each model's quantised perplexity (at the KV window) beside its change, on the page too
@@ -314,7 +331,7 @@ def test_the_more_robust_model_is_the_one_decidedly_damaged_least():
     def row(value, ci, verdict="beyond", status="ok"):
         return {"status": status, "verdict": verdict, "decision": {"value": value, "ci95": ci}}
 
-    pick = card._more_robust_change
+    pick = card_decide.more_robust_change
     assert pick({"a": row(3.0, [2.5, 3.5]), "b": row(0.5, [0.2, 0.8], "within")}) == "b"
     assert (
         pick({"a": row(0.2, [0.1, 0.3], "within"), "b": row(0.5, [0.2, 0.8], "within")}) is None
@@ -348,7 +365,7 @@ def test_the_docs_state_the_cells_of_each_budget():
         if line.startswith("| `")
     }
     for name, b in BUDGETS.items():
-        cells = card.planned_cells(CardConfig(models=["m"], budget=name))
+        cells = card_config.planned_cells(CardConfig(models=["m"], budget=name))
         assert rows[name].rstrip(" |").endswith(f"| {cells}"), (name, cells)
         assert f"{b.tokens:,}" in rows[name]
 
@@ -356,18 +373,30 @@ def test_the_docs_state_the_cells_of_each_budget():
 def test_a_format_row_takes_the_real_kernels_speed_up_from_speed_records():
     from qbench.quant.schemes import get_scheme
 
-    scheme = {**get_scheme(card.HADAMARD_W4A8).to_dict(), "exclude": []}
+    scheme = {**get_scheme(card_plan.HADAMARD_W4A8).to_dict(), "exclude": []}
     record = {"scheme": scheme, "status": "ok", "metrics": {"perplexity": 10.1, "ppl_change_pct": 1.0}}
     fp = {"model_bytes": 1000, "protocol": {"dtype": "float32"}, "linear_ranges": {"per_layer": {}}}
     speed = {
         "records": [  # run_speed names a scheme as it was asked for, overrides in the order given
-            {"kind": "model", "scheme": card.HADAMARD_W4A8, "mode": "real", "speedup": 1.7, "error": None},
-            {"kind": "model", "scheme": card.HADAMARD_W4A8, "mode": "fake", "speedup": 0.2, "error": None},
+            {
+                "kind": "model",
+                "scheme": card_plan.HADAMARD_W4A8,
+                "mode": "real",
+                "speedup": 1.7,
+                "error": None,
+            },
+            {
+                "kind": "model",
+                "scheme": card_plan.HADAMARD_W4A8,
+                "mode": "fake",
+                "speedup": 0.2,
+                "error": None,
+            },
         ]
     }
-    row = card._format_row(record, fp, {"linear_shapes": {}}, 1.0, speed, None)
+    row = card_build._format_row(record, fp, {"linear_shapes": {}}, 1.0, speed, None)
     assert row["label"] == "Hadamard + W4A8" and row["note"] and row["speedup"] == 1.7
-    assert card._format_row(record, fp, {"linear_shapes": {}}, 1.0, None, None)["speedup"] is None
+    assert card_build._format_row(record, fp, {"linear_shapes": {}}, 1.0, None, None)["speedup"] is None
 
 
 def test_the_budget_in_words_says_the_tokens_actually_scored():
@@ -384,7 +413,7 @@ def test_the_budget_in_words_says_the_tokens_actually_scored():
 )
 def test_log_axes_get_plain_non_overlapping_tick_labels(lo, hi, labels):
     """matplotlib labels minor ticks (2×10⁰, 3×10⁰ …) on a log axis spanning under a decade, and they collide."""
-    from qbench.studies.card_render import _readable_log_ticks
+    from qbench.studies.card.render.figures import _readable_log_ticks
     from qbench.studies.plots import _pyplot
 
     plt = _pyplot()
@@ -413,22 +442,24 @@ def test_the_verdict_says_when_gptq_rescues_a_format():
         _row("int3 + GPTQ", "zeropoint-int3-g128:algo=gptq", 9.0, 80),
         _row("int2 + GPTQ", "zeropoint-int2-g64:algo=gptq", 9.0, 60),  # no round-to-nearest row: no line
     ]
-    lines = card._verdict(rows, {}, {"linear_ranges": {"per_layer": {}}}, None, 1.0)["lines"]
+    lines = card_words.verdict_of(rows, {}, {"linear_ranges": {"per_layer": {}}}, None, 1.0)["lines"]
     assert "GPTQ rescues int4: +8.00 % → +0.50 %, within 1 % where round-to-nearest is not." in lines
     assert "GPTQ does not rescue int3: +30.00 % → +9.00 % (still beyond 1 %)." in lines
     assert not any("int2" in line and "GPTQ" in line and "rescue" in line for line in lines)
-    gaps = card._not_measured(rows, {}, False, {"tokens_scored": 10, "window": 5}, {"budget": "standard"})
+    gaps = card_words.not_measured(
+        rows, {}, False, {"tokens_scored": 10, "window": 5}, {"budget": "standard"}
+    )
     assert gaps[0].startswith(
         "Algorithms: GPTQ, AWQ or QuaRot in the rows that say so (int4 + GPTQ, int3 + GPTQ, int2 + GPTQ)"
     )
     rows = [_row("int4", "zeropoint-int4", 8.0, 100), _row("int4 + AWQ", "zeropoint-int4:algo=awq", 0.5, 100)]
-    lines = card._verdict(rows, {}, {"linear_ranges": {"per_layer": {}}}, None, 1.0)["lines"]
+    lines = card_words.verdict_of(rows, {}, {"linear_ranges": {"per_layer": {}}}, None, 1.0)["lines"]
     assert "AWQ rescues int4: +8.00 % → +0.50 %, within 1 % where round-to-nearest is not." in lines
     rows = [
         _row("W4A4", "absmax-fine:a=4,w=4", 40.0, 100),
         _row("W4A4 + QuaRot + GPTQ", "absmax-fine:a=4,algo=gptq,rotate=quarot,w=4", 0.7, 100),
     ]
-    lines = card._verdict(rows, {}, {"linear_ranges": {"per_layer": {}}}, None, 1.0)["lines"]
+    lines = card_words.verdict_of(rows, {}, {"linear_ranges": {"per_layer": {}}}, None, 1.0)["lines"]
     assert (
         "QuaRot + GPTQ rescues W4A4: +40.00 % → +0.70 %, within 1 % where round-to-nearest is not." in lines
     )
@@ -436,7 +467,7 @@ def test_the_verdict_says_when_gptq_rescues_a_format():
 
 def test_each_format_row_says_what_it_quantised():
     from qbench.quant.schemes import get_scheme
-    from qbench.studies.card import quantised_text
+    from qbench.studies.card.words import quantised_text
 
     def text(name):
         return quantised_text(get_scheme(name).to_dict())
@@ -457,19 +488,24 @@ def test_a_sink_is_read_against_uniform_attention_with_a_margin():
     attention on key 0; no sink within twice uniform attention's share (a random model sits at 1.0×: a strict
     "above uniform" called it a sink); weak in between — on either the mean weight or the top-1 share."""
     chance = 0.0064
-    assert card.sink_verdict(0.00646, 0.0066, chance, 0.0) == "no sink"  # the random gpt2-130m's 1.0×
-    assert card.sink_verdict(0.02, 0.056, 0.0349, 0.0) == "no sink"  # top-1 1.6× uniform: within the margin
-    assert card.sink_verdict(0.05, 0.05, 0.0064, 0.0) == "weak"  # 7.8× uniform, no head a sink
+    assert card_decide.sink_verdict(0.00646, 0.0066, chance, 0.0) == "no sink"  # the random gpt2-130m's 1.0×
     assert (
-        card.sink_verdict(0.004, 0.2, 0.0064, 0.0) == "weak"
+        card_decide.sink_verdict(0.02, 0.056, 0.0349, 0.0) == "no sink"
+    )  # top-1 1.6× uniform: within the margin
+    assert card_decide.sink_verdict(0.05, 0.05, 0.0064, 0.0) == "weak"  # 7.8× uniform, no head a sink
+    assert (
+        card_decide.sink_verdict(0.004, 0.2, 0.0064, 0.0) == "weak"
     )  # the top-1 share alone is clearly above chance
     # SmolLM2: a mean weight of 0.226 over all heads, but 115 of its 270 heads above 0.3
-    assert card.sink_verdict(0.226, 0.39, 0.0031, 115 / 270) == "sink"
-    assert card.sink_verdict(0.31, None, 0.0064) == "sink"  # no per-head weights: the mean over 0.3
-    assert card.sink_verdict(0.2, None, 0.0064) == "weak"
-    assert card.sink_verdict(None, 0.5, 0.0064) is None and card.sink_verdict(0.5, 0.5, None) is None
-    assert card.sink_heads_share([[0.5, 0.1], [0.31, 0.3]]) == 0.5  # strictly above ε
-    assert card.sink_heads_share(None) is None and card.sink_heads_share([]) is None
+    assert card_decide.sink_verdict(0.226, 0.39, 0.0031, 115 / 270) == "sink"
+    assert card_decide.sink_verdict(0.31, None, 0.0064) == "sink"  # no per-head weights: the mean over 0.3
+    assert card_decide.sink_verdict(0.2, None, 0.0064) == "weak"
+    assert (
+        card_decide.sink_verdict(None, 0.5, 0.0064) is None
+        and card_decide.sink_verdict(0.5, 0.5, None) is None
+    )
+    assert card_decide.sink_heads_share([[0.5, 0.1], [0.31, 0.3]]) == 0.5  # strictly above ε
+    assert card_decide.sink_heads_share(None) is None and card_decide.sink_heads_share([]) is None
 
 
 def test_the_repair_targets_the_smallest_failing_format_that_could_pay():
@@ -497,7 +533,7 @@ def test_the_repair_targets_the_smallest_failing_format_that_could_pay():
     )
 
     def pick(*args):
-        return next(iter(card.repair_targets(*args)), None)
+        return next(iter(card_decide.repair_targets(*args)), None)
 
     assert pick([int8, int4, int4_g], fp, profile, 1.0) is int4  # per-channel int4 is the smaller of the two
     assert pick([int8, record("absmax-fine", 0.5)], fp, profile, 1.0) is None  # nothing fails
@@ -510,7 +546,7 @@ def test_the_repair_targets_the_smallest_failing_format_that_could_pay():
     # perplexity, which a repair could only "fix" by keeping every layer in float
     assert pick([big_fail, record("zeropoint-int4", -0.8, half=2.0)], fp, profile, 1.0) is big_fail
     # a block-quantised source file smaller than every failing format: no repair could pay
-    int4_bytes = card._deployed_bytes(int4["scheme"], fp, profile)
+    int4_bytes = card_sizes.deployed_bytes(int4["scheme"], fp, profile)
     assert pick([big_fail, int4], fp, profile, 1.0, "ppl", int4_bytes) is None
     assert pick([big_fail, int4], fp, profile, 1.0, "ppl", int4_bytes + 1) is int4
 
@@ -544,18 +580,20 @@ def test_the_repair_tries_its_candidates_smallest_first():
         record("zeropoint-int4-g128", 3.0),
         record("zeropoint-int3-g128", 9.0),
     )
-    order = card.repair_targets([int8, int4, int4_g, int3], fp, profile, 1.0)
+    order = card_decide.repair_targets([int8, int4, int4_g, int3], fp, profile, 1.0)
     assert order == [int3, int4, int4_g]  # every failing format smaller than the passing one, smallest first
     # nothing passes: smallest first too, and the size to beat is the whole model in bf16
-    assert card.repair_targets([int4, int4_g, int3], fp, profile, 1.0) == [int3, int4, int4_g]
-    limit, what = card.size_to_beat([int4, int4_g], fp, profile, 1.0)
+    assert card_decide.repair_targets([int4, int4_g, int3], fp, profile, 1.0) == [int3, int4, int4_g]
+    limit, what = card_decide.size_to_beat([int4, int4_g], fp, profile, 1.0)
     assert (limit, what) == (fp["model_bytes"] // 2, "the model in bf16")
     # a source file already block-quantised (a Q4_1 GGUF) is the reference: smaller than bf16, it is what to beat
-    limit, what = card.size_to_beat([int4, int4_g], fp, profile, 1.0, "ppl", 1234)
+    limit, what = card_decide.size_to_beat([int4, int4_g], fp, profile, 1.0, "ppl", 1234)
     assert limit == 1234 and what.startswith("the source file itself")
-    assert card.size_to_beat([int8, int4], fp, profile, 1.0, "ppl", 10**9)[1].startswith("`absmax-fine`")
-    limit, what = card.size_to_beat([int8, int4], fp, profile, 1.0)
-    assert limit == card._deployed_bytes(int8["scheme"], fp, profile) and "absmax-fine" in what
+    assert card_decide.size_to_beat([int8, int4], fp, profile, 1.0, "ppl", 10**9)[1].startswith(
+        "`absmax-fine`"
+    )
+    limit, what = card_decide.size_to_beat([int8, int4], fp, profile, 1.0)
+    assert limit == card_sizes.deployed_bytes(int8["scheme"], fp, profile) and "absmax-fine" in what
 
 
 def _study(scheme, reached, exclude, change=0.5):
@@ -588,30 +626,33 @@ def test_the_card_shows_the_first_repair_that_pays_with_its_size():
         record("zeropoint-int4", 5.0),
         record("zeropoint-int3-g128", 9.0),
     )
-    entry = {
-        "formats": [int8, int4, int3],
-        "source": "m",
+    entry = ModelResult(
+        fp=fp,
+        profile=profile,
+        kv=[],
+        formats=[int8, int4, int3],
+        source="m",
         # int3 with its only layer kept float is bigger than int8: does not pay; int4 reaches nothing
-        "repairs": [_study(int3["scheme"]["name"], True, ["a"]), _study(int4["scheme"]["name"], False, [])],
-    }
+        repairs=[_study(int3["scheme"]["name"], True, ["a"]), _study(int4["scheme"]["name"], False, [])],
+    )
     settings = {"seed": 0, "output_path": "out"}
-    sens = card._repair_section(entry, fp, profile, settings, 1.0, "ppl")
+    sens = card_build._repair_section(entry, fp, profile, settings, 1.0, "ppl")
     assert [t["pays"] for t in sens["tries"]] == [False, False] and sens["scheme"] == "zeropoint-int3-g128"
     assert sens["repair"]["beat"]["what"].startswith("`absmax-fine`")
-    verdict = card._verdict([_row("int8", "absmax-fine", 0.3, 200)], {}, fp, sens, 1.0)
+    verdict = card_words.verdict_of([_row("int8", "absmax-fine", 0.3, 200)], {}, fp, sens, 1.0)
     assert not verdict["repair"]["pays"] and "that is the better choice" in " ".join(verdict["lines"])
     assert any(
         line.startswith("Repair also tried on `zeropoint-int4`: did not reach") for line in verdict["lines"]
     )
     assert verdict["commands"][0]["command"].startswith("qbench run ")
-    entry["repairs"].append(_study(int4["scheme"]["name"], True, []))  # int4 reached with nothing kept: pays
-    entry["repairs"][-1]["repair"].update(ppl_change_ci95=[0.2, 0.8], kld_mean=0.0123)
-    sens = card._repair_section(entry, fp, profile, settings, 1.0, "ppl")
+    entry.repairs.append(_study(int4["scheme"]["name"], True, []))  # int4 reached with nothing kept: pays
+    entry.repairs[-1]["repair"].update(ppl_change_ci95=[0.2, 0.8], kld_mean=0.0123)
+    sens = card_build._repair_section(entry, fp, profile, settings, 1.0, "ppl")
     assert [t["pays"] for t in sens["tries"]] == [False, False, True] and sens["scheme"] == "zeropoint-int4"
     assert sens["repair"]["weight_bytes"] < sens["repair"]["beat"]["bytes"]
     bf16 = fp["model_bytes"] // 2
     assert sens["repair"]["bytes_vs_bf16"] == sens["repair"]["weight_bytes"] / bf16
-    line = next(x for x in card._verdict([], {}, fp, sens, 1.0)["lines"] if x.startswith("Repair of"))
+    line = next(x for x in card_words.verdict_of([], {}, fp, sens, 1.0)["lines"] if x.startswith("Repair of"))
     # the repaired cell's interval and KL divergence, its size and its share of the bf16 model
     assert "+5.00 % → +0.50 % [+0.20, +0.80], KLD 0.0123, " in line
     assert f"({sens['repair']['bytes_vs_bf16']:.1%} of the bf16 model)" in line
@@ -623,34 +664,42 @@ def test_the_card_says_why_no_repair_was_tried():
     rows = [
         _row("int4", "zeropoint-int4", 5.0, 110_480_000)
     ]  # SmolLM2: its smallest format, larger than its file
-    lines = card._verdict(rows, {}, {}, None, 1.0, beat=(98_360_000, "the source file itself"))["lines"]
+    lines = card_words.verdict_of(rows, {}, {}, None, 1.0, beat=(98_360_000, "the source file itself"))[
+        "lines"
+    ]
     assert (
         "No repair tried: no format decidedly beyond 1 % is smaller than the source file itself: 98.36 MB; "
         "keeping layers in float only adds bytes." in lines
     )
     rows = [_row("int4", "zeropoint-int4", 0.5, 150)]  # nothing fails: nothing to say
-    assert not any("repair" in x for x in card._verdict(rows, {}, {}, None, 1.0, beat=(10, "x"))["lines"])
+    assert not any(
+        "repair" in x for x in card_words.verdict_of(rows, {}, {}, None, 1.0, beat=(10, "x"))["lines"]
+    )
     # a NaN format is no repair candidate (repair_targets takes measured changes): the line must not claim a size
     rows = [_row("W2", "absmax-fine:w=2", None, 50, status="nonfinite")]
-    assert not any("repair" in x for x in card._verdict(rows, {}, {}, None, 1.0, beat=(100, "x"))["lines"])
+    assert not any(
+        "repair" in x for x in card_words.verdict_of(rows, {}, {}, None, 1.0, beat=(100, "x"))["lines"]
+    )
     rows = [
         _row("int4", "zeropoint-int4", 5.0, 50)
     ]  # a candidate smaller than the size to beat: tried, not "not"
-    assert not any("No repair" in x for x in card._verdict(rows, {}, {}, None, 1.0, beat=(100, "x"))["lines"])
+    assert not any(
+        "No repair" in x for x in card_words.verdict_of(rows, {}, {}, None, 1.0, beat=(100, "x"))["lines"]
+    )
 
 
 def test_absolute_quality_is_decided_on_paired_windows():
-    below = card._decidedly_below
+    below = card_decide._decidedly_below
     assert below([1.0, 1.1, 1.05], [2.0, 2.2, 2.1]) is True
     assert (
         below([1.0, 3.0, 1.05], [2.0, 2.2, 2.1]) is False
     )  # one window the other way: the interval straddles 0
     assert below([1.0], [2.0]) is None and below([1.0, 1.0], [2.0]) is None  # no interval / other windows
     windows = {"a": ([1.0, 1.1, 1.05], None), "b": ([2.0, 2.2, 2.1], None), "c": ([2.0, 2.3, 2.0], None)}
-    assert card._better_to_ship(windows) == "a"
+    assert card_decide.better_to_ship(windows) == "a"
     windows["c"] = ([1.0, 1.2, 1.0], None)
-    assert card._better_to_ship(windows) is None
-    lines = card._comparison_lines(
+    assert card_decide.better_to_ship(windows) is None
+    lines = card_words.comparison_lines(
         [
             {
                 "section": "formats",
@@ -678,14 +727,16 @@ def test_a_format_the_model_cannot_take_is_no_failure_and_is_said_so():
     ]
     rows[1]["error"] = "rotate=quarot: LayerNorm is not invariant to rotation"
     rows[1]["verdict"] = "beyond"  # what decide() says of a record without a number
-    verdict = card._verdict(rows, {}, {}, None, 1.0)
+    verdict = card_words.verdict_of(rows, {}, {}, None, 1.0)
     assert verdict["avoid"] == [] and verdict["beyond"] == [] and not verdict["undecided"]
-    gaps = card._not_measured(rows, {}, False, {"tokens_scored": 10, "window": 5}, {"budget": "standard"})
+    gaps = card_words.not_measured(
+        rows, {}, False, {"tokens_scored": 10, "window": 5}, {"budget": "standard"}
+    )
     assert any(
         line.startswith("Formats this model cannot take: W4A8 + QuaRot (rotate=quarot: LayerNorm")
         for line in gaps
     )
-    from qbench.studies.card_render import _format_cells
+    from qbench.studies.card.render.sections import format_cells as _format_cells
 
     speed = {"decode_speedup": 4.5, "prefill_speedup": 3.2, "perplexity": float("nan"), "weight_bytes": 10**8}
     cells = _format_cells({**rows[1], **speed, "bytes_vs_bf16": 0.5}, {"speed_measured": False})
@@ -703,7 +754,7 @@ def _md_cells(line: str) -> list[str]:
 
 def test_a_pipe_in_a_header_is_escaped_as_in_a_cell():
     """ "max |act|" unescaped is three header cells over one delimiter cell: GitHub shows no table at all."""
-    from qbench.studies.card_render import _md_table
+    from qbench.studies.card.render.markdown import _md_table
 
     header, delimiter, row = _md_table(["block", "max |act|"], [["0", "|x| = 3"]]).splitlines()
     assert len(_md_cells(header)) == len(_md_cells(delimiter)) == len(_md_cells(row)) == 2
@@ -713,14 +764,11 @@ def test_a_pipe_in_a_header_is_escaped_as_in_a_cell():
 def test_size_columns_are_in_mb_whatever_the_size():
     """A column headed "(MB)" holds MB (10⁶ bytes) in every cell: a tiny model's 237,570-byte KV cache is 0.238,
     not "237.57 kB" under an MB header; prose and the summary carry the unit."""
-    from qbench.studies.card_render import (
-        KV_HEADERS,
-        _format_cells,
-        _format_headers,
-        _kv_cells,
-        _mb,
-        _mb_text,
-    )
+    from qbench.studies.card.render.sections import KV_HEADERS, _format_headers
+    from qbench.studies.card.render.sections import format_cells as _format_cells
+    from qbench.studies.card.render.sections import kv_cells as _kv_cells
+    from qbench.studies.card.units import mb as _mb
+    from qbench.studies.card.units import mb_text as _mb_text
 
     assert [_mb(n) for n in (None, 0, 180_220, 237_570, 5_120, 14_750_000, 2_500_000_000)] == [
         "-",
@@ -752,7 +800,8 @@ def test_size_columns_are_in_mb_whatever_the_size():
 
 def test_a_collapsed_models_change_prints_in_three_significant_digits():
     """SmolLM2's 2-bit activations: +465470924390373424889856.00 % said nothing its first three digits do not."""
-    from qbench.studies.card_render import _change_ci, _pct
+    from qbench.studies.card.render.sections import change_ci as _change_ci
+    from qbench.studies.card.units import pct as _pct
 
     assert _pct(4.6547092439037342e23) == "+4.65e+23 %" and _pct(52994204.8) == "+5.30e+07 %"
     assert _pct(9999.994) == "+9999.99 %" and _pct(-0.004) == "-0.00 %" and _pct(None) == "NaN"
@@ -772,7 +821,7 @@ def test_the_breaking_point_panels_are_fitted_to_their_data_and_legible():
     """SmolLM2's standard card: +170 % … +4.7×10²³ % on symlog ran to −10²¹ % with no negative point, labelled
     every decade, with the legend over a panel. Each panel's y range is now its data's (and the tolerance line's)
     with a small margin, a few ticks in %, the legend below the panels, no text under 9 pt."""
-    from qbench.studies.card_render import FONT, MAX_TICKS, _breaking_point_figure
+    from qbench.studies.card.render.figures import FONT, MAX_TICKS, _breaking_point_figure
     from qbench.studies.plots import _pyplot
 
     plt = _pyplot()
@@ -829,7 +878,7 @@ def test_the_breaking_point_panels_are_fitted_to_their_data_and_legible():
 def test_heat_map_cells_carry_numbers_only_where_they_are_legible(layers, heads, numbers):
     """gpt2's 12 × 12 heat map printed its cells' numbers at 7 pt (~7 px at 1×): a cell too small for a 9-pt
     number gets none (the colour bar reads it); a large one gets one as large as it holds."""
-    from qbench.studies.card_render import _attention_figure
+    from qbench.studies.card.render.figures import _attention_figure
     from qbench.studies.plots import _pyplot
 
     plt = _pyplot()
@@ -848,7 +897,7 @@ def test_heat_map_cells_carry_numbers_only_where_they_are_legible(layers, heads,
 def test_massive_activation_sites_name_their_window():
     """A site is found in one of the profiled windows: the outlier table names it (window/position:token), so a
     reader can find the text that produced it; records without a window keep position:token."""
-    from qbench.studies.card_render import _site
+    from qbench.studies.card.render.sections import _site
 
     assert _site({"window": 3, "position": 0, "channel": 507, "value": 2e4, "token": "<|endoftext|>"}) == (
         "3/0:'<|endoftext|>'"
@@ -859,7 +908,7 @@ def test_massive_activation_sites_name_their_window():
 def test_side_by_side_kv_cells_tell_missing_from_nan():
     """A KV row only one model ran shows "-" for the other; a measured NaN stays "NaN"; a measured change carries
     its quantised perplexity."""
-    from qbench.studies.card_render import _cell
+    from qbench.studies.card.render.sections import comparison_cell as _cell
 
     row = {
         "section": "kv",
@@ -883,4 +932,4 @@ def test_architecture_reads_grouped_key_value_heads():
         lm = SimpleNamespace(
             model=build(config), description={"kind": "qbench", "config": config.to_dict(), "parameters": 1}
         )
-        assert card.architecture(lm)["kv_heads"] == (kv or 4)
+        assert card_profile.architecture(lm)["kv_heads"] == (kv or 4)

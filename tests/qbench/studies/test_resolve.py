@@ -103,7 +103,8 @@ def decide_row(row: dict, tolerance: float) -> str:
 def test_card_resolve_shows_the_deciding_evaluation(ckpt_dir, tmp_path):
     from dataclasses import replace
 
-    from qbench.studies.card import CardConfig, run_card
+    from qbench.studies.card.config import CardConfig
+    from qbench.studies.card.measure import run_card
 
     cfg = CardConfig(models=[str(ckpt_dir)], budget="quick", output_path=tmp_path / "a", tokens=64)
     plain = run_card(cfg)

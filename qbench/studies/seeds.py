@@ -2,7 +2,7 @@
 are, and what of the panel's conclusions holds across them.
 
 One seed per recipe cannot tell a remedy's effect from the run-to-run spread of training itself (processor
-rounding alone moves these small runs by several percent: ``results/README.md``). With N seeds every recipe is
+rounding alone moves these small runs by several percent: ``results/demo/README.md``). With N seeds every recipe is
 trained N times — seeds ``seed, seed + 1, …`` — identically but for ``--seed`` (initialisation and data order),
 and every table reports the mean ± sample standard deviation over seeds (n − 1 in the denominator; one seed has
 no spread). A ranking or breaking point that is not the same on every seed is marked as such: a conclusion that

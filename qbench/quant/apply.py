@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import importlib
 import sys
 from collections.abc import Iterable
 
@@ -171,21 +170,10 @@ def smoothquant_scales(
 
 
 def _real_linear(weight: Tensor, bias: Tensor | None, scheme: QuantScheme, **transforms: object) -> nn.Module:
-    try:
-        kernels = importlib.import_module("qbench.quant.kernels")
-    except ModuleNotFoundError as e:
-        if e.name != "qbench.quant.kernels":
-            raise  # a dependency of the backend is missing: its own message says which
-        raise UserError(
-            f"scheme {scheme.name!r} needs the real-kernel backend qbench.quant.kernels, "
-            "which is not installed"
-        ) from e
-    make_real_linear = getattr(kernels, "make_real_linear", None)
-    if make_real_linear is None:
-        raise UserError(
-            f"scheme {scheme.name!r} needs qbench.quant.kernels.make_real_linear, which this "
-            "installation does not provide"
-        )
+    # imported on the first real layer, not with this module: the kernels bring the C-library loader and every
+    # real layer, which fake mode and the CLI's start-up never need
+    from qbench.quant.kernels import make_real_linear
+
     return make_real_linear(weight, bias, scheme, **transforms)
 
 

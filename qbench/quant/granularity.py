@@ -157,6 +157,16 @@ def granularity_from_dict(d: dict[str, Any]) -> Granularity:
     return _KINDS[kind](**fields)
 
 
+def check_granularity(what: str, granularity: object, choices: tuple[Granularity, ...]) -> Granularity:
+    """``granularity`` when it is one of ``choices``; else the one-line error naming it and them (a kernel serves
+    a closed set, and an old string spelling such as ``"per_token"`` must fail loudly, not fall to a default)."""
+    if granularity not in choices:
+        raise UserError(
+            f"{what} {granularity!r} is not supported; choose from: {', '.join(map(repr, choices))}"
+        )
+    return granularity
+
+
 def per_sequence(granularity: Granularity, ndim: int) -> Granularity:
     """The granularity applied to an activation of ``ndim`` dims: never share a scale across sequences.
 

@@ -3,11 +3,11 @@
 ``make_real_linear(weight, bias, scheme, input_scale=, rotation=)`` takes the same arguments as
 ``FakeQuantLinear`` and computes the same function with real low-precision storage and kernels. Which layer a
 scheme gets is decided by one registry, :data:`REAL_KERNELS`: an ordered list of :class:`RealKernel` entries —
-what it covers, its layer class, its kernels, a predicate on the scheme and a builder — the first entry whose
+what it covers, its layer class, its kernels and a predicate on the scheme — the first entry whose
 predicate holds builds the layer. ``qbench ls schemes`` (its real-kernel column), ``qbench env``, ``qbench speed``
 and the table in docs/schemes.md (:func:`kernels_table`; a test keeps the page equal to it) are generated from
-it. Adding an integer format with a real kernel: write the layer (on :class:`~.base.RealLinear`) and its kernel,
-add one entry in ``registry.py`` (and its builder in ``dispatch.py``), and test it against fake mode.
+it. Adding an integer format with a real kernel: write the layer (on :class:`~.base.RealLinear`), its kernel and
+its builder (in the layer's file; ``dispatch.BUILDERS`` names it), add one entry in ``registry.py``, and test it against fake mode.
 
 The kernel tree: every compiled or GPU kernel of qbench lives in this package (a layout test holds it so).
 ``native_ref.c`` / ``native_avx2.c`` / ``native.c`` (+ ``native.h``) are the real layers' C library — portable

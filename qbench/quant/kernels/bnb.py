@@ -31,6 +31,8 @@ from torch import Tensor, nn
 
 from models.errors import UserError
 from qbench.quant.kernels.base import RealLinear
+from qbench.quant.primitives import QParams
+from qbench.quant.schemes import QuantScheme
 
 _CAST_WARNING = "inputs will be cast from"
 
@@ -256,7 +258,14 @@ def bnb_nf4_linear(
 
 
 def build_bnb(
-    weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams=None
+    weight: Tensor,
+    bias: Tensor | None,
+    scheme: QuantScheme,
+    input_scale: Tensor | None,
+    rotation: nn.Module | Tensor | None,
+    act_static: nn.Module | None,
+    out_static: nn.Module | None,
+    weight_qparams: QParams | None = None,
 ) -> nn.Module:
     """The registry's builder for bitsandbytes' schemes (``registry.REAL_KERNELS``)."""
     if input_scale is not None or rotation is not None or weight_qparams is not None:

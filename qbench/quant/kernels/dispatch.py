@@ -3,17 +3,29 @@ what each layer runs on this machine (:func:`kernel_paths`, :func:`available_bac
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 from torch import Tensor, nn
 
 from models.errors import UserError
+from qbench.quant.kernels.bnb import build_bnb
 from qbench.quant.kernels.int4 import int4pack_available
-from qbench.quant.kernels.int8 import int_mm_available
+from qbench.quant.kernels.int8 import build_w8a8, int_mm_available
+from qbench.quant.kernels.lowbit import build_weight_only
 from qbench.quant.kernels.registry import PATH_LAYERS, REAL_KERNELS, real_kernel_for
+from qbench.quant.kernels.w4a8 import build_w4a8
+from qbench.quant.kernels.w8 import build_w8_weight_only
 from qbench.quant.primitives import QParams
 from qbench.quant.schemes import QuantScheme
+
+# Each registry entry's builder, by its layer name. They live here, not in the registry, because the registry must
+# stay importable without torch (``qbench ls schemes`` reads it), and every builder's file imports torch.
+BUILDERS = {
+    "BnbLinear": build_bnb,
+    "Int8Linear": build_w8a8,
+    "Int4A8Linear": build_w4a8,
+    "Int8WeightOnlyLinear": build_w8_weight_only,
+    "Int4Linear / LowBitLinear": build_weight_only,
+}
 
 
 def make_real_linear(
@@ -46,10 +58,8 @@ def make_real_linear(
             f"scheme {scheme.name!r} ({scheme.label}) has no real kernel; real kernels exist for: "
             f"{'; '.join(k.covers for k in REAL_KERNELS)}. Run it with mode='fake'"
         )
-    module, function = kernel.builder.split(":")
-    build = getattr(importlib.import_module(module), function)
-    extra = {} if weight_qparams is None else {"weight_qparams": weight_qparams}
-    return build(weight, bias, scheme, input_scale, rotation, act_static, out_static, **extra)
+    build = BUILDERS[kernel.layer]
+    return build(weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams)
 
 
 def kernel_paths(rows: tuple[int, ...] = (1, 512)) -> dict[str, str]:

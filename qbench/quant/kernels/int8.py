@@ -49,17 +49,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from models.errors import UserError, unknown_choice
+from models.errors import UserError
 from qbench.quant.fake import transform_input, transform_weight
-from qbench.quant.granularity import PerAxis, PerTensor, PerToken
+from qbench.quant.granularity import Granularity, PerAxis, PerTensor, PerToken, check_granularity, unit
 from qbench.quant.kernels import paths
 from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
-from qbench.quant.kernels.registry import per_out_channel
 from qbench.quant.primitives import TINY, QParams, given_or_chosen, quantize, true_div
+from qbench.quant.schemes import QuantScheme
 
 QMAX = 127
-ACT_GRANULARITIES = ("per_token", "per_tensor")
-WEIGHT_GRANULARITIES = ("per_channel", "per_tensor")
+PER_CHANNEL, PER_TOKEN = PerAxis(0), PerToken()
+# activations: per token, or PerTensor = one scale per sequence (``granularity.per_sequence``)
+ACT_GRANULARITIES: tuple[Granularity, ...] = (PER_TOKEN, PerTensor())
+# weights (out, in): per output channel (axis 0, also spelt −2) or per tensor
+WEIGHT_GRANULARITIES: tuple[Granularity, ...] = (PER_CHANNEL, PerAxis(-2), PerTensor())
 # fused="auto" compiles once M·K·N reaches this (~67 M multiply-adds, e.g. 128 tokens × 768 × 768): below, the
 # compiled call's fixed overhead eats most of what fusion saves
 FUSE_MIN_ELEMENTS = 1 << 26
@@ -250,7 +253,7 @@ class Int8Linear(RealLinear):
         w_scale: Tensor,
         bias: Tensor | None,
         *,
-        act: str = "per_token",
+        act: Granularity = PER_TOKEN,
         out_quant: bool = False,
         input_scale: Tensor | None = None,
         rotation: nn.Module | None = None,
@@ -259,8 +262,7 @@ class Int8Linear(RealLinear):
         static_out_scale: Tensor | None = None,
     ) -> None:
         super().__init__()
-        if act not in ACT_GRANULARITIES:
-            raise unknown_choice("int8 activation granularity", act, ACT_GRANULARITIES)
+        check_granularity("Int8Linear activation granularity", act, ACT_GRANULARITIES)
         self.in_features, self.out_features = qweight_t.shape
         self.act, self.out_quant, self.fused = act, out_quant, fused
         # (in, out) int8 for _int_mm; from_float stores it as the transpose of a contiguous (out, in) tensor,
@@ -287,8 +289,8 @@ class Int8Linear(RealLinear):
         weight: Tensor,
         bias: Tensor | None = None,
         *,
-        weight_granularity: str = "per_channel",
-        act: str = "per_token",
+        weight_granularity: Granularity = PER_CHANNEL,
+        act: Granularity = PER_TOKEN,
         out_quant: bool = False,
         input_scale: Tensor | None = None,
         rotation: nn.Module | Tensor | None = None,
@@ -297,15 +299,15 @@ class Int8Linear(RealLinear):
         static_out_scale: Tensor | None = None,
         weight_qparams: QParams | None = None,
     ) -> Int8Linear:
-        """Quantise R(W · diag(s)) of an (out, in) float weight (``fake.transform_weight``)."""
-        if weight_granularity not in WEIGHT_GRANULARITIES:
-            raise unknown_choice("int8 weight granularity", weight_granularity, WEIGHT_GRANULARITIES)
+        """Quantise R(W · diag(s)) of an (out, in) float weight (``fake.transform_weight``) with the scheme's
+        ``weight_granularity`` (the quantiser takes it as is: one codebook with fake mode) and ``act``."""
+        check_granularity("Int8Linear weight granularity", weight_granularity, WEIGHT_GRANULARITIES)
         rotation = as_rotation(rotation, weight.shape[1])
         w = transform_weight(weight, check_input_scale(input_scale, weight.shape[1]), rotation)
-        granularity = PerAxis(0) if weight_granularity == "per_channel" else PerTensor()
-        qp = given_or_chosen(w, 8, granularity, True, weight_qparams)
-        codes = quantize(w, qp, 8, granularity, symmetric=True)  # (out, in) int8
-        w_scale = qp.scale.reshape(-1) if weight_granularity == "per_channel" else qp.scale.reshape(())
+        qp = given_or_chosen(w, 8, weight_granularity, True, weight_qparams)
+        codes = quantize(w, qp, 8, weight_granularity, symmetric=True)  # (out, in) int8
+        per_channel = isinstance(weight_granularity, PerAxis)
+        w_scale = qp.scale.reshape(-1) if per_channel else qp.scale.reshape(())
         b = None if bias is None else bias.detach().float().clone()
         return cls(
             codes.contiguous().t(),
@@ -326,15 +328,13 @@ class Int8Linear(RealLinear):
         lead = x.shape[:-1]
         # (B, T, K): per-tensor scales are per leading batch element; ≤ 2-d input is one sequence
         x3 = x.float().reshape(1 if x.dim() <= 2 else x.shape[0], -1, self.in_features)
-        input_scale = self.input_scale
+        input_scale, per_token = self.input_scale, isinstance(self.act, PerToken)
         # the rotation runs eagerly, outside the compiled function: a module argument would recompile per layer
         if self.rotation is not None:
             x3, input_scale = transform_input(x3, input_scale, self.rotation), None
         y = None
         if self.fused == "auto":  # the compiled CPU kernels where they apply (paths.py), else the torch path
-            y = paths.int8_forward(
-                self, x3, self.qweight_t, self.w_scale, self.bias, self.act == "per_token", input_scale
-            )
+            y = paths.int8_forward(self, x3, self.qweight_t, self.w_scale, self.bias, per_token, input_scale)
             y = y if y is None or not self.out_quant else fake_quantize_per_sequence(y)
         if y is None:
             y = _run_forward(
@@ -343,7 +343,7 @@ class Int8Linear(RealLinear):
                 self.qweight_t,
                 self.w_scale,
                 self.bias,
-                self.act == "per_token",
+                per_token,
                 self.out_quant,
                 input_scale,
             )
@@ -396,7 +396,7 @@ class Int8Linear(RealLinear):
 
     def extra_repr(self) -> str:
         w = "per channel" if self.w_scale.dim() else "per tensor"
-        a = "per token" if self.act == "per_token" else "per sequence"
+        a = f"per {unit(self.act, 'act')}"  # token or sequence
         parts = [
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}",
             f"W int8 absmax {w}, A int8 absmax {a}",
@@ -420,14 +420,22 @@ def int_mm_available(device: str = "cpu") -> bool:
 
 
 def build_w8a8(
-    weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams=None
+    weight: Tensor,
+    bias: Tensor | None,
+    scheme: QuantScheme,
+    input_scale: Tensor | None,
+    rotation: nn.Module | Tensor | None,
+    act_static: nn.Module | None,
+    out_static: nn.Module | None,
+    weight_qparams: QParams | None = None,
 ) -> nn.Module:
-    """The registry's builder for W8A8 schemes (``registry.REAL_KERNELS``)."""
+    """The registry's builder for W8A8 schemes (``registry.REAL_KERNELS``): the scheme's granularities go to
+    the layer as they are."""
     return Int8Linear.from_float(
         weight,
         bias,
-        weight_granularity="per_channel" if per_out_channel(scheme) else "per_tensor",
-        act="per_token" if isinstance(scheme.act_granularity, PerToken) else "per_tensor",
+        weight_granularity=scheme.weight_granularity,
+        act=scheme.act_granularity,
         out_quant=scheme.out_bits is not None,
         input_scale=input_scale,
         rotation=rotation,

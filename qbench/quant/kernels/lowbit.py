@@ -37,6 +37,7 @@ from qbench.quant.kernels import paths
 from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.kernels.registry import PACKED_BITS  # the registry's predicates read it too
 from qbench.quant.primitives import QParams, given_or_chosen, qrange, quantize
+from qbench.quant.schemes import QuantScheme
 
 
 def _unit(bits: int) -> tuple[int, int]:
@@ -182,7 +183,14 @@ class LowBitLinear(RealLinear):
 
 
 def build_weight_only(
-    weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams=None
+    weight: Tensor,
+    bias: Tensor | None,
+    scheme: QuantScheme,
+    input_scale: Tensor | None,
+    rotation: nn.Module | Tensor | None,
+    act_static: nn.Module | None,
+    out_static: nn.Module | None,
+    weight_qparams: QParams | None = None,
 ) -> nn.Module:
     """The registry's builder for W2/W3/W4 weight-only schemes: asymmetric int4 -> Int4Linear (torch's int4 kernel with bf16); int2/int3, symmetric int4 and a group that
     does not divide the row (a shorter last group) -> LowBitLinear."""

@@ -404,9 +404,26 @@ def instruction_set() -> str:
     return f"{' '.join(have) or 'no AVX2'}; {built}"
 
 
-def _record(owner: object, path: str) -> None:
-    if not torch.compiler.is_compiling():  # a traced graph keeps no Python side effects: eager runs record
+def _run_path(
+    owner: object,
+    path: str,
+    stored: tuple[Tensor | None, ...],
+    traced: Callable[[], Tensor | None],
+    eager: Callable[[], Tensor | None],
+) -> Tensor | None:
+    """Run ``path`` the one way that applies; None (the layer's torch path) where it declines.
+
+    Traced (inside torch.compile): ``traced``, built from the ``torch.ops.qbench`` custom ops — all of the C
+    library a graph can hold —, once the C kernels can read ``stored``; nothing is bound or recorded, because a
+    graph keeps no Python side effects. Eager: ``eager``, through the ctypes calls (no op dispatch), and the
+    path recorded in the layer's ``last_path`` when it answered. ``eager`` checks the stored tensors itself:
+    through ``_bound``, once per set of stored pointers, as a per-call ``stored_ok`` costs microseconds."""
+    if torch.compiler.is_compiling():
+        return traced() if stored_ok(*stored) else None
+    y = eager()
+    if y is not None:
         owner.__dict__["last_path"] = path
+    return y
 
 
 def stored_ok(*stored: Tensor | None) -> bool:
@@ -706,35 +723,38 @@ def int8_forward(
     x2 = x3.reshape(B * T, K).contiguous()
     per_scale = 1 if per_token else T
     if path == "int-mm":
-        if not stored_ok(w_t.t(), w_scale, bias):
-            return None
-        if torch.compiler.is_compiling():
+        stored = (w_t.t(), w_scale, bias)
+
+        def traced() -> Tensor:
             q, sx = torch.ops.qbench.quantize_rows(x2, per_scale)
+            return torch.ops.qbench.scale_output(torch._int_mm(q, w_t), sx, w_scale.reshape(-1), bias)
+
+        def eager() -> Tensor | None:
+            if not stored_ok(*stored):
+                return None
+            # the ctypes wrappers, the epilogue written over _int_mm's own int32 output
+            q, sx = native.quantize_rows(x2, per_scale)
             acc = torch._int_mm(q, w_t)
-            return torch.ops.qbench.scale_output(acc, sx, w_scale.reshape(-1), bias).reshape(B, T, -1)
-        # eager: the ctypes wrappers (no op dispatch), the epilogue written over _int_mm's own int32 output
-        q, sx = native.quantize_rows(x2, per_scale)
-        acc = torch._int_mm(q, w_t)
-        _record(owner, path)
-        return native.scale_output(acc, sx, w_scale.reshape(-1).contiguous(), bias, in_place=True).reshape(
-            B, T, -1
-        )
-    w = w_t.t()  # (N, K): the C kernels' row-major layout — a contiguous (K, N) w_t is not (torch path then)
-    if torch.compiler.is_compiling():
-        if not stored_ok(w, w_scale, bias):
-            return None
-        gemv = path == "c-gemv"
-        return torch.ops.qbench.w8a8_forward(x2, per_scale, w, w_scale.reshape(-1), bias, gemv).reshape(
-            B, T, -1
-        )
-    call = _bound(owner, (w, w_scale, bias), lambda: _int8_call(w, w_scale, bias))
-    if call is None:
-        return None
-    _record(owner, path)
-    gemv = path == "c-gemv"
-    if input_scale is None:  # x3 is then the layer's own input: the call alone is its output
-        _keep_fast(owner, K, B * T, path, _scaled_run(call, K, per_token, gemv), (w, w_scale, bias))
-    return call(x2, per_scale, gemv).reshape(B, T, -1)
+            return native.scale_output(acc, sx, w_scale.reshape(-1).contiguous(), bias, in_place=True)
+
+    else:
+        # (N, K): the C kernels' row-major layout — a contiguous (K, N) w_t is not (torch path then)
+        w = w_t.t()
+        stored, gemv = (w, w_scale, bias), path == "c-gemv"
+
+        def traced() -> Tensor:
+            return torch.ops.qbench.w8a8_forward(x2, per_scale, w, w_scale.reshape(-1), bias, gemv)
+
+        def eager() -> Tensor | None:
+            call = _bound(owner, stored, lambda: _int8_call(w, w_scale, bias))
+            if call is None:
+                return None
+            if input_scale is None:  # x3 is then the layer's own input: the call alone is its output
+                _keep_fast(owner, K, B * T, path, _scaled_run(call, K, per_token, gemv), stored)
+            return call(x2, per_scale, gemv)
+
+    y = _run_path(owner, path, stored, traced, eager)
+    return None if y is None else y.reshape(B, T, -1)
 
 
 def _w4a8_call(
@@ -779,33 +799,38 @@ def w4a8_forward(
     if path == "torch":
         return None
     per_scale = rows_per_scale(x, rows, per_token)
+    stored = (w4, scales, bias, zero_term)
     if path == "int-mm":  # the nibbles unpacked to int8 once per call, then oneDNN's int8 GEMM (native.py)
-        if not stored_ok(w4, scales, bias, zero_term):
-            return None
         x2 = x.reshape(rows, k).contiguous()
-        if torch.compiler.is_compiling():
-            y = torch.ops.qbench.w4a8_int_mm(x2, per_scale, w4, scales, bias, zero_term)
-            return y.reshape(*x.shape[:-1], -1)
-        y = native.w4a8_int_mm(x2, per_scale, w4, scales, bias, zero_term)
-        _record(owner, path)
-        return y.reshape(*x.shape[:-1], -1)
-    if torch.compiler.is_compiling():  # the layer checked the group size (w4a8.kernel_group_ok)
-        if not stored_ok(w4, scales, bias, zero_term):
-            return None
-        x2 = x.reshape(rows, k)
-        y = torch.ops.qbench.w4a8_forward(x2, per_scale, w4, scales, bias, path == "c-gemv", zero_term)
-        return y.reshape(*x.shape[:-1], -1)
-    call = _bound(owner, (w4, scales, bias, zero_term), lambda: _w4a8_call(w4, scales, bias, zero_term))
-    gemv = path == "c-gemv"
-    y = None if call is None else call(x.reshape(rows, k).contiguous(), per_scale, gemv)
-    if y is None:
-        return None
-    _record(owner, path)
-    zeros = None if zero_term is None else getattr(owner, "zeros", None)
-    derived_from = () if zero_term is None else (scales, zeros)
-    stored = (w4, scales, bias, zero_term, zeros)  # zeros too: a swapped .data leaves its version as it was
-    _keep_fast(owner, k, rows, path, _scaled_run(call, k, per_token, gemv), stored, derived_from)
-    return y.reshape(*x.shape[:-1], -1)
+
+        def traced() -> Tensor:
+            return torch.ops.qbench.w4a8_int_mm(x2, per_scale, w4, scales, bias, zero_term)
+
+        def eager() -> Tensor | None:
+            if not stored_ok(*stored):
+                return None
+            return native.w4a8_int_mm(x2, per_scale, w4, scales, bias, zero_term)
+
+    else:
+        gemv = path == "c-gemv"
+
+        def traced() -> Tensor:  # the layer checked the group size (w4a8.kernel_group_ok)
+            return torch.ops.qbench.w4a8_forward(
+                x.reshape(rows, k), per_scale, w4, scales, bias, gemv, zero_term
+            )
+
+        def eager() -> Tensor | None:
+            call = _bound(owner, stored, lambda: _w4a8_call(w4, scales, bias, zero_term))
+            y = None if call is None else call(x.reshape(rows, k).contiguous(), per_scale, gemv)
+            if y is not None:
+                zeros = None if zero_term is None else getattr(owner, "zeros", None)
+                derived_from = () if zero_term is None else (scales, zeros)
+                kept = (*stored, zeros)  # zeros too: a swapped .data leaves its version as it was
+                _keep_fast(owner, k, rows, path, _scaled_run(call, k, per_token, gemv), kept, derived_from)
+            return y
+
+    y = _run_path(owner, path, stored, traced, eager)
+    return None if y is None else y.reshape(*x.shape[:-1], -1)
 
 
 def _weight_only_call(
@@ -847,31 +872,32 @@ def weight_only_forward(
     )  # fmt: skip
     if path == "torch":
         return None
+    stored = (codes, scales, zeros, bias)
     y = None
-    if torch.compiler.is_compiling():
-        if not stored_ok(codes, scales, zeros, bias):
-            return None
-        if path == "c-gemv" and _traced_weight_only_loop(bits4, k, scales.shape[1]):
-            y = torch.ops.qbench.weight_only_linear(x2, codes, bits4, scales, zeros, bias)
-        else:
-            y = F.linear(x2, torch.ops.qbench.dequantize(codes, bits4, scales, zeros, k), bias)
-        return y.reshape(*x.shape[:-1], -1)
     if path == "c-gemv":
-        call = _bound(
-            owner, (codes, scales, zeros, bias), lambda: _weight_only_call(codes, bits4, scales, zeros, bias)
+
+        def traced() -> Tensor | None:  # None: this group size has no loop (dequantised below)
+            if not _traced_weight_only_loop(bits4, k, scales.shape[1]):
+                return None
+            return torch.ops.qbench.weight_only_linear(x2, codes, bits4, scales, zeros, bias)
+
+        def eager() -> Tensor | None:
+            call = _bound(owner, stored, lambda: _weight_only_call(codes, bits4, scales, zeros, bias))
+            y = None if call is None else call(x2)  # None also where the kernel has no loop for this group
+            if y is not None:
+                _keep_fast(owner, k, x2.shape[0], path, _plain_run(call, k), stored)
+            return y
+
+        y = _run_path(owner, path, stored, traced, eager)
+    if y is None:  # c-dequant, or the loop declined: dequantise once, then torch's GEMM
+
+        def dequantised() -> Tensor:
+            return F.linear(x2, torch.ops.qbench.dequantize(codes, bits4, scales, zeros, k), bias)
+
+        y = _run_path(
+            owner, "c-dequant", stored, dequantised, lambda: dequantised() if stored_ok(*stored) else None
         )
-        if call is None:
-            return None
-        y = call(x2)  # None: this group size has no loop here (the kernel declined): dequantise instead
-        if y is not None:
-            _keep_fast(owner, k, x2.shape[0], path, _plain_run(call, k), (codes, scales, zeros, bias))
-    if y is None:
-        if not stored_ok(codes, scales, zeros, bias):
-            return None
-        path = "c-dequant"
-        y = F.linear(x2, torch.ops.qbench.dequantize(codes, bits4, scales, zeros, k), bias)
-    _record(owner, path)
-    return y.reshape(*x.shape[:-1], -1)
+    return None if y is None else y.reshape(*x.shape[:-1], -1)
 
 
 def _lowbit_call(
@@ -913,25 +939,31 @@ def lowbit_forward(
         "lowbit", x2.shape[0], owner, (padded, *scales.shape),
         lambda: lowbit_forward(owner, x, codes, bits, scales, zeros, zconst, bias, group),
     )  # fmt: skip
-    if path == "torch" or not stored_ok(codes, scales, zeros, bias):
+    stored = (codes, scales, zeros, bias)
+    if path == "torch" or not stored_ok(*stored):
         return None
     if path == "c-gemv":
         xp = (x2 if padded == k else F.pad(x2, (0, padded - k))).contiguous()
-        if torch.compiler.is_compiling():
-            y = torch.ops.qbench.lowbit_linear(xp, codes, bits, scales, zeros, zconst, bias)
-        else:
+
+        def traced() -> Tensor:
+            return torch.ops.qbench.lowbit_linear(xp, codes, bits, scales, zeros, zconst, bias)
+
+        def eager() -> Tensor:
             call = _bound(
-                owner,
-                (codes, scales, zeros, bias),
-                lambda: _lowbit_call(codes, bits, scales, zeros, zconst, bias, padded),
+                owner, stored, lambda: _lowbit_call(codes, bits, scales, zeros, zconst, bias, padded)
             )
-            y = call(xp)
             if padded == k:  # else x is padded to whole groups per call: no direct call to keep
-                _keep_fast(owner, k, x2.shape[0], path, _plain_run(call, k), (codes, scales, zeros, bias))
+                _keep_fast(owner, k, x2.shape[0], path, _plain_run(call, k), stored)
+            return call(xp)
+
+        y = _run_path(owner, path, stored, traced, eager)
     else:
-        w = torch.ops.qbench.lowbit_dequantize(codes, bits, scales, zeros, zconst, padded, k)
-        y = F.linear(x2, w, bias)
-    _record(owner, path)
+
+        def dequantised() -> Tensor:
+            w = torch.ops.qbench.lowbit_dequantize(codes, bits, scales, zeros, zconst, padded, k)
+            return F.linear(x2, w, bias)
+
+        y = _run_path(owner, path, stored, dequantised, dequantised)  # custom ops either way
     return y.reshape(*x.shape[:-1], -1)
 
 

@@ -1,8 +1,8 @@
 """The real-kernel registry: which real layer serves which scheme — the dispatch, described without torch.
 
 An ordered list of :class:`RealKernel` entries (what it covers, its layer class, its kernels, a predicate on the
-scheme, the name of its builder); the first entry whose predicate holds builds the layer
-(``dispatch.make_real_linear``). ``qbench ls schemes`` (its real-kernel column), ``qbench env``, ``qbench speed``
+scheme); the first entry whose predicate holds builds the layer (``dispatch.make_real_linear``, through the
+builder ``dispatch.BUILDERS`` holds for its layer). ``qbench ls schemes`` (its real-kernel column), ``qbench env``, ``qbench speed``
 and the table in docs/schemes.md (:func:`kernels_table`; a test keeps the page equal to it) read it. The
 predicates look only at a scheme's fields, so listing schemes imports no torch. Adding an integer format with a
 real kernel: write the kernel, the layer (on :class:`~.base.RealLinear`) with its builder in the same file, and
@@ -13,9 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from qbench.quant.granularity import PerAxis, PerGroup, PerTensor, PerToken
 from qbench.quant.schemes import QuantScheme
+
+if TYPE_CHECKING:
+    pass
 
 PACKED_BITS = (2, 3, 4)  # the weight-only widths LowBitLinear packs (lowbit.py)
 
@@ -80,13 +84,12 @@ def _is_weight_only_lowbit(scheme: QuantScheme) -> bool:
 
 @dataclass(frozen=True)
 class RealKernel:
-    """One real layer: which schemes it serves (``applies``), how it is built, and what to call it."""
+    """One real layer: which schemes it serves (``applies``) and what to call it (its builder: ``dispatch.BUILDERS``)."""
 
     covers: str  # the schemes it serves, in words (error messages, docs)
     layer: str  # its class name, as records' ``backend`` names it
     kernels: str  # what computes it, per device
     applies: Callable[[QuantScheme], bool]
-    builder: str  # ``module:function`` building the layer, beside it in its layer file (imported when one is built)
     paths: tuple[tuple[str, str], ...] = ()  # (label, kind in ``paths.choose``) for ``qbench env``
     native: tuple[str, ...] = ()  # its layer classes that compiled C kernels serve on the CPU
 
@@ -102,14 +105,12 @@ REAL_KERNELS: tuple[RealKernel, ...] = (
         "BnbLinear",
         "bitsandbytes Linear8bitLt / Linear4bit (nf4), CPU and CUDA",
         _is_bnb,
-        "qbench.quant.kernels.bnb:build_bnb",
     ),
     RealKernel(
         "W8A8 absmax (W per channel/tensor, A per token/sequence or static per tensor, optional O8 per sequence)",
         "Int8Linear",
         "CPU: C int8 GEMV/GEMM, torch._int_mm where faster; CUDA: torch._int_mm",
         lambda s: not _is_bnb(s) and _is_w8a8(s),
-        "qbench.quant.kernels.int8:build_w8a8",
         (("W8A8 (Int8Linear)", "w8a8"),),
         native=("Int8Linear",),
     ),
@@ -119,7 +120,6 @@ REAL_KERNELS: tuple[RealKernel, ...] = (
         "CPU: C int4×int8 GEMV/GEMM, torch._int_mm on the codes unpacked to int8 where faster (groups of 32 or "
         "64·n; others torch); else F.linear on s_x·q and Ŵ",
         lambda s: not _is_bnb(s) and _is_w4a8(s),
-        "qbench.quant.kernels.w4a8:build_w4a8",
         (("W4A8 (Int4A8Linear)", "w4a8"),),
         native=("Int4A8Linear",),
     ),
@@ -128,7 +128,6 @@ REAL_KERNELS: tuple[RealKernel, ...] = (
         "Int8WeightOnlyLinear",
         "CPU fp32: C kernels reading the codes; else dequantise on the fly",
         lambda s: not _is_bnb(s) and _is_w8_weight_only(s),
-        "qbench.quant.kernels.w8:build_w8_weight_only",
         (("W8 weight-only (Int8WeightOnlyLinear)", "w8"),),
         native=("Int8WeightOnlyLinear",),
     ),
@@ -139,7 +138,6 @@ REAL_KERNELS: tuple[RealKernel, ...] = (
         "Int4Linear: CPU fp32 C kernels, CPU bf16 torch int4pack; LowBitLinear: CPU fp32 C kernels reading the "
         "packed codes (≤ 16 rows; above: C dequantise + sgemm); else dequantise on the fly",
         lambda s: not _is_bnb(s) and _is_weight_only_lowbit(s),
-        "qbench.quant.kernels.lowbit:build_weight_only",
         (
             ("W4 zeropoint weight-only (Int4Linear)", "w4"),
             ("W2/W3/W4-absmax weight-only (LowBitLinear)", "lowbit"),

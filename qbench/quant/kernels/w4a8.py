@@ -37,14 +37,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.errors import UserError, unknown_choice
+from models.errors import UserError
 from qbench.quant.fake import pad_to_groups, transform_input, transform_weight
-from qbench.quant.granularity import PerAxis, PerGroup, PerToken
+from qbench.quant.granularity import Granularity, PerAxis, PerGroup, PerToken, check_granularity, unit
 from qbench.quant.kernels import native, paths
 from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.kernels.int4 import pack_int4, unpack_int4
-from qbench.quant.kernels.int8 import ACT_GRANULARITIES, quantize_activation
+from qbench.quant.kernels.int8 import ACT_GRANULARITIES, PER_TOKEN, quantize_activation
 from qbench.quant.primitives import QParams, given_or_chosen, quantize
+from qbench.quant.schemes import QuantScheme
 
 BITS = 4
 OFFSET = (
@@ -74,14 +75,13 @@ class Int4A8Linear(RealLinear):
         in_features: int,
         group_size: int | None = None,
         *,
-        act: str = "per_token",
+        act: Granularity = PER_TOKEN,
         input_scale: Tensor | None = None,
         rotation: nn.Module | None = None,
         zeros: Tensor | None = None,
     ) -> None:
         super().__init__()
-        if act not in ACT_GRANULARITIES:
-            raise unknown_choice("W4A8 activation granularity", act, ACT_GRANULARITIES)
+        check_granularity("Int4A8Linear activation granularity", act, ACT_GRANULARITIES)
         if zeros is not None and zeros.shape != scales.shape:
             raise UserError(f"W4A8 zeros {tuple(zeros.shape)} must match the scales {tuple(scales.shape)}")
         self.in_features, self.out_features, self.act = in_features, qweight.shape[0], act
@@ -133,7 +133,7 @@ class Int4A8Linear(RealLinear):
         bias: Tensor | None = None,
         group_size: int | None = None,
         *,
-        act: str = "per_token",
+        act: Granularity = PER_TOKEN,
         input_scale: Tensor | None = None,
         rotation: nn.Module | Tensor | None = None,
         weight_qparams: QParams | None = None,
@@ -194,7 +194,7 @@ class Int4A8Linear(RealLinear):
 
     def _forward(self, x: Tensor) -> Tensor:
         x = transform_input(x, self.input_scale, self.rotation)
-        per_token = self.act == "per_token"
+        per_token = isinstance(self.act, PerToken)
         if kernel_group_ok(self.group_size):
             padded = (
                 x
@@ -222,7 +222,7 @@ class Int4A8Linear(RealLinear):
 
     def extra_repr(self) -> str:
         gran = "per output channel" if self.scales.shape[1] == 1 else f"per group of {self.group}"
-        act = "per token" if self.act == "per_token" else "per sequence"
+        act = f"per {unit(self.act, 'act')}"  # token or sequence
         kind = "absmax" if self.zeros is None else "zeropoint"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -231,7 +231,14 @@ class Int4A8Linear(RealLinear):
 
 
 def build_w4a8(
-    weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams=None
+    weight: Tensor,
+    bias: Tensor | None,
+    scheme: QuantScheme,
+    input_scale: Tensor | None,
+    rotation: nn.Module | Tensor | None,
+    act_static: nn.Module | None,
+    out_static: nn.Module | None,
+    weight_qparams: QParams | None = None,
 ) -> nn.Module:
     """The registry's builder for W4A8 schemes (``registry.REAL_KERNELS``)."""
     g = scheme.weight_granularity_for(weight.shape[1])  # a group ≥ the row is per channel
@@ -240,7 +247,7 @@ def build_w4a8(
         weight,
         bias,
         group,
-        act="per_token" if isinstance(scheme.act_granularity, PerToken) else "per_tensor",
+        act=scheme.act_granularity,
         input_scale=input_scale,
         rotation=rotation,
         weight_qparams=weight_qparams,

@@ -24,6 +24,7 @@ from qbench.quant.granularity import PerAxis, PerGroup
 from qbench.quant.kernels import paths
 from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
 from qbench.quant.primitives import QParams, given_or_chosen, quantize
+from qbench.quant.schemes import QuantScheme
 
 BITS = 8
 
@@ -110,7 +111,14 @@ class Int8WeightOnlyLinear(RealLinear):
 
 
 def build_w8_weight_only(
-    weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams=None
+    weight: Tensor,
+    bias: Tensor | None,
+    scheme: QuantScheme,
+    input_scale: Tensor | None,
+    rotation: nn.Module | Tensor | None,
+    act_static: nn.Module | None,
+    out_static: nn.Module | None,
+    weight_qparams: QParams | None = None,
 ) -> nn.Module:
     """The registry's builder for W8 weight-only schemes (``registry.REAL_KERNELS``)."""
     g = scheme.weight_granularity_for(weight.shape[1])

@@ -10,6 +10,7 @@ import pickle
 import pytest
 import torch
 
+from qbench.quant.granularity import PerTensor
 from qbench.quant.kernels import native, paths
 from tests.qbench.quant.real_cases import CASES, build, inputs
 
@@ -149,7 +150,7 @@ def test_new_weights_a_cast_and_an_attribute_drop_the_kept_call():
         layer.float()
         assert not _kept(layer)
         layer(x)
-        layer.act = "per_tensor"  # an option changed: what the forward must do may have changed
+        layer.act = PerTensor()  # an option changed: what the forward must do may have changed
         assert not _kept(layer)
         assert torch.equal(layer(x), _generic(layer, x))
 

@@ -38,6 +38,18 @@ def test_no_real_kernel_for_float_formats_and_a_one_line_error_names_the_registr
         make_real_linear(torch.randn(8, 64), None, get_scheme("absmax-fine-perchannel"))
 
 
+def test_every_registry_entry_has_a_builder_beside_its_layer():
+    """The registry names layers without torch; dispatch holds each one's builder, defined in its layer's file."""
+    import sys
+
+    from qbench.quant.kernels.dispatch import BUILDERS
+
+    assert set(BUILDERS) == {k.layer for k in REAL_KERNELS}
+    for kernel in REAL_KERNELS:
+        module = sys.modules[BUILDERS[kernel.layer].__module__]
+        assert any(hasattr(module, cls.strip()) for cls in kernel.layer.split("/")), kernel.layer
+
+
 def test_env_and_speed_lists_come_from_the_registry():
     assert [kind for _, kind in PATH_LAYERS] == ["w8a8", "w4a8", "w8", "w4", "lowbit"]
     assert set(NATIVE_LAYERS) == {

@@ -77,13 +77,29 @@ def test_int8_equals_fake_module(layer, act, out_bits, weight_granularity, trans
 
 def test_int8_weight_codes_equal_primitives(layer):
     weight, bias, _ = layer
-    for granularity, name in ((PerAxis(0), "per_channel"), (PerTensor(), "per_tensor")):
-        m = Int8Linear.from_float(weight, bias, weight_granularity=name)
+    for granularity in (PerAxis(0), PerTensor()):
+        m = Int8Linear.from_float(weight, bias, weight_granularity=granularity)
         assert torch.equal(m.dequantized_weight(), fake_quantize(weight, 8, granularity, True))
         assert m.qweight_t.dtype == torch.int8 and m.qweight_t.shape == (64, 48)
 
 
-@pytest.mark.parametrize("act", ["per_token", "per_tensor"])
+def test_int8_and_w4a8_take_granularity_objects_and_name_a_bad_one(layer):
+    from qbench.quant.kernels.w4a8 import Int4A8Linear
+
+    weight, bias, _ = layer
+    choices = r"choose from: PerToken\(\), PerTensor\(\)$"
+    with pytest.raises(UserError, match=r"activation granularity 'per_token' is not supported; " + choices):
+        Int8Linear.from_float(weight, bias, act="per_token")  # the old string spelling
+    with pytest.raises(UserError, match=r"weight granularity PerGroup\(group_size=16\) is not supported"):
+        Int8Linear.from_float(weight, bias, weight_granularity=PerGroup(16))
+    with pytest.raises(UserError, match=r"Int4A8Linear activation granularity PerAxis\(axis=-1\)"):
+        Int4A8Linear.from_float(weight, bias, act=PerAxis(-1))
+    m = Int8Linear.from_float(weight, bias, weight_granularity=PerAxis(-2), act=PerTensor())
+    assert torch.equal(m.dequantized_weight(), Int8Linear.from_float(weight, bias).dequantized_weight())
+    assert "A int8 absmax per sequence" in repr(m)
+
+
+@pytest.mark.parametrize("act", [PerToken(), PerTensor()], ids=["per_token", "per_tensor"])
 @pytest.mark.parametrize("out_quant", [False, True])
 def test_int8_batching_invariance(layer, act, out_quant):
     weight, bias, x = layer
@@ -94,7 +110,7 @@ def test_int8_batching_invariance(layer, act, out_quant):
 
 def test_int8_per_tensor_scale_is_per_sequence(layer):
     weight, bias, x = layer
-    m = Int8Linear.from_float(weight, bias, act="per_tensor")
+    m = Int8Linear.from_float(weight, bias, act=PerTensor())
     # sequence 0 holds the outlier; a scale shared across the batch would coarsen sequence 1
     one_scale = fake_quantize(x, 8, PerTensor(), True) @ m.dequantized_weight().T + bias
     assert not torch.allclose(m(x)[1], one_scale[1], rtol=0, atol=1e-3)
@@ -103,8 +119,8 @@ def test_int8_per_tensor_scale_is_per_sequence(layer):
 def test_int8_sqnr_floor(layer):
     weight, bias, x = layer
     ref = F.linear(x, weight, bias)
-    assert sqnr_db(ref, Int8Linear.from_float(weight, bias, act="per_token")(x)) > 35
-    assert sqnr_db(ref, Int8Linear.from_float(weight, bias, act="per_tensor", out_quant=True)(x)) > 20
+    assert sqnr_db(ref, Int8Linear.from_float(weight, bias, act=PerToken())(x)) > 35
+    assert sqnr_db(ref, Int8Linear.from_float(weight, bias, act=PerTensor(), out_quant=True)(x)) > 20
 
 
 def test_int8_dtype_and_shape(layer):
@@ -172,8 +188,8 @@ def test_padded_weight_is_cached_per_tensor_until_it_is_written():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weight_granularity", ["per_channel", "per_tensor"])
-@pytest.mark.parametrize("act", ["per_token", "per_tensor"])
+@pytest.mark.parametrize("weight_granularity", [PerAxis(0), PerTensor()], ids=["w_channel", "w_tensor"])
+@pytest.mark.parametrize("act", [PerToken(), PerTensor()], ids=["per_token", "per_tensor"])
 @pytest.mark.parametrize("out_quant", [False, True])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_int8_fused_compiled_equals_eager(layer, weight_granularity, act, out_quant, with_bias):
@@ -192,7 +208,7 @@ def test_int8_fused_compiled_equals_eager(layer, weight_granularity, act, out_qu
 def test_int8_cuda_matches_cpu(layer, tokens):
     weight, bias, _ = layer
     x = torch.randn(2, tokens, 64)
-    m = Int8Linear.from_float(weight, bias, act="per_token", fused=False)
+    m = Int8Linear.from_float(weight, bias, act=PerToken(), fused=False)
     y_cpu = m(x)
     y_gpu = m.to("cuda")(x.cuda()).cpu()
     assert rel_err(y_gpu, y_cpu) < 1e-6

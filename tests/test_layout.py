@@ -223,3 +223,58 @@ def test_docs_layout_lists_every_module():
         if p.suffix in (".py", ".c", ".h") and "__pycache__" not in p.parts
     }
     assert sources - listed == set(), f"modules missing from docs/layout.md: {sorted(sources - listed)}"
+
+
+# The card package reads one way (qbench/studies/card/__init__.py): the renderers read card.json alone, and the
+# modules that decide or speak stay small enough to read in one sitting.
+CARD = "qbench.studies.card"
+CARD_MAX_LINES = 550  # schema.py, declarations only, is the largest
+RENDER_NEVER = ("measure", "build", "decide", "compare", "words", "rows", "repair", "profile", "config")
+
+
+def _card_modules() -> dict[str, Path]:
+    return {n: p for n, p in modules().items() if _within(n, CARD)}
+
+
+def test_the_card_renderers_read_card_json_alone():
+    g = graph()
+    wrong = [
+        f"{m} imports {t}"
+        for m in _card_modules()
+        if _within(m, f"{CARD}.render")
+        for t in sorted(g[m])
+        if any(_within(t, f"{CARD}.{banned}") for banned in RENDER_NEVER)
+    ]
+    assert not wrong, "a renderer that decides or measures:\n" + "\n".join(wrong)
+
+
+def test_the_card_package_has_no_long_files_and_at_most_one_long_function():
+    long_files = {
+        str(p.relative_to(ROOT)): n
+        for p in _card_modules().values()
+        if (n := len(p.read_text().splitlines())) > CARD_MAX_LINES
+    }
+    assert not long_files, f"card modules over {CARD_MAX_LINES} lines: {long_files}"
+    long_functions = [
+        f"{p.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for p in _card_modules().values()
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 80
+    ]
+    assert len(long_functions) <= 1, f"more than one card function over 80 lines: {long_functions}"
+
+
+@pytest.mark.parametrize(
+    ("module", "why"),
+    [
+        ("qbench.studies.card", "qbench card --help reads the budgets"),
+        ("qbench.studies.card.words", "the card's sentences are text from decisions"),
+    ],
+)
+def test_these_card_modules_import_no_torch(module, why):
+    import subprocess
+    import sys
+
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False", f"{module} imports torch, yet {why}"

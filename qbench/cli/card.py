@@ -1,4 +1,5 @@
-"""``qbench card --ckpt X [--ckpt Y …] [--budget quick|standard|full]``: one page per model, from the grid's records.
+"""``qbench card --ckpt X [--ckpt Y …] [--budget quick|standard|full]``: one page per model, from the grid's records;
+``qbench card --from-json DIR`` renders a written card's pages again from its card.json alone.
 
 The study is the package :mod:`qbench.studies.card` (plan, config, measure, build), the pages :mod:`qbench.studies.card.render`.
 """
@@ -40,6 +41,9 @@ def budget_help() -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, tokens=None, many=True)
+    ckpt = next(a for a in p._actions if a.dest == "ckpt")
+    ckpt.required = False  # --from-json re-renders a card without one
+    ckpt.help += "; required unless --from-json"
     tokens = next(a for a in p._actions if a.dest == "tokens")
     tokens.help = "token budget: stream tokens scored (default: the budget's)"
     p.add_argument("--budget", default="quick", choices=("quick", "standard", "full"), help=budget_help())
@@ -63,6 +67,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=seed_value, default=0, help=SEED_HELP)
     add_calibration_arguments(p)
+    p.add_argument(
+        "--from-json",
+        metavar="DIR_OR_CARD_JSON",
+        help="re-render card.md, card.html and the figures of a card already written, from its card.json alone "
+        "(its folder or the file): no model loaded, no cell evaluated; card.json is rewritten at this qbench's "
+        "card version (upgraded, nothing else in it changed); no other option applies (default: none — the card "
+        "is measured from --ckpt)",
+    )
 
 
 def config(args: argparse.Namespace):
@@ -154,9 +166,51 @@ def run_card_with_progress(cfg) -> dict:
     return card
 
 
-def run(args: argparse.Namespace) -> None:
-    if args.batch_size < 1:
-        from models.errors import UserError
+def _options_given(args: argparse.Namespace) -> list[str]:
+    """The options of ``qbench card`` other than --from-json that ``args`` holds at a value other than their
+    default: a re-render reads card.json alone, so any of them would be silently ignored."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return [
+        a.option_strings[0]
+        for a in parser._actions
+        if a.option_strings and a.dest != "from_json" and getattr(args, a.dest, a.default) != a.default
+    ]
 
+
+def rerender(args: argparse.Namespace) -> None:
+    """``--from-json``: the card's pages again from its card.json, nothing else given."""
+    from models.errors import UserError
+    from qbench.studies.card.schema import CARD_VERSION
+    from qbench.studies.card.write import rerender as rerender_card
+
+    given = _options_given(args)
+    if given:
+        raise UserError(
+            f"--from-json re-renders a written card from its card.json alone: {', '.join(given)} cannot apply to "
+            "it; give --from-json alone (or --ckpt without it to measure a card)"
+        )
+    paths = rerender_card(args.from_json)
+    figures = [p.name for k, p in paths.items() if k not in ("json", "md", "html")]
+    console.print(
+        f"re-rendered {paths['md']}, card.html and {len(figures)} figure(s) from card.json (card version "
+        f"{CARD_VERSION}); no model loaded, no cell evaluated",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    from models.errors import UserError
+
+    if getattr(args, "from_json", None) is not None:
+        rerender(args)
+        return
+    if not args.ckpt:
+        raise UserError(
+            "qbench card needs --ckpt (a model to measure, repeatable) or --from-json (a written card to "
+            "re-render)"
+        )
+    if args.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {args.batch_size}")
     run_card_with_progress(config(args))

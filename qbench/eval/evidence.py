@@ -59,6 +59,14 @@ from torch import Tensor
 
 from models.errors import UserError
 
+# the metrics and the tolerance's words live in a torch-free module (the card's sentences read them); every name
+# stays importable from here
+from qbench.eval.tolerance import DEFAULT_METRIC as DEFAULT_METRIC
+from qbench.eval.tolerance import METRICS as METRICS
+from qbench.eval.tolerance import check_metric as check_metric
+from qbench.eval.tolerance import default_tolerance as default_tolerance
+from qbench.eval.tolerance import tolerance_text as tolerance_text
+
 SIDECAR_SUFFIX = ".tokens.safetensors"
 LEVEL = 0.95  # every interval qbench reports
 # How often the tokens a card suggests for an undecided cell decide it, at the cell's observed mean and spread. The
@@ -66,13 +74,6 @@ LEVEL = 0.95  # every interval qbench reports
 DECIDE_POWER = 0.8
 WITHIN, BEYOND, UNDECIDED = "within", "beyond", "undecided"
 VERDICTS = (WITHIN, BEYOND, UNDECIDED)
-# What a tolerance applies to (``--metric``), in that metric's unit, and its default.
-METRICS = {
-    "ppl": ("perplexity change", "%", 1.0),
-    "kld": ("mean KL divergence from the float model", "nats", 0.01),
-    "top1": ("tokens whose most likely next token changed", "%", 1.0),
-}
-DEFAULT_METRIC = "ppl"
 TOLERANCE_REL_EPS = 1e-9  # float rounding of a change computed as a ratio, far below any meant difference
 
 
@@ -308,27 +309,6 @@ class Decision:
             "tokens_to_decide": self.tokens_to_decide,
             "reason": self.reason,
         }
-
-
-def check_metric(metric: str) -> str:
-    if metric not in METRICS:
-        from models.errors import unknown_choice
-
-        raise unknown_choice("metric", metric, tuple(METRICS))
-    return metric
-
-
-def default_tolerance(metric: str) -> float:
-    return METRICS[check_metric(metric)][2]
-
-
-def tolerance_text(tolerance: float, metric: str = DEFAULT_METRIC) -> str:
-    """A tolerance in words with its unit: ``1 %`` (perplexity change), ``KLD 0.01 nats``, ``1 % top-1 changed``."""
-    if check_metric(metric) == "ppl":
-        return f"{tolerance:g} %"
-    if metric == "kld":
-        return f"KLD {tolerance:g} nats"
-    return f"{tolerance:g} % top-1 changed"
 
 
 def decide(record: Mapping[str, Any], tolerance: float, metric: str = DEFAULT_METRIC) -> Decision:

@@ -7,17 +7,19 @@ where it breaks and the repair, and a verdict — built from the harness's recor
 The package reads one way, each module importing only those above it:
 
 - :mod:`~.plan` — the catalogue: formats, KV rows and budgets (standard library only: ``qbench card --help``);
-- :mod:`~.config` — :class:`CardConfig`, its validation, and the one place a config becomes a grid or sweep spec;
-- :mod:`~.measure` — :func:`run_card`: every number is a harness cell (``qbench.eval.harness.run_grid``) under
-  ``output_path`` in the grid's layout, so ``qbench run --output-path DIR`` with the same protocol reuses the
-  card's cells and the card reuses theirs; an interrupted card resumes and a re-run evaluates nothing. The
-  breaking points are ``qbench sweep``'s, the repair ``qbench sensitivity``'s; :mod:`~.profile` measures what no
-  cell holds (the attention sink per head, where the massive activations sit, the architecture; the real
-  kernels' speed), each one more record beside the cells;
-- :mod:`~.sizes` (bytes) ← :mod:`~.decide` (decisions on records) ← :mod:`~.words` (every sentence) ←
-  :mod:`~.build` — :func:`build_card`, a pure function from the records to ``card.json``'s dict;
-  :mod:`~.schema` declares that dict's shape;
-- :mod:`~.render` — markdown, HTML and figures from ``card.json`` alone (they compute no number); :mod:`~.write`.
+- :mod:`~.config` — :class:`CardConfig`, its checks, and the one place a config becomes a grid or sweep spec;
+- :mod:`~.measure` — :func:`run_card` = write(build(measure(cfg))): every number is a harness cell
+  (``qbench.eval.harness.run_grid``) under ``output_path`` in the grid's layout, so ``qbench run --output-path
+  DIR`` with the same protocol reuses the card's cells and the card reuses theirs; an interrupted card resumes and a
+  re-run evaluates nothing. The breaking points are ``qbench sweep``'s, the repair ``qbench sensitivity``'s;
+  :mod:`~.profile` measures what no cell holds (attention per head, massive activations, architecture, speed);
+  each model's records arrive as one :class:`~.result.ModelResult`;
+- :mod:`~.sizes` (bytes) ← :mod:`~.decide` and :mod:`~.compare` (decisions as dataclasses, no sentences) ←
+  :mod:`~.words` (every sentence) ← :mod:`~.rows` and :mod:`~.repair` (card.json's rows and repair section) ←
+  :mod:`~.build` (:func:`build_card`, a pure function from the records to ``card.json``'s dict);
+- :mod:`~.schema` declares that dict's shape, :mod:`~.upgrade` reads any version this qbench knows;
+- :mod:`~.render` — markdown, HTML and figures from ``card.json`` alone (they compute no number); :mod:`~.write`
+  writes the three pages atomically and re-renders a written card (``qbench card --from-json``).
 """
 
 from __future__ import annotations

@@ -453,12 +453,16 @@ def check_output(cfg: CardConfig, new: Mapping[str, Any]) -> None:
     raise UserError(f"{cfg.output_path} holds {what}; writing this card would replace it: {advice}")
 
 
+def planned_kv_rows(cfg: CardConfig) -> int:
+    """KV rows per model as planned: the budget's, or --kv-scheme's widths each plain and with sinks kept."""
+    return len(cfg.plan.kv_rows) if cfg.kv_scheme is None else 2 * len(kv_widths(cfg.plan, cfg.kv_scheme))
+
+
 def planned_cells(cfg: CardConfig) -> int:
     """Cells per model before the sensitivity study: the float record, the formats, the KV rows and the sweep's
     own cells (those not already formats)."""
     plan = cfg.plan
-    kv = len(plan.kv_rows) if cfg.kv_scheme is None else 2 * len(kv_widths(plan, cfg.kv_scheme))
-    n = 1 + len(plan.formats) + kv
+    n = 1 + len(plan.formats) + planned_kv_rows(cfg)
     if plan.sweep_families:
         from qbench.quant.schemes import get_scheme
         from qbench.studies.sweep import plan as sweep_plan

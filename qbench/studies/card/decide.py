@@ -1,12 +1,14 @@
 """Decisions on records, no sentences: the attention-sink reading, which format to repair and the size it must beat,
-and which model the comparison finds more robust."""
+and the verdict (:class:`Verdict`: which format to recommend, which to avoid and why, whether the repair pays)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from qbench.studies.card.plan import rtn_scheme
 from qbench.studies.card.sizes import deployed_bytes, float_size
 
 # Gu et al. 2024 ("When Attention Sink Emerges in Language Models", ICLR 2025) count a head as a sink when its mean
@@ -126,102 +128,198 @@ def _within(record: Mapping[str, Any], tolerance: float, metric: str = "ppl") ->
     return decide(record, tolerance, metric).within
 
 
-def least_of(values: Mapping[str, float]) -> str | None:
-    """The one model with the smallest value; None on a tie."""
-    best = min(values.values(), default=None)
-    winners = [k for k, v in values.items() if v == best]
-    return winners[0] if len(winners) == 1 else None
+# ------------------------------------------------------------------------------------------------------- verdict
+# The verdict reads the card's format rows (``build``'s, as card.json holds them): each row's ``verdict`` is already
+# the evidence's three-way decision at the card's tolerance and metric, so nothing here compares a number with the
+# tolerance again.
+
+Row = Mapping[str, Any]  # one format row of card.json
 
 
-def more_robust_change(found: Mapping[str, Mapping[str, Any] | None]) -> str | None:
-    """The model a row (a format, a KV setting) hurts *decidedly* least, on the card's ``--metric``: None when
-    every model is within the tolerance (nothing to choose); else the one model whose 95 % interval lies wholly
-    below every other model's (a decrease counts as no damage: intervals are clamped at 0; a failed or missing
-    cell is the worst); None when the intervals overlap — the measurement cannot tell the models apart, and a
-    point estimate would pick one by noise."""
-    from qbench.eval.evidence import WITHIN
+@dataclass(frozen=True)
+class Blamed:
+    """A unit a sensitivity map blames for a format's damage, with the change it costs quantised alone (None: the
+    perplexity turned NaN/inf)."""
 
-    if all(r is not None and r.get("verdict") == WITHIN for r in found.values()):
+    name: str
+    ppl_change_pct: float | None
+
+
+@dataclass(frozen=True)
+class Avoid:
+    """A format decidedly beyond the tolerance (or NaN/inf), with the units a sensitivity map of it blames: None
+    when no map of it was measured (no unit is named on a guess), empty when mapped but no unit alone costs
+    anything."""
+
+    row: Row
+    blamed: tuple[Blamed, ...] | None
+    blamed_by: str | None  # the map's grouping (``type``, ``layer``…)
+
+
+@dataclass(frozen=True)
+class RepairTry:
+    """Another format a repair was tried on, and whether it reached the tolerance (at ``weight_bytes``)."""
+
+    scheme: str
+    reached: bool
+    weight_bytes: int | None
+
+
+@dataclass(frozen=True)
+class Repair:
+    """The repair the card shows (``build``'s repair section): the units kept in float, what it reached, and whether
+    it pays — within the tolerance *and* smaller than what must be beaten (``beat_bytes``, ``beat_what``: the
+    size :func:`size_to_beat` named)."""
+
+    scheme: str
+    reached: bool
+    pays: bool
+    count: int
+    weight_share_float: float
+    quantised_ppl_change_pct: float | None
+    ppl_change_pct: float | None
+    ppl_change_ci95: Sequence[float] | None
+    kld_mean: float | None
+    weight_bytes: int | None
+    bytes_vs_bf16: float | None
+    minimised: bool
+    beat_bytes: int | None
+    beat_what: str | None
+    command: str
+    others: tuple[RepairTry, ...]  # every other format tried, in the order tried
+
+
+@dataclass(frozen=True)
+class NoRepair:
+    """Why no repair was tried: no format decidedly beyond the tolerance is smaller than ``bytes`` (``what``), and
+    keeping layers in float only adds bytes."""
+
+    bytes: int
+    what: str
+
+
+@dataclass(frozen=True)
+class Rescue:
+    """A post-training algorithm's row (GPTQ, AWQ, QuaRot) whose round-to-nearest row (``rtn``) is decidedly
+    beyond the tolerance: ``rescued`` when the algorithm's row is within it."""
+
+    row: Row
+    rtn: Row
+    rescued: bool
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the card decides of one model's formats: the format to recommend (None: nothing passes), the formats
+    still undecided, those decidedly beyond (worst first) and each one's :class:`Avoid`, what the post-training
+    algorithms rescued, and the repair or why none was tried."""
+
+    recommended: Row | None
+    undecided: tuple[Row, ...]
+    beyond: tuple[Row, ...]
+    avoid: tuple[Avoid, ...]
+    rescues: tuple[Rescue, ...]
+    repair: Repair | None
+    no_repair: NoRepair | None
+
+
+def verdict(
+    formats: Sequence[Row],
+    sens: Mapping[str, Any] | None,
+    avoid_map: Mapping[str, Any] | None = None,
+    beat: tuple[int | None, str] | None = None,
+) -> Verdict:
+    """The verdict of a model's format rows: recommended the smallest format within the tolerance (fewest model
+    bytes; ties: the smaller change); every format decidedly beyond it to avoid, worst first, with the units its
+    sensitivity map blames where one was measured (``avoid_map``, or ``sens``: the repair's map); the repair
+    (``sens``: build's repair section) and whether it pays; or, with ``beat`` = :func:`size_to_beat`'s answer and
+    no repair, whether none was tried because no failing format is smaller than the size to beat."""
+    ok = [f for f in formats if f["within_tolerance"] and f["weight_bytes"]]
+    smallest = min(ok, key=lambda f: (f["weight_bytes"], f["ppl_change_pct"])) if ok else None
+    # measured and decidedly beyond (or NaN/inf): a row the model could not run (unsupported, error) is no failure
+    beyond = [
+        f
+        for f in formats
+        if (f["status"] == "ok" and f.get("verdict") == "beyond") or f["status"] == "nonfinite"
+    ]
+    beyond.sort(key=lambda f: -(math.inf if f["ppl_change_pct"] is None else f["ppl_change_pct"]))
+    maps = {m["scheme"]: m for m in (avoid_map, sens) if m}
+    repair = _repair(sens) if sens else None
+    return Verdict(
+        recommended=smallest,
+        undecided=tuple(f for f in formats if f["status"] == "ok" and f.get("verdict") == "undecided"),
+        beyond=tuple(beyond),
+        avoid=tuple(_avoid(f, maps.get(f["scheme"])) for f in beyond),
+        rescues=rescues(formats),
+        repair=repair,
+        no_repair=None if repair else _no_repair(beyond, beat),
+    )
+
+
+def _avoid(row: Row, mapped: Mapping[str, Any] | None) -> Avoid:
+    """``row`` to avoid, with the 3 worst units its map blames: only those that cost something (a unit that lowers
+    perplexity alone carries none of the damage; one that alone makes it NaN/inf, change None, is the worst)."""
+    if not mapped:
+        return Avoid(row, None, None)
+    blamed = [
+        Blamed(u["name"], u["ppl_change_pct"])
+        for u in mapped["top"]
+        if u.get("ppl_change_pct") is None or u["ppl_change_pct"] > 0
+    ]
+    return Avoid(row, tuple(blamed[:3]), mapped["by"])
+
+
+def _repair(sens: Mapping[str, Any]) -> Repair:
+    """The repair section ``sens`` (:func:`~.repair.repair_section`, which decided whether it pays) as typed."""
+    r = sens["repair"]
+    beat = r.get("beat") or {}
+    return Repair(
+        scheme=sens["scheme"],
+        reached=r["reached"],
+        pays=bool(r["pays"]),
+        count=r["count"],
+        weight_share_float=r["weight_share_float"],
+        quantised_ppl_change_pct=r["quantised_ppl_change_pct"],
+        ppl_change_pct=r["ppl_change_pct"],
+        ppl_change_ci95=r.get("ppl_change_ci95"),
+        kld_mean=r.get("kld_mean"),
+        weight_bytes=r.get("weight_bytes"),
+        bytes_vs_bf16=r.get("bytes_vs_bf16"),
+        minimised=r.get("minimised", True),  # studies before the option always minimised
+        beat_bytes=beat.get("bytes"),
+        beat_what=beat.get("what"),
+        command=sens["command"],
+        others=tuple(
+            RepairTry(t["scheme"], t["reached"], t.get("weight_bytes"))
+            for t in sens.get("tries") or []
+            if t["scheme"] != sens["scheme"]
+        ),
+    )
+
+
+def _no_repair(beyond: Sequence[Row], beat: tuple[int | None, str] | None) -> NoRepair | None:
+    """What :func:`repair_targets` found when it asked for no repair: a size to beat, and no measured failing
+    format smaller than it (a NaN/inf row is no candidate: it has no measured change). None when some candidate
+    was smaller (a repair was due) or nothing failed."""
+    if not beat or not beat[0]:
         return None
-
-    def bounds(row: Mapping[str, Any] | None) -> tuple[float, float]:
-        decision = (row or {}).get("decision") or {}
-        value, ci = decision.get("value"), decision.get("ci95")
-        if row is None or row.get("status") != "ok" or value is None:
-            return math.inf, math.inf
-        low, high = ci if ci else (-math.inf, math.inf)  # no interval: it could be anywhere
-        return max(low, 0.0), max(high, 0.0)
-
-    spans = {name: bounds(row) for name, row in found.items()}
-    best = min(spans, key=lambda n: spans[n][1])
-    if all(spans[best][1] < spans[other][0] for other in spans if other != best):
-        return best
+    sized = [f for f in beyond if f["status"] == "ok" and f.get("weight_bytes")]
+    if sized and all(f["weight_bytes"] >= beat[0] for f in sized):
+        return NoRepair(beat[0], beat[1])
     return None
 
 
-def _decidedly_below(a: Sequence[float] | None, b: Sequence[float] | None) -> bool | None:
-    """Whether per-window mean NLLs ``a`` lie decidedly below ``b`` on the same windows: the 95 % interval of the
-    paired differences (windows as clusters, ``qbench.eval.evidence.cluster_interval``) wholly below 0. None when
-    the two were not measured on the same windows or give no interval (one window)."""
-    import torch
-
-    from qbench.eval.evidence import cluster_interval
-
-    if not a or not b or len(a) != len(b):
-        return None
-    interval = cluster_interval(torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64))
-    return None if interval is None else interval[2] < 0
-
-
-def below_others_float(
-    quantised: Mapping[str, float | None],
-    floats: Mapping[str, float | None],
-    windows: Mapping[str, tuple[Sequence[float] | None, Sequence[float] | None]] | None = None,
-) -> dict[str, list[str]]:
-    """Absolute quality beside relative damage: {model: the other models whose *float* perplexity is decidedly
-    above this model's quantised one} — a more damaged model can still be the better one to ship. Decided on the
-    same windows (same tokenizer, same tokens: the card refuses models whose tokenizers differ) by the paired
-    interval of ``windows`` ({model: (quantised per-window NLL, float per-window NLL)}); without them (records
-    before per-token evidence), by the point values."""
-    out = {}
-    for name, q in quantised.items():
-        if q is None:
+def rescues(formats: Sequence[Row]) -> tuple[Rescue, ...]:
+    """Per post-training algorithm row whose round-to-nearest row was measured too and is decidedly beyond the
+    tolerance: whether the algorithm rescues it (its row within). The rows hold canonical scheme names (the
+    harness's: ``algo=rtn`` and ``rotate=none`` are dropped), so a row that is its own :func:`rtn_scheme` is
+    round-to-nearest."""
+    by_scheme = {f["scheme"]: f for f in formats}
+    found = []
+    for f in formats:
+        base = rtn_scheme(f["scheme"])
+        rtn = by_scheme.get(base) if base != f["scheme"] else None
+        if rtn is None or f["status"] != "ok" or rtn["status"] != "ok" or rtn.get("verdict") != "beyond":
             continue
-        if windows is None:  # no per-window evidence: the point values, as cards before it said
-            others = [o for o, f in floats.items() if o != name and f is not None and q < f]
-        else:
-            others = [
-                o
-                for o in floats
-                if o != name and o in windows and _decidedly_below(windows[name][0], windows[o][1])
-            ]
-        if others:
-            out[name] = others
-    return out
-
-
-def better_to_ship(
-    windows: Mapping[str, tuple[Sequence[float] | None, Sequence[float] | None]],
-) -> str | None:
-    """The one model whose quantised per-window NLL lies decidedly below every other model's quantised one (paired
-    over the same windows): the better model to ship in that format, whatever either lost to quantisation."""
-    for name, (q, _) in windows.items():
-        others = [o for o in windows if o != name]
-        if others and all(_decidedly_below(q, windows[o][0]) for o in others):
-            return name
-    return None
-
-
-STATISTIC_FACTOR = (
-    2.0  # a float statistic carries no interval: only a model at most half the others' is named
-)
-
-
-def clearly_least(values: Mapping[str, float]) -> str | None:
-    """The model whose statistic is at most 1/:data:`STATISTIC_FACTOR` of every other's (outlier statistics
-    carry no interval here, so small differences name nobody); None otherwise."""
-    best = least_of(values)
-    if best is None:
-        return None
-    others = [v for k, v in values.items() if k != best]
-    return best if all(values[best] * STATISTIC_FACTOR <= v for v in others) else None
+        found.append(Rescue(f, rtn, f.get("verdict") == "within"))
+    return tuple(found)

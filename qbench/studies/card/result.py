@@ -1,9 +1,11 @@
-"""What :mod:`~.measure` hands :mod:`~.build` for one model: the records a card is a function of."""
+"""What :mod:`~.measure` hands :mod:`~.build` for one model: the records a card is a function of, and the two
+fields read back from the records' files (:func:`window_nll`, :func:`stored_paths`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 Record = dict[str, Any]  # one harness record (``qbench.eval.harness``), as written to disk
@@ -46,3 +48,26 @@ class ModelResult:
         if unknown:
             raise TypeError(f"ModelResult has no field(s) {sorted(unknown)}; fields: {sorted(names)}")
         return cls(**entry)
+
+
+def window_nll(out: Path, records: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
+    """{cell_id: mean NLL of each window} from the records' per-token sidecars (``qbench.eval.evidence``): what
+    the side-by-side comparison pairs across models on the same windows. Records without a sidecar are left out."""
+    from qbench.eval.evidence import read
+    from qbench.eval.harness import stored_path
+
+    found = {}
+    for r in records:
+        if r.get("status") != "ok" or not r.get("cell_id"):
+            continue
+        tensors = read(stored_path(out, r), r)
+        if tensors is not None and "nll" in tensors:
+            found[r["cell_id"]] = [round(v, 9) for v in tensors["nll"].double().mean(dim=1).tolist()]
+    return found
+
+
+def stored_paths(out: Path, records: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """{cell_id: the record's file relative to ``out``}: the card names the record behind each row."""
+    from qbench.eval.harness import stored_path
+
+    return {r["cell_id"]: str(stored_path(out, r).relative_to(out)) for r in records}

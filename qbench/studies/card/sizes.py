@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import UserError
-from qbench.eval.gguf import block_quantised
 
 
 def kv_memory(architecture: Mapping[str, Any], configs: Sequence[Any]) -> dict[str, Any] | None:
@@ -124,6 +123,8 @@ def deployed_bytes(
 def quantised_source_bytes(fp: Mapping[str, Any]) -> int | None:
     """The size of the source file when its weights are already block-quantised (a GGUF of Q8_0, Q4_1, Q4_K…
     tensors): the card's reference is that file, so a repaired format must beat it too. None for float sources."""
+    # imported here, not above: qbench.eval.gguf imports torch, and words (through decide) must not
+    from qbench.eval.gguf import block_quantised
 
     model = fp.get("model") or {}
     path = Path(str(model.get("path") or ""))

@@ -1,5 +1,7 @@
-"""How the card prints numbers: signed percentages capped where a collapsed model's digits are noise, decimal
-bytes and MB, shares."""
+"""How the card prints numbers, the one set every page uses: signed percentages capped where a collapsed model's
+digits are noise, decimal bytes and MB, shares, ratios, fixed decimals, and the change axis's tick labels.
+
+Each returns ``-`` for a number that is absent (None), so a column reads the same for every missing cell."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import math
 from typing import Any
 
 PCT_CAP = 1e4  # beyond ±10,000 % a change only says "broken": three significant digits say how broken
+
+SIZE_UNIT = "MB = 10⁶ bytes"
 
 
 def signed(x: float) -> str:
@@ -16,10 +20,13 @@ def signed(x: float) -> str:
 
 
 def pct(x: float | None) -> str:
+    """A change in percent, ``+0.97 %``; ``NaN`` where the change is not a number (card.json stores NaN as null)."""
     return "NaN" if x is None else f"{signed(x)} %"
 
 
 def num(x: Any, spec: str = ".3g") -> str:
+    """Any identity or statistic value: ``spec`` below 10,000, thousands-separated integers above (a kurtosis of
+    12,345 in ``.3g`` reads 1.23e+04); booleans as yes/no, other values as text."""
     if x is None:
         return "-"
     if isinstance(x, float) and not math.isfinite(x):
@@ -31,8 +38,24 @@ def num(x: Any, spec: str = ".3g") -> str:
     return str(x)
 
 
-def share_text(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1%}"
+def fixed(x: float | None, digits: int) -> str:
+    """``0.0507``: a fixed number of decimals, for values whose scale the column states (KLD in nats, a share)."""
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def share_text(x: float | None, digits: int = 1) -> str:
+    """``60.8%``: a fraction of a whole (of bf16, of the heads, of the reads)."""
+    return "-" if x is None else f"{x:.{digits}%}"
+
+
+def percent(x: float | None) -> str:
+    """``89.2 %``: an agreement rate (top-1) in percent with its unit spaced, as docs/metrics.md writes it."""
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
+def ratio(x: float | None) -> str:
+    """``2.32×``: a speed-up or a multiple."""
+    return "-" if x is None else f"{x:.2f}×"
 
 
 def decimal_bytes(n: int | None) -> str:
@@ -64,4 +87,18 @@ def mb_text(n: int | None) -> str:
     return "-" if not n else f"{mb(n)} MB"
 
 
-SIZE_UNIT = "MB = 10⁶ bytes"
+SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
+def pct_tick(v: float) -> str:
+    """A change axis's tick label: ``0 %``, ``2.5 %``, ``1,000 %``; from ±10,000 % (``PCT_CAP``, where the tables
+    switch to three significant digits) a power of ten, ``10⁶ %`` (one glyph row, no mathtext)."""
+    if v == 0:
+        return "0 %"
+    if abs(v) < PCT_CAP:
+        return f"{v:,.6g} %"
+    k = round(math.log10(abs(v)))
+    sign = "−" if v < 0 else ""
+    if math.isclose(abs(v), 10.0**k, rel_tol=1e-9):
+        return f"{sign}10{str(k).translate(SUPERSCRIPT)} %"
+    return f"{v:.2g} %"

@@ -1,15 +1,17 @@
 """Every sentence the card says: the verdict's lines, what was not measured, the quantised text and the comparison's
-lines — from rows and decisions already made."""
+lines — from rows and decisions already made (:class:`~.decide.Verdict`, :class:`~.compare.Findings`); nothing
+here decides. No torch either: a card's words can be written from card.json's rows alone."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from qbench.eval.evidence import tolerance_text
-from qbench.studies.card.plan import FORMATS, canonical_scheme, rtn_scheme
+from qbench.eval.tolerance import tolerance_text
+from qbench.studies.card.compare import Findings
+from qbench.studies.card.decide import Avoid, Repair, Rescue, Verdict
+from qbench.studies.card.plan import FORMATS, canonical_scheme
 from qbench.studies.card.units import decimal_bytes, pct
 
 _FORMAT_NAMES = {"int": "int", "fp8-e4m3": "FP8 E4M3", "mxfp8": "MXFP8", "mxfp6": "MXFP6", "mxfp4": "MXFP4"}
@@ -93,194 +95,135 @@ def _failure_text(f: Mapping[str, Any]) -> str:
     return text
 
 
-def verdict_of(
-    formats: Sequence[Mapping[str, Any]],
-    outliers: Mapping[str, Any],
-    fp: Mapping[str, Any],
-    sens: Mapping[str, Any] | None,
-    tolerance: float,
-    metric: str = "ppl",
-    avoid_map: Mapping[str, Any] | None = None,
-    beat: tuple[int | None, str] | None = None,
-) -> dict[str, Any]:
-    """Generated from the rows, short lines: the smallest format within tolerance (fewest model bytes; ties:
-    smaller change), the formats still undecided (one line), every format to avoid (decidedly beyond, worst first,
-    one line), then the worst one's and every mapped one's measured failure with — where a sensitivity map of it
-    was measured — the units its damage comes from, what the post-training algorithms rescued, and the measured
-    repair with whether it pays (or, with ``beat`` = :func:`size_to_beat`'s answer, why none was tried). Commands
-    go to ``commands``, not into the lines."""
-    ok = [f for f in formats if f["within_tolerance"] and f["weight_bytes"]]
-    smallest = min(ok, key=lambda f: (f["weight_bytes"], f["ppl_change_pct"])) if ok else None
-    # measured and decidedly beyond (or NaN/inf): a row the model could not run (unsupported, error) is no failure
-    beyond = [
-        f
-        for f in formats
-        if (f["status"] == "ok" and f.get("verdict") == "beyond") or f["status"] == "nonfinite"
-    ]
-    beyond.sort(key=lambda f: -(math.inf if f["ppl_change_pct"] is None else f["ppl_change_pct"]))
-    maps = {m["scheme"]: m for m in (avoid_map, sens) if m}
-    avoid = []
-    for f in beyond:
-        mapped = maps.get(f["scheme"])
-        avoid.append(
-            {
-                "label": f["label"],
-                "scheme": f["scheme"],
-                "ppl_change_pct": f["ppl_change_pct"],
-                "ppl_change_ci95": f.get("ppl_change_ci95"),
-                "kld_mean": f.get("kld_mean"),
-                "top1_agreement": f.get("top1_agreement"),
-                "status": f["status"],
-                # the units the sensitivity map blames, worst first, each quantised alone: only those that cost
-                # something (a unit that lowers perplexity alone carries none of the damage)
-                "blamed": [
-                    {"name": u["name"], "ppl_change_pct": u["ppl_change_pct"]}
-                    for u in mapped["top"]
-                    # a unit that alone makes the perplexity NaN/inf (change None) is the worst of all
-                    if u.get("ppl_change_pct") is None or u["ppl_change_pct"] > 0
-                ][:3]
-                if mapped
-                else None,
-                "blamed_by": mapped and mapped["by"],
-            }
-        )
-    repair = None
-    if sens:
-        repair = {"scheme": sens["scheme"], **sens["repair"], "command": sens["command"]}
-        if "pays" not in repair:  # a section built before the size to beat was computed for it
-            beaten = smallest is None or (
-                repair.get("weight_bytes") is not None and repair["weight_bytes"] < smallest["weight_bytes"]
-            )
-            repair["pays"] = bool(repair["reached"] and beaten)
-
+def verdict_lines(
+    verdict: Verdict, tolerance: float, metric: str = "ppl"
+) -> tuple[list[str], list[dict[str, str]]]:
+    """The verdict in short lines: the recommended format, the formats still undecided (one line), every format to
+    avoid (one line, worst first), then the worst one's and every mapped one's measured failure with the units its
+    damage comes from, what the post-training algorithms rescued, and the repair with whether it pays (or why none
+    was tried). Commands go to the second list (card.json's ``commands``), not into the lines."""
     limit = tolerance_text(tolerance, metric)
-    lines = []
-    if smallest:
-        lines.append(
-            f"Recommended: {smallest['label']} (`{smallest['scheme']}`), {_failure_text(smallest)}, "
-            f"{decimal_bytes(smallest['weight_bytes'])}"
-            + (f" ({smallest['bytes_vs_bf16']:.1%} of the bf16 model)" if smallest["bytes_vs_bf16"] else "")
-            + f": the smallest format within {limit}."
-        )
-    else:
-        lines.append(
-            f"Recommended: none — no format measured stays within {limit} (its 95 % interval's upper end)."
-        )
-    undecided = [f for f in formats if f["status"] == "ok" and f.get("verdict") == "undecided"]
-    if undecided:
-        parts = []
-        for f in undecided:
-            ci = f.get("ppl_change_ci95")
-            parts.append(
-                f"{f['label']} {pct(f['ppl_change_pct'])}"
-                + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci and f["ppl_change_pct"] is not None else "")
-                + (
-                    f" (~{f['tokens_to_decide']:,} tokens would decide it 4 times in 5)"
-                    if f.get("tokens_to_decide")
-                    else ""
-                )
-            )
-        lines.append(f"Undecided (the interval straddles {limit}): " + "; ".join(parts) + ".")
-    if avoid:
-        listed = ", ".join(
-            f"{a['label']} {'NaN/inf' if a['ppl_change_pct'] is None else pct(a['ppl_change_pct'])}"
-            for a in avoid
-        )
-        lines.append(f"Avoid (decidedly beyond {limit}), worst first: {listed}.")
-    for i, a in enumerate(avoid):
-        if i > 0 and not a["blamed"]:
-            continue  # the list above and the format table carry its evidence
-        text = f"{'Worst' if i == 0 else 'Avoided'}: {a['label']} (`{a['scheme']}`), {_failure_text(a)}"
-        if a["blamed"]:
-            units = ", ".join(f"`{u['name']}` {pct(u['ppl_change_pct'])}" for u in a["blamed"])
-            text += f"; its damage comes most from {units} (each quantised alone, sensitivity map by {a['blamed_by']})"
-        elif a["blamed"] is not None:  # mapped, but no unit alone costs anything
-            text += f"; no single unit quantised alone costs more than float (sensitivity map by {a['blamed_by']})"
-        lines.append(text + ".")
-    if not avoid and not undecided:
+    lines = [_recommended_line(verdict.recommended, limit)]
+    if verdict.undecided:
+        lines.append(_undecided_line(verdict.undecided, limit))
+    lines += _avoid_lines(verdict.avoid, limit)
+    if not verdict.avoid and not verdict.undecided:
         lines.append(f"Every format measured stays within {limit}.")
-    lines += _algorithm_lines(formats, limit)
+    lines += [_rescue_line(r, limit) for r in verdict.rescues]
     commands = []
-    if repair:
-        state = "within" if repair["reached"] else "still NOT within"
-        size = f", {decimal_bytes(repair.get('weight_bytes'))}" if repair.get("weight_bytes") else ""
-        beat = repair.get("beat") or {}
-        if repair["pays"]:
-            worth = (
-                f"; smaller than {beat['what']} ({decimal_bytes(beat['bytes'])})" if beat.get("bytes") else ""
-            )
-        elif repair["reached"]:
-            what = beat.get("what") or (f"{smallest['label']}, which passes as it is" if smallest else "")
-            worth = f"; not smaller than {what}: that is the better choice" if what else ""
-        else:
-            worth = ""
-        ci = repair.get("ppl_change_ci95")
-        evidence = (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "") + (
-            f", KLD {repair['kld_mean']:.3g}" if repair.get("kld_mean") is not None else ""
+    if verdict.repair:
+        lines += _repair_lines(verdict.repair, verdict.recommended, limit)
+        commands.append(
+            {"what": f"the repair of `{verdict.repair.scheme}`", "command": verdict.repair.command}
         )
-        ratio = f" ({repair['bytes_vs_bf16']:.1%} of the bf16 model)" if repair.get("bytes_vs_bf16") else ""
+    elif verdict.no_repair:
         lines.append(
-            f"Repair of `{repair['scheme']}`: keep {repair['count']} unit(s) in float "
-            f"({repair['weight_share_float']:.1%} of the quantised weights): "
-            f"{pct(repair['quantised_ppl_change_pct'])} → {pct(repair['ppl_change_pct'])}{evidence}{size}{ratio} "
-            f"({state} {limit}{worth}"
-            + ("" if repair.get("minimised", True) else "; not minimised (standard minimises)")
-            + ")."
+            f"No repair tried: no format decidedly beyond {limit} is smaller than {verdict.no_repair.what}: "
+            f"{decimal_bytes(verdict.no_repair.bytes)}; keeping layers in float only adds bytes."
         )
-        for t in (sens or {}).get("tries") or []:
-            if t["scheme"] == repair["scheme"]:
-                continue
-            outcome = (
-                "did not reach the tolerance"
-                if not t["reached"]
-                else f"reached it at {decimal_bytes(t['weight_bytes'])}, not smaller than {beat.get('what', 'what passes')}"
-            )
-            lines.append(f"Repair also tried on `{t['scheme']}`: {outcome}.")
-        commands.append({"what": f"the repair of `{repair['scheme']}`", "command": repair["command"]})
-    elif (
-        beat
-        and beat[0]
-        and (sized := [f for f in beyond if f["status"] == "ok" and f.get("weight_bytes")])
-        and all(f["weight_bytes"] >= beat[0] for f in sized)
-    ):  # what repair_targets found: no candidate smaller than the size to beat (else it was not asked for)
-        lines.append(
-            f"No repair tried: no format decidedly beyond {limit} is smaller than {beat[1]}: "
-            f"{decimal_bytes(beat[0])}; keeping layers in float only adds bytes."
-        )
-    return {
-        "recommended": None
-        if smallest is None
-        else {k: smallest[k] for k in ("label", "scheme", "ppl_change_pct", "weight_bytes", "bytes_vs_bf16")},
-        "avoid": avoid,
-        "undecided": [f["label"] for f in undecided],
-        "beyond": [f["label"] for f in beyond],
-        "repair": repair,
-        "lines": lines,
-        "commands": commands,
-    }
+    return lines, commands
 
 
-def _algorithm_lines(formats: Sequence[Mapping[str, Any]], limit: str) -> list[str]:
-    """Per post-training algorithm row (GPTQ, AWQ, QuaRot) whose round-to-nearest row was measured too: whether the
-    algorithm rescues a format that round-to-nearest fails (its verdict turns from beyond to within), or what it
-    changed."""
-    by_scheme = {f["scheme"]: f for f in formats}
-    lines = []
-    for f in formats:
-        algo = _algo_of(f["scheme"])
-        if algo is None:
-            continue
-        rtn = by_scheme.get(rtn_scheme(f["scheme"]))
-        if rtn is None or f["status"] != "ok" or rtn["status"] != "ok":
-            continue
-        change = f"{pct(rtn['ppl_change_pct'])} → {pct(f['ppl_change_pct'])}"
-        if rtn.get("verdict") == "beyond" and f.get("verdict") == "within":
-            lines.append(
-                f"{algo} rescues {rtn['label']}: {change}, within {limit} where round-to-nearest is not."
+def _recommended_line(row: Mapping[str, Any] | None, limit: str) -> str:
+    if row is None:
+        return f"Recommended: none — no format measured stays within {limit} (its 95 % interval's upper end)."
+    return (
+        f"Recommended: {row['label']} (`{row['scheme']}`), {_failure_text(row)}, "
+        f"{decimal_bytes(row['weight_bytes'])}"
+        + (f" ({row['bytes_vs_bf16']:.1%} of the bf16 model)" if row["bytes_vs_bf16"] else "")
+        + f": the smallest format within {limit}."
+    )
+
+
+def _undecided_line(rows: Sequence[Mapping[str, Any]], limit: str) -> str:
+    """One line for every undecided format: its change, interval and the tokens that would decide it."""
+    parts = []
+    for f in rows:
+        ci = f.get("ppl_change_ci95")
+        parts.append(
+            f"{f['label']} {pct(f['ppl_change_pct'])}"
+            + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci and f["ppl_change_pct"] is not None else "")
+            + (
+                f" (~{f['tokens_to_decide']:,} tokens would decide it 4 times in 5)"
+                if f.get("tokens_to_decide")
+                else ""
             )
-        elif rtn.get("verdict") == "beyond":
-            state = "undecided" if f.get("verdict") == "undecided" else "still beyond"
-            lines.append(f"{algo} does not rescue {rtn['label']}: {change} ({state} {limit}).")
+        )
+    return f"Undecided (the interval straddles {limit}): " + "; ".join(parts) + "."
+
+
+def _avoid_lines(avoid: Sequence[Avoid], limit: str) -> list[str]:
+    """One line listing every format to avoid, then the worst one's and every mapped one's failure with the
+    units its map blames (the list and the format table carry an unmapped one's evidence)."""
+    if not avoid:
+        return []
+    listed = ", ".join(
+        f"{a.row['label']} {'NaN/inf' if a.row['ppl_change_pct'] is None else pct(a.row['ppl_change_pct'])}"
+        for a in avoid
+    )
+    lines = [f"Avoid (decidedly beyond {limit}), worst first: {listed}."]
+    for i, a in enumerate(avoid):
+        if i > 0 and not a.blamed:
+            continue
+        text = f"{'Worst' if i == 0 else 'Avoided'}: {a.row['label']} (`{a.row['scheme']}`), {_failure_text(a.row)}"
+        if a.blamed:
+            units = ", ".join(f"`{u.name}` {pct(u.ppl_change_pct)}" for u in a.blamed)
+            text += f"; its damage comes most from {units} (each quantised alone, sensitivity map by {a.blamed_by})"
+        elif a.blamed is not None:  # mapped, but no unit alone costs anything
+            text += (
+                f"; no single unit quantised alone costs more than float (sensitivity map by {a.blamed_by})"
+            )
+        lines.append(text + ".")
+    return lines
+
+
+def _rescue_line(r: Rescue, limit: str) -> str:
+    """Whether a post-training algorithm rescues a format that round-to-nearest fails, or what it changed."""
+    algo = _algo_of(r.row["scheme"])
+    change = f"{pct(r.rtn['ppl_change_pct'])} → {pct(r.row['ppl_change_pct'])}"
+    if r.rescued:
+        return f"{algo} rescues {r.rtn['label']}: {change}, within {limit} where round-to-nearest is not."
+    state = "undecided" if r.row.get("verdict") == "undecided" else "still beyond"
+    return f"{algo} does not rescue {r.rtn['label']}: {change} ({state} {limit})."
+
+
+def _repair_lines(repair: Repair, recommended: Mapping[str, Any] | None, limit: str) -> list[str]:
+    """The repair shown: what it keeps in float, the change before and after with its evidence and size, and
+    whether it pays; then every other format a repair was tried on."""
+    state = "within" if repair.reached else "still NOT within"
+    size = f", {decimal_bytes(repair.weight_bytes)}" if repair.weight_bytes else ""
+    if repair.pays:
+        worth = (
+            f"; smaller than {repair.beat_what} ({decimal_bytes(repair.beat_bytes)})"
+            if repair.beat_bytes
+            else ""
+        )
+    elif repair.reached:
+        what = repair.beat_what or (f"{recommended['label']}, which passes as it is" if recommended else "")
+        worth = f"; not smaller than {what}: that is the better choice" if what else ""
+    else:
+        worth = ""
+    ci = repair.ppl_change_ci95
+    evidence = (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "") + (
+        f", KLD {repair.kld_mean:.3g}" if repair.kld_mean is not None else ""
+    )
+    ratio = f" ({repair.bytes_vs_bf16:.1%} of the bf16 model)" if repair.bytes_vs_bf16 else ""
+    lines = [
+        f"Repair of `{repair.scheme}`: keep {repair.count} unit(s) in float "
+        f"({repair.weight_share_float:.1%} of the quantised weights): "
+        f"{pct(repair.quantised_ppl_change_pct)} → {pct(repair.ppl_change_pct)}{evidence}{size}{ratio} "
+        f"({state} {limit}{worth}"
+        + ("" if repair.minimised else "; not minimised (standard minimises)")
+        + ")."
+    ]
+    beaten = repair.beat_what or "what passes"
+    for t in repair.others:
+        outcome = (
+            f"reached it at {decimal_bytes(t.weight_bytes)}, not smaller than {beaten}"
+            if t.reached
+            else "did not reach the tolerance"
+        )
+        lines.append(f"Repair also tried on `{t.scheme}`: {outcome}.")
     return lines
 
 
@@ -371,43 +314,26 @@ def not_measured(
     return lines
 
 
-def comparison_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The side-by-side verdict in words, from relative damage and absolute quality together, a line per finding
-    (formats with the same finding grouped): which model is decidedly better to ship in which formats, where the
-    model that loses less to quantisation is still the worse one to ship, and which quantised model stays below
-    another's float perplexity."""
-    lines = []
-    formats = [c for c in rows if c["section"] == "formats"]
-    for c in rows:
-        if c["section"] == "float" and c.get("better_to_ship"):
-            lines.append(f"In float, {c['better_to_ship']} has the decidedly lower perplexity.")
-
-    def grouped(kind: str, found: dict[str, list[str]]) -> None:
-        for name, labels in found.items():
-            where = (
-                f"every format measured ({len(labels)})"
-                if len(labels) == len(formats)
-                else f"{len(labels)} of {len(formats)} formats: {', '.join(labels)}"
-            )
-            lines.append(f"{name} {kind} in {where}.")
-
-    ship: dict[str, list[str]] = {}
-    below: dict[str, list[str]] = {}
-    for c in formats:
-        robust, best = c.get("more_robust"), c.get("better_to_ship")
-        if best:
-            ship.setdefault(best, []).append(c["row"])
-        if robust and best and robust != best:
-            lines.append(
-                f"{c['row']}: {robust} loses less to quantisation, but {best} quantised is still decidedly better "
-                f"(ppl {c['perplexity'][best]:.2f} vs {c['perplexity'][robust]:.2f})."
-            )
-        for name, others in (c.get("below_others_float") or {}).items():
-            if name != best:
-                below.setdefault(
-                    f"{name} quantised is decidedly below {', '.join(others)} in float", []
-                ).append(c["row"])
-    grouped("is decidedly better to ship", ship)
-    for text, labels in below.items():
-        lines.append(f"{text}: {', '.join(labels)}.")
+def comparison_lines(found: Findings) -> list[str]:
+    """The side-by-side verdict in words (:func:`~.compare.findings`), from relative damage and absolute quality
+    together, a line per finding: which model is decidedly better in float, where the model that loses less to
+    quantisation is still the worse one to ship, which model is decidedly better to ship in which formats, and
+    which quantised model stays below another's float perplexity."""
+    lines = [f"In float, {name} has the decidedly lower perplexity." for name in found.better_in_float]
+    lines += [
+        f"{t.row}: {t.robust} loses less to quantisation, but {t.better} quantised is still decidedly better "
+        f"(ppl {t.perplexity_better:.2f} vs {t.perplexity_robust:.2f})."
+        for t in found.trade_offs
+    ]
+    for s in found.better_to_ship:
+        where = (
+            f"every format measured ({len(s.rows)})"
+            if len(s.rows) == found.formats
+            else f"{len(s.rows)} of {found.formats} formats: {', '.join(s.rows)}"
+        )
+        lines.append(f"{s.model} is decidedly better to ship in {where}.")
+    lines += [
+        f"{b.model} quantised is decidedly below {', '.join(b.others)} in float: {', '.join(b.rows)}."
+        for b in found.below_float
+    ]
     return lines

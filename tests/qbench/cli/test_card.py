@@ -347,7 +347,7 @@ def test_the_card_is_a_function_of_the_records_on_disk(card_dir):
         return json.loads((card_dir / rel).read_text())
 
     sensitivity = _study(model["sensitivity"])
-    from qbench.studies.card.measure import _window_nll
+    from qbench.studies.card.result import window_nll as _window_nll
 
     records = {
         "fp": read(model["fp"]["record"]),

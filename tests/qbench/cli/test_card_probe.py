@@ -187,7 +187,7 @@ def test_an_fp8_kv_scheme_on_a_budget_without_8_bit_rows_names_the_budget(
 def test_the_kv_caption_says_how_each_scheme_takes_its_statistics():
     from qbench.quant.kv import KVConfig
     from qbench.studies.card.build import kv_section as _kv_rows
-    from qbench.studies.card.render.sections import _kv_caption
+    from qbench.studies.card.render.kv import kv_caption as _kv_caption
 
     def caption(scheme: str, widths: tuple[int, ...] = (4, 2)) -> str:
         records = [

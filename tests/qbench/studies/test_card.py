@@ -11,10 +11,13 @@ import pytest
 
 from qbench.studies import card
 from qbench.studies.card import build as card_build
+from qbench.studies.card import compare as card_compare
 from qbench.studies.card import config as card_config
 from qbench.studies.card import decide as card_decide
 from qbench.studies.card import plan as card_plan
 from qbench.studies.card import profile as card_profile
+from qbench.studies.card import repair as card_repair
+from qbench.studies.card import rows as card_rows
 from qbench.studies.card import sizes as card_sizes
 from qbench.studies.card import words as card_words
 from qbench.studies.card.config import CardConfig
@@ -141,7 +144,7 @@ def test_the_verdict_is_generated_from_the_rows():
             {"name": "*.attn.q_proj", "ppl_change_pct": 0.4},
         ],
     }
-    verdict = card_words.verdict_of(rows, {}, {}, None, 1.0, avoid_map=avoid_map)
+    verdict = card_build.verdict_section(rows, None, 1.0, avoid_map=avoid_map)
     assert verdict["recommended"]["scheme"] == "zeropoint-int4"  # the fewest bytes within 1 %
     assert verdict["beyond"] == ["coarse", "per-tensor"]  # every failing format, worst first
     assert [a["scheme"] for a in verdict["avoid"]] == ["absmax-coarse", "absmax-moderate"]
@@ -160,27 +163,27 @@ def test_the_verdict_is_generated_from_the_rows():
     assert len(lines) == 3
     # a unit that lowers perplexity alone carries none of the damage: never blamed
     avoid_map["top"] = [{"name": "*.mlp.c_proj", "ppl_change_pct": -0.14}, *avoid_map["top"]]
-    verdict = card_words.verdict_of(rows, {}, {}, None, 1.0, avoid_map=avoid_map)
+    verdict = card_build.verdict_section(rows, None, 1.0, avoid_map=avoid_map)
     assert [u["name"] for u in verdict["avoid"][0]["blamed"]] == ["*.mlp.down_proj", "*.attn.q_proj"]
     # a unit that alone makes the perplexity NaN/inf (no change) is the worst of all: blamed first
     avoid_map["top"] = [
         {"name": "*.mlp.fc", "ppl_change_pct": None},
         {"name": "*.attn", "ppl_change_pct": -0.1},
     ]
-    verdict = card_words.verdict_of(rows, {}, {}, None, 1.0, avoid_map=avoid_map)
+    verdict = card_build.verdict_section(rows, None, 1.0, avoid_map=avoid_map)
     assert [u["name"] for u in verdict["avoid"][0]["blamed"]] == ["*.mlp.fc"]
     assert any("comes most from `*.mlp.fc` NaN" in line for line in verdict["lines"])
     avoid_map["top"] = [{"name": "*.mlp.c_proj", "ppl_change_pct": -0.14}]
-    verdict = card_words.verdict_of(rows, {}, {}, None, 1.0, avoid_map=avoid_map)
+    verdict = card_build.verdict_section(rows, None, 1.0, avoid_map=avoid_map)
     assert verdict["avoid"][0]["blamed"] == []
     assert any("no single unit quantised alone costs more than float" in line for line in verdict["lines"])
     assert all("qbench run" not in line for line in lines)  # commands are in verdict["commands"]
     rows[2] = _row("coarse", "absmax-coarse", None, 200, status="nonfinite")
     assert (
-        card_words.verdict_of(rows, {}, {}, None, 1.0)["avoid"][0]["scheme"] == "absmax-coarse"
+        card_build.verdict_section(rows, None, 1.0)["avoid"][0]["scheme"] == "absmax-coarse"
     )  # NaN is the worst
     rows = [_row("per-tensor", "absmax-moderate", 3.0, 200)]
-    verdict = card_words.verdict_of(rows, {}, {}, None, 1.0)
+    verdict = card_build.verdict_section(rows, None, 1.0)
     assert verdict["recommended"] is None and verdict["lines"][0].startswith("Recommended: none")
 
 
@@ -302,7 +305,7 @@ def test_two_models_side_by_side(ckpt_dir, hf_llama_dir, tmp_path, monkeypatch):
     assert all(len(q) == len(f) == vanilla["protocol"]["windows"] for q, f in windows.values())
     for name in windows:
         others = [
-            o for o in windows if o != name and card_decide._decidedly_below(windows[name][0], windows[o][1])
+            o for o in windows if o != name and card_compare._decidedly_below(windows[name][0], windows[o][1])
         ]
         assert coarse["below_others_float"].get(name, []) == others
     assert rows[0]["section"] == "float" and set(rows[0]["values"]) == {vanilla["name"], llama["name"]}
@@ -331,7 +334,7 @@ def test_the_more_robust_model_is_the_one_decidedly_damaged_least():
     def row(value, ci, verdict="beyond", status="ok"):
         return {"status": status, "verdict": verdict, "decision": {"value": value, "ci95": ci}}
 
-    pick = card_decide.more_robust_change
+    pick = card_compare.more_robust_change
     assert pick({"a": row(3.0, [2.5, 3.5]), "b": row(0.5, [0.2, 0.8], "within")}) == "b"
     assert (
         pick({"a": row(0.2, [0.1, 0.3], "within"), "b": row(0.5, [0.2, 0.8], "within")}) is None
@@ -394,9 +397,9 @@ def test_a_format_row_takes_the_real_kernels_speed_up_from_speed_records():
             },
         ]
     }
-    row = card_build._format_row(record, fp, {"linear_shapes": {}}, 1.0, speed, None)
+    row = card_rows.format_row(record, fp, {"linear_shapes": {}}, 1.0, speed, None)
     assert row["label"] == "Hadamard + W4A8" and row["note"] and row["speedup"] == 1.7
-    assert card_build._format_row(record, fp, {"linear_shapes": {}}, 1.0, None, None)["speedup"] is None
+    assert card_rows.format_row(record, fp, {"linear_shapes": {}}, 1.0, None, None)["speedup"] is None
 
 
 def test_the_budget_in_words_says_the_tokens_actually_scored():
@@ -442,7 +445,7 @@ def test_the_verdict_says_when_gptq_rescues_a_format():
         _row("int3 + GPTQ", "zeropoint-int3-g128:algo=gptq", 9.0, 80),
         _row("int2 + GPTQ", "zeropoint-int2-g64:algo=gptq", 9.0, 60),  # no round-to-nearest row: no line
     ]
-    lines = card_words.verdict_of(rows, {}, {"linear_ranges": {"per_layer": {}}}, None, 1.0)["lines"]
+    lines = card_build.verdict_section(rows, None, 1.0)["lines"]
     assert "GPTQ rescues int4: +8.00 % → +0.50 %, within 1 % where round-to-nearest is not." in lines
     assert "GPTQ does not rescue int3: +30.00 % → +9.00 % (still beyond 1 %)." in lines
     assert not any("int2" in line and "GPTQ" in line and "rescue" in line for line in lines)
@@ -453,13 +456,13 @@ def test_the_verdict_says_when_gptq_rescues_a_format():
         "Algorithms: GPTQ, AWQ or QuaRot in the rows that say so (int4 + GPTQ, int3 + GPTQ, int2 + GPTQ)"
     )
     rows = [_row("int4", "zeropoint-int4", 8.0, 100), _row("int4 + AWQ", "zeropoint-int4:algo=awq", 0.5, 100)]
-    lines = card_words.verdict_of(rows, {}, {"linear_ranges": {"per_layer": {}}}, None, 1.0)["lines"]
+    lines = card_build.verdict_section(rows, None, 1.0)["lines"]
     assert "AWQ rescues int4: +8.00 % → +0.50 %, within 1 % where round-to-nearest is not." in lines
     rows = [
         _row("W4A4", "absmax-fine:a=4,w=4", 40.0, 100),
         _row("W4A4 + QuaRot + GPTQ", "absmax-fine:a=4,algo=gptq,rotate=quarot,w=4", 0.7, 100),
     ]
-    lines = card_words.verdict_of(rows, {}, {"linear_ranges": {"per_layer": {}}}, None, 1.0)["lines"]
+    lines = card_build.verdict_section(rows, None, 1.0)["lines"]
     assert (
         "QuaRot + GPTQ rescues W4A4: +40.00 % → +0.70 %, within 1 % where round-to-nearest is not." in lines
     )
@@ -636,10 +639,10 @@ def test_the_card_shows_the_first_repair_that_pays_with_its_size():
         repairs=[_study(int3["scheme"]["name"], True, ["a"]), _study(int4["scheme"]["name"], False, [])],
     )
     settings = {"seed": 0, "output_path": "out"}
-    sens = card_build._repair_section(entry, fp, profile, settings, 1.0, "ppl")
+    sens = card_repair.repair_section(entry, fp, profile, settings, 1.0, "ppl")
     assert [t["pays"] for t in sens["tries"]] == [False, False] and sens["scheme"] == "zeropoint-int3-g128"
     assert sens["repair"]["beat"]["what"].startswith("`absmax-fine`")
-    verdict = card_words.verdict_of([_row("int8", "absmax-fine", 0.3, 200)], {}, fp, sens, 1.0)
+    verdict = card_build.verdict_section([_row("int8", "absmax-fine", 0.3, 200)], sens, 1.0)
     assert not verdict["repair"]["pays"] and "that is the better choice" in " ".join(verdict["lines"])
     assert any(
         line.startswith("Repair also tried on `zeropoint-int4`: did not reach") for line in verdict["lines"]
@@ -647,12 +650,12 @@ def test_the_card_shows_the_first_repair_that_pays_with_its_size():
     assert verdict["commands"][0]["command"].startswith("qbench run ")
     entry.repairs.append(_study(int4["scheme"]["name"], True, []))  # int4 reached with nothing kept: pays
     entry.repairs[-1]["repair"].update(ppl_change_ci95=[0.2, 0.8], kld_mean=0.0123)
-    sens = card_build._repair_section(entry, fp, profile, settings, 1.0, "ppl")
+    sens = card_repair.repair_section(entry, fp, profile, settings, 1.0, "ppl")
     assert [t["pays"] for t in sens["tries"]] == [False, False, True] and sens["scheme"] == "zeropoint-int4"
     assert sens["repair"]["weight_bytes"] < sens["repair"]["beat"]["bytes"]
     bf16 = fp["model_bytes"] // 2
     assert sens["repair"]["bytes_vs_bf16"] == sens["repair"]["weight_bytes"] / bf16
-    line = next(x for x in card_words.verdict_of([], {}, fp, sens, 1.0)["lines"] if x.startswith("Repair of"))
+    line = next(x for x in card_build.verdict_section([], sens, 1.0)["lines"] if x.startswith("Repair of"))
     # the repaired cell's interval and KL divergence, its size and its share of the bf16 model
     assert "+5.00 % → +0.50 % [+0.20, +0.80], KLD 0.0123, " in line
     assert f"({sens['repair']['bytes_vs_bf16']:.1%} of the bf16 model)" in line
@@ -664,53 +667,50 @@ def test_the_card_says_why_no_repair_was_tried():
     rows = [
         _row("int4", "zeropoint-int4", 5.0, 110_480_000)
     ]  # SmolLM2: its smallest format, larger than its file
-    lines = card_words.verdict_of(rows, {}, {}, None, 1.0, beat=(98_360_000, "the source file itself"))[
-        "lines"
-    ]
+    lines = card_build.verdict_section(rows, None, 1.0, beat=(98_360_000, "the source file itself"))["lines"]
     assert (
         "No repair tried: no format decidedly beyond 1 % is smaller than the source file itself: 98.36 MB; "
         "keeping layers in float only adds bytes." in lines
     )
     rows = [_row("int4", "zeropoint-int4", 0.5, 150)]  # nothing fails: nothing to say
     assert not any(
-        "repair" in x for x in card_words.verdict_of(rows, {}, {}, None, 1.0, beat=(10, "x"))["lines"]
+        "repair" in x for x in card_build.verdict_section(rows, None, 1.0, beat=(10, "x"))["lines"]
     )
     # a NaN format is no repair candidate (repair_targets takes measured changes): the line must not claim a size
     rows = [_row("W2", "absmax-fine:w=2", None, 50, status="nonfinite")]
     assert not any(
-        "repair" in x for x in card_words.verdict_of(rows, {}, {}, None, 1.0, beat=(100, "x"))["lines"]
+        "repair" in x for x in card_build.verdict_section(rows, None, 1.0, beat=(100, "x"))["lines"]
     )
     rows = [
         _row("int4", "zeropoint-int4", 5.0, 50)
     ]  # a candidate smaller than the size to beat: tried, not "not"
     assert not any(
-        "No repair" in x for x in card_words.verdict_of(rows, {}, {}, None, 1.0, beat=(100, "x"))["lines"]
+        "No repair" in x for x in card_build.verdict_section(rows, None, 1.0, beat=(100, "x"))["lines"]
     )
 
 
 def test_absolute_quality_is_decided_on_paired_windows():
-    below = card_decide._decidedly_below
+    below = card_compare._decidedly_below
     assert below([1.0, 1.1, 1.05], [2.0, 2.2, 2.1]) is True
     assert (
         below([1.0, 3.0, 1.05], [2.0, 2.2, 2.1]) is False
     )  # one window the other way: the interval straddles 0
     assert below([1.0], [2.0]) is None and below([1.0, 1.0], [2.0]) is None  # no interval / other windows
     windows = {"a": ([1.0, 1.1, 1.05], None), "b": ([2.0, 2.2, 2.1], None), "c": ([2.0, 2.3, 2.0], None)}
-    assert card_decide.better_to_ship(windows) == "a"
+    assert card_compare.better_to_ship(windows) == "a"
     windows["c"] = ([1.0, 1.2, 1.0], None)
-    assert card_decide.better_to_ship(windows) is None
-    lines = card_words.comparison_lines(
-        [
-            {
-                "section": "formats",
-                "row": "W8A8",
-                "more_robust": "paper",
-                "better_to_ship": "vanilla",
-                "perplexity": {"vanilla": 100.4, "paper": 108.3},
-                "below_others_float": {"vanilla": ["paper"]},
-            }
-        ]
+    assert card_compare.better_to_ship(windows) is None
+    row = card_compare.ComparisonRow(
+        "formats",
+        "W8A8",
+        "absmax-fine",
+        {"vanilla": 0.4, "paper": 0.1},
+        more_robust="paper",
+        better_to_ship="vanilla",
+        perplexity={"vanilla": 100.4, "paper": 108.3},
+        below_others_float={"vanilla": ["paper"]},
     )
+    lines = card_words.comparison_lines(card_compare.findings([row]))
     assert lines == [
         "W8A8: paper loses less to quantisation, but vanilla quantised is still decidedly better (ppl 100.40 vs "
         "108.30).",
@@ -727,7 +727,7 @@ def test_a_format_the_model_cannot_take_is_no_failure_and_is_said_so():
     ]
     rows[1]["error"] = "rotate=quarot: LayerNorm is not invariant to rotation"
     rows[1]["verdict"] = "beyond"  # what decide() says of a record without a number
-    verdict = card_words.verdict_of(rows, {}, {}, None, 1.0)
+    verdict = card_build.verdict_section(rows, None, 1.0)
     assert verdict["avoid"] == [] and verdict["beyond"] == [] and not verdict["undecided"]
     gaps = card_words.not_measured(
         rows, {}, False, {"tokens_scored": 10, "window": 5}, {"budget": "standard"}
@@ -736,15 +736,14 @@ def test_a_format_the_model_cannot_take_is_no_failure_and_is_said_so():
         line.startswith("Formats this model cannot take: W4A8 + QuaRot (rotate=quarot: LayerNorm")
         for line in gaps
     )
-    from qbench.studies.card.render.sections import format_cells as _format_cells
+    from qbench.studies.card.render.formats import format_columns
 
     speed = {"decode_speedup": 4.5, "prefill_speedup": 3.2, "perplexity": float("nan"), "weight_bytes": 10**8}
-    cells = _format_cells({**rows[1], **speed, "bytes_vs_bf16": 0.5}, {"speed_measured": False})
-    assert cells[2] == cells[3] == "-" and cells[-2:] == [
-        "-",
-        "-",
-    ]  # no NaN perplexity, no speed of a row never run
-    assert cells[7] != "-"  # its nominal size stays
+    row = {**rows[1], **speed, "bytes_vs_bf16": 0.5}
+    cells = {c.header: c.text(row) for c in format_columns({"speed_measured": False}, "1 %")}
+    # no NaN perplexity, no speed of a row never run
+    assert cells["ppl"] == cells["change [95 % CI]"] == cells["decode ×"] == cells["prefill ×"] == "-"
+    assert cells["size (MB)"] != "-"  # its nominal size stays
 
 
 def _md_cells(line: str) -> list[str]:
@@ -764,9 +763,8 @@ def test_a_pipe_in_a_header_is_escaped_as_in_a_cell():
 def test_size_columns_are_in_mb_whatever_the_size():
     """A column headed "(MB)" holds MB (10⁶ bytes) in every cell: a tiny model's 237,570-byte KV cache is 0.238,
     not "237.57 kB" under an MB header; prose and the summary carry the unit."""
-    from qbench.studies.card.render.sections import KV_HEADERS, _format_headers
-    from qbench.studies.card.render.sections import format_cells as _format_cells
-    from qbench.studies.card.render.sections import kv_cells as _kv_cells
+    from qbench.studies.card.render.formats import format_columns
+    from qbench.studies.card.render.kv import kv_columns
     from qbench.studies.card.units import mb as _mb
     from qbench.studies.card.units import mb_text as _mb_text
 
@@ -786,21 +784,44 @@ def test_size_columns_are_in_mb_whatever_the_size():
         "perplexity": 9.0,
     }
     fmt["memory_bytes"] = 1_424_290
-    headers, cells = (
-        _format_headers({"speed_measured": False}, "1 %"),
-        _format_cells(fmt, {"speed_measured": False}),
-    )
-    sizes = {h: c for h, c in zip(headers, cells, strict=True) if "(MB)" in h}
+    columns = format_columns({"speed_measured": False}, "1 %")
+    sizes = {c.header: c.text(fmt) for c in columns if "(MB)" in c.header}
     assert sizes == {"size (MB)": "0.900", "rest fp32 (MB)": "1.90", "+ bf16 KV (MB)": "1.42"}
     kv = {"scheme": "kivi", "bits": 4, "keep_sinks": 0, "label": "kv4", "perplexity": 10.0, "status": "ok"}
     kv |= {"ppl_change_pct": 0.1, "within_tolerance": True, "cache_bytes": 237_570}
-    cells = dict(zip(KV_HEADERS, _kv_cells(kv, {"bf16_bytes": 524_290}), strict=True))
+    cells = {c.header: c.text(kv) for c in kv_columns({"bf16_bytes": 524_290}, "1 %")}
     assert cells["cache (MB)"] == "0.238" and cells["of bf16 cache"] == "45.3%"
+
+
+def test_the_html_keys_the_numbers_its_column_specs_name():
+    """data-key comes from each column's spec, not from a cell's position: a format the model ran keys its
+    perplexity, change and size under its own card.json path; one it could not run keeps its "-" unkeyed and
+    still keys its nominal size; the same columns give card.md its text."""
+    import html as _html
+    import json
+
+    from qbench.studies.card.render.formats import format_table
+    from qbench.studies.card.render.html import _table
+
+    ran = {**_row("int4", "zeropoint-int4", 0.5, 900_000), "perplexity": 9.0, "note": ""}
+    skipped = {**_row("W4A8 + QuaRot", "x:rotate=quarot", None, 100, status="unsupported"), "note": ""}
+    skipped["perplexity"] = None
+    m = {"formats": [ran, skipped], "kv": {"rows": []}, "protocol": {}, "speed_measured": False}
+    table = format_table(m, 3, "1 %")
+    page = _table(table)
+    keys = re.findall(r'data-key="([^"]+)" data-value="([^"]*)">([^<]*)<', page)
+    assert [(k, json.loads(_html.unescape(v)), t) for k, v, t in keys] == [
+        ("models.3.formats.0.perplexity", 9.0, "9.0000"),
+        ("models.3.formats.0.ppl_change_pct", 0.5, "+0.50 %"),
+        ("models.3.formats.0.weight_bytes", 900_000, "0.900"),
+        ("models.3.formats.1.weight_bytes", 100, "0.000100"),
+    ]
+    assert [row[2:4] for row in table.texts()] == [["9.0000", "+0.50 %"], ["-", "-"]]
 
 
 def test_a_collapsed_models_change_prints_in_three_significant_digits():
     """SmolLM2's 2-bit activations: +465470924390373424889856.00 % said nothing its first three digits do not."""
-    from qbench.studies.card.render.sections import change_ci as _change_ci
+    from qbench.studies.card.render.formats import change_ci as _change_ci
     from qbench.studies.card.units import pct as _pct
 
     assert _pct(4.6547092439037342e23) == "+4.65e+23 %" and _pct(52994204.8) == "+5.30e+07 %"
@@ -908,7 +929,7 @@ def test_massive_activation_sites_name_their_window():
 def test_side_by_side_kv_cells_tell_missing_from_nan():
     """A KV row only one model ran shows "-" for the other; a measured NaN stays "NaN"; a measured change carries
     its quantised perplexity."""
-    from qbench.studies.card.render.sections import comparison_cell as _cell
+    from qbench.studies.card.render.overview import comparison_cell as _cell
 
     row = {
         "section": "kv",

@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from qbench.studies.card.units import PCT_CAP
+from qbench.studies.card.units import fixed, pct_tick
 
 
 def _png(fig: Any) -> bytes:
@@ -135,7 +135,9 @@ def _attention_figure(plt: Any, m: Mapping[str, Any]) -> Any:
         for r, row in enumerate(att[key]):
             for c, v in enumerate(row):
                 dark = v < 0.6 * (top or 1.0)
-                ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=size, color="w" if dark else "k")
+                ax.text(
+                    c, r, fixed(v, 2), ha="center", va="center", fontsize=size, color="w" if dark else "k"
+                )
     return fig
 
 
@@ -265,7 +267,7 @@ def _fit_change_axis(ax: Any, values: list[float], tolerance: float | None) -> N
     ax.yaxis.set_major_locator(FixedLocator(ticks) if len(ticks) >= 2 else MaxNLocator(nbins=5))
     if scale != "linear":
         ax.yaxis.set_minor_locator(NullLocator())  # unlabelled minor ticks in every decade: noise, not scale
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _pct_tick(v)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: pct_tick(v)))
 
 
 def _through(transform: Any, v: float) -> float:
@@ -304,27 +306,6 @@ def _decade_ticks(lo: float, hi: float, linthresh: float | None) -> list[float]:
         if len(ticks) >= 2:
             break
     return sorted(ticks)
-
-
-SUPERSCRIPT = str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹")
-
-
-def _pct_tick(v: float) -> str:
-    """A change axis's tick label: ``0 %``, ``2.5 %``, ``1,000 %``; from ±10,000 % a power of ten, ``10⁶ %``
-    (one glyph row, no mathtext)."""
-    if v == 0:
-        return "0 %"
-    if abs(v) < PCT_CAP:
-        return f"{v:,.6g} %"
-    k = round(math.log10(abs(v)))
-    sign = "−" if v < 0 else ""
-    if math.isclose(abs(v), 10.0**k, rel_tol=1e-9):
-        return f"{sign}10{str(k).translate(SUPERSCRIPT)} %"
-    return f"{v:.2g} %"
-
-
-def gate_text(gate: str | None) -> str:
-    return f", {gate} output gate" if gate not in (None, "none") else ""
 
 
 def _readable_log_ticks(axis: Any) -> None:

@@ -1,5 +1,6 @@
 """``card.html``: one self-contained page (inline styles, figures as base64 PNGs, no JavaScript) whose key numbers
-carry ``data-key`` (their path in card.json) and ``data-value``, so a test or a reader can check it against card.json."""
+carry ``data-key`` (their path in card.json) and ``data-value``, so a test or a reader can check it against card.json.
+Which cells carry one is the tables' column specs' to say (:mod:`~.table`), the same specs card.md prints."""
 
 from __future__ import annotations
 
@@ -9,23 +10,16 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from qbench.eval.evidence import tolerance_text
-from qbench.studies.card.render.sections import (
-    COMPARISON_CAPTION,
-    change_ci,
+from qbench.eval.tolerance import tolerance_text
+from qbench.studies.card.render.overview import (
     command_rows,
-    comparison_cell,
-    definition_rows,
-    format_cells,
-    kv_cells,
-    page_sections,
-    ran_text,
-    ship_text,
-    status_text,
-    summary_rows,
-    verdict_class,
+    comparison_table,
+    definitions_table,
+    summary_table,
 )
-from qbench.studies.card.units import SIZE_UNIT, mb, num
+from qbench.studies.card.render.sections import page_sections
+from qbench.studies.card.render.table import Column, Table
+from qbench.studies.card.units import SIZE_UNIT, num
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em auto;max-width:72em;
@@ -58,10 +52,27 @@ def _v(key: str, value: Any, text: str) -> str:
     return f'<span data-key="{_e(key)}" data-value="{_e(json.dumps(value))}">{_e(text)}</span>'
 
 
-def _html_table(headers: list[str], rows: list[list[str]], raw: bool = False) -> str:
-    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+def _items(lines: list[str]) -> str:
+    return "".join(f"<li>{_code(line)}</li>" for line in lines)
+
+
+def _cell(table: Table[Any], column: Column[Any], j: int, row: Any) -> str:
+    """One cell as its column's spec says: the number it shows keyed (wrapped, or beside a longer text), a
+    verdict coloured, any other text with its `code` spans."""
+    text = column.text(row)
+    key = table.key(column, j, row)
+    if key is not None:
+        return _code(text) + _v(key.path, key.value, "") if column.beside else _v(key.path, key.value, text)
+    if column.css is not None:
+        return f'<span class="{column.css(row)}">{_e(text)}</span>'
+    return _code(text)
+
+
+def _table(table: Table[Any]) -> str:
+    head = "".join(f"<th>{_e(h)}</th>" for h in table.headers)
     body = "".join(
-        "<tr>" + "".join(f"<td>{c if raw else _code(c)}</td>" for c in row) + "</tr>" for row in rows
+        "<tr>" + "".join(f"<td>{_cell(table, c, j, row)}</td>" for c in table.columns) + "</tr>"
+        for j, row in enumerate(table.rows)
     )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
@@ -76,57 +87,46 @@ def _figure(name: str, png: bytes | None, caption: str) -> str:
     )
 
 
-def _key_rows(m: Mapping[str, Any], i: int) -> dict[str, list[list[str]]]:
-    """The tables whose numbers carry data-key: formats and KV (the verdict's inputs)."""
-    formats = []
-    for j, f in enumerate(m["formats"]):
-        cells = [_code(c) for c in format_cells(f, m)]
-        if ran_text(f):  # a row not run keeps its "-"
-            cells[2] = _v(f"models.{i}.formats.{j}.perplexity", f["perplexity"], num(f["perplexity"], ".4f"))
-            cells[3] = _v(f"models.{i}.formats.{j}.ppl_change_pct", f["ppl_change_pct"], change_ci(f))
-        cells[4] = f'<span class="{verdict_class(f)}">{_e(status_text(f))}</span>'
-        cells[7] = _v(f"models.{i}.formats.{j}.weight_bytes", f["weight_bytes"], mb(f["weight_bytes"]))
-        formats.append(cells)
-    memory = m["kv"].get("memory")
-    kv = []
-    for j, r in enumerate(m["kv"]["rows"]):
-        cells = [_code(c) for c in kv_cells(r, memory)]
-        cells[4] = _v(f"models.{i}.kv.rows.{j}.perplexity", r["perplexity"], num(r["perplexity"], ".4f"))
-        cells[5] = _v(f"models.{i}.kv.rows.{j}.ppl_change_pct", r["ppl_change_pct"], change_ci(r))
-        cells[6] = f'<span class="{verdict_class(r)}">{_e(status_text(r))}</span>'
-        kv.append(cells)
-    return {"Deployable formats": formats, "KV cache": kv}
-
-
 def html(card: Mapping[str, Any], figs: Mapping[str, bytes]) -> str:
+    """The page: summary, each model's verdict and sections, the breaking-point curves, the comparison across
+    models and the definitions; ``figs`` maps a figure's name to its PNG bytes, inlined."""
     names = ", ".join(m["name"] for m in card["models"])
-    body = [f"<h1>qbench card: {_e(names)}</h1>"]
-    summary = summary_rows(card)
+    body = [f"<h1>qbench card: {_e(names)}</h1>", *_summary(card)]
+    for i in range(len(card["models"])):
+        body += _model(card, i, figs)
+    if "breaking-points" in figs:
+        body.append("<h2>Breaking-point curves</h2>")
+        body.append(
+            _figure("breaking-points", figs["breaking-points"], "perplexity change against bit width")
+        )
+    if card.get("comparison"):
+        table = comparison_table(card)
+        body += [f"<h2>{_e(table.title)}</h2>", _table(table), f"<p>{_code(table.caption)}</p>"]
+    body += ["<h2>Definitions</h2>", _table(definitions_table(card))]
+    body.append(
+        f"<p>Definitions in full: docs/metrics.md in the qbench repository. Versions, commit and seed: card.json. Created {_e(card['created_utc'])}.</p>"
+    )
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>qbench card: '
+        f"{_e(names)}</title><style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
+
+
+def _summary(card: Mapping[str, Any]) -> list[str]:
     tolerance = _v(
         "tolerance_pct",
         card["tolerance_pct"],
         tolerance_text(card["tolerance_pct"], card.get("metric") or "ppl"),
     )
-    body.append('<section id="summary"><h2>Summary</h2>')
-    if summary:
-        headers = list(summary[0])
-        rows = []
-        for i, r in enumerate(summary):
-            cells = [_code(r[h]) for h in headers]
-            rec = card["models"][i]["verdict"]["recommended"]
-            if rec:
-                cells[2] += _v(f"models.{i}.verdict.recommended.scheme", rec["scheme"], "")
-            rows.append(cells)
-        body.append(_html_table(headers, rows, raw=True))
+    summary = summary_table(card)
+    body = ['<section id="summary"><h2>Summary</h2>']
+    if summary.rows:
+        body.append(_table(summary))
     body.append(
         f"<p>Budget {_e(card['budget_contents'])}; tolerance {tolerance}. Sizes: {_e(SIZE_UNIT)}.</p>"
     )
     if card.get("comparison_lines"):
-        body.append(
-            "<p><strong>Side by side</strong></p><ul>"
-            + "".join(f"<li>{_code(line)}</li>" for line in card["comparison_lines"])
-            + "</ul>"
-        )
+        body.append("<p><strong>Side by side</strong></p><ul>" + _items(card["comparison_lines"]) + "</ul>")
     commands = command_rows(card)
     if commands:
         body.append(
@@ -135,70 +135,23 @@ def html(card: Mapping[str, Any], figs: Mapping[str, bytes]) -> str:
             + "</ul></details>"
         )
     body.append("</section>")
-    for i, m in enumerate(card["models"]):
-        body.append(f'<h2 id="model-{i}">{_e(m["name"])}</h2>')
-        body.append(
-            '<div class="verdict"><strong>Verdict</strong><ul>'
-            + "".join(f"<li>{_code(line)}</li>" for line in m["verdict"]["lines"])
-            + "</ul></div>"
-        )
-        body.append(
-            "<p>Float perplexity "
-            + _v(f"models.{i}.fp.perplexity", m["fp"]["perplexity"], num(m["fp"]["perplexity"], ".4f"))
-            + "</p>"
-        )
-        keyed = _key_rows(m, i)
-        for title, headers, rows, caption in page_sections(card, m):
-            body.append(f"<h3>{_code(title)}</h3>")
-            if title in keyed:
-                body.append(_html_table(headers, keyed[title], raw=True))
-            else:
-                body.append(_html_table(headers, rows))
-            if caption:
-                body.append(f"<p>{_code(caption)}</p>")
-            if title.startswith("Outlier"):
-                body.append(
-                    _figure(
-                        f"outliers-{i}", figs.get(f"outliers-{i}"), f"{m['name']}: outlier profile per layer"
-                    )
-                )
-            if title.startswith("Attention"):
-                body.append(
-                    _figure(
-                        f"attention-{i}",
-                        figs.get(f"attention-{i}"),
-                        f"{m['name']}: attention sink per layer and head",
-                    )
-                )
-        if m.get("not_measured"):
-            body.append("<h3>Not measured</h3>")
-            body.append("<ul>" + "".join(f"<li>{_code(line)}</li>" for line in m["not_measured"]) + "</ul>")
-    if "breaking-points" in figs:
-        body.append("<h2>Breaking-point curves</h2>")
-        body.append(
-            _figure("breaking-points", figs["breaking-points"], "perplexity change against bit width")
-        )
-    if card.get("comparison"):
-        names_list = [m["name"] for m in card["models"]]
-        rows = [
-            [
-                c["section"],
-                c["row"],
-                *(comparison_cell(c, n) for n in names_list),
-                c["more_robust"] or "-",
-                ship_text(c),
-            ]
-            for c in card["comparison"]
-        ]
-        body.append("<h2>Side by side</h2>")
-        body.append(_html_table(["section", "row", *names_list, "more robust", "better to ship"], rows))
-        body.append(f"<p>{_code(COMPARISON_CAPTION)}</p>")
-    body.append("<h2>Definitions</h2>")
-    body.append(_html_table(["metric", "unit", "better", "definition"], definition_rows(card)))
-    body.append(
-        f"<p>Definitions in full: docs/metrics.md in the qbench repository. Versions, commit and seed: card.json. Created {_e(card['created_utc'])}.</p>"
-    )
-    return (
-        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>qbench card: '
-        f"{_e(names)}</title><style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
-    )
+    return body
+
+
+def _model(card: Mapping[str, Any], i: int, figs: Mapping[str, bytes]) -> list[str]:
+    m = card["models"][i]
+    fp = m["fp"]["perplexity"]
+    body = [
+        f'<h2 id="model-{i}">{_e(m["name"])}</h2>',
+        '<div class="verdict"><strong>Verdict</strong><ul>' + _items(m["verdict"]["lines"]) + "</ul></div>",
+        "<p>Float perplexity " + _v(f"models.{i}.fp.perplexity", fp, num(fp, ".4f")) + "</p>",
+    ]
+    for table in page_sections(card, i):
+        body += [f"<h3>{_code(table.title)}</h3>", _table(table)]
+        if table.caption:
+            body.append(f"<p>{_code(table.caption)}</p>")
+        if table.figure:  # an empty line where the figure was not drawn
+            body.append(_figure(table.figure.name, figs.get(table.figure.name), table.figure.caption))
+    if m.get("not_measured"):
+        body += ["<h3>Not measured</h3>", "<ul>" + _items(m["not_measured"]) + "</ul>"]
+    return body

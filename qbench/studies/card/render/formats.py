@@ -1,0 +1,161 @@
+"""The deployable-formats table, and the cells every measured row shares (a format, a KV row, the summary's
+recommended format): its verdict, its change with the interval, its KLD and top-1."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from qbench.studies.card.render.table import Column, Record, Table
+from qbench.studies.card.units import fixed, mb, num, pct, percent, ratio, share_text, signed
+
+
+def status_text(row: Record) -> str:
+    """``✓`` within the tolerance, ``✗`` beyond, ``? undecided``; a row that did not run says why (its status)."""
+    if row.get("status") == "ok":
+        verdict = row.get("verdict") or ("within" if row.get("within_tolerance") else "beyond")
+        return {"within": "✓", "beyond": "✗", "undecided": "? undecided"}[verdict]
+    return row.get("status") or "-"
+
+
+def verdict_class(row: Record) -> str:
+    """The HTML class that colours a verdict cell."""
+    return (
+        "ok" if row.get("within_tolerance") else "undecided" if row.get("verdict") == "undecided" else "bad"
+    )
+
+
+def change_ci(row: Record) -> str:
+    """``+0.97 % [+0.41, +1.53]``: the change with its 95 % interval (``qbench.eval.evidence``)."""
+    if row.get("status") == "skipped":
+        return "-"
+    text = pct(row.get("ppl_change_pct"))
+    ci = row.get("ppl_change_ci95")
+    text = (
+        f"{text} [{signed(ci[0])}, {signed(ci[1])}]" if ci and row.get("ppl_change_pct") is not None else text
+    )
+    if row.get("resolved"):  # --resolve re-evaluated it: the row is the last evaluation, on more tokens
+        text += f" @ {row['resolved'][-1]['tokens_scored']:,} tokens"
+    return text
+
+
+def perplexity(row: Record) -> str:
+    return num(row["perplexity"], ".4f")
+
+
+def kld(row: Record) -> str:
+    return fixed(row.get("kld_mean"), 4)
+
+
+def top1(row: Record) -> str:
+    return percent(row.get("top1_agreement"))
+
+
+def ran(f: Record) -> bool:
+    """Whether the model ran this format (a number, finite or not); unsupported, error and skipped rows did not."""
+    return f.get("status") in ("ok", "nonfinite")
+
+
+def _if_ran(text: Callable[[Record], str]) -> Callable[[Record], str]:
+    """A cell only a format that ran has: a row the model could not run shows no perplexity and no kernel speed."""
+    return lambda f: text(f) if ran(f) else "-"
+
+
+def _excludes(f: Record) -> str:
+    """`` †`` on a kernel ratio that leaves work out (a rotated row: its online rotations; the caption says)."""
+    return " †" if f.get("speed_excludes") and f.get("decode_speedup") is not None else ""
+
+
+def format_columns(m: Mapping[str, Any], limit: str) -> list[Column[Record]]:
+    """One model's format columns; its nominal size shows whatever the row's status. The perplexity, the change
+    and the size are the verdict's inputs: the HTML keys them."""
+    columns: list[Column[Record]] = [
+        Column("format", lambda f: f"{f['label']} `{f['scheme']}`"),
+        Column("quantised", lambda f: f.get("quantised") or "-"),
+        Column("ppl", _if_ran(perplexity), key="perplexity", keyed=ran),
+        Column("change [95 % CI]", _if_ran(change_ci), key="ppl_change_pct", keyed=ran),
+        Column(f"≤ {limit}", status_text, css=verdict_class),
+        Column("KLD", kld),
+        Column("top-1", top1),
+        Column("size (MB)", lambda f: mb(f["weight_bytes"]), key="weight_bytes"),
+        Column("rest fp32 (MB)", lambda f: mb(f.get("weight_bytes_rest_float"))),
+        Column("of bf16", lambda f: share_text(f["bytes_vs_bf16"])),
+        Column("+ bf16 KV (MB)", lambda f: mb(f.get("memory_bytes"))),
+        Column("decode ×", _if_ran(lambda f: ratio(f.get("decode_speedup")) + _excludes(f))),
+        Column("prefill ×", _if_ran(lambda f: ratio(f.get("prefill_speedup")) + _excludes(f))),
+    ]
+    if m["speed_measured"]:  # the whole model's prefill: the full budget only
+        columns.append(Column("model prefill ×", _if_ran(lambda f: ratio(f["speedup"]))))
+    return columns
+
+
+def format_table(m: Mapping[str, Any], i: int, limit: str) -> Table[Record]:
+    resolved = any(f.get("resolved") for f in m["formats"]) or any(r.get("resolved") for r in m["kv"]["rows"])
+    notes = " ".join(f"{f['label']}: {f['note']}." for f in m["formats"] if f["note"])
+    caption = (
+        _format_caption(m, limit)
+        + (
+            " @ N tokens: undecided at the card's tokens, re-evaluated at doubling tokens by --resolve "
+            "(card.json's `resolved` lists each step)."
+            if resolved
+            else ""
+        )
+        + (f" {notes}" if notes else "")
+    )
+    return Table(
+        "Deployable formats", format_columns(m, limit), m["formats"], caption, path=f"models.{i}.formats"
+    )
+
+
+def _speed_caption(m: Mapping[str, Any]) -> str:
+    kernels = m.get("kernels")
+    if not kernels:
+        return " Speed: no format of this card has a real kernel here."
+    return (
+        f" decode × / prefill ×: the model's linear layers alone on its own shapes, real kernels ({kernels.get('native_isa') or 'torch'}) "
+        f"against float32 F.linear, {kernels.get('threads', 1)} thread, {kernels.get('cpu')}: one row through "
+        "enough copies of each layer that the weights come from memory as in a decode step, and "
+        f"{kernels.get('prefill_tokens')} rows; - where the format has no real kernel here (fake quantisation "
+        "only). Attention, norms and Python between the kernels are not in these ratios (`qbench speed` times "
+        "generation); † a rotated row (QuaRot, Hadamard): the same kernels as its unrotated format, its online "
+        "rotations not timed."
+    )
+
+
+def _clusters(p: Mapping[str, Any]) -> str:
+    """The interval's clusters: with two windows it has one degree of freedom, and a reader should see why it
+    is wide."""
+    n = p.get("windows")
+    if not (isinstance(n, int) and n > 1 and p.get("window")):
+        return "paired, windows as clusters"
+    return f"paired over the {n} scored windows of {p['window']:,} tokens as clusters" + (
+        f", t with {n - 1} degree(s) of freedom: wide" if n <= 3 else ""
+    )
+
+
+def _format_caption(m: Mapping[str, Any], limit: str) -> str:
+    memory = m["kv"].get("memory")
+    plus_kv = (
+        f" + bf16 KV: the size plus the KV cache in bf16 at the model's context ({memory['context']:,} tokens, "
+        "one sequence)."
+        if memory
+        else ""
+    )
+    return (
+        "Fake quantisation at each format's standard settings; quantised: what each row quantised (W: weights, "
+        "A: the activations entering each linear, O: outputs) and how the weights were rounded (RTN: "
+        f"round-to-nearest). Change: perplexity change with its 95 % interval ({_clusters(m.get('protocol') or {})}); ✓ "
+        f"within {limit} (the interval's upper end ≤ it), ✗ beyond (its lower end above), ? undecided (it "
+        "straddles the tolerance: more tokens would decide). KLD: mean KL divergence from the float model per token "
+        "(nats); top-1: tokens whose most likely next token is the float model's (llama.cpp's definitions, "
+        "docs/metrics.md). Size: the model as deployed, MB = 10⁶ bytes: the quantised weights at their bits with "
+        "their scales and zero points, every other tensor (embeddings, norms, an unquantised head) in bf16; rest "
+        "fp32: the same with those tensors in float32; of bf16: the size's ratio to the whole model in bf16."
+        + plus_kv
+        + _speed_caption(m)
+        + (
+            " model prefill ×: the whole model's real-kernel prefill of 512 tokens (full budget)."
+            if m["speed_measured"]
+            else ""
+        )
+    )

@@ -172,7 +172,7 @@ def smoothquant_scales(
 def _real_linear(weight: Tensor, bias: Tensor | None, scheme: QuantScheme, **transforms: object) -> nn.Module:
     # imported on the first real layer, not with this module: the kernels bring the C-library loader and every
     # real layer, which fake mode and the CLI's start-up never need
-    from qbench.quant.kernels import make_real_linear
+    from qbench.quant.kernels.dispatch import make_real_linear
 
     return make_real_linear(weight, bias, scheme, **transforms)
 

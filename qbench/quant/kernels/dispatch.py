@@ -17,16 +17,6 @@ from qbench.quant.kernels.w8 import build_w8_weight_only
 from qbench.quant.primitives import QParams
 from qbench.quant.schemes import QuantScheme
 
-# Each registry entry's builder, by its layer name. They live here, not in the registry, because the registry must
-# stay importable without torch (``qbench ls schemes`` reads it), and every builder's file imports torch.
-BUILDERS = {
-    "BnbLinear": build_bnb,
-    "Int8Linear": build_w8a8,
-    "Int4A8Linear": build_w4a8,
-    "Int8WeightOnlyLinear": build_w8_weight_only,
-    "Int4Linear / LowBitLinear": build_weight_only,
-}
-
 
 def make_real_linear(
     weight: Tensor,
@@ -58,8 +48,49 @@ def make_real_linear(
             f"scheme {scheme.name!r} ({scheme.label}) has no real kernel; real kernels exist for: "
             f"{'; '.join(k.covers for k in REAL_KERNELS)}. Run it with mode='fake'"
         )
-    build = BUILDERS[kernel.layer]
-    return build(weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams)
+    return build(
+        kernel.layer, weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams
+    )
+
+
+def build(
+    layer: str,
+    weight: Tensor,
+    bias: Tensor | None,
+    scheme: QuantScheme,
+    input_scale: Tensor | None = None,
+    rotation: nn.Module | Tensor | None = None,
+    act_static: nn.Module | None = None,
+    out_static: nn.Module | None = None,
+    weight_qparams: QParams | None = None,
+) -> nn.Module:
+    """The builder of the registry entry whose layer is ``layer``, called with ``make_real_linear``'s arguments.
+
+    Written out, not a table: a reader follows a scheme from the registry's choice straight into its layer's file.
+    The builders live beside their layers; the registry only names them, as it must stay importable without torch
+    (``qbench ls schemes`` reads it) and every layer file imports torch."""
+    match layer:
+        case "BnbLinear":
+            return build_bnb(
+                weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams
+            )
+        case "Int8Linear":
+            return build_w8a8(
+                weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams
+            )
+        case "Int4A8Linear":
+            return build_w4a8(
+                weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams
+            )
+        case "Int8WeightOnlyLinear":
+            return build_w8_weight_only(
+                weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams
+            )
+        case "Int4Linear / LowBitLinear":
+            return build_weight_only(
+                weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams
+            )
+    raise AssertionError(f"the registry names layer {layer!r}, which has no builder in dispatch.build")
 
 
 def kernel_paths(rows: tuple[int, ...] = (1, 512)) -> dict[str, str]:

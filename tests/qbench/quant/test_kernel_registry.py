@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from qbench.quant.kernels import (
@@ -38,16 +39,30 @@ def test_no_real_kernel_for_float_formats_and_a_one_line_error_names_the_registr
         make_real_linear(torch.randn(8, 64), None, get_scheme("absmax-fine-perchannel"))
 
 
-def test_every_registry_entry_has_a_builder_beside_its_layer():
-    """The registry names layers without torch; dispatch holds each one's builder, defined in its layer's file."""
+@pytest.mark.parametrize("kernel", REAL_KERNELS, ids=lambda k: k.layer)
+def test_every_registry_entry_has_one_builder_beside_its_layer(kernel, monkeypatch):
+    """The registry names layers without torch; dispatch.build calls each one's builder — exactly one, defined in
+    the file of the layer it builds."""
     import sys
 
-    from qbench.quant.kernels.dispatch import BUILDERS
+    from qbench.quant.kernels import dispatch
 
-    assert set(BUILDERS) == {k.layer for k in REAL_KERNELS}
-    for kernel in REAL_KERNELS:
-        module = sys.modules[BUILDERS[kernel.layer].__module__]
-        assert any(hasattr(module, cls.strip()) for cls in kernel.layer.split("/")), kernel.layer
+    names = ["build_bnb", "build_w8a8", "build_w4a8", "build_w8_weight_only", "build_weight_only"]
+    originals = {name: getattr(dispatch, name) for name in names}
+    called = []
+    for name in names:
+        monkeypatch.setattr(dispatch, name, lambda *a, name=name: called.append(name))
+    dispatch.build(kernel.layer, None, None, None)
+    (name,) = called
+    module = sys.modules[originals[name].__module__]
+    assert any(hasattr(module, cls.strip()) for cls in kernel.layer.split("/")), (kernel.layer, module)
+
+
+def test_a_layer_without_a_builder_is_a_bug_said_as_such():
+    from qbench.quant.kernels import dispatch
+
+    with pytest.raises(AssertionError, match="no builder"):
+        dispatch.build("NoSuchLinear", None, None, None)
 
 
 def test_env_and_speed_lists_come_from_the_registry():

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from models.errors import UserError
 from qbench.cli.budgets import EVAL_TOKENS
+from qbench.eval.llamacpp_protocol import PROTOCOLS, QBENCH
 from qbench.quant.kv_options import KV_BITS, KV_SCHEME_NAMES, KV_SCHEME_SYNTAX
 
 # the loader, the protocol and the KV cache import torch: only the commands that use them import them
@@ -67,10 +68,11 @@ def add_load_arguments(parser: argparse.ArgumentParser, many: bool = False) -> N
 
 
 def add_model_arguments(
-    parser: argparse.ArgumentParser, tokens: int = EVAL_TOKENS, many: bool = False
+    parser: argparse.ArgumentParser, tokens: int = EVAL_TOKENS, many: bool = False, protocol: bool = True
 ) -> None:
     """:func:`add_load_arguments` plus the perplexity protocol's options (``qbench.eval.metrics.Protocol``);
-    ``tokens`` is one of the budgets of :mod:`qbench.cli.budgets`."""
+    ``tokens`` is one of the budgets of :mod:`qbench.cli.budgets`. ``protocol``: offer ``--protocol`` (False for
+    a command that builds its own protocol and would ignore it)."""
     add_load_arguments(parser, many)
     parser.add_argument("--data", default="embedded", help="corpus: embedded | mix | c4 | a local path")
     parser.add_argument(
@@ -78,9 +80,18 @@ def add_model_arguments(
         choices=("validation", "train", "all"),
         help="which documents of --data (default: validation of a registered corpus, all of a file or folder)",
     )
-    parser.add_argument("--tokens", type=int, default=tokens, help="token budget: stream tokens scored")
     parser.add_argument(
-        "--window", type=int, help="window length (default: the model's context, at most 2,048 as in lm-eval)"
+        "--tokens",
+        type=int,
+        default=tokens,
+        help="token budget: stream tokens scored"
+        + (" (under --protocol llama.cpp: covered by the chunks)" if protocol else ""),
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        help="window length (default: the model's context, at most 2,048 as in lm-eval"
+        + ("; 512 under --protocol llama.cpp)" if protocol else ")"),
     )
     parser.add_argument(
         "--bos",
@@ -88,6 +99,17 @@ def add_model_arguments(
         default=True,
         help="open every window with <|endoftext|>",
     )
+    if protocol:
+        parser.add_argument(
+            "--protocol",
+            choices=PROTOCOLS,
+            default=QBENCH,
+            help="which positions are scored: qbench (default, the protocol of every earlier record: "
+            "non-overlapping windows, every position scored) | llama.cpp (llama-perplexity's: consecutive "
+            "chunks of --window tokens, default 512, BOS replacing each chunk's first token, only positions "
+            "window/2 … window-2 scored; --tokens then counts the stream tokens the chunks cover) — "
+            "docs/metrics.md",
+        )
 
 
 def protocol_from_args(args: argparse.Namespace, outlier_windows: int = 8) -> Protocol:
@@ -105,6 +127,7 @@ def protocol_from_args(args: argparse.Namespace, outlier_windows: int = 8) -> Pr
         bos=args.bos,
         batch_size=args.batch_size,
         outlier_windows=outlier_windows,
+        protocol=getattr(args, "protocol", None) or QBENCH,
     )
 
 

@@ -40,7 +40,7 @@ def budget_help() -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p, tokens=None, many=True)
+    add_model_arguments(p, tokens=None, many=True, protocol=False)  # the card's own protocol
     ckpt = next(a for a in p._actions if a.dest == "ckpt")
     ckpt.required = False  # --from-json re-renders a card without one
     ckpt.help += "; required unless --from-json"

@@ -175,4 +175,7 @@ def run(args: argparse.Namespace) -> None:
     )
     result = run_sweep_with_progress(cfg, args.command_line)
     console.print(sweep.sweep_table(result), highlight=False, soft_wrap=True)
+    decisions = sweep.decisions_caption(result)
+    if decisions:
+        console.print(decisions, highlight=False, soft_wrap=True)
     console.print(f"wrote {cfg.output_path}/sweep.json, sweep.md, sweep.png")

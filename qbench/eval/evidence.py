@@ -43,10 +43,20 @@ gives no interval (no variance to estimate).
 interval exists). Never a point estimate against a threshold. For an undecided cell, :func:`decide` says how
 many tokens would decide it :data:`DECIDE_POWER` of the time if its mean and per-window spread are what was
 observed: the fewest windows m with (t₀.₉₇₅,ₘ₋₁ + z_power) · sd / √m ≤ |mean − tolerance|.
+
+**Sequential looks** (``--resolve``, :class:`Look`): a cell tested again on more tokens while undecided gets
+several chances to be called *within*; at the 95 % level each time, a cell exactly at the tolerance would be
+called within more often than 2.5 %. ``--resolve`` plans its looks in advance (the budget, twice it, … up to the
+cap: K looks) and splits the one-sided :data:`ALPHA` over them (Bonferroni): look k decides on the interval
+mean ± t(1 − α/K, n_k − 1) · sd/√n_k, so over all its looks such a cell is called within at most α of the time
+(and *beyond* at most α likewise). A record that carries a ``sequential`` block
+(:meth:`Look.to_dict`, set by ``qbench.studies.resolve`` on a copy in memory) is decided that way; every other
+record at 95 %.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Mapping
@@ -59,16 +69,18 @@ from torch import Tensor
 
 from models.errors import UserError
 
-# the metrics and the tolerance's words live in a torch-free module (the card's sentences read them); every name
-# stays importable from here
+# the metrics, the level and the tolerance's words live in a torch-free module (the card's sentences read them);
+# every name stays importable from here. ALPHA: one-sided, LEVEL's two tails split (--resolve's looks share it)
+from qbench.eval.tolerance import ALPHA as ALPHA
 from qbench.eval.tolerance import DEFAULT_METRIC as DEFAULT_METRIC
+from qbench.eval.tolerance import LEVEL as LEVEL
 from qbench.eval.tolerance import METRICS as METRICS
 from qbench.eval.tolerance import check_metric as check_metric
 from qbench.eval.tolerance import default_tolerance as default_tolerance
 from qbench.eval.tolerance import tolerance_text as tolerance_text
 
 SIDECAR_SUFFIX = ".tokens.safetensors"
-LEVEL = 0.95  # every interval qbench reports
+SEQUENTIAL_RULE = "bonferroni"  # how --resolve splits ALPHA over its planned looks: ALPHA / looks each
 # How often the tokens a card suggests for an undecided cell decide it, at the cell's observed mean and spread. The
 # budget at which the interval's half-width just reaches the tolerance decides only half the time.
 DECIDE_POWER = 0.8
@@ -115,6 +127,7 @@ def read(record_path: Path, record: Mapping[str, Any]) -> dict[str, Tensor] | No
 # ----------------------------------------------------------------------------------------------- statistics
 
 
+@functools.lru_cache(maxsize=4096)
 def t_quantile(p: float, df: int) -> float:
     """The ``p`` quantile (p > 0.5) of Student's t with integer ``df`` degrees of freedom.
 
@@ -156,6 +169,7 @@ def _t_two_sided(t: float, df: int) -> float:
     return s * total
 
 
+@functools.lru_cache(maxsize=64)
 def _normal_quantile(p: float) -> float:
     lo, hi = 0.0, 10.0
     for _ in range(200):
@@ -284,9 +298,51 @@ def bits_per_byte(total_nll: float, scored_bytes: int | None) -> float | None:
 
 
 @dataclass(frozen=True)
+class Look:
+    """One of ``--resolve``'s planned looks at a cell (module docstring, docs/metrics.md): look ``look`` of the
+    ``looks`` planned, deciding at the one-sided ``alpha`` — :data:`ALPHA` split evenly over the looks
+    (Bonferroni), so that over all its looks a cell exactly at the tolerance is called *within* at most
+    ``alpha_total`` of the time."""
+
+    look: int
+    looks: int
+    alpha: float
+    rule: str = SEQUENTIAL_RULE
+    alpha_total: float = ALPHA
+
+    @classmethod
+    def planned(cls, look: int, looks: int, alpha_total: float = ALPHA) -> Look:
+        """Look ``look`` (1-based) of ``looks``, each spending ``alpha_total / looks``."""
+        if not 1 <= look <= looks:
+            raise ValueError(f"look {look} of {looks}")
+        return cls(look, looks, alpha_total / looks, SEQUENTIAL_RULE, alpha_total)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rule": self.rule,
+            "look": self.look,
+            "looks": self.looks,
+            "alpha_one_sided": self.alpha,
+            "alpha_total": self.alpha_total,
+        }
+
+    @classmethod
+    def from_dict(cls, block: Mapping[str, Any]) -> Look:
+        return cls(
+            int(block["look"]),
+            int(block["looks"]),
+            float(block["alpha_one_sided"]),
+            str(block.get("rule", SEQUENTIAL_RULE)),
+            float(block.get("alpha_total", ALPHA)),
+        )
+
+
+@dataclass(frozen=True)
 class Decision:
     """A cell's verdict against a tolerance on one metric: the point change, its 95 % interval (None: none),
-    the verdict, and for an undecided cell the tokens that would decide it at the observed variance."""
+    the verdict, and for an undecided cell the tokens that would decide it at the observed variance. A verdict
+    of one of ``--resolve``'s looks (``sequential``) was decided on that look's wider interval (:class:`Look`):
+    the rule, the look, the one-sided alpha it spent, the critical t and that interval."""
 
     metric: str
     value: float | None
@@ -295,12 +351,15 @@ class Decision:
     verdict: str
     tokens_to_decide: int | None = None
     reason: str | None = None  # why undecided without an interval
+    sequential: Mapping[str, Any] | None = None  # qbench.eval.tolerance.Sequential
 
     @property
     def within(self) -> bool:
         return self.verdict == WITHIN
 
     def to_dict(self) -> dict[str, Any]:
+        """The decision as a row holds it (a --resolve look's ``sequential`` goes to the row's steps instead:
+        ``qbench.studies.resolve``)."""
         return {
             "metric": self.metric,
             "value": self.value,
@@ -311,11 +370,23 @@ class Decision:
         }
 
 
-def decide(record: Mapping[str, Any], tolerance: float, metric: str = DEFAULT_METRIC) -> Decision:
+def _look_of(record: Mapping[str, Any], look: Look | None) -> Look | None:
+    if look is not None:
+        return look
+    block = record.get("sequential")
+    return Look.from_dict(block) if block else None
+
+
+def decide(
+    record: Mapping[str, Any], tolerance: float, metric: str = DEFAULT_METRIC, look: Look | None = None
+) -> Decision:
     """The verdict of a quantised record's ``metric`` against ``tolerance`` (in the metric's unit, see
-    :data:`METRICS`): *within* / *beyond* / *undecided* from its 95 % interval (module docstring). A failed cell
-    (NaN, unsupported) is *beyond*; a record without an interval (older evidence, one window) is *undecided*."""
+    :data:`METRICS`): *within* / *beyond* / *undecided* from its 95 % interval (module docstring) — or, at one of
+    ``--resolve``'s looks (``look``, or the record's ``sequential`` block), from that look's wider interval at
+    one-sided ``look.alpha``. A failed cell (NaN, unsupported) is *beyond*; a record without an interval (older
+    evidence, one window) is *undecided*."""
     check_metric(metric)
+    look = _look_of(record, look)
     m = record.get("metrics") or {}
     if record.get("status", "ok") != "ok":
         return Decision(metric, None, None, None, BEYOND, reason=str(record.get("status")))
@@ -337,23 +408,76 @@ def decide(record: Mapping[str, Any], tolerance: float, metric: str = DEFAULT_ME
         )
         return Decision(metric, value, None, None, UNDECIDED, reason=why)
     low, high = ci
+    sequential = None
+    if look is not None:
+        df = _df(record)
+        if df is None:
+            return Decision(metric, value, low, high, UNDECIDED, reason="no windows: no look's interval")
+        decide_low, decide_high, critical = widened(metric, ci, df, look.alpha)
+        sequential = {
+            **look.to_dict(),
+            "df": df,
+            "critical_t": critical,
+            "interval": [decide_low, decide_high],
+        }
+    else:
+        decide_low, decide_high = low, high
     # the slack of sweep.within_tolerance: (ppl / fp − 1) · 100 makes an exact +1 % 1.0000000000000009
     slack = TOLERANCE_REL_EPS * max(abs(tolerance), 1.0)
-    if high <= tolerance + slack:
-        return Decision(metric, value, low, high, WITHIN)
-    if low > tolerance + slack:
-        return Decision(metric, value, low, high, BEYOND)
+    if decide_high <= tolerance + slack:
+        return Decision(metric, value, low, high, WITHIN, sequential=sequential)
+    if decide_low > tolerance + slack:
+        return Decision(metric, value, low, high, BEYOND, sequential=sequential)
+    quantile = (1 + LEVEL) / 2 if look is None else 1 - look.alpha
     return Decision(
-        metric, value, low, high, UNDECIDED, tokens_to_decide=_tokens_to_decide(record, metric, tolerance)
+        metric,
+        value,
+        low,
+        high,
+        UNDECIDED,
+        tokens_to_decide=_tokens_to_decide(record, metric, tolerance, quantile),
+        sequential=sequential,
     )
 
 
-def _tokens_to_decide(record: Mapping[str, Any], metric: str, tolerance: float) -> int | None:
+def _df(record: Mapping[str, Any]) -> int | None:
+    """The degrees of freedom of a record's interval: windows − 1 (None without two windows)."""
+    interval = (record.get("metrics") or {}).get("interval") or {}
+    df = interval.get("df")
+    if df is None and interval.get("windows"):
+        df = int(interval["windows"]) - 1
+    return int(df) if df and df >= 1 else None
+
+
+# Each metric's interval is symmetric on its own scale: the perplexity change's in ln(ppl ratio) (the mean of the
+# per-window NLL differences), KLD and the top-1 share as they are.
+_SCALES = {
+    "ppl": (lambda pct: math.log1p(pct / 100), lambda x: _pct(x)),
+    "kld": (lambda x: x, lambda x: x),
+    "top1": (lambda x: x, lambda x: x),
+}
+
+
+def widened(metric: str, ci95: list[float], df: int, alpha: float) -> tuple[float, float, float]:
+    """(low, high, t) of the interval mean ± t(1 − ``alpha``, df) · sd/√n, from the record's 95 % interval
+    ``ci95`` (in the metric's unit as :func:`decide` reads it) with the same mean and sd/√n: its half-width times
+    t(1 − alpha, df) / t(0.975, df), on the scale where it is symmetric."""
+    to, back = _SCALES[metric]
+    lo, hi = to(ci95[0]), to(ci95[1])
+    centre, half = (lo + hi) / 2, (hi - lo) / 2
+    critical = t_quantile(1 - alpha, df)
+    half *= critical / t_quantile((1 + LEVEL) / 2, df)
+    return back(centre - half), back(centre + half), critical
+
+
+def _tokens_to_decide(
+    record: Mapping[str, Any], metric: str, tolerance: float, quantile: float = (1 + LEVEL) / 2
+) -> int | None:
     """Tokens that decide this cell :data:`DECIDE_POWER` of the time, were its mean and per-window spread the
     observed ones: the fewest windows m (more than it has) whose interval mean ± t·sd/√m, its centre spread by
     sd/√m, leaves ``tolerance`` with that probability — (t_{m−1} + z_power)·sd/√m ≤ |mean − tolerance| — times
-    the window. (With t·sd/√m = |mean − tolerance| the interval's centre lands on either side of its reach: half
-    the time.)"""
+    the window; t at ``quantile`` (0.975; at one of --resolve's looks, 1 − that look's alpha). (With
+    t·sd/√m = |mean − tolerance| the interval's centre lands on either side of its reach: half the time.)"""
     m = record.get("metrics") or {}
     protocol = record.get("protocol") or {}
     windows, per_window = (m.get("interval") or {}).get("windows"), protocol.get("window")
@@ -379,7 +503,7 @@ def _tokens_to_decide(record: Mapping[str, Any], metric: str, tolerance: float) 
     z = _normal_quantile(DECIDE_POWER)
 
     def enough(m: int) -> bool:  # t falls with m: a monotone test, so a bisection finds the fewest
-        return (t_quantile((1 + LEVEL) / 2, m - 1) + z) * sd / math.sqrt(m) <= distance
+        return (t_quantile(quantile, m - 1) + z) * sd / math.sqrt(m) <= distance
 
     lo, hi = windows, windows + 1  # lo is not enough (it is undecided now), hi is searched for
     while not enough(hi):

@@ -279,6 +279,9 @@ def cell_identity(record: dict[str, Any]) -> str:
     protocol = record.get("protocol") or {}
     float_record = record.get("mode") == "float"
     requested = {k: protocol.get(k) for k in (*Protocol.__dataclass_fields__, "dtype")}
+    # the default protocol: its records carry no "protocol" key, and their identities stay what they were
+    if requested.get("protocol") is None:
+        del requested["protocol"]
     if float_record:
         requested["attention_statistics"] = protocol.get("attention_statistics")
     key = {

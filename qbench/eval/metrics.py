@@ -19,6 +19,13 @@ Perplexity protocol (token level, never word or byte level):
 Batches never mix information: dynamic activation scales of the quantisation schemes are per sequence (see
 ``qbench.quant.schemes``), so the result does not depend on ``batch_size``.
 A budget larger than the text is clamped to what exists; the record says ``tokens_clamped: true``.
+
+``protocol="llama.cpp"`` (``--protocol llama.cpp``) is llama.cpp's ``llama-perplexity`` instead
+(``qbench.eval.llamacpp_protocol``): the stream cut into consecutive chunks of ``window`` tokens (default 512,
+its ``-c``), BOS replacing each chunk's first token (``--no-bos``: not), only the positions ``window/2`` …
+``window − 2`` scored (each predicting the next chunk token), ``tokens`` the stream tokens the chunks cover
+(``tokens // window`` chunks, its ``--chunks``). Perplexity, the per-token evidence, KL divergence and top-1 are
+all of exactly those positions (``Windows.first``).
 """
 
 from __future__ import annotations
@@ -35,6 +42,14 @@ from models.errors import UserError
 from models.stats import OutlierAccumulator
 from models.tokenizer import separator_id
 from qbench.eval.adapters import MAX_DEFAULT_WINDOW, forward_observed, logits, observe_any
+from qbench.eval.llamacpp_protocol import (
+    LLAMA_CPP,
+    LLAMA_CPP_WINDOW,
+    QBENCH,
+    check_protocol,
+    llama_cpp_record,
+    llama_cpp_windows,
+)
 from qbench.eval.reference import ReferenceLogits
 from trainers.batches import validation_windows, window_span
 
@@ -48,26 +63,53 @@ class Protocol:
     bos: bool = True
     batch_size: int = 8
     outlier_windows: int = 8  # windows (from the start of the same text) for outlier/attention statistics
+    # which positions are scored: "qbench" (every position of non-overlapping windows) or "llama.cpp" (the second
+    # half of each chunk, as llama-perplexity: qbench.eval.llamacpp_protocol)
+    protocol: str = "qbench"
 
     def __post_init__(self) -> None:
+        check_protocol(self.protocol)
         if self.split is None:
             from trainers.data import default_split
 
             object.__setattr__(self, "split", default_split(self.corpus))
+        if self.protocol == LLAMA_CPP and self.window is None:  # llama-perplexity's own default context (-c)
+            object.__setattr__(self, "window", LLAMA_CPP_WINDOW)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The requested fields, as a record's ``protocol`` holds them. ``protocol`` is written only when it is not
+        the default "qbench": records of the default protocol stay what they were before the option existed (their
+        identity and reuse unchanged), and a record without the key reads as "qbench"
+        (:func:`qbench.eval.llamacpp_protocol.protocol_name`)."""
+        out = asdict(self)
+        if out["protocol"] == QBENCH:
+            del out["protocol"]
+        return out
 
 
 @dataclass
 class Windows:
     ids: Tensor  # (N, W) long: the model's inputs
-    targets: Tensor  # (N, W) long: the token each input position predicts
+    # (N, S) long: the token each scored input position predicts — position ``first + k`` predicts
+    # ``targets[:, k]``; S = W under the qbench protocol (every position), W − 1 − W/2 under llama.cpp's
+    targets: Tensor
     scored_tokens: int  # stream tokens predicted across all windows
     available_tokens: int
     clamped: bool
     window: int
     scored_bytes: int | None = None  # UTF-8 bytes of the scored tokens' text (bits per byte); None: unknown
+    first: int = 0  # the first scored input position (llama.cpp's ``first = n_ctx/2``; 0: every position)
+
+    @property
+    def every_position(self) -> bool:
+        """Whether every input position is scored (the qbench protocol): the logits are used whole."""
+        return self.first == 0 and self.targets.size(-1) == self.ids.size(-1)
+
+    def scored(self, out: Tensor) -> Tensor:
+        """The scored positions of ``out`` (B, W, …): all of it, or positions first … first + S − 1."""
+        if self.every_position:
+            return out
+        return out[:, self.first : self.first + self.targets.size(-1)]
 
 
 def scored_bytes(tokenizer: Any, targets: Tensor) -> int | None:
@@ -86,11 +128,30 @@ def make_windows(tokenizer: Any, protocol: Protocol, context: int) -> Windows:
 
     window = min(context, MAX_DEFAULT_WINDOW) if protocol.window is None else protocol.window
     if window > context:
-        raise UserError(f"--window {window} exceeds the model's context length {context}")
+        default = (
+            " (--protocol llama.cpp's default, llama-perplexity's -c)"
+            if protocol.protocol == LLAMA_CPP
+            else ""
+        )
+        raise UserError(f"--window {window}{default} exceeds the model's context length {context}")
     if window < 2:
         raise UserError(f"--window must be at least 2 (a token and the one it predicts), got {window}")
     stream = token_stream(protocol.corpus, protocol.split, tokenizer)
     bos_id = separator_id(tokenizer) if protocol.bos else None
+    if protocol.protocol == LLAMA_CPP:
+        ids, targets, first = llama_cpp_windows(
+            stream, window, bos_id, protocol.tokens, protocol.split, protocol.corpus
+        )
+        return Windows(
+            ids,
+            targets,
+            targets.numel(),
+            len(stream),
+            protocol.tokens > len(stream),
+            window,
+            scored_bytes(tokenizer, targets),
+            first,
+        )
     try:
         ids, targets = validation_windows(stream, window, bos_id, protocol.tokens)
     except UserError:
@@ -115,7 +176,7 @@ def protocol_record(
     """The protocol as run: the requested fields plus what the text and the model turned them into."""
     from models.tokenizer import tokenizer_fingerprint
 
-    return {
+    record = {
         **protocol.to_dict(),
         "window": windows.window,
         "stride": window_span(
@@ -130,6 +191,9 @@ def protocol_record(
         "dtype": dtype,
         "perplexity": "token-level, exp(mean NLL), non-overlapping windows",
     }
+    if protocol.protocol == LLAMA_CPP:
+        record.update(llama_cpp_record(windows.window, windows.first, windows.targets.size(-1)))
+    return record
 
 
 # Bytes of float32 logits (or of attention maps) one forward pass may produce; the batch shrinks to fit, down to
@@ -256,7 +320,11 @@ def perplexity(
     near-random model — two different models could then report the very same perplexity (seen: a 2-bit KV
     cell equal to float to the last digit on one CPU and not on another).
 
-    Returns ``perplexity``, ``nll`` (mean), ``tokens`` and ``per_token``: ``nll`` (windows × window, float32);
+    Only the scored positions count (``windows.first`` on: under the llama.cpp protocol the second half of each
+    chunk), for the NLL and for the comparison with a reference alike.
+
+    Returns ``perplexity``, ``nll`` (mean), ``tokens`` and ``per_token``: ``nll`` (windows × scored positions,
+    float32);
     with a ``reference`` (the float model of a quantised copy, or the store of its logits on these windows:
     ``qbench.eval.reference``) also ``kld`` and ``top1`` (:func:`token_comparison`), batch by batch beside the
     model's. ``keep``: a store this (float) model's logits are written to as they are computed.
@@ -268,19 +336,19 @@ def perplexity(
         batch = windows.ids[start : start + rows].to(device)
         targets = windows.targets[start : start + rows].to(device)
         out = logits(model, batch)
-        token = token_nll(out, targets)
+        token = token_nll(windows.scored(out), targets)
         total_nll += token.double().sum().item()
         total_tokens += targets.numel()
         nll.append(token.cpu().view(targets.shape))
         if keep is not None:
-            keep.put(start, out)
+            keep.put(start, out)  # whole windows: the store is of the inputs, whatever positions are scored
         if reference is not None:
             ref = (
                 reference.batch(start, batch)
                 if isinstance(reference, ReferenceLogits)
                 else logits(reference, batch)
             )
-            k, same = token_comparison(out, ref)
+            k, same = token_comparison(windows.scored(out), windows.scored(ref))
             del ref
             kld.append(k.cpu().view(targets.shape))
             top1.append(same.cpu().view(targets.shape))

@@ -15,6 +15,11 @@ Q4_K_M mixes 4- and 6-bit super-blocks of 256 and falls back to other types wher
 (the record lists the tensor types actually written); llama.cpp builds one graph per step in C++ and keeps its
 KV cache in float16 by default; its threads are its own pool, torch's are OpenMP's.
 
+llama.cpp beside qbench's perplexity too (``--protocol llama.cpp``, ``qbench.eval.llamacpp_protocol``):
+:func:`chunk_logits` and :func:`chunk_evidence` run a GGUF over qbench's chunks the way ``llama-perplexity``
+does (a fresh sequence per chunk, BOS in place, positions n_ctx/2 … n_ctx − 2 scored), so qbench's numbers can be
+checked against llama.cpp's own on the same tokens (tests/qbench/eval/test_llamacpp_protocol.py).
+
 Needs ``llama-cpp-python`` (``pip install 'qbench[llama-cpp]'``: built from source, a C compiler and CMake),
 imported only here.
 """
@@ -24,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +99,80 @@ def quantize_gguf(src: Path, dst: Path, type_name: str, threads: int = 1) -> Pat
     if status != 0:
         raise RuntimeError(f"llama.cpp could not quantise {src.name} to {type_name} (status {status})")
     return dst
+
+
+def chunk_logits(path: Path, ids: Any, first: int, threads: int = 1, f32_cache: bool = True) -> Iterator[Any]:
+    """llama.cpp's own logits of positions ``first`` … ``window − 2`` of each chunk of ``ids`` (chunks × window
+    token ids, BOS already in place: ``qbench.eval.llamacpp_protocol.llama_cpp_windows``), as llama-perplexity
+    computes them: each chunk decoded as a fresh sequence (the KV cache cleared), positions from 0; one float32
+    (positions × vocabulary) array per chunk. ``f32_cache``: a float32 KV cache (llama-perplexity's default is
+    float16, which adds its own rounding to a comparison with qbench's float32)."""
+    import numpy as np
+
+    llama_cpp = require_llama_cpp()
+    rows = np.asarray(ids, dtype=np.int64)
+    window = int(rows.shape[1])
+    cache = {"type_k": 0, "type_v": 0} if f32_cache else {}  # GGML_TYPE_F32
+    with _quiet():
+        llm = llama_cpp.Llama(
+            model_path=str(path),
+            n_ctx=window,
+            n_batch=window,
+            n_ubatch=window,
+            n_threads=threads,
+            n_threads_batch=threads,
+            logits_all=True,
+            verbose=False,
+            **cache,
+        )
+    try:
+        for row in rows:
+            llm.reset()  # eval() then drops every cached position: llama_memory_clear
+            llm.eval(row.tolist())
+            yield np.array(llm.scores[first : window - 1], dtype=np.float32)
+    finally:
+        llm.close()
+
+
+def _log_softmax(logits: Any) -> Any:
+    """perplexity.cpp's ``log_softmax`` per row: float32 logits minus their max, exp in float32, the sum and the
+    log in float64."""
+    import numpy as np
+
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted.astype(np.float64) - np.log(np.exp(shifted).sum(axis=-1, dtype=np.float64, keepdims=True))
+
+
+def chunk_evidence(
+    path: Path, ids: Any, first: int, base: Path | None = None, threads: int = 1, f32_cache: bool = True
+) -> dict[str, Any]:
+    """Per-token evidence of the GGUF at ``path`` computed by llama.cpp on qbench's chunks ``ids``, in the shape
+    qbench stores its own (chunks × scored positions): ``nll`` of each scored token (position j predicts the
+    chunk's token j + 1); with ``base`` (the float GGUF) also ``kld`` = KL(P_base ‖ Q) over the full vocabulary in
+    float64 and ``top1`` (both models' most likely token agree) — the input of
+    ``qbench.eval.llamacpp_protocol.kld_statistics``."""
+    import numpy as np
+
+    rows = np.asarray(ids, dtype=np.int64)
+    window = rows.shape[1]
+    targets = rows[:, first + 1 : window]
+    out: dict[str, list[Any]] = {"nll": [], "kld": [], "top1": []}
+    ours = chunk_logits(path, rows, first, threads, f32_cache)
+    bases = chunk_logits(base, rows, first, threads, f32_cache) if base is not None else None
+    try:
+        for row, logits in enumerate(ours):
+            logq = _log_softmax(logits)
+            out["nll"].append(-np.take_along_axis(logq, targets[row][:, None], axis=-1)[:, 0])
+            if bases is not None:
+                ref = next(bases)
+                logp = _log_softmax(ref)
+                out["kld"].append((np.exp(logp) * (logp - logq)).sum(axis=-1))
+                out["top1"].append(logits.argmax(-1) == ref.argmax(-1))
+    finally:  # the models are closed now, not when the generators are collected
+        ours.close()
+        if bases is not None:
+            bases.close()
+    return {k: np.stack(v) for k, v in out.items() if v}
 
 
 @dataclass
@@ -424,3 +503,43 @@ def across_runs_table(
         foot += "\nRuns: " + ", ".join(f"{i} = {name}" for i, name in enumerate(names, 1)) + "."
     # as written: tabulate would read "0.50" back as a number and print 0.5
     return head + tabulate(table, headers, tablefmt=tablefmt, disable_numparse=True) + foot
+
+
+def record_printouts(
+    records: Iterable[Mapping[str, Any]], output_path: Path, baseline_path: Path | None = None
+) -> list[tuple[Mapping[str, Any], Any]]:
+    """For each quantised cell of a grid's ``records`` (as ``run_grid`` returns them, the float record of its model
+    among them): its :class:`KLDivergenceStats` from its per-token evidence and the float record's, both read back
+    from their sidecars under ``output_path`` (the float one under ``baseline_path`` when given) — or, instead, why
+    there is none (a failed cell, missing evidence)."""
+    from qbench.eval.evidence import read
+    from qbench.eval.harness import stored_path
+    from qbench.eval.llamacpp_protocol import stats_from_evidence
+
+    records = list(records)
+    floats = {r["model"]["name"]: r for r in records if r.get("mode") == "float"}
+    out: list[tuple[Mapping[str, Any], Any]] = []
+    for r in records:
+        if r.get("mode") == "float":
+            continue
+        fp = floats.get(r["model"]["name"])
+        if r.get("status") != "ok":
+            out.append((r, f"no statistics: the cell is {r.get('status')} ({r.get('error')})"))
+            continue
+        if fp is None or fp.get("status") != "ok":
+            out.append(
+                (r, "no statistics: the float record of its model is not among the records, or failed")
+            )
+            continue
+        cell = read(stored_path(Path(output_path), dict(r)), r)
+        base = read(stored_path(Path(baseline_path or output_path), dict(fp)), fp)
+        if cell is None or base is None:
+            out.append(
+                (r, "no statistics: its per-token evidence (or the float record's) is missing or altered")
+            )
+            continue
+        try:
+            out.append((r, stats_from_evidence(cell, base)))
+        except ValueError as e:
+            out.append((r, f"no statistics: {e}"))
+    return out

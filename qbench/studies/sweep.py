@@ -22,11 +22,13 @@ what is missing. A cell whose overrides equal the family's own bits *is* the fam
 
 **Breaking point** (docs/metrics.md): the lowest bit width b whose verdict is *within* the tolerance at b *and
 at every wider width swept* (``qbench.eval.evidence.decide``: the cell's 95 % interval ends at most at the
-tolerance), so one lucky noisy cell below a failing one cannot lower it; ``None`` ("none") when the widest width
-is not within. Walking on through *undecided* cells (intervals straddling the tolerance) gives ``possible_bits``,
-shown as ``6 (4?)``. A cell that produced NaN/inf, or could not run, is beyond. The tables show each change ± the
-half-width of its interval with the verdict's mark; a sweep.json from before intervals shows its point changes
-with the decimals that decide them (:func:`format_change`) and decides nothing it cannot.
+tolerance; a cell ``--resolve`` re-evaluated, its last look's interval: ``qbench.studies.resolve``), so one lucky
+noisy cell below a failing one cannot lower it; ``None`` ("none") when the widest width is not within. Walking on
+through *undecided* cells (intervals straddling the tolerance) gives ``possible_bits``, shown as ``6 (4?)``. A cell
+that produced NaN/inf, or could not run, is beyond. The tables show each change ± the half-width of its interval
+with the verdict's mark; a sweep.json from before intervals shows its point changes with the decimals that decide
+them (:func:`format_change`) and decides nothing it cannot. ``decisions`` counts the verdicts (each record once)
+and the false *within* calls they could make were every cell exactly at the tolerance (:func:`decisions_caption`).
 
 Outputs beside the records: ``sweep.json`` (every cell with its perplexity, change and record path, the breaking
 points with the tolerance, each model's float perplexity, protocol, versions and commit), ``sweep.md`` (generated
@@ -57,6 +59,8 @@ from qbench.eval.evidence import (
 )
 from qbench.eval.harness import FLOAT_SCHEME as FLOAT_FAMILY  # the KV curves: only the cache quantised
 from qbench.eval.metrics import Protocol
+from qbench.eval.tolerance import decision_count, decisions_block, decisions_text
+from qbench.studies.resolve import rule_text
 
 SWEEP_VERSION = 1
 AXES = ("w", "a", "o", "all", "kv")
@@ -592,6 +596,12 @@ def _summary(
             f"lowest bit width whose {cfg.metric} verdict is within the tolerance (the 95 % interval's upper end "
             "≤ tolerance) at that width and at every wider width swept; none if the widest is not within; "
             "possible_bits: the same walking through undecided cells (the interval straddles the tolerance)"
+            + (
+                "; a cell --resolve re-evaluated is decided at its last look, each look at a one-sided "
+                "0.025 / the planned looks (qbench.studies.resolve)"
+                if cfg.resolve_tokens
+                else ""
+            )
         ),
         "families": list(cfg.families),
         "axes": list(cfg.axes),
@@ -612,6 +622,8 @@ def _summary(
         },
         "cells": rows,
         "breaking_points": breaking_points(rows, cfg.tolerance, cfg.metric),
+        # how many verdicts the sweep made and the false *within* calls they could make (:func:`decisions_caption`)
+        "decisions": decisions_block(decision_count(rows)),
         "skipped": skipped,
         "env": environment(cfg.device),  # this run's; every record also carries the one it was made with
         "wall_seconds": round(wall, 3),
@@ -723,9 +735,29 @@ def sweep_caption(sweep: Mapping[str, Any]) -> str:
             f"{sweep['resolve_tokens']:,}; {decided} decided (the row shows the last evaluation: `resolved` in "
             "sweep.json lists each step)."
         )
+        rule = rule_text([s for c in resolved for s in c["resolved"]])
+        if rule:  # a sweep from before the rule decided every look at 95 %
+            text += (
+                f" {rule[0].upper()}{rule[1:]}; ± shows the 95 % interval, the mark the verdict of the cell's last "
+                "look."
+            )
+    decisions = decisions_caption(sweep)
+    if decisions:
+        text += f" {decisions}"
     if sweep.get("skipped"):
         text += f" Not swept: {'; '.join(sweep['skipped'])}."
     return text
+
+
+def decisions_caption(sweep: Mapping[str, Any]) -> str:
+    """How many verdicts the sweep made and the false *within* calls they could make were every cell exactly at the
+    tolerance (sweep.json's ``decisions``: ``qbench.eval.tolerance.decisions_block``); empty for a sweep.json
+    from before it was counted, or with fewer than two verdicts."""
+    block = sweep.get("decisions")
+    if not block or block["count"] < 2:
+        return ""
+    metric = sweep.get("metric", DEFAULT_METRIC)
+    return "Decisions: " + decisions_text(block, sweep["tolerance_pct"], metric, "cells, each record once")
 
 
 def write_outputs(sweep: dict[str, Any], out: Path) -> dict[str, Path]:
@@ -733,6 +765,8 @@ def write_outputs(sweep: dict[str, Any], out: Path) -> dict[str, Path]:
     from qbench.studies.plots import sweep_plot
 
     paths = {"json": out / "sweep.json", "md": out / "sweep.md", "png": out / "sweep.png"}
+    if "decisions" in sweep:  # counted again: sweeps merged into one (a card's, one per model) hold them all
+        sweep["decisions"] = decisions_block(decision_count(sweep["cells"]))
     atomic_write_json(paths["json"], sweep)
     command = f"Made by `{sweep['command']}`.\n\n" if sweep.get("command") else ""
     atomic_write_text(

@@ -20,7 +20,7 @@ from qbench.studies.card.result import ModelResult
 from qbench.studies.card.rows import breaking_points, format_row, kv_section, record_ref
 from qbench.studies.card.schema import CARD_VERSION
 from qbench.studies.card.sizes import kv_memory
-from qbench.studies.card.words import comparison_lines, not_measured, verdict_lines
+from qbench.studies.card.words import comparison_lines, decisions_line, not_measured, verdict_lines
 
 # The registry's metrics card.json describes (its renderers' column headers and definitions).
 CARD_METRICS = (
@@ -86,6 +86,7 @@ def _model_section(entry: ModelResult, settings: Mapping[str, Any]) -> dict[str,
     sens = repair_section(entry, fp, profile, settings, tolerance, metric)
     avoid_map = map_section(entry.avoid_map)
     beat = size_to_beat(entry.formats, fp, profile, tolerance, metric, entry.source_bytes)
+    decisions = _decisions(formats, kv, entry.sweep, fp["model"]["name"])
     return {
         "name": fp["model"]["name"],
         "source": entry.source,
@@ -110,9 +111,25 @@ def _model_section(entry: ModelResult, settings: Mapping[str, Any]) -> dict[str,
         # per-window mean NLL of the float record and each format (the comparison's paired intervals)
         "window_nll": entry.window_nll or {},
         "kernels": {k: v for k, v in (entry.layer_speed or {}).items() if k != "records"} or None,
-        "verdict": verdict_section(formats, sens, tolerance, metric, avoid_map, beat),
+        "verdict": verdict_section(formats, sens, tolerance, metric, avoid_map, beat, decisions),
+        "decisions": decisions,
         "not_measured": not_measured(formats, kv, bool(entry.speed), fp["protocol"], settings),
     }
+
+
+def _decisions(
+    formats: Sequence[Mapping[str, Any]],
+    kv: Mapping[str, Any],
+    sweep: Mapping[str, Any] | None,
+    model: str,
+) -> dict[str, Any]:
+    """card.json's ``decisions`` of one model: its verdicts against the tolerance — format rows, KV rows and the
+    cells of its sweep's breaking points, each record once (the sweep's widest cell is often a format row too) —
+    and the false *within* calls they could make (``qbench.eval.tolerance.decisions_block``)."""
+    from qbench.eval.tolerance import decision_count, decisions_block
+
+    cells = [c for c in (sweep or {}).get("cells", []) if c.get("model") == model]
+    return decisions_block(decision_count([*formats, *kv["rows"], *cells]))
 
 
 def _identity(model: Mapping[str, Any], architecture: Mapping[str, Any]) -> dict[str, Any]:
@@ -160,12 +177,17 @@ def verdict_section(
     metric: str = "ppl",
     avoid_map: Mapping[str, Any] | None = None,
     beat: tuple[int | None, str] | None = None,
+    decisions: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """card.json's ``verdict`` of a model's format rows: :func:`~.decide.verdict` (``sens``: the repair section,
     ``avoid_map``: the map of the worst format, ``beat``: :func:`~.decide.size_to_beat`'s answer) with its lines
-    and commands (:func:`~.words.verdict_lines`)."""
+    and commands (:func:`~.words.verdict_lines`); the last line says how many verdicts the model's section made
+    (``decisions``: :func:`_decisions`) and the false *within* calls they could make."""
     v = verdict(formats, sens, avoid_map, beat)
     lines, commands = verdict_lines(v, tolerance, metric)
+    counted = decisions_line(decisions, tolerance, metric)
+    if counted:
+        lines.append(counted)
     recommended = v.recommended
     return {
         "recommended": None

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
+from qbench.eval.tolerance import Decisions, Sequential
+
 CARD_VERSION = 2
 READS = (1, 2)  # the card versions this qbench reads (:func:`upgrade`)
 
@@ -187,13 +189,17 @@ class Decision(TypedDict):
     reason: str | None
 
 
-class ResolveStep(TypedDict):
+class _ResolveStep(TypedDict):
     """One evaluation of a row ``--resolve`` re-evaluated (``qbench.studies.resolve``)."""
 
     tokens_scored: int | None
     verdict: str
     value: float | None
     ci95: list[float] | None
+
+
+class ResolveStep(_ResolveStep, total=False):
+    sequential: Sequential | None  # the look: rule, alpha spent, interval decided on (cards before: none)
 
 
 class _Evidence(TypedDict):
@@ -477,7 +483,7 @@ class Kernels(TypedDict, total=False):
     seed: int
 
 
-class ModelSection(TypedDict):
+class _ModelSection(TypedDict):
     """One model's page (``build.build_card``)."""
 
     name: str
@@ -498,6 +504,10 @@ class ModelSection(TypedDict):
     kernels: Kernels | None
     verdict: Verdict
     not_measured: list[str]
+
+
+class ModelSection(_ModelSection, total=False):
+    decisions: Decisions  # its verdicts and the false within calls they could make (cards before: none)
 
 
 class _ComparisonRow(TypedDict):

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from qbench.eval.tolerance import tolerance_text
+from qbench.eval.tolerance import decisions_text, tolerance_text
 from qbench.studies.card.compare import Findings
 from qbench.studies.card.decide import Avoid, Repair, Rescue, Verdict
 from qbench.studies.card.plan import FORMATS, canonical_scheme
@@ -122,6 +122,16 @@ def verdict_lines(
             f"{decimal_bytes(verdict.no_repair.bytes)}; keeping layers in float only adds bytes."
         )
     return lines, commands
+
+
+def decisions_line(decisions: Mapping[str, Any] | None, tolerance: float, metric: str = "ppl") -> str | None:
+    """How many verdicts a model's section made and the false *within* calls they could make were every row
+    exactly at the tolerance (``decisions``: ``qbench.eval.tolerance.decisions_block``); None with fewer than
+    two."""
+    if not decisions or decisions["count"] < 2:
+        return None
+    what = "format and KV rows and the breaking points' cells, each record once"
+    return "Decisions: " + decisions_text(decisions, tolerance, metric, what)
 
 
 def _recommended_line(row: Mapping[str, Any] | None, limit: str) -> str:

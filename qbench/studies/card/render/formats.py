@@ -96,7 +96,7 @@ def format_table(m: Mapping[str, Any], i: int, limit: str) -> Table[Record]:
         _format_caption(m, limit)
         + (
             " @ N tokens: undecided at the card's tokens, re-evaluated at doubling tokens by --resolve "
-            "(card.json's `resolved` lists each step)."
+            "(card.json's `resolved` lists each step)." + _resolve_rule(m)
             if resolved
             else ""
         )
@@ -104,6 +104,21 @@ def format_table(m: Mapping[str, Any], i: int, limit: str) -> Table[Record]:
     )
     return Table(
         "Deployable formats", format_columns(m, limit), m["formats"], caption, path=f"models.{i}.formats"
+    )
+
+
+def _resolve_rule(m: Mapping[str, Any]) -> str:
+    """The rule --resolve's looks were decided by, from the rows' steps (nothing for a card from before the rule,
+    whose steps hold no alpha: its page reads as it did)."""
+    from qbench.studies.resolve import rule_text
+
+    rows = [*m["formats"], *m["kv"]["rows"]]
+    rule = rule_text([s for r in rows for s in r.get("resolved") or []])
+    if not rule:
+        return ""
+    return (
+        f" {rule[0].upper()}{rule[1:]}; the interval shown is the 95 % one, the verdict the last look's (card.json's "
+        "steps hold each look's `sequential`: its alpha and interval)."
     )
 
 

@@ -138,35 +138,22 @@ def make_windows(tokenizer: Any, protocol: Protocol, context: int) -> Windows:
         raise UserError(f"--window must be at least 2 (a token and the one it predicts), got {window}")
     stream = token_stream(protocol.corpus, protocol.split, tokenizer)
     bos_id = separator_id(tokenizer) if protocol.bos else None
+    first = 0  # every position scored (qbench's protocol)
     if protocol.protocol == LLAMA_CPP:
         ids, targets, first = llama_cpp_windows(
             stream, window, bos_id, protocol.tokens, protocol.split, protocol.corpus
         )
-        return Windows(
-            ids,
-            targets,
-            targets.numel(),
-            len(stream),
-            protocol.tokens > len(stream),
-            window,
-            scored_bytes(tokenizer, targets),
-            first,
-        )
-    try:
-        ids, targets = validation_windows(stream, window, bos_id, protocol.tokens)
-    except UserError:
-        raise UserError(
-            f"the {protocol.split} split of {protocol.corpus!r} has {len(stream)} tokens, fewer than one window "
-            f"of {window_span(window, protocol.bos)}; use a larger corpus or a smaller --window"
-        ) from None
+    else:
+        try:
+            ids, targets = validation_windows(stream, window, bos_id, protocol.tokens)
+        except UserError:
+            raise UserError(
+                f"the {protocol.split} split of {protocol.corpus!r} has {len(stream)} tokens, fewer than one "
+                f"window of {window_span(window, protocol.bos)}; use a larger corpus or a smaller --window"
+            ) from None
+    clamped = protocol.tokens > len(stream)
     return Windows(
-        ids,
-        targets,
-        targets.numel(),
-        len(stream),
-        protocol.tokens > len(stream),
-        window,
-        scored_bytes(tokenizer, targets),
+        ids, targets, targets.numel(), len(stream), clamped, window, scored_bytes(tokenizer, targets), first
     )
 
 

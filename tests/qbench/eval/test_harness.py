@@ -138,8 +138,13 @@ def test_a_model_that_breaks_under_a_scheme_is_recorded_and_the_grid_goes_on(ckp
 
 
 def test_budget_larger_than_the_text_is_clamped_and_recorded(ckpt_dir, tmp_path):
+    # a text of a few hundred tokens, scored whole (the default, the embedded validation split's 122 k, took ~25 s)
+    text = tmp_path / "short.txt"
+    text.write_text(
+        "\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(40))
+    )
     s = spec(tmp_path, [ckpt_dir], schemes=())
-    s.protocol = Protocol(tokens=10**9, batch_size=64, outlier_windows=1)
+    s.protocol = Protocol(corpus=str(text), tokens=10**9, batch_size=64, outlier_windows=1)
     (fp,) = run_grid(s)
     assert fp["protocol"]["tokens_clamped"] is True
     assert fp["protocol"]["tokens_scored"] <= fp["protocol"]["tokens_available"]

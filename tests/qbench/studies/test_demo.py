@@ -1,9 +1,43 @@
+import dataclasses
 import json
 import re
 
 import pytest
 
 from qbench.cli import main
+from qbench.studies import demo, layerspeed
+
+# Trainer options added after the demo's own on every run here: a 2-layer, d 128 model (the tiny preset's
+# vocabulary, context and 64-dim heads; the long demo's d_ff 688 and Llama switches stay), 512 validation tokens (not
+# 16,384), batches of 4 windows (not 16) and 2 probe windows (not 8). A 2-step run then costs little beyond its
+# start-up, and each evaluated cell a third of the tiny model's; what the tests check (the runs' step and
+# schedule, the model family and switches, seeds, probes, resumption, the records, sweep and card the demo writes)
+# does not depend on them.
+QUICK_TRAINING = (
+    *("--set", "n_layer=2", "--set", "d_model=128", "--set", "n_head=2"),
+    *("--eval-tokens", "512", "--batch-size", "4", "--probe-batch", "2"),
+)
+
+
+@pytest.fixture(autouse=True)
+def _quick_training_and_card(monkeypatch):
+    real_runs = demo.demo_runs
+    monkeypatch.setattr(
+        demo,
+        "demo_runs",
+        lambda cfg: [dataclasses.replace(r, args=(*r.args, *QUICK_TRAINING)) for r in real_runs(cfg)],
+    )
+    # the card's per-layer kernel timings (qbench.studies.layerspeed): one copy, one timed call per shape (the
+    # demo's card is checked here for its models and protocol, not for its speed-ups)
+    for name in ("MAX_COPIES", "DECODE_REPEATS", "PREFILL_REPEATS"):
+        monkeypatch.setattr(layerspeed, name, 1)
+
+
+@pytest.fixture
+def one_paper_scheme(monkeypatch):
+    """The evaluation grid with one of the paper's schemes (fake and real) instead of all four, for the tests about
+    training and seeds: the whole grid, its records and their reuse are the first test's."""
+    monkeypatch.setattr(demo, "PAPER_SCHEMES", ("absmax-coarse",))
 
 
 @pytest.mark.slow
@@ -55,7 +89,9 @@ def test_demo_end_to_end_on_a_tiny_budget_and_rerun_reuses_everything(tmp_path, 
 
 
 @pytest.mark.slow
-def test_demo_long_trains_the_llama_style_models_to_the_end_of_their_schedule(tmp_path, capsys):
+def test_demo_long_trains_the_llama_style_models_to_the_end_of_their_schedule(
+    tmp_path, capsys, one_paper_scheme
+):
     import json
 
     argv = [
@@ -68,6 +104,7 @@ def test_demo_long_trains_the_llama_style_models_to_the_end_of_their_schedule(tm
         "--ckpt-root",
         str(tmp_path / "ckpts"),
         "--no-card",
+        "--no-sweep",  # the demo's sweep and its reuse are the first test's
     ]
     assert main([*argv, "--output-path", str(tmp_path / "results")]) == 0
     for recipe, norm in (("vanilla", "rmsnorm"), ("paper", "rmsnorm_single")):
@@ -92,7 +129,7 @@ def test_demo_long_trains_the_llama_style_models_to_the_end_of_their_schedule(tm
 
 
 @pytest.mark.slow
-def test_demo_seeds_train_both_recipes_per_seed_and_summarise_them(tmp_path, capsys):
+def test_demo_seeds_train_both_recipes_per_seed_and_summarise_them(tmp_path, capsys, one_paper_scheme):
     argv = ["demo", "--steps", "2", "--tokens", "254", "--seeds", "2", "--no-sweep", "--no-card"]
     argv += ["--ckpt-root", str(tmp_path / "ckpts"), "--output-path", str(tmp_path / "results")]
     assert main(argv) == 0

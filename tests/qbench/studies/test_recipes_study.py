@@ -66,10 +66,9 @@ def test_estimate_counts_tokens_and_flops_before_anything_runs(micro_panel):
         study.RecipesConfig(recipes=("softpik",))
 
 
-def test_panel_trains_resumes_and_writes_one_table(micro_panel, monkeypatch, tmp_path):
+def test_panel_trains_resumes_and_writes_one_table(micro_panel, tmp_path):
     from rich.console import Console
 
-    monkeypatch.setenv("QBENCH_CACHE", str(tmp_path / "cache"))
     console = Console(file=open(tmp_path / "log", "w"))  # noqa: SIM115
     table = study.run_panel(micro_panel, console, "qbench recipes --test")
     text = table.read_text()
@@ -152,7 +151,6 @@ def test_seeds_train_every_recipe_per_seed_and_summarise_mean_sd_and_flips(
 
     from qbench.studies.seeds import mean_sd
 
-    monkeypatch.setenv("QBENCH_CACHE", str(tmp_path / "cache"))
     cfg = dataclasses.replace(
         micro_panel,
         recipes=("vanilla", "sink-logit"),

@@ -27,14 +27,14 @@ from qbench.studies.card.upgrade import missing_keys, mistyped_keys, unknown_key
 from qbench.studies.card.write import FIGURE_FILE
 
 ROOT = Path(__file__).resolve().parents[3]
-CARDS = ROOT / "results" / "cards"
-COMMITTED = sorted(CARDS.glob("*/card.json"))
-NAMES = [f.parent.name for f in COMMITTED]
-REPAIRED = "smollm2-135m-folder-own-text"  # the committed card with a sensitivity section and its repair
+RESULTS = ROOT / "results"
+COMMITTED = sorted(RESULTS.glob("**/card.json"))  # results/cards/*, and the demo's under results/demo
+NAMES = [str(f.parent.relative_to(RESULTS)) for f in COMMITTED]
+REPAIRED = "cards/smollm2-135m-folder-own-text"  # the committed card with a sensitivity section and its repair
 
 
 def _card(name: str) -> dict:
-    return json.loads((CARDS / name / "card.json").read_text())
+    return json.loads((RESULTS / name / "card.json").read_text())
 
 
 def _figures(folder: Path) -> dict[str, bytes]:
@@ -59,7 +59,7 @@ def rerendered(tmp_path_factory) -> Path:
     (the first given by its card.json, the others by their folder)."""
     out = tmp_path_factory.mktemp("cards")
     for i, file in enumerate(COMMITTED):
-        folder = out / file.parent.name
+        folder = out / str(file.parent.relative_to(RESULTS)).replace("/", "__")
         folder.mkdir()
         shutil.copy(file, folder / "card.json")
         assert main(["card", "--from-json", str(folder / "card.json" if i == 0 else folder)]) == 0
@@ -67,15 +67,15 @@ def rerendered(tmp_path_factory) -> Path:
 
 
 def test_there_are_committed_cards():
-    assert len(COMMITTED) >= 6
+    assert len(COMMITTED) >= 7 and "demo" in NAMES
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_a_committed_card_is_its_card_json_rendered(rerendered, name):
-    """The pages and figures under results/cards/ are what this qbench writes from their card.json; card.json
+    """The pages and figures of every committed card are what this qbench writes from their card.json; card.json
     itself is at this version and comes back unchanged."""
-    committed, again = CARDS / name, rerendered / name
-    stale = f"results/cards/{name} is stale: qbench card --from-json results/cards/{name}"
+    committed, again = RESULTS / name, rerendered / name.replace("/", "__")
+    stale = f"results/{name} is stale: qbench card --from-json results/{name}"
     for page in ("card.md", "card.html"):
         assert (again / page).read_bytes() == (committed / page).read_bytes(), f"{page}: {stale}"
     figures, expected = _figures(again), _figures(committed)
@@ -243,7 +243,7 @@ def written(tmp_path) -> Path:
     """A card's folder holding its card.json alone (nothing rendered: every call here is refused)."""
     folder = tmp_path / "card"
     folder.mkdir()
-    shutil.copy(CARDS / REPAIRED / "card.json", folder / "card.json")
+    shutil.copy(RESULTS / REPAIRED / "card.json", folder / "card.json")
     return folder
 
 

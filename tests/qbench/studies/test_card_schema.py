@@ -30,7 +30,9 @@ ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "results"
 COMMITTED = sorted(RESULTS.glob("**/card.json"))  # results/cards/*, and the demo's under results/demo
 NAMES = [str(f.parent.relative_to(RESULTS)) for f in COMMITTED]
-REPAIRED = "cards/smollm2-135m-folder-own-text"  # the committed card with a sensitivity section and its repair
+REPAIRED = (
+    "cards/smollm2-135m-folder-own-text"  # the committed card with a sensitivity section and its repair
+)
 
 
 def _card(name: str) -> dict:

@@ -22,6 +22,8 @@ Which kernel runs is decided in ``paths.py``, which also checks the stored tenso
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -30,11 +32,27 @@ from models.errors import UserError
 from qbench.quant.float32 import Float32Buffers
 from qbench.quant.kernels import paths
 
+if TYPE_CHECKING:
+    from qbench.quant.primitives import QParams
+
 CODE_DTYPES = (torch.int8, torch.uint8)  # what the kernels read codes as (packed nibbles, bit-packed, int8)
 
 
 def tensor_bytes(*tensors: Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
+
+
+@dataclass(frozen=True)
+class LayerInputs:
+    """What ``make_real_linear`` hands a layer's builder besides its weight, bias and scheme — one object, so the
+    five builders (``dispatch.build``) share one signature: SmoothQuant's input scale, a rotation (Hadamard,
+    QuaRot), the calibrated static quantisers of a ``static=true`` scheme and a weight grid an algorithm fixed (GPTQ)."""
+
+    input_scale: Tensor | None = None
+    rotation: nn.Module | Tensor | None = None
+    act_static: nn.Module | None = None
+    out_static: nn.Module | None = None
+    weight_qparams: QParams | None = None
 
 
 class MatrixRotation(Float32Buffers):

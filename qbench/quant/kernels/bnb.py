@@ -30,8 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import UserError
-from qbench.quant.kernels.base import RealLinear
-from qbench.quant.primitives import QParams
+from qbench.quant.kernels.base import LayerInputs, RealLinear
 from qbench.quant.schemes import QuantScheme
 
 _CAST_WARNING = "inputs will be cast from"
@@ -261,14 +260,10 @@ def build_bnb(
     weight: Tensor,
     bias: Tensor | None,
     scheme: QuantScheme,
-    input_scale: Tensor | None,
-    rotation: nn.Module | Tensor | None,
-    act_static: nn.Module | None,
-    out_static: nn.Module | None,
-    weight_qparams: QParams | None = None,
+    inputs: LayerInputs,
 ) -> nn.Module:
     """The registry's builder for bitsandbytes' schemes (``registry.REAL_KERNELS``)."""
-    if input_scale is not None or rotation is not None or weight_qparams is not None:
+    if inputs.input_scale is not None or inputs.rotation is not None or inputs.weight_qparams is not None:
         raise UserError(
             f"scheme {scheme.name!r}: bitsandbytes layers take no input scale, rotation or given weight grid"
         )

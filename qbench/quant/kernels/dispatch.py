@@ -7,6 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import UserError
+from qbench.quant.kernels.base import LayerInputs
 from qbench.quant.kernels.bnb import build_bnb
 from qbench.quant.kernels.int4 import int4pack_available
 from qbench.quant.kernels.int8 import build_w8a8, int_mm_available
@@ -48,21 +49,12 @@ def make_real_linear(
             f"scheme {scheme.name!r} ({scheme.label}) has no real kernel; real kernels exist for: "
             f"{'; '.join(k.covers for k in REAL_KERNELS)}. Run it with mode='fake'"
         )
-    return build(
-        kernel.layer, weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams
-    )
+    inputs = LayerInputs(input_scale, rotation, act_static, out_static, weight_qparams)
+    return build(kernel.layer, weight, bias, scheme, inputs)
 
 
 def build(
-    layer: str,
-    weight: Tensor,
-    bias: Tensor | None,
-    scheme: QuantScheme,
-    input_scale: Tensor | None = None,
-    rotation: nn.Module | Tensor | None = None,
-    act_static: nn.Module | None = None,
-    out_static: nn.Module | None = None,
-    weight_qparams: QParams | None = None,
+    layer: str, weight: Tensor, bias: Tensor | None, scheme: QuantScheme, inputs: LayerInputs
 ) -> nn.Module:
     """The builder of the registry entry whose layer is ``layer``, called with ``make_real_linear``'s arguments.
 
@@ -71,25 +63,15 @@ def build(
     (``qbench ls schemes`` reads it) and every layer file imports torch."""
     match layer:
         case "BnbLinear":
-            return build_bnb(
-                weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams
-            )
+            return build_bnb(weight, bias, scheme, inputs)
         case "Int8Linear":
-            return build_w8a8(
-                weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams
-            )
+            return build_w8a8(weight, bias, scheme, inputs)
         case "Int4A8Linear":
-            return build_w4a8(
-                weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams
-            )
+            return build_w4a8(weight, bias, scheme, inputs)
         case "Int8WeightOnlyLinear":
-            return build_w8_weight_only(
-                weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams
-            )
+            return build_w8_weight_only(weight, bias, scheme, inputs)
         case "Int4Linear / LowBitLinear":
-            return build_weight_only(
-                weight, bias, scheme, input_scale, rotation, act_static, out_static, weight_qparams
-            )
+            return build_weight_only(weight, bias, scheme, inputs)
     raise AssertionError(f"the registry names layer {layer!r}, which has no builder in dispatch.build")
 
 

@@ -53,7 +53,7 @@ from models.errors import UserError
 from qbench.quant.fake import transform_input, transform_weight
 from qbench.quant.granularity import Granularity, PerAxis, PerTensor, PerToken, check_granularity, unit
 from qbench.quant.kernels import paths
-from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
+from qbench.quant.kernels.base import LayerInputs, RealLinear, as_rotation, check_input_scale
 from qbench.quant.primitives import TINY, QParams, given_or_chosen, quantize, true_div
 from qbench.quant.schemes import QuantScheme
 
@@ -423,11 +423,7 @@ def build_w8a8(
     weight: Tensor,
     bias: Tensor | None,
     scheme: QuantScheme,
-    input_scale: Tensor | None,
-    rotation: nn.Module | Tensor | None,
-    act_static: nn.Module | None,
-    out_static: nn.Module | None,
-    weight_qparams: QParams | None = None,
+    inputs: LayerInputs,
 ) -> nn.Module:
     """The registry's builder for W8A8 schemes (``registry.REAL_KERNELS``): the scheme's granularities go to
     the layer as they are."""
@@ -437,9 +433,9 @@ def build_w8a8(
         weight_granularity=scheme.weight_granularity,
         act=scheme.act_granularity,
         out_quant=scheme.out_bits is not None,
-        input_scale=input_scale,
-        rotation=rotation,
-        static_act_scale=None if act_static is None else act_static.scale,
-        static_out_scale=None if out_static is None else out_static.scale,
-        weight_qparams=weight_qparams,
+        input_scale=inputs.input_scale,
+        rotation=inputs.rotation,
+        static_act_scale=None if inputs.act_static is None else inputs.act_static.scale,
+        static_out_scale=None if inputs.out_static is None else inputs.out_static.scale,
+        weight_qparams=inputs.weight_qparams,
     )

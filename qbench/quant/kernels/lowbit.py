@@ -34,7 +34,7 @@ from models.errors import UserError
 from qbench.quant.fake import pad_to_groups, transform_input, transform_weight
 from qbench.quant.granularity import Granularity, PerAxis, PerGroup
 from qbench.quant.kernels import paths
-from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
+from qbench.quant.kernels.base import LayerInputs, RealLinear, as_rotation, check_input_scale
 from qbench.quant.kernels.registry import PACKED_BITS  # the registry's predicates read it too
 from qbench.quant.primitives import QParams, given_or_chosen, qrange, quantize
 from qbench.quant.schemes import QuantScheme
@@ -186,11 +186,7 @@ def build_weight_only(
     weight: Tensor,
     bias: Tensor | None,
     scheme: QuantScheme,
-    input_scale: Tensor | None,
-    rotation: nn.Module | Tensor | None,
-    act_static: nn.Module | None,
-    out_static: nn.Module | None,
-    weight_qparams: QParams | None = None,
+    inputs: LayerInputs,
 ) -> nn.Module:
     """The registry's builder for W2/W3/W4 weight-only schemes: asymmetric int4 -> Int4Linear (torch's int4 kernel with bf16); int2/int3, symmetric int4 and a group that
     does not divide the row (a shorter last group) -> LowBitLinear."""
@@ -200,7 +196,12 @@ def build_weight_only(
         from qbench.quant.kernels.int4 import Int4Linear
 
         return Int4Linear.from_float(
-            weight, bias, group, input_scale=input_scale, rotation=rotation, weight_qparams=weight_qparams
+            weight,
+            bias,
+            group,
+            input_scale=inputs.input_scale,
+            rotation=inputs.rotation,
+            weight_qparams=inputs.weight_qparams,
         )
     return LowBitLinear.from_float(
         weight,
@@ -208,7 +209,7 @@ def build_weight_only(
         scheme.weight_bits,
         g,
         scheme.weight_symmetric,
-        input_scale=input_scale,
-        rotation=rotation,
-        weight_qparams=weight_qparams,
+        input_scale=inputs.input_scale,
+        rotation=inputs.rotation,
+        weight_qparams=inputs.weight_qparams,
     )

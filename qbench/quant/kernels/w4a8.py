@@ -41,7 +41,7 @@ from models.errors import UserError
 from qbench.quant.fake import pad_to_groups, transform_input, transform_weight
 from qbench.quant.granularity import Granularity, PerAxis, PerGroup, PerToken, check_granularity, unit
 from qbench.quant.kernels import native, paths
-from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
+from qbench.quant.kernels.base import LayerInputs, RealLinear, as_rotation, check_input_scale
 from qbench.quant.kernels.int4 import pack_int4, unpack_int4
 from qbench.quant.kernels.int8 import ACT_GRANULARITIES, PER_TOKEN, quantize_activation
 from qbench.quant.primitives import QParams, given_or_chosen, quantize
@@ -234,11 +234,7 @@ def build_w4a8(
     weight: Tensor,
     bias: Tensor | None,
     scheme: QuantScheme,
-    input_scale: Tensor | None,
-    rotation: nn.Module | Tensor | None,
-    act_static: nn.Module | None,
-    out_static: nn.Module | None,
-    weight_qparams: QParams | None = None,
+    inputs: LayerInputs,
 ) -> nn.Module:
     """The registry's builder for W4A8 schemes (``registry.REAL_KERNELS``)."""
     g = scheme.weight_granularity_for(weight.shape[1])  # a group ≥ the row is per channel
@@ -248,8 +244,8 @@ def build_w4a8(
         bias,
         group,
         act=scheme.act_granularity,
-        input_scale=input_scale,
-        rotation=rotation,
-        weight_qparams=weight_qparams,
+        input_scale=inputs.input_scale,
+        rotation=inputs.rotation,
+        weight_qparams=inputs.weight_qparams,
         symmetric=scheme.weight_symmetric,
     )

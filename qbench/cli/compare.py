@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--breaking-points",
         action="store_true",
-        help="add each model's breaking points from the sweep.json files under the named folders",
+        help="add each model's breaking points from the sweep.json files under the named folders (decided on "
+        "--metric kld or top1, the cells show that metric's interval)",
     )
     p.add_argument("--sweep", action="append", help="add breaking points from this sweep.json (repeatable)")
 
@@ -66,8 +67,10 @@ def _records_for(name: str, output_path: Path) -> list[dict]:
     )
 
 
-def _breaking_point_columns(args: argparse.Namespace) -> dict[str, dict[str, str]]:
-    """Breaking-point columns from ``--sweep`` files, else from the sweep.json files under the named folders."""
+def _breaking_point_columns(args: argparse.Namespace) -> tuple[dict[str, dict[str, str]], str]:
+    """Breaking-point columns from ``--sweep`` files, else from the sweep.json files under the named folders, and
+    the metric their verdicts were decided on (the one the table's cells then show: ppl when the sweeps differ)."""
+    from qbench.eval.tolerance import DEFAULT_METRIC
     from qbench.studies.sweep import breaking_point_columns, read_sweep
 
     paths = [Path(p) for p in args.sweep or ()]
@@ -83,10 +86,13 @@ def _breaking_point_columns(args: argparse.Namespace) -> dict[str, dict[str, str
             "or name a sweep with --sweep PATH"
         )
     columns: dict[str, dict[str, str]] = {}
+    metrics = set()
     for path in dict.fromkeys(paths):
-        for model, cols in breaking_point_columns(read_sweep(path)).items():
+        sweep = read_sweep(path)
+        metrics.add(sweep.get("metric") or DEFAULT_METRIC)
+        for model, cols in breaking_point_columns(sweep).items():
             columns.setdefault(model, {}).update(cols)
-    return columns
+    return columns, metrics.pop() if len(metrics) == 1 else DEFAULT_METRIC
 
 
 def run(args: argparse.Namespace) -> None:
@@ -97,8 +103,8 @@ def run(args: argparse.Namespace) -> None:
 
         raise unknown_choice("format", args.format, FORMATS)
     records = [r for name in args.names for r in _records_for(name, Path(args.output_path))]
-    extra = _breaking_point_columns(args) if args.breaking_points or args.sweep else None
+    extra, metric = _breaking_point_columns(args) if args.breaking_points or args.sweep else (None, "ppl")
     if args.format == "table":
-        print_wide(rich_table(records, extra=extra))
+        print_wide(rich_table(records, extra=extra, metric=metric))
     else:
-        sys.stdout.write(render(records, args.format, extra=extra))
+        sys.stdout.write(render(records, args.format, extra=extra, metric=metric))

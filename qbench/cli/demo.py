@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 from models.errors import UserError
 from qbench.cli.args import add_seed_arguments
@@ -13,6 +14,50 @@ from qbench.cli.budgets import DEMO_LONG_STEPS, DEMO_STEPS, DEMO_TOKENS
 from qbench.cli.evaluate import (
     print_record,
 )
+from qbench.eval.sampling import SAMPLES
+from qbench.studies.runs import DEFAULT_DATA
+
+
+def add_data_arguments(parser: argparse.ArgumentParser, runs: str) -> None:
+    """``--data``, ``--sample`` and ``--sample-seed`` of the commands that train and then evaluate (``qbench demo``,
+    ``qbench recipes``): one corpus for both (its train split trains, its validation split is scored), the windows
+    spelled as every evaluating command spells them (``qbench.cli.args.add_model_arguments``); ``runs`` names
+    what is trained."""
+    parser.add_argument(
+        "--data",
+        default=DEFAULT_DATA,
+        metavar="CORPUS",
+        help=f"corpus {runs} are trained on (its train split) and evaluated on (its validation split): embedded | "
+        "embedded-whole (its texts whole: the split of every result made before corpus pieces) | mix | c4 | a "
+        "local path (qbench ls corpora)",
+    )
+    parser.add_argument(
+        "--sample",
+        choices=SAMPLES,
+        help="which windows are scored (default: documents): documents = windows drawn across the split's "
+        "documents, stratified by source, one per document while they last, the intervals clustered by document, "
+        "and a window of at most the largest power of two <= --tokens/16, at least 128, so every budget scores "
+        ">= 16 windows | first = consecutive windows from the start of the text (every record before sampling "
+        "existed; --data embedded-whole --sample first reproduces those records) — docs/metrics.md",
+    )
+    parser.add_argument(
+        "--sample-seed",
+        type=int,
+        default=0,
+        help="seed of the documents sample (another seed scores other windows of the same text)",
+    )
+
+
+def data_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The config fields of :func:`add_data_arguments`' options, refused in one line before anything is trained:
+    an unknown ``--data`` (the corpus registry's did-you-mean error) or a negative ``--sample-seed``."""
+    from qbench.studies.runs import check_data
+
+    if args.sample_seed < 0:
+        raise UserError(f"--sample-seed must be ≥ 0, got {args.sample_seed}")
+    check_data(args.data)
+    return {"data": args.data, "sample": args.sample, "sample_seed": args.sample_seed}
+
 
 NAME = "demo"
 HELP = "train vanilla + paper tiny models, evaluate the paper's schemes, sweep, card (~12 min CPU)"
@@ -38,6 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt-root", help="checkpoint folder (default: ckpts/demo; --long: ckpts/demo-long)")
     add_output_argument(p, "results folder (default: results/demo; --long: results/demo-long)", metavar="DIR")
     add_seed_arguments(p, "both recipes (the card is of the first seed)")
+    add_data_arguments(p, "both models")
     p.add_argument("--no-sweep", action="store_true", help="skip the bit-width sweep (8→2 bits, KV cache)")
     p.add_argument(
         "--no-card",
@@ -58,6 +104,7 @@ def run(args: argparse.Namespace) -> None:
         raise UserError(
             f"--steps and --seeds must be ≥ 1 and --tokens ≥ 2, got {steps}, {args.seeds} and {args.tokens}"
         )
+    data = data_from_args(args)  # before anything is trained
     cfg = replace(
         base,
         steps=steps,
@@ -67,6 +114,7 @@ def run(args: argparse.Namespace) -> None:
         seed=args.seed,
         seeds=args.seeds,
         sweep_axes=() if args.no_sweep else base.sweep_axes,
+        **data,
     )
     console.print(
         f"[bold]qbench demo[/]: train {', '.join(demo.RECIPES)} ({cfg.description}) in {cfg.ckpt_root}/, "

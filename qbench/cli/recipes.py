@@ -10,6 +10,7 @@ from models.errors import UserError
 from qbench.cli.args import add_seed_arguments
 from qbench.cli.base import add_output_argument, console
 from qbench.cli.budgets import DEMO_LONG_STEPS, DEMO_STEPS, DEMO_TOKENS
+from qbench.cli.demo import add_data_arguments, data_from_args
 
 # torch-free: the parser stays light
 from qbench.studies.recipes import DEFAULT_RECIPES, LR_RULE, LR_SWEEP, valid_lr
@@ -61,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "results/recipes/lr_sweep.json for the --long panel; a sweep at --long's budget would cost three panels)",
     )
     add_seed_arguments(parser, "every recipe")
+    add_data_arguments(parser, "every recipe's runs")
     parser.add_argument(
         "--tokens", type=int, default=DEMO_TOKENS, help="evaluation token budget per model (the demo's)"
     )
@@ -141,6 +143,7 @@ def run(args: argparse.Namespace) -> None:
             "sweep_axes": () if args.no_sweep else base.sweep_axes,
             "lrs": lrs,
             "algorithms": not args.no_algorithms,
+            **data_from_args(args),  # an unknown --data: refused before anything is timed or trained
         }
     )
     if args.lr_from is not None:

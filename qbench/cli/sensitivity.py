@@ -159,18 +159,18 @@ def _with_progress(spec, args: argparse.Namespace, lm) -> dict:
 
 def _print_summary(result: dict, top: int) -> None:
     from qbench.eval.evidence import tolerance_text
-    from qbench.studies.sensitivity import change_text, top_table
+    from qbench.studies.sensitivity import repair_texts, top_table
 
     r, t = result["repair"], result["timing"]
     console.print(top_table(result, top), highlight=False)
     corr = ", ".join(f"{s} {'-' if v is None else f'{v:+.2f}'}" for s, v in result["correlation"].items())
     console.print(f"Spearman with the damage: {corr}", highlight=False)
     kept = " ".join(f"--exclude '{n}'" for n in r["exclude"]) or "nothing"
+    before, after = repair_texts(r)  # on kld or top1: that metric's values, then the changes
     console.print(
-        f"repair (≤ {tolerance_text(r['tolerance_pct'], r.get('metric', 'ppl'))}): all quantised {change_text(r['quantised_ppl_change_pct'])} → "
+        f"repair (≤ {tolerance_text(r['tolerance_pct'], r.get('metric', 'ppl'))}): all quantised {before} → "
         f"keep {r['count']} unit(s) in float ({r['weight_share_float']:.1%} of the weights): {kept} → measured "
-        f"{change_text(r['ppl_change_pct'])}"
-        + ("" if r["reached"] else " [yellow](tolerance not reached)[/]"),
+        f"{after}" + ("" if r["reached"] else " [yellow](tolerance not reached)[/]"),
         highlight=False,
     )
     per_unit = "-" if t["seconds_per_unit"] is None else f"{t['seconds_per_unit']:.2f} s"

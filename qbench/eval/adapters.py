@@ -60,10 +60,18 @@ def context_length(model: nn.Module, window: int | None = None) -> int:
 MAX_DEFAULT_WINDOW = 2048
 
 
-def default_window(model: nn.Module, window: int | None = None) -> int:
-    """The evaluation window when ``--window`` is not given: the model's context, at most
-    :data:`MAX_DEFAULT_WINDOW`; ``window`` when it is."""
-    return window if window is not None else min(context_length(model), MAX_DEFAULT_WINDOW)
+def default_window(
+    model: nn.Module, window: int | None = None, tokens: int = 0, sample: str | None = None
+) -> int:
+    """The evaluation window: ``window`` when given (``--window``), else the model's context, at most
+    :data:`MAX_DEFAULT_WINDOW`, and under the documents sample of a ``tokens`` budget at most tokens/16
+    (``qbench.eval.sampling.default_window``: the rule ``qbench.eval.metrics.make_windows`` applies)."""
+    from qbench.eval.sampling import FIRST
+    from qbench.eval.sampling import default_window as sampled
+
+    if window is not None:
+        return window
+    return sampled(tokens, context_length(model), sample or FIRST)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -31,12 +31,17 @@ llama.cpp scores the second half of each chunk only; qbench scores every positio
 
 **Intervals** (:func:`cluster_interval`). Tokens of one window share their context, so their errors are not
 independent, and the per-token standard error above is too small (the tests show it covering the true change
-far less often than 95 %). The decisions use windows as the independent unit: for window i,
-d_i = mean NLL_Q − mean NLL_P over its tokens (all windows have the same length, so mean(d) is the change in mean
-NLL); the 95 % interval of mean(d) is mean(d) ± t(0.975, n − 1) · sd(d)/√n (Student's t, exact for integer
-degrees of freedom: :func:`t_quantile`), and ``ppl_change_ci95`` is 100 · (exp(·) − 1) of its ends, in percent.
-The same cluster interval gives ``kld_mean_ci95`` (per-window mean KLD) and ``top1_agreement_ci95``. One window
-gives no interval (no variance to estimate).
+far less often than 95 %). The decisions use windows as the unit: for window i, d_i = mean NLL_Q − mean NLL_P over
+its tokens (all windows have the same length, so mean(d) is the change in mean NLL). Windows of one document are
+not independent either (a document's topic and style make a quantised model err alike in all of them), so where
+the windows were drawn across documents (``--sample documents``, ``qbench.eval.sampling``) the documents are the
+clusters: the 95 % interval of mean(d) is mean(d) ± t(0.975, G − 1) · se with G documents and the cluster-robust
+se² = G/(G − 1) · Σ_g (Σ_{i∈g} (d_i − mean))² / n² — with one window per document (the default design) exactly
+the paired t over windows, mean(d) ± t(0.975, n − 1) · sd(d)/√n, which is what a record of the first windows
+(``--sample first``, every window its own cluster) uses. Student's t is exact for integer degrees of freedom
+(:func:`t_quantile`); ``ppl_change_ci95`` is 100 · (exp(·) − 1) of the ends, in percent. The same interval gives
+``kld_mean_ci95`` (per-window mean KLD) and ``top1_agreement_ci95``. One cluster gives no interval (no variance to
+estimate); the record's ``interval`` block names the method, the windows, the clusters and the degrees of freedom.
 
 **Verdicts** (:func:`decide`): with ``tolerance`` in the metric's unit, *within* when the interval's upper end is
 ≤ the tolerance, *beyond* when its lower end is > the tolerance, *undecided* when it straddles it (or when no
@@ -59,7 +64,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +81,7 @@ from qbench.eval.tolerance import DEFAULT_METRIC as DEFAULT_METRIC
 from qbench.eval.tolerance import LEVEL as LEVEL
 from qbench.eval.tolerance import METRICS as METRICS
 from qbench.eval.tolerance import check_metric as check_metric
+from qbench.eval.tolerance import deciding_interval, interval_text
 from qbench.eval.tolerance import default_tolerance as default_tolerance
 from qbench.eval.tolerance import tolerance_text as tolerance_text
 
@@ -202,24 +208,53 @@ def percentile(sorted_values: Tensor, fraction: float) -> float:
     return ((1 - p) * sorted_values[i].double() + p * sorted_values[min(i + 1, n - 1)].double()).item()
 
 
-def cluster_interval(per_window: Tensor, level: float = LEVEL) -> tuple[float, float, float, float] | None:
-    """(mean, low, high, sd) of the per-window values' mean: mean ± t((1+level)/2, n−1) · sd/√n; None for n < 2."""
+def cluster_interval(
+    per_window: Tensor, level: float = LEVEL, clusters: Sequence[Hashable] | None = None
+) -> tuple[float, float, float, float] | None:
+    """(mean, low, high, sd) of the per-window values' mean, with G independent clusters of windows (``clusters``:
+    a label per window; None: every window its own):
+
+        mean ± t((1 + level)/2, G − 1) · se,   se² = G / (G − 1) · Σ_g (Σ_{i ∈ g} (x_i − mean))² / n²
+
+    the cluster-robust (CR1) standard error of a mean. With every window its own cluster it is sd/√n, the plain
+    paired t. ``sd`` is the per-window spread the interval implies, se·√n. None for G < 2 (no variance)."""
     x = per_window.double().flatten()
     n = x.numel()
-    if n < 2:
-        return None
-    mean, sd = x.mean().item(), x.std(unbiased=True).item()
-    half = t_quantile((1 + level) / 2, n - 1) * sd / math.sqrt(n)
+    if clusters is None:
+        groups = n
+        if n < 2:
+            return None
+        mean, sd = x.mean().item(), x.std(unbiased=True).item()
+        se = sd / math.sqrt(n)
+    else:
+        if len(clusters) != n:
+            raise ValueError(f"{len(clusters)} cluster labels for {n} windows")
+        labels: dict[Hashable, int] = {}
+        index = torch.tensor([labels.setdefault(c, len(labels)) for c in clusters])
+        groups = len(labels)
+        if groups < 2:
+            return None
+        mean = x.mean().item()
+        sums = torch.zeros(groups, dtype=torch.float64).index_add_(0, index, x - mean)
+        se = math.sqrt(groups / (groups - 1) * sums.square().sum().item()) / n
+        sd = se * math.sqrt(n)
+    half = t_quantile((1 + level) / 2, groups - 1) * se
     return mean, mean - half, mean + half, sd
+
+
+def cluster_count(clusters: Sequence[Hashable] | None, windows: int) -> int:
+    """G: the number of distinct clusters (``windows`` when there are no labels)."""
+    return windows if clusters is None else len(set(clusters))
 
 
 def _pct(x: float) -> float:
     return 100 * math.expm1(x) if x < 700 else float("inf")
 
 
-def paired_metrics(nll: Tensor, fp_nll: Tensor) -> dict[str, Any]:
-    """``ppl_change_ci95`` (percent, windows as clusters), ``ln_ppl_ratio`` ± its per-token paired uncertainty
-    (llama.cpp's) and ``rms_delta_p`` of a quantised cell's per-token NLL against the float model's."""
+def paired_metrics(nll: Tensor, fp_nll: Tensor, clusters: Sequence[Hashable] | None = None) -> dict[str, Any]:
+    """``ppl_change_ci95`` (percent; windows, or with ``clusters`` the documents, as clusters), ``ln_ppl_ratio`` ±
+    its per-token paired uncertainty (llama.cpp's) and ``rms_delta_p`` of a quantised cell's per-token NLL against
+    the float model's."""
     if nll.shape != fp_nll.shape:
         raise ValueError(f"per-token NLL of shape {tuple(nll.shape)} against the float {tuple(fp_nll.shape)}")
     q, p = nll.double(), fp_nll.double()
@@ -237,9 +272,9 @@ def paired_metrics(nll: Tensor, fp_nll: Tensor) -> dict[str, Any]:
         "rms_delta_p": rms,
         "rms_delta_p_se": 0.5 / rms * mse_se if rms > 0 else 0.0,
         "ppl_change_ci95": None,
-        "interval": _interval_block(q.shape[0]),
+        "interval": _interval_block(q.shape[0], clusters),
     }
-    interval = cluster_interval((q - p).mean(dim=1))
+    interval = cluster_interval((q - p).mean(dim=1), clusters=clusters)
     if interval is not None and all(math.isfinite(v) for v in interval):
         _, low, high, sd = interval
         out["ppl_change_ci95"] = [_pct(low), _pct(high)]
@@ -247,18 +282,30 @@ def paired_metrics(nll: Tensor, fp_nll: Tensor) -> dict[str, Any]:
     return out
 
 
-def _interval_block(windows: int) -> dict[str, Any]:
+def _interval_block(windows: int, clusters: Sequence[Hashable] | None = None) -> dict[str, Any]:
+    if clusters is None:
+        return {
+            "method": "paired t over windows (clusters)",
+            "level": LEVEL,
+            "windows": windows,
+            "df": windows - 1,
+        }
+    groups = cluster_count(clusters, windows)
     return {
-        "method": "paired t over windows (clusters)",
+        "method": "paired t over documents (clusters of windows, CR1 standard error)",
         "level": LEVEL,
         "windows": windows,
-        "df": windows - 1,
+        "clusters": groups,
+        "df": groups - 1,
     }
 
 
-def distribution_metrics(kld: Tensor, top1: Tensor) -> dict[str, Any]:
+def distribution_metrics(
+    kld: Tensor, top1: Tensor, clusters: Sequence[Hashable] | None = None
+) -> dict[str, Any]:
     """llama.cpp's KL-divergence and same-top statistics of per-token ``kld`` and ``top1`` (windows × window),
-    plus their 95 % cluster intervals over windows (``kld_mean_ci95``, ``top1_agreement_ci95``)."""
+    plus their 95 % cluster intervals over windows, or ``clusters`` of them (``kld_mean_ci95``,
+    ``top1_agreement_ci95``)."""
     flat = kld.double().flatten()
     n = flat.numel()
     ordered = flat.sort().values
@@ -278,8 +325,8 @@ def distribution_metrics(kld: Tensor, top1: Tensor) -> dict[str, Any]:
         "kld_mean_ci95": None,
         "top1_agreement_ci95": None,
     }
-    k = cluster_interval(kld.double().mean(dim=1))
-    t = cluster_interval(same.mean(dim=1))
+    k = cluster_interval(kld.double().mean(dim=1), clusters=clusters)
+    t = cluster_interval(same.mean(dim=1), clusters=clusters)
     if k is not None:
         out["kld_mean_ci95"] = [k[1], k[2]]
     if t is not None:
@@ -390,14 +437,7 @@ def decide(
     m = record.get("metrics") or {}
     if record.get("status", "ok") != "ok":
         return Decision(metric, None, None, None, BEYOND, reason=str(record.get("status")))
-    if metric == "ppl":
-        value, ci = m.get("ppl_change_pct"), m.get("ppl_change_ci95")
-    elif metric == "kld":
-        value, ci = m.get("kld_mean"), m.get("kld_mean_ci95")
-    else:  # top1: the share of tokens whose top token changed, in percent
-        agree, ci_agree = m.get("top1_agreement"), m.get("top1_agreement_ci95")
-        value = None if agree is None else 100 * (1 - agree)
-        ci = None if ci_agree is None else [100 * (1 - ci_agree[1]), 100 * (1 - ci_agree[0])]
+    value, ci = deciding_interval(m, metric)  # top1: the share of tokens whose top token changed, in percent
     if value is None or not math.isfinite(value):
         return Decision(metric, None, None, None, BEYOND, reason="not finite")
     if ci is None:
@@ -474,15 +514,19 @@ def _tokens_to_decide(
     record: Mapping[str, Any], metric: str, tolerance: float, quantile: float = (1 + LEVEL) / 2
 ) -> int | None:
     """Tokens that decide this cell :data:`DECIDE_POWER` of the time, were its mean and per-window spread the
-    observed ones: the fewest windows m (more than it has) whose interval mean ± t·sd/√m, its centre spread by
-    sd/√m, leaves ``tolerance`` with that probability — (t_{m−1} + z_power)·sd/√m ≤ |mean − tolerance| — times
+    observed ones: the fewest windows m (more than it has; documents at its windows per document, when its interval
+    clusters by document) whose interval mean ± t·sd/√m, its centre spread by sd/√m, leaves ``tolerance`` with that probability — (t_{m−1} + z_power)·sd/√m ≤ |mean − tolerance| — times
     the window; t at ``quantile`` (0.975; at one of --resolve's looks, 1 − that look's alpha). (With
     t·sd/√m = |mean − tolerance| the interval's centre lands on either side of its reach: half the time.)"""
     m = record.get("metrics") or {}
     protocol = record.get("protocol") or {}
-    windows, per_window = (m.get("interval") or {}).get("windows"), protocol.get("window")
+    interval = m.get("interval") or {}
+    windows, per_window = interval.get("windows"), protocol.get("window")
     if not windows or not per_window:
         return None
+    # the unit the interval counts: documents (clusters of windows) when it has them, else windows
+    groups = int(interval.get("clusters") or windows)
+    per_group = windows / groups
     if metric == "ppl":
         ci, mean, goal = m["ppl_change_ci95"], m.get("ln_ppl_ratio"), math.log1p(tolerance / 100)
         low, high = math.log1p(ci[0] / 100), math.log1p(ci[1] / 100)
@@ -491,13 +535,13 @@ def _tokens_to_decide(
     else:
         ci, goal = m["top1_agreement_ci95"], tolerance / 100
         mean, low, high = 1 - m["top1_agreement"], 1 - ci[1], 1 - ci[0]
-    if mean is None or windows < 2:
+    if mean is None or groups < 2:
         return None
     distance = abs(mean - goal)
     if distance == 0:
         return None  # exactly on the line: no number of tokens decides it
     half = (high - low) / 2
-    sd = half * math.sqrt(windows) / t_quantile((1 + LEVEL) / 2, windows - 1)
+    sd = half * math.sqrt(groups) / t_quantile((1 + LEVEL) / 2, groups - 1)
     if not math.isfinite(sd):
         return None
     z = _normal_quantile(DECIDE_POWER)
@@ -505,13 +549,13 @@ def _tokens_to_decide(
     def enough(m: int) -> bool:  # t falls with m: a monotone test, so a bisection finds the fewest
         return (t_quantile(quantile, m - 1) + z) * sd / math.sqrt(m) <= distance
 
-    lo, hi = windows, windows + 1  # lo is not enough (it is undecided now), hi is searched for
+    lo, hi = groups, groups + 1  # lo is not enough (it is undecided now), hi is searched for
     while not enough(hi):
         lo, hi = hi, 2 * hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if enough(mid) else (mid, hi)
-    return hi * int(per_window)
+    return math.ceil(hi * per_group) * int(per_window)
 
 
 def check_tolerance(tolerance: float, metric: str) -> float:
@@ -541,13 +585,19 @@ def row_fields(record: Mapping[str, Any], tolerance: float, metric: str = DEFAUL
     }
 
 
-def format_interval(change: float | None, ci: list[float] | None, verdict: str | None = None) -> str:
-    """``+0.97 ±0.56 ?``: a change in percent with the half-width of its 95 % interval and the verdict's mark
+def format_interval(
+    change: float | None,
+    ci: list[float] | None,
+    verdict: str | None = None,
+    metric: str = DEFAULT_METRIC,
+    tolerance: float | None = None,
+) -> str:
+    """``+0.97 ±0.56 ?``: a change in percent (on ``metric`` kld: ``0.0123 ±0.0022 nats``; top1: ``1.23 ±0.43 %``,
+    the share of tokens whose top-1 token changed) with the half-width of its 95 % interval and the verdict's mark
     (``?`` undecided, ``✗`` beyond, nothing within); ``(no interval)`` when the record has none."""
     if change is None or not math.isfinite(change):
         return "NaN"
-    text = f"{change:+.2f}"
-    text += f" ±{(ci[1] - ci[0]) / 2:.2f}" if ci else " (no interval)"
+    text = interval_text(change, ci, metric, tolerance, style="pm")
     if verdict == UNDECIDED:
         text += " ?"
     elif verdict == BEYOND:

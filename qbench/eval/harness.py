@@ -60,6 +60,7 @@ from qbench.eval.metrics import (
 )
 from qbench.eval.prefix import BlockPrefix, ReplayMismatch
 from qbench.eval.reference import ReferenceLogits, reference_store
+from qbench.eval.sampling import FIRST
 from qbench.quant.apply import MODES
 from qbench.quant.calibrate import CalibrationData
 from qbench.quant.kv import KVConfig
@@ -219,17 +220,20 @@ class CellResult:
 
 
 def evidence_metrics(
-    per_token: dict[str, torch.Tensor] | None, fp_tokens: dict[str, torch.Tensor] | None
+    per_token: dict[str, torch.Tensor] | None,
+    fp_tokens: dict[str, torch.Tensor] | None,
+    clusters: list[str] | None = None,
 ) -> dict[str, Any]:
     """The metrics a quantised cell's per-token evidence gives against the float cell's (``qbench.eval.evidence``):
-    the paired interval, ln ratio, Δp, KL divergence and top-1 agreement; empty without evidence."""
+    the paired interval, ln ratio, Δp, KL divergence and top-1 agreement; empty without evidence. ``clusters``:
+    the document of each window (windows of one document are one cluster of the intervals); None: each window."""
     from qbench.eval import evidence
 
     if not per_token or not fp_tokens or "kld" not in per_token:
         return {}
     return {
-        **evidence.paired_metrics(per_token["nll"], fp_tokens["nll"]),
-        **evidence.distribution_metrics(per_token["kld"], per_token["top1"]),
+        **evidence.paired_metrics(per_token["nll"], fp_tokens["nll"], clusters),
+        **evidence.distribution_metrics(per_token["kld"], per_token["top1"], clusters),
     }
 
 
@@ -279,9 +283,11 @@ def cell_identity(record: dict[str, Any]) -> str:
     protocol = record.get("protocol") or {}
     float_record = record.get("mode") == "float"
     requested = {k: protocol.get(k) for k in (*Protocol.__dataclass_fields__, "dtype")}
-    # the default protocol: its records carry no "protocol" key, and their identities stay what they were
-    if requested.get("protocol") is None:
-        del requested["protocol"]
+    # keys added after records existed, absent from those records (the default protocol's carry no "protocol"
+    # key): left out when absent, so older records' identities stay what they were
+    for key in ("protocol", "sample", "sample_seed"):
+        if requested.get(key) is None:
+            del requested[key]
     if float_record:
         requested["attention_statistics"] = protocol.get("attention_statistics")
     key = {
@@ -616,7 +622,7 @@ class ModelEvaluation:
                 if ppl["tokens"]
                 else None,
                 **(
-                    evidence_metrics(ppl.get("per_token"), self._fp_tokens)
+                    evidence_metrics(ppl.get("per_token"), self._fp_tokens, self.windows.clusters)
                     if status == "ok" and mode != "float"
                     else {}
                 ),
@@ -841,6 +847,7 @@ def calibration_windows(
         split=calibration.split(),
         tokens=n * window,
         window=window,
+        sample=FIRST,  # the train split's first windows, as calibration has always read them
     )  # each window predicts `window`
     ids = make_windows(tokenizer, source, window).ids
     return select_windows(ids, wanted, scheme.calib_seed)

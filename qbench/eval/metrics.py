@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from models.errors import UserError
 from models.stats import OutlierAccumulator
 from models.tokenizer import separator_id
-from qbench.eval.adapters import MAX_DEFAULT_WINDOW, forward_observed, logits, observe_any
+from qbench.eval.adapters import forward_observed, logits, observe_any
 from qbench.eval.llamacpp_protocol import (
     LLAMA_CPP,
     LLAMA_CPP_WINDOW,
@@ -51,7 +51,8 @@ from qbench.eval.llamacpp_protocol import (
     llama_cpp_windows,
 )
 from qbench.eval.reference import ReferenceLogits
-from trainers.batches import validation_windows, window_span
+from qbench.eval.sampling import DOCUMENTS, FIRST, SAMPLES, default_window
+from trainers.batches import SampledWindow, cut_windows, document_windows, validation_windows, window_span
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,11 @@ class Protocol:
     # which positions are scored: "qbench" (every position of non-overlapping windows) or "llama.cpp" (the second
     # half of each chunk, as llama-perplexity: qbench.eval.llamacpp_protocol)
     protocol: str = "qbench"
+    # where the windows come from: "documents" (drawn across the split's documents, stratified by source:
+    # trainers.batches.document_windows) or "first" (consecutive windows from the stream's start, every record's
+    # protocol before sampling existed; llama.cpp's chunking). None: documents, first under protocol llama.cpp
+    sample: str | None = None
+    sample_seed: int = 0  # the seed of the documents sample
 
     def __post_init__(self) -> None:
         check_protocol(self.protocol)
@@ -75,15 +81,31 @@ class Protocol:
             object.__setattr__(self, "split", default_split(self.corpus))
         if self.protocol == LLAMA_CPP and self.window is None:  # llama-perplexity's own default context (-c)
             object.__setattr__(self, "window", LLAMA_CPP_WINDOW)
+        if self.sample is None:
+            object.__setattr__(self, "sample", FIRST if self.protocol == LLAMA_CPP else DOCUMENTS)
+        if self.sample not in SAMPLES:
+            from models.errors import unknown_choice
+
+            raise unknown_choice("--sample", self.sample, SAMPLES)
+        if not 0 <= self.sample_seed < 2**63:  # numpy's SeedSequence takes non-negative integers only
+            raise UserError(f"--sample-seed must be a non-negative integer, got {self.sample_seed}")
+        if self.protocol == LLAMA_CPP and self.sample != FIRST:
+            raise UserError(
+                f"--sample {self.sample} with --protocol llama.cpp: llama-perplexity scores consecutive chunks "
+                "from the start of the text; use --sample first (its default) or --protocol qbench"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """The requested fields, as a record's ``protocol`` holds them. ``protocol`` is written only when it is not
         the default "qbench": records of the default protocol stay what they were before the option existed (their
         identity and reuse unchanged), and a record without the key reads as "qbench"
-        (:func:`qbench.eval.llamacpp_protocol.protocol_name`)."""
+        (:func:`qbench.eval.llamacpp_protocol.protocol_name`). ``sample`` is always written (a record without it
+        read the first windows: :func:`qbench.eval.sampling.sample_name`), ``sample_seed`` with documents only."""
         out = asdict(self)
         if out["protocol"] == QBENCH:
             del out["protocol"]
+        if out["sample"] != DOCUMENTS:  # the seed draws nothing from the first windows
+            del out["sample_seed"]
         return out
 
 
@@ -99,6 +121,15 @@ class Windows:
     window: int
     scored_bytes: int | None = None  # UTF-8 bytes of the scored tokens' text (bits per byte); None: unknown
     first: int = 0  # the first scored input position (llama.cpp's ``first = n_ctx/2``; 0: every position)
+    sampled: list[SampledWindow] | None = (
+        None  # where each window was drawn (the documents sample); None: first
+    )
+    pieces: int = 0  # pieces of the split (the documents sample)
+
+    @property
+    def clusters(self) -> list[str] | None:
+        """The document each window was cut from (the intervals' clusters); None: each window its own."""
+        return None if self.sampled is None else [w.document for w in self.sampled]
 
     @property
     def every_position(self) -> bool:
@@ -126,7 +157,8 @@ def make_windows(tokenizer: Any, protocol: Protocol, context: int) -> Windows:
     """Cut the protocol's text into the evaluation windows (see the module docstring)."""
     from trainers.data import token_stream
 
-    window = min(context, MAX_DEFAULT_WINDOW) if protocol.window is None else protocol.window
+    sample = protocol.sample or DOCUMENTS
+    window = default_window(protocol.tokens, context, sample) if protocol.window is None else protocol.window
     if window > context:
         default = (
             " (--protocol llama.cpp's default, llama-perplexity's -c)"
@@ -138,11 +170,13 @@ def make_windows(tokenizer: Any, protocol: Protocol, context: int) -> Windows:
         raise UserError(f"--window must be at least 2 (a token and the one it predicts), got {window}")
     stream = token_stream(protocol.corpus, protocol.split, tokenizer)
     bos_id = separator_id(tokenizer) if protocol.bos else None
-    first = 0  # every position scored (qbench's protocol)
+    first, sampled, pieces = 0, None, 0  # every position scored (qbench's protocol), the first windows
     if protocol.protocol == LLAMA_CPP:
         ids, targets, first = llama_cpp_windows(
             stream, window, bos_id, protocol.tokens, protocol.split, protocol.corpus
         )
+    elif sample == DOCUMENTS:
+        ids, targets, sampled, pieces = _document_windows(tokenizer, protocol, stream, window, bos_id)
     else:
         try:
             ids, targets = validation_windows(stream, window, bos_id, protocol.tokens)
@@ -151,10 +185,43 @@ def make_windows(tokenizer: Any, protocol: Protocol, context: int) -> Windows:
                 f"the {protocol.split} split of {protocol.corpus!r} has {len(stream)} tokens, fewer than one "
                 f"window of {window_span(window, protocol.bos)}; use a larger corpus or a smaller --window"
             ) from None
-    clamped = protocol.tokens > len(stream)
-    return Windows(
-        ids, targets, targets.numel(), len(stream), clamped, window, scored_bytes(tokenizer, targets), first
+    clamped = protocol.tokens > len(stream) or (
+        sampled is not None and len(sampled) < protocol.tokens // window
     )
+    return Windows(
+        ids,
+        targets,
+        targets.numel(),
+        len(stream),
+        clamped,
+        window,
+        scored_bytes(tokenizer, targets),
+        first,
+        sampled,
+        pieces,
+    )
+
+
+def _document_windows(
+    tokenizer: Any, protocol: Protocol, stream: Any, window: int, bos_id: int | None
+) -> tuple[Tensor, Tensor, list[SampledWindow], int]:
+    """The documents sample: ``tokens // window`` windows (at least one) drawn across the split's pieces."""
+    import numpy as np
+
+    from trainers.data import stream_index
+
+    index = stream_index(stream, separator_id(tokenizer), str(protocol.corpus))
+    span = window_span(window, protocol.bos)
+    drawn = document_windows(index, span, max(1, protocol.tokens // window), protocol.sample_seed)
+    if not drawn:
+        longest = int(index.lengths.max()) if len(index) else 0
+        raise UserError(
+            f"no document of the {protocol.split} split of {protocol.corpus!r} holds a window of {span} tokens "
+            f"(the longest holds {longest}); use a smaller --window, or --sample first to read the stream as "
+            "one text"
+        )
+    ids, targets = cut_windows(stream, np.array([w.start for w in drawn]), window, bos_id)
+    return ids, targets, drawn, len(index)
 
 
 def protocol_record(
@@ -178,9 +245,29 @@ def protocol_record(
         "dtype": dtype,
         "perplexity": "token-level, exp(mean NLL), non-overlapping windows",
     }
+    if windows.sampled is not None:
+        record.update(stride=None, sampled=sampled_record(windows))
     if protocol.protocol == LLAMA_CPP:
         record.update(llama_cpp_record(windows.window, windows.first, windows.targets.size(-1)))
     return record
+
+
+def sampled_record(windows: Windows) -> dict[str, Any]:
+    """Where the documents sample drew its windows: the counts, then each window's piece, document, source and
+    token offset into the piece (in the windows' order — the order of the per-token evidence)."""
+    drawn = windows.sampled or []
+    sources: dict[str, int] = {}
+    for w in drawn:
+        sources[w.source] = sources.get(w.source, 0) + 1
+    return {
+        "rule": "trainers.batches.document_windows: stratified by source, one window per document in turn",
+        "pieces": windows.pieces,
+        "documents": len({w.document for w in drawn}),
+        "sources": sources,
+        "windows_at": [
+            {"piece": w.piece, "document": w.document, "source": w.source, "offset": w.offset} for w in drawn
+        ],
+    }
 
 
 # Bytes of float32 logits (or of attention maps) one forward pass may produce; the batch shrinks to fit, down to

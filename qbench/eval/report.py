@@ -3,7 +3,9 @@
 ``compare`` layout (torchao-style: the float baseline first, then each scheme with its change in %):
 rows = models; columns = fp perplexity, then one per (scheme, mode) "ppl (+x.x %)"; then the float model's
 outlier columns (kurtosis first/other token, max |activation|, first-token top-1 share). A caption states the
-evaluation protocol, so a table copied elsewhere still says what it measured.
+evaluation protocol, so a table copied elsewhere still says what it measured. Beside breaking points decided on
+``--metric kld`` or ``top1`` (``qbench compare --breaking-points``), each cell shows that metric's interval, in its
+unit (``qbench.eval.tolerance.interval_text``), before the perplexity change.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import UserError, unknown_choice
-from qbench.eval.metric_registry import COMPARE_COLUMNS, format_value, metric
+from qbench.eval.metric_registry import COMPARE_COLUMNS, format_value
+from qbench.eval.metric_registry import metric as registered
+from qbench.eval.sampling import scored_text
+from qbench.eval.tolerance import DEFAULT_METRIC, check_metric, deciding_interval, interval_text
 
 FORMATS = ("table", "md", "csv", "latex", "json")
 # (record key, header) of the float model's outlier columns, from the metric registry
-OUTLIER_COLUMNS = tuple((key, metric(key).label) for key in COMPARE_COLUMNS)
+OUTLIER_COLUMNS = tuple((key, registered(key).label) for key in COMPARE_COLUMNS)
 
 
 def read_records(folder: Path) -> list[dict[str, Any]]:
@@ -125,7 +130,10 @@ def cells_by_model(records: Iterable[dict[str, Any]]) -> dict[str, dict[str, dic
     return {labels[key]: cells for key, cells in rows.items()}
 
 
-def _cell(record: dict[str, Any]) -> str:
+def _cell(record: dict[str, Any], metric: str = DEFAULT_METRIC) -> str:
+    """A record's cell: its perplexity, then in parentheses the change with its interval and the KLD; on another
+    ``metric`` (a kld or top1 sweep's breaking points beside it) that metric's value and interval first, in its
+    unit, then the perplexity change."""
     m = record["metrics"]
     if record.get("status") == "unsupported":
         return "n/a"
@@ -133,6 +141,10 @@ def _cell(record: dict[str, Any]) -> str:
         return "NaN"
     if record["scheme"]["name"] == "fp":
         return f"{m['perplexity']:.2f}"
+    if metric != DEFAULT_METRIC:
+        value, interval = deciding_interval(m, metric)
+        shown = interval_text(value, interval, metric, style="pm")
+        return f"{m['perplexity']:.2f} ({shown}; {m['ppl_change_pct']:+.2f}%)"
     ci = m.get("ppl_change_ci95")
     spread = f" ±{(ci[1] - ci[0]) / 2:.2f}" if ci else "" if "kld_mean" in m else ", no interval"
     kld = f"; KLD {m['kld_mean']:.4f}" if m.get("kld_mean") is not None else ""
@@ -140,10 +152,14 @@ def _cell(record: dict[str, Any]) -> str:
 
 
 def comparison(
-    records: Iterable[dict[str, Any]], extra: dict[str, dict[str, str]] | None = None
+    records: Iterable[dict[str, Any]],
+    extra: dict[str, dict[str, str]] | None = None,
+    metric: str = DEFAULT_METRIC,
 ) -> tuple[list[str], list[list[str]], str]:
     """(headers, rows, caption) of the comparison table; ``extra`` adds columns {row label: {header: text}}
-    (e.g. breaking points from ``qbench.studies.sweep.breaking_point_columns``)."""
+    (e.g. breaking points from ``qbench.studies.sweep.breaking_point_columns``); ``metric``: which interval the
+    cells show (:func:`_cell`) — the one the breaking points beside them were decided on."""
+    check_metric(metric)
     records = list(records)
     if not records:
         raise UserError("no result records to compare")
@@ -155,11 +171,15 @@ def comparison(
     for label, cells in cells_by_model(records).items():
         fp = cells.get("fp")
         outliers = fp["outliers"] if fp else {}
-        row = [label, _cell(fp) if fp else "-", *(_cell(cells[c]) if c in cells else "-" for c in columns)]
+        row = [
+            label,
+            _cell(fp) if fp else "-",
+            *(_cell(cells[c], metric) if c in cells else "-" for c in columns),
+        ]
         row += [format_value(key, outliers.get(key)) for key, _ in OUTLIER_COLUMNS]
         row += [extra.get(label, {}).get(h, "-") for h in extra_headers]
         rows.append(row)
-    return headers, rows, caption(records)
+    return headers, rows, caption(records, metric)
 
 
 def _column_order(column: str) -> tuple[int, int, str, str]:
@@ -175,18 +195,30 @@ def _column_order(column: str) -> tuple[int, int, str, str]:
     return (index, -kv_bits, scheme, mode)
 
 
-def caption(records: list[dict[str, Any]]) -> str:
+# What the parentheses hold on each metric (the rest of the caption is the same).
+_PARENTHESES = {
+    "ppl": "change vs fp in parentheses, ± the half-width of its 95 % interval (paired; documents as clusters where the windows were drawn across documents, else windows), and "
+    'the mean KL divergence from the float model per token (nats; "no interval": a record from before '
+    "per-token evidence)",
+    "kld": "in parentheses the mean KL divergence from the float model per token in nats, ± the half-width of its "
+    "95 % interval (documents or windows as clusters; the breaking points' metric), then the perplexity change vs fp "
+    '("no interval": a record from before per-token evidence)',
+    "top1": "in parentheses the share of tokens whose most likely next token differs from the float model's, in %, "
+    "± the half-width of its 95 % interval (documents or windows as clusters; the breaking points' metric), then the "
+    'perplexity change vs fp ("no interval": a record from before per-token evidence)',
+}
+
+
+def caption(records: list[dict[str, Any]], metric: str = DEFAULT_METRIC) -> str:
     protocols = {
         json.dumps({k: v for k, v in r["protocol"].items() if k != "tokenizer_fingerprint"}, sort_keys=True)
         for r in records
     }
     p = records[0]["protocol"]
     text = (
-        f"Token-level perplexity on {p['corpus']}/{p['split']}: {p['tokens_scored']:,} tokens, "
-        f"window {p['window']}, stride {p['stride']}, BOS {'on' if p['bos'] else 'off'}, {p['dtype']}; "
-        "change vs fp in parentheses, ± the half-width of its 95 % interval (paired, windows as clusters), and "
-        'the mean KL divergence from the float model per token (nats; "no interval": a record from before '
-        "per-token evidence). Outliers: raw kurtosis across channels of each block's output "
+        f"Token-level perplexity on {p['corpus']}/{p['split']}: {scored_text(p)}, "
+        f"BOS {'on' if p['bos'] else 'off'}, {p['dtype']}; "
+        f"{_PARENTHESES[check_metric(metric)]}. Outliers: raw kurtosis across channels of each block's output "
         "(first token / others), max |activation|, share of queries ≥ 1 whose top-1 key is token 0."
     )
     if len(protocols) > 1:
@@ -215,13 +247,16 @@ def _kv_footer(records: list[dict[str, Any]]) -> str:
 
 
 def render(
-    records: Iterable[dict[str, Any]], fmt: str = "md", extra: dict[str, dict[str, str]] | None = None
+    records: Iterable[dict[str, Any]],
+    fmt: str = "md",
+    extra: dict[str, dict[str, str]] | None = None,
+    metric: str = DEFAULT_METRIC,
 ) -> str:
     """The comparison as markdown, CSV, LaTeX or JSON text (``table`` is printed by the CLI with rich)."""
     if fmt not in FORMATS:
         raise unknown_choice("format", fmt, FORMATS)
     records = list(records)
-    headers, rows, text = comparison(records, extra)
+    headers, rows, text = comparison(records, extra, metric)
     if fmt == "json":
         return json.dumps({"caption": text, "headers": headers, "rows": rows}, indent=2)
     if fmt == "csv":
@@ -244,10 +279,11 @@ def rich_table(
     records: Iterable[dict[str, Any]],
     title: str = "qbench comparison",
     extra: dict[str, dict[str, str]] | None = None,
+    metric: str = DEFAULT_METRIC,
 ):
     from rich.table import Table
 
-    headers, rows, text = comparison(list(records), extra)
+    headers, rows, text = comparison(list(records), extra, metric)
     table = Table(title=title, caption=text, title_justify="left", caption_justify="left")
     for i, h in enumerate(headers):
         table.add_column(

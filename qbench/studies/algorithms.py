@@ -38,6 +38,7 @@ from typing import Any
 
 from models.errors import UserError, unknown_choice
 from models.io import atomic_write_json, atomic_write_text
+from qbench.eval.sampling import scored_text, window_documents
 
 # (label, the round-to-nearest scheme, the same grid after the in-layer Hadamard rotation)
 FORMATS: tuple[tuple[str, str, str], ...] = (
@@ -239,13 +240,14 @@ def _tokens(output_path: Path, record: Mapping[str, Any]) -> Any:
     return None if data is None else data["nll"]
 
 
-def _paired(a: Any, b: Any) -> list[float] | None:
-    """95 % interval (percent) of ppl(a) / ppl(b) − 1 on the same tokens, windows as clusters."""
+def _paired(a: Any, b: Any, clusters: list[str] | None = None) -> list[float] | None:
+    """95 % interval (percent) of ppl(a) / ppl(b) − 1 on the same tokens: their documents (``clusters``), else the
+    windows, as clusters."""
     if a is None or b is None or a.shape != b.shape:
         return None
     from qbench.eval.evidence import paired_metrics
 
-    return paired_metrics(a, b)["ppl_change_ci95"]
+    return paired_metrics(a, b, clusters)["ppl_change_ci95"]
 
 
 def _cell(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -283,6 +285,8 @@ def build(
     for model in models:
         for i in cfg.format_indices():
             cells, nll = {}, {}
+            fp = by_key.get((model, "fp"))
+            clusters = window_documents(fp["protocol"]) if fp else None
             for algo in cfg.algorithms:
                 record = by_key.get((model, scheme_for(i, algo)))
                 if record is None:
@@ -290,7 +294,9 @@ def build(
                 cells[algo] = _cell(record)
                 nll[algo] = _tokens(output_path, record) if record.get("status") == "ok" else None
             for algo, cell in cells.items():  # paired against round-to-nearest on the same tokens
-                cell["vs_rtn_ci95"] = None if algo == "rtn" else _paired(nll.get(algo), nll.get("rtn"))
+                cell["vs_rtn_ci95"] = (
+                    None if algo == "rtn" else _paired(nll.get(algo), nll.get("rtn"), clusters)
+                )
                 ci = cell["vs_rtn_ci95"]
                 cell["vs_rtn"] = (
                     None if ci is None else ("better" if ci[1] < 0 else "worse" if ci[0] > 0 else "undecided")
@@ -303,7 +309,7 @@ def build(
             tie = []
             if best is not None:
                 for other in ranked[1:]:
-                    ci = _paired(nll.get(best), nll.get(other))
+                    ci = _paired(nll.get(best), nll.get(other), clusters)
                     if ci is None or ci[1] >= 0:  # not decidedly better than this one
                         tie.append(other)
             rows.append(
@@ -450,9 +456,9 @@ def render(result: Mapping[str, Any]) -> str:
         f"{sw.get('transformers')}; git {env.get('git_commit')}; seed {result.get('seed')}.",
         "",
         f"Protocol: token-level perplexity on {protocol.get('corpus')}/{protocol.get('split')}, "
-        f"{protocol.get('tokens_scored')} tokens, window {protocol.get('window')}, stride {protocol.get('stride')}, "
+        f"{scored_text(protocol)}, "
         f"{protocol.get('dtype')}. Each cell: perplexity change against the float model ± the half-width of its 95 % "
-        "interval (paired, windows as clusters); mean KL divergence from the float model (nats); seconds to "
+        "interval (paired; documents, or windows, as clusters); mean KL divergence from the float model (nats); seconds to "
         "quantise (the cell's wall time minus its evaluation: calibration forward, Hessians and solves; a grid "
         "computes the Hessians once per model, so the first GPTQ/AWQ cell carries them); (better) / (worse): the "
         "paired 95 % interval of its perplexity against round-to-nearest's on the same tokens lies wholly below / "

@@ -1,6 +1,7 @@
 """``qbench demo``: the paper's claim, end to end, on a 2-core CPU in about a quarter of an hour.
 
-1. Train (or reuse) two ``tiny`` checkpoints on the embedded corpus, side by side (one thread each):
+1. Train (or reuse) two ``tiny`` checkpoints on the embedded corpus (``--data``: another), side by side (one thread
+   each):
    ``vanilla`` (softmax + AdamW) and ``paper`` (softmax-1 + OrthoAdam + RMSNorm-S), at the learning rate and with
    the start token at which outlier activations emerge within ~1 M tokens (lr 4e-3, BOS opening every window).
    An interrupted demo resumes both runs where their last checkpoint left them.
@@ -38,7 +39,7 @@ from models.io import atomic_write_text
 from qbench.eval.harness import PAPER_SCHEMES, GridSpec, run_grid
 from qbench.eval.metrics import Protocol
 from qbench.studies.emergence import read_curves
-from qbench.studies.runs import TrainRun, train_runs
+from qbench.studies.runs import DEFAULT_DATA, TrainRun, check_data, data_description, train_runs
 
 RECIPES = ("vanilla", "paper")
 
@@ -63,19 +64,39 @@ class DemoConfig:
     sweep_keep_first: tuple[int, ...] = (1,)  # KV-cache curves with these leading positions kept in float
     # KIVI with G = R = 32: the default residual (128) would keep the demo's whole 128-token windows in float
     sweep_kv_scheme: str = "kivi:group=32,residual=32"
+    # the corpus the models train on (its train split) and are scored on (its validation split), and which of its
+    # windows are scored (qbench.eval.sampling; None: the Protocol's default, documents). ``embedded-whole`` with
+    # sample "first" is what every result before corpus pieces and sampling was made with (results/demo)
+    data: str = DEFAULT_DATA
+    sample: str | None = None
+    sample_seed: int = 0
 
     @property
     def description(self) -> str:
         schedule = f" of a {self.schedule_steps}-step schedule" if self.schedule_steps else ""
         style = ", Llama style" if "family=llama" in self.extra_args else ""
         seeds = f", seeds {self.seed}–{self.seed + self.seeds - 1}" if self.seeds > 1 else ""
-        return f"{self.preset}{style}, {self.steps} steps{schedule}, lr {self.lr}{seeds}"
+        data = data_description(self)
+        return f"{self.preset}{style}, {self.steps} steps{schedule}, lr {self.lr}{seeds}{data}"
 
     def runs(self) -> list[Any]:
         """The two recipes' training runs, once per seed (``qbench.studies.seeds.seeded_runs``)."""
         from qbench.studies.seeds import seeded_runs
 
         return seeded_runs(RECIPES, self.seed, self.seeds)
+
+
+def eval_protocol(cfg: Any) -> Protocol:
+    """The protocol of every evaluation of a training study (the grid, the sweep, the card, the post-training
+    algorithms): the validation split of the corpus its models trained on — named, since a local file's default
+    split is all of it, training pieces included — at ``eval_tokens``, with its ``sample``."""
+    return Protocol(
+        corpus=cfg.data,
+        split="validation",
+        tokens=cfg.eval_tokens,
+        sample=cfg.sample,
+        sample_seed=cfg.sample_seed,
+    )
 
 
 # The tiny preset's size in Llama style: SwiGLU with d_ff 688 (~2/3 of 4d, so the MLP keeps GELU's parameter
@@ -100,7 +121,7 @@ LONG = DemoConfig(
 def demo_runs(cfg: DemoConfig) -> list[TrainRun]:
     def args(seed: int) -> tuple[str, ...]:
         return (
-            *("--preset", cfg.preset, "--lr", str(cfg.lr), "--seed", str(seed)),
+            *("--preset", cfg.preset, "--lr", str(cfg.lr), "--seed", str(seed), "--data", cfg.data),
             *("--probe-every", str(cfg.probe_every), "--ckpt-every", "50"),
             *cfg.extra_args,
         )
@@ -120,6 +141,7 @@ def demo_runs(cfg: DemoConfig) -> list[TrainRun]:
 def train_both(cfg: DemoConfig, console: Any) -> float:
     """Train the runs (both recipes, each seed) two at a time, one thread each (small matmuls scale poorly across
     threads)."""
+    check_data(cfg.data)
     return train_runs(demo_runs(cfg), console, parallel=2, threads=1)
 
 
@@ -128,7 +150,7 @@ def evaluate(cfg: DemoConfig, on_record: Any = None) -> list[dict]:
         models=[str(cfg.ckpt_root / run.name) for run in cfg.runs()],
         schemes=list(PAPER_SCHEMES),
         modes=list(cfg.modes),
-        protocol=Protocol(tokens=cfg.eval_tokens),
+        protocol=eval_protocol(cfg),
         output_path=cfg.output_path,
     )
     return run_grid(spec, on_record=on_record)
@@ -137,7 +159,7 @@ def evaluate(cfg: DemoConfig, on_record: Any = None) -> list[dict]:
 def sweep_config(cfg: Any, recipes: tuple[str, ...] | None = None) -> Any:
     """The demo's bit-width sweep (module docstring, step 3) of the runs ``recipes`` (default: every run of
     ``cfg``, each seed's) on the evaluation grid's windows and baselines; ``cfg`` is a :class:`DemoConfig` or
-    anything with its sweep fields (``qbench recipes``' config)."""
+    anything with its sweep and data fields (``qbench recipes``' config)."""
     from qbench.studies.sweep import SweepConfig
 
     return SweepConfig(
@@ -145,7 +167,7 @@ def sweep_config(cfg: Any, recipes: tuple[str, ...] | None = None) -> Any:
         axes=list(cfg.sweep_axes),
         kv_keep_first=list(cfg.sweep_keep_first),
         kv_granularity=cfg.sweep_kv_scheme,
-        protocol=Protocol(tokens=cfg.eval_tokens),
+        protocol=eval_protocol(cfg),
         output_path=cfg.output_path / "sweep",
         baseline_path=cfg.output_path,
         seed=cfg.seed,
@@ -162,6 +184,10 @@ def card_config(cfg: DemoConfig, command: str | None = None) -> Any:
         budget="quick",
         output_path=cfg.output_path,
         tokens=cfg.eval_tokens,
+        corpus=cfg.data,
+        split="validation",
+        sample=cfg.sample,
+        sample_seed=cfg.sample_seed,
         kv_scheme=cfg.sweep_kv_scheme,
         seed=cfg.seed,
         command=command,

@@ -256,8 +256,31 @@ def compare_layers_plot(per_model: dict[str, dict[str, list[float]]], path: str 
 def sweep_plot(sweep: dict[str, Any], curves: dict[tuple[str, str, str], Any], path: str | Path) -> Path:
     """``qbench sweep``'s curves: quantised / float perplexity over bit widths (widest left), log y, one panel per
     axis, one line per model and family (colour = model, style = family); a cell that produced NaN/inf is drawn
-    as an ✕ at the top of its panel, the tolerance as a dotted line. ``curves``: ``sweep.curves_of(sweep)``
-    (passed in, so that this module imports no study)."""
+    as an ✕ at the top of its panel, the tolerance as a dotted line. A sweep decided on ``--metric kld`` or
+    ``top1`` draws that metric's values instead — what each verdict read (``qbench.eval.tolerance.row_interval``) —
+    with the tolerance a dotted line at its value, in the metric's unit, on a symmetric-log axis linear up to the
+    tolerance (values of an 8-bit and a 2-bit cell lie decades apart, and a share can be 0).
+    ``curves``: ``sweep.curves_of(sweep)`` (passed in, so that this module imports no study)."""
+    from matplotlib.ticker import FuncFormatter
+
+    from qbench.eval.tolerance import (
+        DEFAULT_METRIC,
+        decimals,
+        metric_axis_label,
+        row_interval,
+        tolerance_text,
+    )
+
+    metric, tolerance = sweep.get("metric", DEFAULT_METRIC), sweep["tolerance_pct"]
+    by_ppl = metric == DEFAULT_METRIC
+
+    def value(cell: dict[str, Any]) -> float:
+        if cell["status"] != "ok":
+            return float("nan")
+        v = cell.get("ppl_ratio") if by_ppl else row_interval(cell, metric)[0]
+        return float("nan") if v is None else v
+
+    line = 1 + tolerance / 100 if by_ppl else tolerance
     plt = _pyplot()
     axes = list(dict.fromkeys(axis for _, _, axis in curves))
     models = list(dict.fromkeys(model for model, _, _ in curves))
@@ -265,25 +288,34 @@ def sweep_plot(sweep: dict[str, Any], curves: dict[tuple[str, str, str], Any], p
     styles = ["-", "--", ":", "-."]
     fig, panels = plt.subplots(1, len(axes), figsize=(3.6 * len(axes) + 1, 3.8), sharey=True, squeeze=False)
     panel = dict(zip(axes, panels[0], strict=True))
-    ratios = [c["ppl_ratio"] for c in sweep["cells"] if c.get("ppl_ratio")]
-    top = max([*ratios, 1.0 + sweep["tolerance_pct"] / 100]) * 1.5
+    top = max([*(v for c in sweep["cells"] if np.isfinite(v := value(c)) and (v or not by_ppl)), line]) * 1.5
     for (model, family, axis), cells in curves.items():
         bits = sorted(cells, reverse=True)
-        ys = [cells[b]["ppl_ratio"] if cells[b]["status"] == "ok" else float("nan") for b in bits]
         colour, style = f"C{models.index(model)}", styles[families.index(family) % len(styles)]
         ax = panel[axis]
+        ys = [value(cells[b]) for b in bits]
         ax.plot(bits, ys, style, marker="o", ms=3, color=colour, label=f"{model} {family}")
         broken = [b for b in bits if cells[b]["status"] == "nonfinite"]
         ax.plot(broken, [top] * len(broken), "x", color=colour, ms=7)
     for axis, ax in panel.items():
-        ax.axhline(1 + sweep["tolerance_pct"] / 100, color="grey", ls=":", lw=1)
+        ax.axhline(line, color="grey", ls=":", lw=1)
         ax.set_title(f"axis {axis}", fontsize=9)
         ax.set_xlabel("bits")
         ax.invert_xaxis()
         ax.xaxis.get_major_locator().set_params(integer=True)
-    panels[0][0].set_ylabel(f"quantised / float perplexity (log; dotted: +{sweep['tolerance_pct']:g} %)")
-    _log_axes(panels[0])
-    fig.suptitle("perplexity vs bit width (qbench sweep)", fontsize=10)
+        if not by_ppl:
+            ax.set_yscale("symlog", linthresh=tolerance if tolerance > 0 else 10.0 ** -decimals(metric))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=8)
+    if by_ppl:
+        panels[0][0].set_ylabel(f"quantised / float perplexity (log; dotted: +{tolerance:g} %)")
+        _log_axes(panels[0])
+        fig.suptitle("perplexity vs bit width (qbench sweep)", fontsize=10)
+    else:
+        label = metric_axis_label(metric)
+        panels[0][0].set_ylabel(f"{label} (symlog; dotted: {tolerance_text(tolerance, metric)})")
+        fig.suptitle(f"{label} vs bit width (qbench sweep)", fontsize=10)
     fig.tight_layout()
     return _save(fig, Path(path))
 

@@ -2,12 +2,13 @@
 demo's evaluation of each, into one table.
 
 1. Train every recipe of the panel (default :data:`DEFAULT_RECIPES`: the baseline, the paper's recipe, Muon,
-   OSP and its two ablations, clipped softmax, gated attention, softpick, the sink logit) on one preset with the same seed, data, learning
-   rate and number of steps, two runs at a time (one thread each, as ``qbench demo``). Each run resumes from its
+   OSP and its two ablations, clipped softmax, gated attention, softpick, the sink logit) on one preset with the same seed, data (``--data``,
+   default the embedded corpus), learning rate and number of steps, two runs at a time (one thread each, as ``qbench demo``). Each run resumes from its
    last checkpoint, so an interrupted panel continues where it stopped. Before anything starts,
    :func:`estimate` prints the cost: tokens and training FLOPs (``trainers.throughput``'s 6·N + 12·L·d·T) per
    run and in all, and a wall-time guess from one timed forward/backward step of the baseline on this machine.
-2. Evaluate each exactly like the demo: ``qbench grid`` (the float model and the paper's four schemes; outlier and
+2. Evaluate each exactly like the demo, on the validation split of the corpus it trained on
+   (:func:`qbench.studies.demo.eval_protocol`; ``--sample`` chooses the windows): ``qbench grid`` (the float model and the paper's four schemes; outlier and
    attention statistics), then the demo's bit-width sweep (weights, activations, outputs, all, the KV cache: the
    breaking points); finished cells are reused.
 3. Write ``results/recipes/``: one JSON record per cell, ``table.md`` (the comparison, with the command, machine,
@@ -37,7 +38,7 @@ from typing import Any
 
 from models.errors import UserError
 from models.io import atomic_write_text
-from qbench.studies.runs import TrainRun, train_runs
+from qbench.studies.runs import DEFAULT_DATA, TrainRun, check_data, data_description, train_runs
 
 # Light at import (no torch): the command line builds its parser from this module's defaults.
 
@@ -90,6 +91,10 @@ class RecipesConfig:
     # the post-training algorithms (qbench algorithms) on the first seed's models, the first recipe the baseline:
     # does GPTQ, AWQ or a rotation on the model one already has close the gap a training-time remedy closes?
     algorithms: bool = True
+    # the corpus every run trains on and is scored on, and which windows are scored: as DemoConfig's
+    data: str = DEFAULT_DATA
+    sample: str | None = None
+    sample_seed: int = 0
 
     def __post_init__(self) -> None:
         from trainers.recipes import RECIPES
@@ -108,7 +113,7 @@ class RecipesConfig:
             lr = f"lr per recipe as {self.lr_source} chose it"
         else:
             lr = f"lr {self.lr}"
-        return f"{self.preset}{style}, {self.steps} steps{schedule}, {lr}, {seeds}"
+        return f"{self.preset}{style}, {self.steps} steps{schedule}, {lr}, {seeds}{data_description(self)}"
 
     def lr_of(self, recipe: str) -> float:
         """The peak learning rate ``recipe`` trains at: the sweep's choice, else the panel's ``lr``."""
@@ -167,7 +172,7 @@ def long_config(**changes: Any) -> RecipesConfig:
 
 def panel_runs(cfg: RecipesConfig, runs: Sequence[Any] | None = None) -> list[TrainRun]:
     """One trainer run per recipe and seed (default: every run the panel trains, :meth:`training_runs`);
-    everything but ``--recipe``, ``--lr`` and ``--seed`` is shared."""
+    everything but ``--recipe``, ``--lr`` and ``--seed`` is shared (``--data`` too)."""
     shared = (*("--probe-every", str(cfg.probe_every), "--ckpt-every", "50"), *cfg.extra_args)
     from trainers.recipes import RECIPES
 
@@ -183,7 +188,7 @@ def panel_runs(cfg: RecipesConfig, runs: Sequence[Any] | None = None) -> list[Tr
             # the order of a one-seed panel's arguments, which a run's saved state compares when it resumes
             (
                 *("--recipe", run.recipe, "--preset", cfg.preset, "--lr", str(run.lr or cfg.lr)),
-                *("--seed", str(run.seed), *shared, *own(run.recipe)),
+                *("--seed", str(run.seed), "--data", cfg.data, *shared, *own(run.recipe)),
             ),
             stop_at=cfg.steps if cfg.schedule_steps else None,
         )
@@ -286,6 +291,7 @@ PANEL_OPTIONS = {
     "recipe": "--recipes",
     "lr": "--lr",
     "seed": "--seed",
+    "data": "--data",  # the corpus the panel is scored on too
     "steps": "--steps",
     "tokens": "give qbench recipes --steps instead",
     "stop_at": "give qbench recipes --steps instead",
@@ -339,9 +345,10 @@ def check_train_args(cfg: RecipesConfig, train_args: tuple[str, ...] | list[str]
     if cfg.style_norm:
         owned["norm"] = f"the panel's style sets --norm {cfg.style_norm}"
     # --set FIELD=VALUE reaches the same model fields: refused for the fields the options above own
+    trainer_only = ("preset", "recipe", "lr", "seed", "data", "steps", "tokens", "out")  # no model fields
     for item in given.get("set") or []:
         field = str(item).partition("=")[0].strip()
-        if field in owned and field not in ("preset", "recipe", "lr", "seed", "steps", "tokens", "out"):
+        if field in owned and field not in trainer_only:
             raise UserError(
                 f"qbench recipes: --train-arg --set {item} sets what the panel itself sets for every run "
                 f"(table.md would describe another run); {owned[field]}"
@@ -579,14 +586,14 @@ def train_panel(cfg: RecipesConfig, console: Any) -> tuple[RecipesConfig, float]
 
 def evaluate(cfg: RecipesConfig, on_record: Any = None) -> list[dict]:
     from qbench.eval.harness import GridSpec, run_grid
-    from qbench.eval.metrics import Protocol
     from qbench.quant import PAPER_SCHEMES
+    from qbench.studies.demo import eval_protocol
 
     spec = GridSpec(
         models=[str(cfg.ckpt_root / run.name) for run in cfg.runs()],
         schemes=list(cfg.schemes or PAPER_SCHEMES),
         modes=list(cfg.modes),
-        protocol=Protocol(tokens=cfg.eval_tokens),
+        protocol=eval_protocol(cfg),
         output_path=cfg.output_path,
     )
     return run_grid(spec, on_record=on_record)
@@ -650,15 +657,15 @@ def run_panel_algorithms(cfg: RecipesConfig, command: str, on_record: Any = None
     from dataclasses import replace
 
     from qbench.eval.harness import GridSpec
-    from qbench.eval.metrics import Protocol
     from qbench.studies.algorithms import run_algorithms
+    from qbench.studies.demo import eval_protocol
 
     acfg = algorithms_config(cfg, command)
     base = GridSpec(
         models=list(acfg.models),
         schemes=[],
         modes=["fake"],
-        protocol=Protocol(tokens=cfg.eval_tokens),
+        protocol=eval_protocol(cfg),
         output_path=cfg.output_path,
     )
     return run_algorithms(acfg, lambda schemes: replace(base, schemes=schemes), on_record=on_record)
@@ -776,6 +783,7 @@ def run_panel(
 ) -> Path:
     """The whole study: estimate (printed), train, evaluate, sweep, write the table. ``sweep_runner(config,
     command)`` runs the sweep (the command line passes one with a progress view; default: ``run_sweep``)."""
+    check_data(cfg.data)
     check_ckpt_root(cfg)
     est = estimate(cfg, time_steps(cfg))
     console.print(

@@ -17,6 +17,10 @@ from typing import Any
 
 from models.errors import UserError
 
+# the corpus the training studies (demo, recipes) train on and score by default: trainers.data.DEFAULT_CORPUS,
+# named here so that their parsers import no trainer code
+DEFAULT_DATA = "embedded"
+
 
 @dataclass(frozen=True)
 class TrainRun:
@@ -143,3 +147,25 @@ def check_trained(run: TrainRun) -> None:
             f"{run.out} holds a run at step {step}, not {run.end_step}: train into another folder "
             "(e.g. --ckpt-root) for this budget"
         )
+
+
+def data_description(cfg: Any) -> str:
+    """What a training study's description (table.md, the first line printed) adds for a corpus or sample other
+    than the defaults, so its output says how it was made: ``, data embedded-whole, sample first``. ``cfg``:
+    ``qbench demo``'s or ``qbench recipes``' config."""
+    parts = [f"data {cfg.data}"] if cfg.data != DEFAULT_DATA else []
+    if cfg.sample is not None:
+        parts.append(f"sample {cfg.sample}")
+    if cfg.sample_seed != 0 and cfg.sample != "first":  # the seed draws nothing from the first windows
+        parts.append(f"sample seed {cfg.sample_seed}")
+    return "".join(f", {p}" for p in parts)
+
+
+def check_data(data: str) -> None:
+    """Refuse an unknown ``--data`` before anything is trained, with the corpus registry's one-line did-you-mean
+    error (``trainers.data.get_corpus``); a registered name or an existing path passes without building anything
+    (``mix`` builds itself on first use, ``c4`` streams from the hub)."""
+    from trainers.data import CORPORA, get_corpus
+
+    if data not in CORPORA and not Path(data).exists():
+        get_corpus(data)  # raises the error

@@ -51,6 +51,7 @@ from qbench.eval.harness import (
 from qbench.eval.load import LoadedModel, load_model
 from qbench.eval.metric_registry import UNIT_STATISTICS
 from qbench.eval.prefix import BlockPrefix
+from qbench.eval.sampling import scored_text
 from qbench.studies.sensitivity_options import BY
 from qbench.studies.sweep import format_change
 
@@ -304,7 +305,23 @@ def repair(
         "weight_share_float": _weight_share(study, kept),
         "quantised_ppl": full["metrics"]["perplexity"],
         "quantised_ppl_change_pct": full["metrics"]["ppl_change_pct"],
+        **_decisions(current, full, tolerance, metric),
         "steps": steps,
+    }
+
+
+def _decisions(
+    repaired: dict[str, Any], quantised: dict[str, Any], tolerance: float, metric: str
+) -> dict[str, Any]:
+    """On kld or top1, the repaired and the fully quantised cell's decisions (that metric's value and interval:
+    what the reports show beside the perplexity changes); nothing on ppl, whose changes the repair holds."""
+    if metric == "ppl":
+        return {}
+    from qbench.eval.evidence import decide
+
+    return {
+        "decision": decide(repaired, tolerance, metric).to_dict(),
+        "quantised_decision": decide(quantised, tolerance, metric).to_dict(),
     }
 
 
@@ -599,13 +616,33 @@ def report(result: dict[str, Any], top: int = 10) -> str:
 
     metric = r.get("metric", "ppl")  # repairs before --metric were on perplexity
     ppl_tolerance = r["tolerance_pct"] if metric == "ppl" else None  # the decimals that show the side of it
+    before, after = repair_texts(r, ppl_tolerance)
     return (
         _report_head(result, top, p, corr)
         + f"## Repair (tolerance {tolerance_text(r['tolerance_pct'], metric)})\n\nAll units quantised: "
-        f"{change_text(r['quantised_ppl_change_pct'], ppl_tolerance)}. Kept in float ({r['count']} units, "
+        f"{before}. Kept in float ({r['count']} units, "
         f"{r['weight_share_float']:.1%} of the quantised weights): {excl} → measured "
-        f"{change_text(r['ppl_change_pct'], ppl_tolerance)} ({verdict} tolerance; {len(r['steps'])} "
+        f"{after} ({verdict} tolerance; {len(r['steps'])} "
         f"distinct sets evaluated{minimised}).\n\n" + _time_text(result, t)
+    )
+
+
+def repair_texts(r: dict[str, Any], ppl_tolerance: float | None = None) -> tuple[str, str]:
+    """(all units quantised, repaired) as a repair's reports say them: the perplexity changes; on kld or top1 first
+    that metric's value (the repaired one with its interval, in its unit: what the verdict read), then the
+    change."""
+    from qbench.eval.tolerance import interval_text, row_interval, value_text
+
+    before = change_text(r["quantised_ppl_change_pct"], ppl_tolerance)
+    after = change_text(r["ppl_change_pct"], ppl_tolerance)
+    metric, tolerance = r.get("metric", "ppl"), r["tolerance_pct"]
+    if metric == "ppl" or "decision" not in r:
+        return before, after
+    quantised = row_interval({"decision": r.get("quantised_decision")}, metric)[0]
+    repaired = interval_text(*row_interval(r, metric), metric, tolerance)
+    return (
+        f"{value_text(quantised, metric, tolerance)} (perplexity {before})",
+        f"{repaired} (perplexity {after})",
     )
 
 
@@ -613,8 +650,8 @@ def _report_head(result: dict[str, Any], top: int, p: dict[str, Any], corr: str)
     return (
         f"# Sensitivity of {result['model']['name']} to {result['scheme']['name']} ({result['mode']}), "
         f"by {result['by']}\n\nMade by `{result.get('command', '')}`.\n\n"
-        f"Float perplexity {result['fp_perplexity']:.3f} on {p['corpus']}/{p['split']}, {p['tokens_scored']:,} "
-        f"tokens, window {p['window']}; every unit quantised alone, on the same windows. Statistics: the float "
+        f"Float perplexity {result['fp_perplexity']:.3f} on {p['corpus']}/{p['split']}, {scored_text(p)}; "
+        "every unit quantised alone, on the same windows. Statistics: the float "
         f"model's linear-layer input (crest max|x|/RMS, raw kurtosis across channels per token, max |x|) and weight "
         f"crest, largest over the unit's layers.\n\n## Top {min(top, len(result['units']))} of "
         f"{len(result['units'])} units\n\n{top_table(result, top)}\n\n![heatmap](heatmap.png)\n\n"

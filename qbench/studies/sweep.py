@@ -26,13 +26,15 @@ tolerance; a cell ``--resolve`` re-evaluated, its last look's interval: ``qbench
 noisy cell below a failing one cannot lower it; ``None`` ("none") when the widest width is not within. Walking on
 through *undecided* cells (intervals straddling the tolerance) gives ``possible_bits``, shown as ``6 (4?)``. A cell
 that produced NaN/inf, or could not run, is beyond. The tables show each change ± the half-width of its interval
-with the verdict's mark; a sweep.json from before intervals shows its point changes with the decimals that decide
-them (:func:`format_change`) and decides nothing it cannot. ``decisions`` counts the verdicts (each record once)
+with the verdict's mark — on ``--metric kld`` or ``top1`` that metric's value and interval instead, in its unit (the
+one the verdict read: ``qbench.eval.tolerance``); a sweep.json from before intervals shows its point changes with
+the decimals that decide them (:func:`format_change`) and decides nothing it cannot. ``decisions`` counts the verdicts (each record once)
 and the false *within* calls they could make were every cell exactly at the tolerance (:func:`decisions_caption`).
 
 Outputs beside the records: ``sweep.json`` (every cell with its perplexity, change and record path, the breaking
 points with the tolerance, each model's float perplexity, protocol, versions and commit), ``sweep.md`` (generated
-from that JSON) and ``sweep.png`` (perplexity ratio vs bits, log scale, one line per model and family/axis).
+from that JSON) and ``sweep.png`` (perplexity ratio vs bits, log scale, one line per model and family/axis; on kld
+or top1 that metric's values, the tolerance line in its unit).
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ from qbench.eval.evidence import (
 )
 from qbench.eval.harness import FLOAT_SCHEME as FLOAT_FAMILY  # the KV curves: only the cache quantised
 from qbench.eval.metrics import Protocol
-from qbench.eval.tolerance import decision_count, decisions_block, decisions_text
+from qbench.eval.sampling import DOCUMENTS, sample_name, scored_text
+from qbench.eval.tolerance import decision_count, decisions_block, decisions_text, row_interval
 from qbench.studies.resolve import rule_text
 
 SWEEP_VERSION = 1
@@ -484,7 +487,7 @@ def run_sweep(
             )
         from qbench.eval.adapters import default_window
 
-        window = default_window(lm.model, cfg.protocol.window)
+        window = default_window(lm.model, cfg.protocol.window, cfg.protocol.tokens, cfg.protocol.sample)
         groups = _groups(cfg, cells, window)
         for kv, _ in groups:  # every KV group refused up front, not after the groups before it ran
             check_kv_window(kv, window)
@@ -523,8 +526,12 @@ def _resolved_row(
 
     baseline = [fp]  # the float record of the last protocol evaluated
 
+    window = int(
+        record["protocol"]["window"]
+    )  # every look keeps the first one's window: more windows, not longer
+
     def evaluate(tokens: int) -> dict[str, Any]:
-        bigger = replace(cfg, protocol=replace(cfg.protocol, tokens=tokens))
+        bigger = replace(cfg, protocol=replace(cfg.protocol, tokens=tokens, window=window))
         records = run_grid(
             _grid_spec(bigger, [model], [cell.scheme], kv), on_record=on_record, loaded={model: lm}
         )
@@ -656,16 +663,21 @@ def format_change(change_pct: float, tolerance: float | None = None) -> str:
     return f"{text} %"
 
 
-def _change(cell: Mapping[str, Any] | None, tolerance: float | None = None) -> str:
+def _change(
+    cell: Mapping[str, Any] | None, tolerance: float | None = None, metric: str = DEFAULT_METRIC
+) -> str:
+    """A cell of the table: the interval its verdict was decided on (``metric``'s: the perplexity change, KLD in
+    nats, or the share of tokens whose top-1 token changed) with the verdict's mark."""
     if cell is None:
         return "-"
     if cell["status"] == "nonfinite":
         return "NaN"
     if cell["status"] != "ok" or cell["ppl_change_pct"] is None:
         return "n/a"
-    if "verdict" not in cell:  # a sweep.json from before intervals
+    if "verdict" not in cell:  # a sweep.json from before intervals (and before --metric)
         return format_change(cell["ppl_change_pct"], tolerance)
-    text = format_interval(cell["ppl_change_pct"], cell.get("ppl_change_ci95"), cell["verdict"])
+    value, ci = row_interval(cell, metric)
+    text = format_interval(value, ci, cell["verdict"], metric, tolerance)
     if cell.get("resolved"):  # re-evaluated on more tokens (--resolve): say on how many
         text += f" @{_short_tokens(cell['resolved'][-1]['tokens_scored'])}"
     return text
@@ -690,17 +702,34 @@ def sweep_table(sweep: Mapping[str, Any]) -> str:
     """The sweep as a markdown table (rows = model × family × axis, columns = bits, then the breaking point)."""
     from tabulate import tabulate
 
-    tol = sweep["tolerance_pct"]
+    tol, metric = sweep["tolerance_pct"], sweep.get("metric", DEFAULT_METRIC)
     bits = sweep["bits"]
     points = {(p["model"], p["family"], p["axis"]): p for p in sweep["breaking_points"]}
     rows = [
-        [model, family, axis, *(_change(cells.get(b), tol) for b in bits), format_breaking_point(points[key])]
+        [
+            model,
+            family,
+            axis,
+            *(_change(cells.get(b), tol, metric) for b in bits),
+            format_breaking_point(points[key]),
+        ]
         for key, cells in curves_of(sweep).items()
         for model, family, axis in [key]
     ]
-    goal = f"≤ {tolerance_text(tol, sweep.get('metric', DEFAULT_METRIC))}"
+    goal = f"≤ {tolerance_text(tol, metric)}"
     headers = ["model", "family", "axis", *(f"{b} bit" for b in bits), f"breaking point ({goal})"]
     return tabulate(rows, headers, tablefmt="github", disable_numparse=True)
+
+
+# What a sweep table's cells show on each --metric: the caption's first words, and what "each ... is shown ±" names.
+_SHOWN = {
+    "ppl": ("Perplexity change vs float", "change"),
+    "kld": ("Mean KL divergence from the float model per token in nats, the verdicts' metric", "KLD"),
+    "top1": (
+        "Share of tokens whose most likely next token differs from the float model's, in %, the verdicts' metric",
+        "share",
+    ),
+}
 
 
 def sweep_caption(sweep: Mapping[str, Any]) -> str:
@@ -714,16 +743,23 @@ def sweep_caption(sweep: Mapping[str, Any]) -> str:
         if ratios
         else ""
     )
+    metric = sweep.get("metric", DEFAULT_METRIC)
+    shown, what = _SHOWN[metric]
+    tolerance = (
+        f"{sweep['tolerance_pct']:g}"
+        if metric == DEFAULT_METRIC
+        else tolerance_text(sweep["tolerance_pct"], metric)
+    )
     text = (
-        f"Perplexity change vs float (fp perplexity: {fps}) on {p['corpus']}/{p['split']}, "
-        f"{p['tokens_scored']:,} tokens, window {p['window']}, fake quantisation. Axis w / a / o: only the "
+        f"{shown} (fp perplexity: {fps}) on {p['corpus']}/{p['split']}, "
+        f"{scored_text(p)}, fake quantisation. Axis w / a / o: only the "
         "family's weights / input activations / outputs at that width, the rest at the family's own bits; "
         "all: every tensor the family quantises; kv: the float model with a quantised KV cache (kv-keepK: "
         "positions < K kept in float; kv-sinksK: the K most-attended positions of the float pass kept in float; "
-        f"(name): the KV-cache scheme). Each change is shown ± the half-width of its 95 % interval (paired, windows "
-        "as clusters): ✗ beyond the tolerance (the interval's lower end above it), ? undecided (the interval "
-        f"straddles it). Breaking point ({sweep.get('metric', DEFAULT_METRIC)}, tolerance "
-        f"{sweep['tolerance_pct']:g}): the lowest width within the tolerance there and at every wider width; "
+        f"(name): the KV-cache scheme). Each {what} is shown ± the half-width of its 95 % interval (paired, "
+        f"{'documents' if sample_name(p) == DOCUMENTS else 'windows'} as clusters): ✗ beyond the tolerance (the interval's lower end above it), ? undecided (the interval "
+        f"straddles it). Breaking point ({metric}, tolerance "
+        f"{tolerance}): the lowest width within the tolerance there and at every wider width; "
         "≤b: within down to the lowest width swept; none: the widest is not within; (b?): undecided cells "
         f"below, so the breaking point may be as low as b.{timing}"
     )

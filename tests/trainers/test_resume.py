@@ -157,3 +157,22 @@ def test_every_optimizer_state_round_trips_without_pickle(corpus, tmp_path, opti
     train(cfg, tmp_path / "split", stop_at=1, progress=False)
     train(cfg, tmp_path / "split", resume=True, progress=False)
     assert_bit_identical(tmp_path / "whole", tmp_path / "split")
+
+
+def test_a_run_is_not_resumed_on_text_that_changed(tmp_path):
+    """The same --data name can name other text (a local file edited; the embedded corpus cut into pieces): a
+    resumed run would mix the two and say it trained on one."""
+    import json
+
+    from models.errors import UserError
+    from trainers.loop import _check_same_text
+
+    out = tmp_path / "run"
+    out.mkdir()
+    before = {"corpus": "embedded", "corpus_fingerprint": "a8ec7698025de58a8d7"}
+    (out / "config.json").write_text(json.dumps({"provenance": {"training": {"data": {"train": before}}}}))
+    _check_same_text(out, {"train": dict(before)})  # the same text: resumes
+    with pytest.raises(UserError, match=r"cannot resume .*text that has changed.*embedded-whole"):
+        _check_same_text(out, {"train": {**before, "corpus_fingerprint": "0acca4cd5f5a"}})
+    (out / "config.json").write_text("{}")
+    _check_same_text(out, {"train": before})  # a checkpoint that does not say: nothing to compare

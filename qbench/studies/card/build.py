@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from qbench.eval.metric_registry import BY_KEY
+from qbench.eval.sampling import DOCUMENTS, sample_name, sampled_summary
 from qbench.studies.card.compare import FIELDS, ComparisonRow, compare, findings
 from qbench.studies.card.decide import Avoid, sink_heads_share, sink_verdict, size_to_beat, verdict
 from qbench.studies.card.plan import KV_MIN_WINDOW, LINEAR_TABLE_ROWS
@@ -104,7 +105,7 @@ def _model_section(entry: ModelResult, settings: Mapping[str, Any]) -> dict[str,
         "attention": profile["attention_per_head"],
         "formats": formats,
         "kv": kv,
-        "breaking_points": breaking_points(entry.sweep, fp["model"]["name"], kv),
+        "breaking_points": breaking_points(entry.sweep, fp["model"]["name"], kv, metric),
         "sensitivity": sens,
         "speed_measured": bool(entry.speed),
         "avoid_map": avoid_map,
@@ -167,6 +168,7 @@ def _protocol(fp: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[str, A
         # windows, at most outlier_windows): not the formats' whole token budget
         "statistics_windows": fp["outliers"].get("windows"),
         "statistics_tokens": (fp["outliers"].get("windows") or 0) * p["window"] or None,
+        **({"sampled": sampled_summary(p)} if sample_name(p) == DOCUMENTS else {}),
     }
 
 
@@ -236,6 +238,7 @@ def _comparison_entry(row: ComparisonRow) -> dict[str, Any]:
         "values": row.values,
         "more_robust": row.more_robust,
         **{name: getattr(row, name) for name in FIELDS[row.section]},
+        **({} if row.decision is None else {"decision": row.decision}),  # a card on kld or top1
     }
 
 

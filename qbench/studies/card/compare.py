@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qbench.eval.metric_registry import BY_KEY
+from qbench.eval.sampling import window_documents
 
 Model = Mapping[str, Any]  # one model's section of card.json
 # {model: (quantised per-window mean NLL, float per-window mean NLL)}: what the paired intervals compare
@@ -49,17 +50,23 @@ def more_robust_change(found: Mapping[str, Mapping[str, Any] | None]) -> str | N
     return None
 
 
-def _decidedly_below(a: Sequence[float] | None, b: Sequence[float] | None) -> bool | None:
+def _decidedly_below(
+    a: Sequence[float] | None, b: Sequence[float] | None, clusters: Sequence[str] | None = None
+) -> bool | None:
     """Whether per-window mean NLLs ``a`` lie decidedly below ``b`` on the same windows: the 95 % interval of the
-    paired differences (windows as clusters, ``qbench.eval.evidence.cluster_interval``) wholly below 0. None when
-    the two were not measured on the same windows or give no interval (one window)."""
+    paired differences (their documents ``clusters``, else the windows, as clusters:
+    ``qbench.eval.evidence.cluster_interval``) wholly below 0. None when the two were not measured on the same
+    windows or give no interval (one cluster)."""
     import torch
 
     from qbench.eval.evidence import cluster_interval
 
     if not a or not b or len(a) != len(b):
         return None
-    interval = cluster_interval(torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64))
+    if clusters is not None and len(clusters) != len(a):
+        clusters = None  # not the windows these were measured on
+    difference = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+    interval = cluster_interval(difference, clusters=clusters)
     return None if interval is None else interval[2] < 0
 
 
@@ -67,6 +74,7 @@ def below_others_float(
     quantised: Mapping[str, float | None],
     floats: Mapping[str, float | None],
     windows: Windows | None = None,
+    clusters: Sequence[str] | None = None,
 ) -> dict[str, list[str]]:
     """Absolute quality beside relative damage: {model: the other models whose *float* perplexity is decidedly
     above this model's quantised one} — a more damaged model can still be the better one to ship. Decided on the
@@ -83,19 +91,19 @@ def below_others_float(
             others = [
                 o
                 for o in floats
-                if o != name and o in windows and _decidedly_below(windows[name][0], windows[o][1])
+                if o != name and o in windows and _decidedly_below(windows[name][0], windows[o][1], clusters)
             ]
         if others:
             out[name] = others
     return out
 
 
-def better_to_ship(windows: Windows) -> str | None:
+def better_to_ship(windows: Windows, clusters: Sequence[str] | None = None) -> str | None:
     """The one model whose quantised per-window NLL lies decidedly below every other model's quantised one (paired
     over the same windows): the better model to ship in that format, whatever either lost to quantisation."""
     for name, (q, _) in windows.items():
         others = [o for o in windows if o != name]
-        if others and all(_decidedly_below(q, windows[o][0]) for o in others):
+        if others and all(_decidedly_below(q, windows[o][0], clusters) for o in others):
             return name
     return None
 
@@ -134,6 +142,9 @@ class ComparisonRow:
     )
     better_to_ship: str | None = None  # the model decidedly better quantised (float: in float)
     missing: list[str] | None = None  # models whose budget has no such KV row ("-", not NaN)
+    # on a card decided on kld or top1, each model's decision in a format or KV row: what "more robust" compared
+    # and the page shows (None on ppl, whose change the values hold)
+    decision: Mapping[str, Any] | None = None
 
 
 # The fields each section holds beyond section/row/scheme/values/more_robust, in card.json's order.
@@ -160,14 +171,28 @@ def compare(models: Sequence[Model]) -> list[ComparisonRow]:
     ]
 
 
+def _decisions(found: Mapping[str, Mapping[str, Any] | None]) -> dict[str, Any] | None:
+    """Each model's decision in a row (None for a model without the row), where the rows were decided on kld or
+    top1; None on ppl (the row's values are the perplexity changes it was decided on)."""
+    decisions = {name: None if row is None else row.get("decision") for name, row in found.items()}
+    metrics = {d.get("metric") for d in decisions.values() if d}
+    return None if not metrics or metrics == {"ppl"} else decisions
+
+
 def _window_nll(model: Model, row: Mapping[str, Any] | None) -> Sequence[float] | None:
     """The per-window mean NLL of ``row`` (the float record or a format row) of ``model``, if measured."""
     return (model.get("window_nll") or {}).get((row or {}).get("cell_id") or "")
 
 
+def _clusters(models: Sequence[Model]) -> list[str] | None:
+    """The document of each window when every model scored the same documents sample (else each window alone)."""
+    found = [window_documents(m["protocol"]) for m in models]
+    return found[0] if found and all(f == found[0] for f in found) else None
+
+
 def _float_row(models: Sequence[Model], floats: Mapping[str, float]) -> ComparisonRow:
     windows = {m["name"]: (_window_nll(m, m["fp"]), None) for m in models}
-    better = better_to_ship(windows) if all(q for q, _ in windows.values()) else None
+    better = better_to_ship(windows, _clusters(models)) if all(q for q, _ in windows.values()) else None
     return ComparisonRow("float", "float perplexity", None, floats, None, better_to_ship=better)
 
 
@@ -188,8 +213,9 @@ def _format_rows(models: Sequence[Model], floats: Mapping[str, float]) -> list[C
                 {k: None if f is None else f["ppl_change_pct"] for k, f in found.items()},
                 more_robust_change(found),
                 perplexity=quantised,
-                below_others_float=below_others_float(quantised, floats, evidence),
-                better_to_ship=better_to_ship(evidence) if evidence else None,
+                below_others_float=below_others_float(quantised, floats, evidence, _clusters(models)),
+                better_to_ship=better_to_ship(evidence, _clusters(models)) if evidence else None,
+                decision=_decisions(found),
             )
         )
     return rows
@@ -224,6 +250,7 @@ def _kv_rows(models: Sequence[Model]) -> list[ComparisonRow]:
                     n: None if r is None or n in skipped else r.get("perplexity") for n, r in found.items()
                 },
                 missing=[n for n, r in found.items() if r is None],
+                decision=_decisions(found),
             )
         )
     return rows

@@ -30,6 +30,10 @@ class CardConfig:
     metric: str = "ppl"  # what the tolerance applies to: ppl | kld | top1
     kv_scheme: str | None = None  # None: the sweep's default_kv_scheme(window)
     seed: int = 0
+    sample: str | None = (
+        None  # which windows (qbench.eval.sampling): None, the protocol's default (documents)
+    )
+    sample_seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
     trust_remote_code: bool = False
@@ -62,6 +66,8 @@ class CardConfig:
             window=self.window,
             bos=self.bos,
             batch_size=self.batch_size,
+            sample=self.sample,
+            sample_seed=self.sample_seed,
         )
 
 

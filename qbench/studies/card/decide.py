@@ -187,6 +187,9 @@ class Repair:
     beat_what: str | None
     command: str
     others: tuple[RepairTry, ...]  # every other format tried, in the order tried
+    # on a card decided on kld or top1: the repaired and the fully quantised cell's decisions on that metric
+    decision: Mapping[str, Any] | None = None
+    quantised_decision: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -294,6 +297,8 @@ def _repair(sens: Mapping[str, Any]) -> Repair:
             for t in sens.get("tries") or []
             if t["scheme"] != sens["scheme"]
         ),
+        decision=r.get("decision"),
+        quantised_decision=r.get("quantised_decision"),
     )
 
 

@@ -238,7 +238,7 @@ def _formats(m: _Subject, spec: Any, evaluation: Any) -> tuple[list[Record], dic
         record, reused = cell_record(spec, evaluation, scheme, "fake")
         m.progress.cell(record, reused)
         at_budget[record["scheme"]["name"]] = record
-        formats.append(_resolve_row(m.cfg, record, m.resolved, lambda t, s=scheme: _format_at(m, s, t)))
+        formats.append(_resolve_row(m.cfg, record, m.resolved, lambda t, w, s=scheme: _format_at(m, s, t, w)))
     return formats, at_budget
 
 
@@ -256,9 +256,11 @@ def _kv_plan(m: _Subject) -> _KVPlan:
     from dataclasses import replace
 
     from qbench.eval.adapters import default_window
+    from qbench.eval.sampling import DOCUMENTS, MIN_WINDOWS
 
     cfg, lm = m.cfg, m.lm
-    window = default_window(lm.model, cfg.window)
+    protocol = cfg.protocol()
+    window = default_window(lm.model, protocol.window, protocol.tokens, protocol.sample)
     kv_win = kv_window(lm.model, window)
     if kv_win != window:
         m.count.add(1)
@@ -275,7 +277,14 @@ def _kv_plan(m: _Subject) -> _KVPlan:
         m.count.add(-sum(map(len, skipped.values())))
     for why, labels in skipped.items():
         m.progress.note(f"{lm.name}: KV rows {', '.join(labels)} skipped: {why}")
-    kv_cfg = cfg if kv_win == window else replace(cfg, window=kv_win)
+    kv_cfg = cfg
+    if kv_win != window:
+        # a KV error grows with the context: the rows keep a long window, and score as many windows of it as every
+        # budget scores (qbench.eval.sampling.MIN_WINDOWS) under the documents sample
+        tokens = _tokens(cfg)
+        if protocol.sample == DOCUMENTS:
+            tokens = max(tokens, MIN_WINDOWS * kv_win)
+        kv_cfg = replace(cfg, window=kv_win, tokens=tokens)
     return _KVPlan(kv_cfg, configs, problems, kv_win != window)
 
 
@@ -298,7 +307,9 @@ def _kv(m: _Subject) -> list[Record]:
             m.progress.cell(records[0], seen[0])
         m.progress.cell(records[-1], seen[-1])
         kv.append(
-            _resolve_row(plan.cfg, records[-1], m.resolved, lambda t, c=config: _kv_at(plan.cfg, m, c, t))
+            _resolve_row(
+                plan.cfg, records[-1], m.resolved, lambda t, w, c=config: _kv_at(plan.cfg, m, c, t, w)
+            )
         )
     return kv
 
@@ -385,27 +396,33 @@ def _resolve_row(
     cfg: CardConfig,
     record: dict[str, Any],
     resolved: dict[str, list[dict[str, Any]]],
-    evaluate: Callable[[int], dict[str, Any]],
+    evaluate: Callable[[int, int], dict[str, Any]],
 ) -> dict[str, Any]:
     """``record``, or with ``--resolve`` and an undecided verdict the same cell re-evaluated at doubling tokens
-    until decided or at the cap (``qbench.studies.resolve``); its steps go to ``resolved`` by cell id."""
+    until decided or at the cap (``qbench.studies.resolve``); its steps go to ``resolved`` by cell id. Every look
+    keeps the first one's window (``evaluate(tokens, window)``): the default window grows with the budget
+    (``qbench.eval.sampling.default_window``), and more tokens must mean more windows, not longer ones."""
     if not cfg.resolve_tokens or record.get("status") != "ok":
         return record
     from qbench.studies.resolve import resolve
 
-    final, steps = resolve(record, evaluate, _tokens(cfg), cfg.resolve_tokens, cfg.tolerance, cfg.metric)
+    window = int(record["protocol"]["window"])
+    final, steps = resolve(
+        record, lambda t: evaluate(t, window), _tokens(cfg), cfg.resolve_tokens, cfg.tolerance, cfg.metric
+    )
     if steps:
         resolved[final["cell_id"]] = steps
     return final
 
 
-def _format_at(m: _Subject, scheme: str, tokens: int) -> Record:
-    """A format's cell on ``tokens`` tokens (its float baseline of that protocol first)."""
+def _format_at(m: _Subject, scheme: str, tokens: int, window: int) -> Record:
+    """A format's cell on ``tokens`` tokens of ``window``-token windows (its float baseline of that protocol
+    first)."""
     from dataclasses import replace
 
     from qbench.eval.harness import ModelEvaluation, cell_record
 
-    spec = grid_spec(replace(m.cfg, tokens=tokens), m.model, [scheme])
+    spec = grid_spec(replace(m.cfg, tokens=tokens, window=window), m.model, [scheme])
     evaluation = ModelEvaluation(spec, m.model, lm=m.lm)
     evaluation.check()
     evaluation.fp_record()
@@ -414,14 +431,14 @@ def _format_at(m: _Subject, scheme: str, tokens: int) -> Record:
     return record
 
 
-def _kv_at(cfg: CardConfig, m: _Subject, config: Any, tokens: int) -> Record:
-    """A KV row's cell on ``tokens`` tokens (``cfg``: the KV rows' protocol)."""
+def _kv_at(cfg: CardConfig, m: _Subject, config: Any, tokens: int, window: int) -> Record:
+    """A KV row's cell on ``tokens`` tokens of ``window``-token windows (``cfg``: the KV rows' protocol)."""
     from dataclasses import replace
 
     from qbench.eval.harness import run_grid
 
     seen: list[bool] = []
-    spec = grid_spec(replace(cfg, tokens=tokens), m.model, ["fp"], kv=config)
+    spec = grid_spec(replace(cfg, tokens=tokens, window=window), m.model, ["fp"], kv=config)
     records = run_grid(spec, lambda r, reused: seen.append(reused), loaded={m.model: m.lm})
     m.progress.cell(records[-1], seen[-1])
     return records[-1]

@@ -8,6 +8,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from qbench.eval.sampling import FIRST, sample_name
 from qbench.studies.card.decide import size_to_beat
 from qbench.studies.card.result import ModelResult
 from qbench.studies.card.sizes import float_size, repaired_bytes
@@ -113,6 +114,8 @@ def _sensitivity_section(
             "kld_mean": r.get("kld_mean"),
             "top1_agreement": r.get("top1_agreement"),
             "tolerance_pct": r["tolerance_pct"],
+            # on kld or top1: the repaired and the fully quantised cell's decisions on that metric
+            **{k: r[k] for k in ("decision", "quantised_decision") if k in r},
         },
         "command": command,
     }
@@ -133,6 +136,9 @@ def _repair_command(
         f"--tokens {p['tokens']}",
         f"--window {p['window']}",
         *([] if p.get("bos", True) else ["--no-bos"]),
+        # the documents sample is the default; a record without "sample" read the first windows
+        *(["--sample first"] if sample_name(p) == FIRST and p.get("protocol") != "llama.cpp" else []),
+        *([f"--sample-seed {p['sample_seed']}"] if p.get("sample_seed") else []),
         *([f"--batch-size {p['batch_size']}"] if p.get("batch_size", 8) != 8 else []),
         *([f"--dtype {p['dtype']}"] if (p.get("dtype") or "float32") != "float32" else []),
         f"--seed {settings.get('seed', 0)}",

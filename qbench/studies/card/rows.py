@@ -235,11 +235,15 @@ def _kv_schemes(kv: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[str, Any
 
 
 def breaking_points(
-    sweep: Mapping[str, Any] | None, model: str, kv: Mapping[str, Any]
+    sweep: Mapping[str, Any] | None, model: str, kv: Mapping[str, Any], metric: str = "ppl"
 ) -> list[dict[str, Any]]:
     """``model``'s breaking points with their curves: the sweep's (``run_sweep``'s result, None where the budget
-    sweeps nothing), then the KV section's (``kv``)."""
+    sweeps nothing), then the KV section's (``kv``). Decided on ``metric`` kld or top1, each curve point also holds
+    its ``decision`` (the value and interval its verdict read, what the card shows of it)."""
     from qbench.studies.sweep import format_breaking_point
+
+    def decided(row: Mapping[str, Any]) -> dict[str, Any]:
+        return {} if metric == "ppl" else {"decision": row.get("decision")}
 
     out = []
     if sweep:
@@ -252,6 +256,7 @@ def breaking_points(
                     "status": c["status"],
                     "verdict": c.get("verdict"),
                     "ppl_change_ci95": c.get("ppl_change_ci95"),
+                    **decided(c),
                 }
         for p in sweep["breaking_points"]:
             if p["model"] == model:
@@ -273,7 +278,11 @@ def breaking_points(
         }
         text = format_breaking_point(entry) if p["lowest_swept"] is not None else "-"
         curve = {
-            str(row["bits"]): {"ppl_change_pct": row["ppl_change_pct"], "status": row["status"]}
+            str(row["bits"]): {
+                "ppl_change_pct": row["ppl_change_pct"],
+                "status": row["status"],
+                **decided(row),
+            }
             for row in kv["rows"]
             if kv_axis(row["scheme"], row["keep_sinks"]) == axis and row["status"] != "skipped"
         }

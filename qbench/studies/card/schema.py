@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, TypedDict
 
 from qbench.eval.tolerance import Decisions, Sequential
+from qbench.eval.tolerance import RowDecision as Decision  # a row's verdict on the card's metric
 
 CARD_VERSION = 2
 READS = (1, 2)  # the card versions this qbench reads (:func:`upgrade`)
@@ -77,7 +78,11 @@ class Identity(TypedDict):
     context: int | None
 
 
-class Protocol(TypedDict):
+class _Sampled(TypedDict, total=False):
+    sampled: dict[str, Any]  # qbench.eval.sampling.sampled_summary; absent: the first windows
+
+
+class Protocol(_Sampled):
     """How the model was scored (the float record's protocol) and what its statistics were computed on."""
 
     corpus: str
@@ -176,17 +181,6 @@ class Attention(TypedDict):
     windows: int
     top1_share: list[list[float]]
     mass: list[list[float]]
-
-
-class Decision(TypedDict):
-    """``qbench.eval.evidence.Decision.to_dict``: a row's verdict on the card's metric."""
-
-    metric: str
-    value: float | None
-    ci95: list[float] | None
-    verdict: str
-    tokens_to_decide: int | None
-    reason: str | None
 
 
 class _ResolveStep(TypedDict):
@@ -318,6 +312,7 @@ class CurvePoint(_CurvePoint, total=False):
     ppl_ratio: float | None
     verdict: str | None
     ppl_change_ci95: list[float] | None
+    decision: Decision | None  # on a card decided on kld or top1: the value and interval the pages show
 
 
 class BreakingPoint(TypedDict):
@@ -348,7 +343,12 @@ class Beat(TypedDict):
     what: str
 
 
-class Repair(TypedDict):
+class _Decided(TypedDict, total=False):
+    decision: Decision  # on a card decided on kld or top1: the repaired cell's decision on that metric
+    quantised_decision: Decision  # and the fully quantised cell's
+
+
+class Repair(_Decided):
     """The repair the card shows: the fewest units kept in float that bring the format within the tolerance."""
 
     reached: bool
@@ -525,6 +525,7 @@ class ComparisonRow(_ComparisonRow, total=False):
     below_others_float: dict[str, list[str]] | None  # formats
     better_to_ship: str | None  # float, formats
     missing: list[str]  # kv: the models whose budget had no such row
+    decision: dict[str, Decision | None]  # formats, kv on a card on kld or top1: each model's decision
 
 
 class Card(TypedDict):

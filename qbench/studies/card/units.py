@@ -8,7 +8,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-PCT_CAP = 1e4  # beyond ±10,000 % a change only says "broken": three significant digits say how broken
+# beyond ±10,000 % a change only says "broken": three significant digits say how broken (the one rule of
+# qbench.eval.tolerance, which writes every metric's values)
+from qbench.eval.tolerance import PCT_CAP, number_text, value_text
 
 SIZE_UNIT = "MB = 10⁶ bytes"
 
@@ -16,12 +18,12 @@ SIZE_UNIT = "MB = 10⁶ bytes"
 def signed(x: float) -> str:
     """``+1.23``, or ``+4.65e+23`` beyond ±10,000: the 24 digits of a collapsed model's change are noise that
     widens its table, not information."""
-    return f"{x:+.2e}" if abs(x) >= PCT_CAP else f"{x:+.2f}"
+    return number_text(x)
 
 
 def pct(x: float | None) -> str:
     """A change in percent, ``+0.97 %``; ``NaN`` where the change is not a number (card.json stores NaN as null)."""
-    return "NaN" if x is None else f"{signed(x)} %"
+    return value_text(x)
 
 
 def num(x: Any, spec: str = ".3g") -> str:

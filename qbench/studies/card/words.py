@@ -8,7 +8,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from qbench.eval.tolerance import decisions_text, tolerance_text
+from qbench.eval.sampling import scored_text
+from qbench.eval.tolerance import (
+    decisions_text,
+    ends_text,
+    interval_text,
+    row_interval,
+    tolerance_text,
+    value_text,
+)
 from qbench.studies.card.compare import Findings
 from qbench.studies.card.decide import Avoid, Repair, Rescue, Verdict
 from qbench.studies.card.plan import FORMATS, canonical_scheme
@@ -79,20 +87,43 @@ def change_text(record: Mapping[str, Any]) -> float | None:
     return record["metrics"]["ppl_change_pct"] if record.get("status") == "ok" else None
 
 
-def _failure_text(f: Mapping[str, Any]) -> str:
-    """A row's measured failure: ``+98.20 % [+36.83, +187.09], KLD 0.699, top-1 56.4 %`` (NaN/inf when it had no
-    finite perplexity)."""
-    if f.get("ppl_change_pct") is None:
-        return "NaN/inf perplexity"
-    text = pct(f["ppl_change_pct"])
-    ci = f.get("ppl_change_ci95")
-    if ci:
-        text += f" [{ci[0]:+.2f}, {ci[1]:+.2f}]"
-    if f.get("kld_mean") is not None:
-        text += f", KLD {f['kld_mean']:.3g}"
-    if f.get("top1_agreement") is not None:
-        text += f", top-1 {100 * f['top1_agreement']:.1f} %"
-    return text
+class _Words:
+    """How the lines say a row's evidence: on ``metric`` (its ``tolerance``) the value and interval the verdict
+    read (``qbench.eval.tolerance``), in its unit; on ppl the change as the card always said it."""
+
+    def __init__(self, tolerance: float, metric: str = "ppl") -> None:
+        self.tolerance, self.metric = tolerance, metric
+        self.limit = tolerance_text(tolerance, metric)
+
+    def value(self, f: Mapping[str, Any]) -> str:
+        """A row's deciding value alone: ``+0.97 %``, ``KLD 0.0123 nats``, ``NaN`` (no finite number)."""
+        if self.metric == "ppl":
+            return pct(f.get("ppl_change_pct"))
+        return value_text(row_interval(f, self.metric)[0], self.metric, self.tolerance)
+
+    def interval(self, f: Mapping[str, Any]) -> str:
+        """A row's deciding value with its interval: ``+0.97 % [+0.41, +1.53]`` (an interval's ends in full, as the
+        lines always wrote them), ``KLD 0.0123 nats [0.0101, 0.0145]``."""
+        value, ci = row_interval(f, self.metric)
+        if self.metric != "ppl":
+            return interval_text(value, ci, self.metric, self.tolerance)
+        return pct(value) + (f" {ends_text(ci, cap=False)}" if ci and value is not None else "")
+
+    def failure(self, f: Mapping[str, Any]) -> str:
+        """A row's measured failure: ``+98.20 % [+36.83, +187.09], KLD 0.699, top-1 56.4 %`` (NaN/inf when it had
+        no finite perplexity); on kld or top1 that metric's value and interval first, ``KLD 0.6990 nats [0.5012,
+        0.8968], perplexity +98.20 %, top-1 56.4 %``."""
+        if f.get("ppl_change_pct") is None:
+            return "NaN/inf perplexity"
+        if self.metric == "ppl":
+            text = self.interval(f)
+        else:
+            text = f"{self.interval(f)}, perplexity {pct(f['ppl_change_pct'])}"
+        if f.get("kld_mean") is not None and self.metric != "kld":
+            text += f", KLD {f['kld_mean']:.3g}"
+        if f.get("top1_agreement") is not None:
+            text += f", top-1 {100 * f['top1_agreement']:.1f} %"
+        return text
 
 
 def verdict_lines(
@@ -102,17 +133,18 @@ def verdict_lines(
     avoid (one line, worst first), then the worst one's and every mapped one's measured failure with the units its
     damage comes from, what the post-training algorithms rescued, and the repair with whether it pays (or why none
     was tried). Commands go to the second list (card.json's ``commands``), not into the lines."""
-    limit = tolerance_text(tolerance, metric)
-    lines = [_recommended_line(verdict.recommended, limit)]
+    say = _Words(tolerance, metric)
+    limit = say.limit
+    lines = [_recommended_line(verdict.recommended, say)]
     if verdict.undecided:
-        lines.append(_undecided_line(verdict.undecided, limit))
-    lines += _avoid_lines(verdict.avoid, limit)
+        lines.append(_undecided_line(verdict.undecided, say))
+    lines += _avoid_lines(verdict.avoid, say)
     if not verdict.avoid and not verdict.undecided:
         lines.append(f"Every format measured stays within {limit}.")
-    lines += [_rescue_line(r, limit) for r in verdict.rescues]
+    lines += [_rescue_line(r, say) for r in verdict.rescues]
     commands = []
     if verdict.repair:
-        lines += _repair_lines(verdict.repair, verdict.recommended, limit)
+        lines += _repair_lines(verdict.repair, verdict.recommended, say)
         commands.append(
             {"what": f"the repair of `{verdict.repair.scheme}`", "command": verdict.repair.command}
         )
@@ -134,25 +166,26 @@ def decisions_line(decisions: Mapping[str, Any] | None, tolerance: float, metric
     return "Decisions: " + decisions_text(decisions, tolerance, metric, what)
 
 
-def _recommended_line(row: Mapping[str, Any] | None, limit: str) -> str:
+def _recommended_line(row: Mapping[str, Any] | None, say: _Words) -> str:
+    limit = say.limit
     if row is None:
         return f"Recommended: none — no format measured stays within {limit} (its 95 % interval's upper end)."
     return (
-        f"Recommended: {row['label']} (`{row['scheme']}`), {_failure_text(row)}, "
+        f"Recommended: {row['label']} (`{row['scheme']}`), {say.failure(row)}, "
         f"{decimal_bytes(row['weight_bytes'])}"
         + (f" ({row['bytes_vs_bf16']:.1%} of the bf16 model)" if row["bytes_vs_bf16"] else "")
         + f": the smallest format within {limit}."
     )
 
 
-def _undecided_line(rows: Sequence[Mapping[str, Any]], limit: str) -> str:
-    """One line for every undecided format: its change, interval and the tokens that would decide it."""
+def _undecided_line(rows: Sequence[Mapping[str, Any]], say: _Words) -> str:
+    """One line for every undecided format: its change (on kld or top1 that metric's value), interval and the
+    tokens that would decide it."""
+    limit = say.limit
     parts = []
     for f in rows:
-        ci = f.get("ppl_change_ci95")
         parts.append(
-            f"{f['label']} {pct(f['ppl_change_pct'])}"
-            + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci and f["ppl_change_pct"] is not None else "")
+            f"{f['label']} {say.interval(f)}"
             + (
                 f" (~{f['tokens_to_decide']:,} tokens would decide it 4 times in 5)"
                 if f.get("tokens_to_decide")
@@ -162,20 +195,21 @@ def _undecided_line(rows: Sequence[Mapping[str, Any]], limit: str) -> str:
     return f"Undecided (the interval straddles {limit}): " + "; ".join(parts) + "."
 
 
-def _avoid_lines(avoid: Sequence[Avoid], limit: str) -> list[str]:
+def _avoid_lines(avoid: Sequence[Avoid], say: _Words) -> list[str]:
     """One line listing every format to avoid, then the worst one's and every mapped one's failure with the
     units its map blames (the list and the format table carry an unmapped one's evidence)."""
     if not avoid:
         return []
+    limit = say.limit
     listed = ", ".join(
-        f"{a.row['label']} {'NaN/inf' if a.row['ppl_change_pct'] is None else pct(a.row['ppl_change_pct'])}"
+        f"{a.row['label']} {'NaN/inf' if a.row['ppl_change_pct'] is None else say.value(a.row)}"
         for a in avoid
     )
     lines = [f"Avoid (decidedly beyond {limit}), worst first: {listed}."]
     for i, a in enumerate(avoid):
         if i > 0 and not a.blamed:
             continue
-        text = f"{'Worst' if i == 0 else 'Avoided'}: {a.row['label']} (`{a.row['scheme']}`), {_failure_text(a.row)}"
+        text = f"{'Worst' if i == 0 else 'Avoided'}: {a.row['label']} (`{a.row['scheme']}`), {say.failure(a.row)}"
         if a.blamed:
             units = ", ".join(f"`{u.name}` {pct(u.ppl_change_pct)}" for u in a.blamed)
             text += f"; its damage comes most from {units} (each quantised alone, sensitivity map by {a.blamed_by})"
@@ -187,19 +221,26 @@ def _avoid_lines(avoid: Sequence[Avoid], limit: str) -> list[str]:
     return lines
 
 
-def _rescue_line(r: Rescue, limit: str) -> str:
-    """Whether a post-training algorithm rescues a format that round-to-nearest fails, or what it changed."""
-    algo = _algo_of(r.row["scheme"])
-    change = f"{pct(r.rtn['ppl_change_pct'])} → {pct(r.row['ppl_change_pct'])}"
+def _rescue_line(r: Rescue, say: _Words) -> str:
+    """Whether a post-training algorithm rescues a format that round-to-nearest fails, or what it changed (on kld
+    or top1: that metric's values, the algorithm's with its interval)."""
+    algo, limit = _algo_of(r.row["scheme"]), say.limit
+    change = (
+        f"{pct(r.rtn['ppl_change_pct'])} → {pct(r.row['ppl_change_pct'])}"
+        if say.metric == "ppl"
+        else f"{say.value(r.rtn)} → {say.interval(r.row)}"
+    )
     if r.rescued:
         return f"{algo} rescues {r.rtn['label']}: {change}, within {limit} where round-to-nearest is not."
     state = "undecided" if r.row.get("verdict") == "undecided" else "still beyond"
     return f"{algo} does not rescue {r.rtn['label']}: {change} ({state} {limit})."
 
 
-def _repair_lines(repair: Repair, recommended: Mapping[str, Any] | None, limit: str) -> list[str]:
-    """The repair shown: what it keeps in float, the change before and after with its evidence and size, and
-    whether it pays; then every other format a repair was tried on."""
+def _repair_lines(repair: Repair, recommended: Mapping[str, Any] | None, say: _Words) -> list[str]:
+    """The repair shown: what it keeps in float, the change before and after with its evidence and size (on kld or
+    top1 that metric's values first, where the repair holds them), and whether it pays; then every other format
+    a repair was tried on."""
+    limit = say.limit
     state = "within" if repair.reached else "still NOT within"
     size = f", {decimal_bytes(repair.weight_bytes)}" if repair.weight_bytes else ""
     if repair.pays:
@@ -217,11 +258,16 @@ def _repair_lines(repair: Repair, recommended: Mapping[str, Any] | None, limit: 
     evidence = (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "") + (
         f", KLD {repair.kld_mean:.3g}" if repair.kld_mean is not None else ""
     )
+    change = f"{pct(repair.quantised_ppl_change_pct)} → {pct(repair.ppl_change_pct)}{evidence}"
+    if say.metric != "ppl" and repair.decision is not None:  # the metric's values, as the repair decided
+        before = say.value({"decision": repair.quantised_decision})
+        after = say.interval({"decision": repair.decision})
+        change = f"{before} → {after} (perplexity {pct(repair.quantised_ppl_change_pct)} → {pct(repair.ppl_change_pct)})"
     ratio = f" ({repair.bytes_vs_bf16:.1%} of the bf16 model)" if repair.bytes_vs_bf16 else ""
     lines = [
         f"Repair of `{repair.scheme}`: keep {repair.count} unit(s) in float "
         f"({repair.weight_share_float:.1%} of the quantised weights): "
-        f"{pct(repair.quantised_ppl_change_pct)} → {pct(repair.ppl_change_pct)}{evidence}{size}{ratio} "
+        f"{change}{size}{ratio} "
         f"({state} {limit}{worth}"
         + ("" if repair.minimised else "; not minimised (standard minimises)")
         + ")."
@@ -285,7 +331,7 @@ def not_measured(
         )
         + ".",
         f"Tasks: next-token quality on {protocol.get('corpus')}/{protocol.get('split')} only "
-        f"({protocol.get('tokens_scored'):,} tokens, window {protocol.get('window')}); no downstream task "
+        f"({_scored(protocol)}); no downstream task "
         "(`qbench lm-eval` runs lm-evaluation-harness tasks on a quantised model).",
     ]
     if missing:
@@ -347,3 +393,10 @@ def comparison_lines(found: Findings) -> list[str]:
         for b in found.below_float
     ]
     return lines
+
+
+def _scored(protocol: Mapping[str, Any]) -> str:
+    """The tokens scored and their windows; a card of the first windows (made before sampling) as it always read."""
+    if "sampled" in protocol:
+        return scored_text(protocol)
+    return f"{protocol.get('tokens_scored'):,} tokens, window {protocol.get('window')}"

@@ -22,6 +22,9 @@ TOKENS = (
     "256"  # eight windows of the micro model's 32 tokens (an interval needs several): milliseconds a cell
 )
 TOLERANCE = "0.05"  # the micro model moves by tenths of a percent: a tight tolerance makes formats fail
+# the stream's first windows: on them fp8 stays within the tolerance and W4A8 g32 needs a repair, the scenario the
+# verdict tests read (on a documents sample of the random micro model the formats land elsewhere)
+SAMPLE = ("--sample", "first")
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +47,7 @@ def card_argv(ckpt: Path, out: Path, tolerance: str = TOLERANCE) -> list[str]:
         tolerance,
         "--output-path",
         str(out),
+        *SAMPLE,
     ]
 
 
@@ -129,7 +133,7 @@ def test_a_card_row_is_the_record_qbench_run_writes(card_dir, planted_ckpt, tmp_
     model = card_of(card_dir)["models"][0]
     row = next(f for f in model["formats"] if f["scheme"] == "absmax-coarse")
     out = tmp_path / "run"
-    argv = ["run", "--ckpt", str(planted_ckpt), "--scheme", "absmax-coarse", "--tokens", TOKENS]
+    argv = ["run", "--ckpt", str(planted_ckpt), "--scheme", "absmax-coarse", "--tokens", TOKENS, *SAMPLE]
     assert main([*argv, "--output-path", str(out)]) == 0
     record = json.loads((out / "planted" / "absmax-coarse__fake.json").read_text())
     assert record["metrics"]["perplexity"] == row["perplexity"]
@@ -148,7 +152,16 @@ def test_the_verdict_and_the_repair_hold_when_re_run(card_dir, planted_ckpt, tmp
         recommended is not None
     )  # fp8-e4m3 stays within 0.05 % on the micro model; W4A8 g32, smaller, does not: the repair
     out = tmp_path / "recommended"
-    argv = ["run", "--ckpt", str(planted_ckpt), "--scheme", recommended["scheme"], "--tokens", TOKENS]
+    argv = [
+        "run",
+        "--ckpt",
+        str(planted_ckpt),
+        "--scheme",
+        recommended["scheme"],
+        "--tokens",
+        TOKENS,
+        *SAMPLE,
+    ]
     assert main([*argv, "--output-path", str(out)]) == 0
     (record,) = [json.loads(p.read_text()) for p in out.rglob("*__fake.json")]
     assert record["metrics"]["ppl_change_pct"] <= float(TOLERANCE)

@@ -69,7 +69,7 @@ def test_run_grid_compare_on_our_checkpoint_and_a_transformers_folder(
         assert code == 0 and "softmax1" in out and "gpt2-micro" in out, fmt  # LaTeX escapes the underscore
     table = json.loads(run(["compare", out_dir, "--format", "json"], capsys)[1])
     assert table["headers"][:4] == ["model", "fp", "absmax-coarse/fake", "zeropoint-int4/fake"]
-    assert "window 32" in table["caption"]
+    assert "windows of 32 tokens drawn across" in table["caption"]
 
 
 def test_compare_evaluates_a_bare_checkpoint_name(ckpt_dir, tmp_path, monkeypatch, capsys):

@@ -24,7 +24,7 @@ def long_file(tmp_path_factory):
 
 
 def _whole_file_tokens(path, tokenizer) -> int:
-    """An independent count: each ~64 KB document tokenised alone, plus one separator per document."""
+    """An independent count: each ≤ 16 kB piece tokenised alone, plus one separator per piece."""
     from trainers.data import LocalCorpus
 
     docs = [text for _, text in LocalCorpus(path).items()]
@@ -32,7 +32,7 @@ def _whole_file_tokens(path, tokenizer) -> int:
 
 
 def test_a_users_file_is_evaluated_whole_by_default(long_file, tokenizer):
-    protocol = Protocol(corpus=str(long_file), tokens=10**9, window=32)
+    protocol = Protocol(corpus=str(long_file), tokens=10**9, window=32, sample="first")
     assert protocol.split == "all"
     windows = make_windows(tokenizer, protocol, context=32)
     total = _whole_file_tokens(long_file, tokenizer)
@@ -41,6 +41,14 @@ def test_a_users_file_is_evaluated_whole_by_default(long_file, tokenizer):
     record = protocol_record(protocol, windows, tokenizer, "float32")
     assert record["split"] == "all" and record["tokens_available"] == total and record["tokens_clamped"]
     assert windows.ids[0, 0] == separator_id(tokenizer)
+    # drawn across documents: every whole window each piece holds (a window never crosses a piece), each piece its
+    # own document
+    from trainers.data import LocalCorpus
+
+    sampled = make_windows(tokenizer, Protocol(corpus=str(long_file), tokens=10**9, window=32), context=32)
+    pieces = [text for _, text in LocalCorpus(long_file).items()]
+    held = sum(len(tokenizer(d, add_special_tokens=False)["input_ids"]) // 32 for d in pieces)
+    assert len(sampled.ids) == held and sampled.clamped and len(set(sampled.clusters)) == len(pieces) > 8
 
 
 def test_split_is_explicit_and_tokens_still_cap(long_file, tokenizer):

@@ -115,6 +115,49 @@ def test_the_cluster_interval_covers_the_true_change_at_its_nominal_rate():
     assert token_hits / trials < 0.80
 
 
+def _documents(rng, documents, per_document, tokens, truth, doc_sd, window_sd):
+    """Per-token NLL differences of ``documents`` × ``per_document`` windows: a document effect shared by all its
+    windows (its topic and style), a window effect and correlated token noise, as drawn across documents."""
+    doc = np.repeat(rng.normal(0, doc_sd, size=documents), per_document)[:, None]
+    d = _simulate(rng, documents * per_document, tokens, truth, window_sd, token_sd=0.1, rho=0.8)
+    labels = [f"doc{i}" for i in range(documents) for _ in range(per_document)]
+    return d + doc, labels
+
+
+@pytest.mark.parametrize("per_document", [4, 8])
+def test_the_document_cluster_interval_holds_its_rate_where_windows_share_documents(per_document):
+    """Windows of one document share an effect: the interval that clusters by document covers the true change
+    at its nominal 95 %; the one that takes every window as independent covers it far less often."""
+    rng = np.random.default_rng(11 + per_document)
+    truth, trials, clustered, naive = 0.01, 800, 0, 0
+    for _ in range(trials):
+        d, labels = _documents(rng, 6, per_document, 16, truth, doc_sd=0.1, window_sd=0.005)
+        fp = np.full_like(d, 3.0)
+        for clusters in (labels, None):
+            m = evidence.paired_metrics(torch.tensor(fp + d), torch.tensor(fp), clusters)
+            low, high = (math.log1p(v / 100) for v in m["ppl_change_ci95"])
+            if clusters is None:
+                naive += low <= truth <= high
+            else:
+                clustered += low <= truth <= high
+                assert m["interval"]["clusters"] == 6 and m["interval"]["df"] == 5
+    assert 0.93 <= clustered / trials <= 0.97
+    assert naive / trials < 0.80
+
+
+def test_one_window_per_document_is_the_plain_paired_t():
+    rng = np.random.default_rng(2)
+    x = torch.tensor(rng.normal(0.01, 0.02, size=12))
+    plain = evidence.cluster_interval(x)
+    clustered = evidence.cluster_interval(x, clusters=[f"d{i}" for i in range(12)])
+    assert clustered == pytest.approx(plain, rel=1e-12)
+    assert (
+        evidence.cluster_interval(x, clusters=["one"] * 12) is None
+    )  # one document: no variance to estimate
+    with pytest.raises(ValueError, match="11 cluster labels for 12 windows"):
+        evidence.cluster_interval(x, clusters=["a"] * 11)
+
+
 def _record(change, ci, windows=8, window=64, status="ok", **extra):
     ln = math.log1p(change / 100)
     return {

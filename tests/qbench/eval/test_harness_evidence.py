@@ -46,8 +46,9 @@ def test_cells_name_their_sidecar_and_its_numbers_are_the_float_models(ckpt_dir,
     kld = (p.exp() * (p - q)).sum(-1)
     same = (p.argmax(-1) == q.argmax(-1)).double()
     m = coarse["metrics"]
-    assert math.isclose(m["kld_mean"], kld.mean().item(), rel_tol=1e-4)
-    assert math.isclose(m["kld_max"], kld.max().item(), rel_tol=1e-4)
+    # within the float32 computation's documented bound, 1e-6·(√KL + KL) (docs/metrics.md)
+    for got, want in ((m["kld_mean"], kld.mean().item()), (m["kld_max"], kld.max().item())):
+        assert math.isclose(got, want, rel_tol=1e-4, abs_tol=1e-6 * (math.sqrt(want) + want))
     assert math.isclose(m["top1_agreement"], same.mean().item(), abs_tol=1e-9)
     nll_q = -q.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     nll_p = -p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

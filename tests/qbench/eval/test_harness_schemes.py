@@ -73,7 +73,10 @@ def test_reuse_needs_an_equal_config(tmp_path, ckpt_dir):
 def test_calibration_windows_come_from_the_train_split(ckpt_dir):
     lm = load_model(str(ckpt_dir))
     first = calibration_windows(lm.tokenizer, SMALL, 32, get_scheme("absmax-fine:static=true,calib=3"))
-    train = make_windows(lm.tokenizer, Protocol(split="train", tokens=3 * 32, window=32), 32).ids
+    # calibration reads the train split's first windows (not a documents sample: what its records say)
+    train = make_windows(
+        lm.tokenizer, Protocol(split="train", tokens=3 * 32, window=32, sample="first"), 32
+    ).ids
     assert torch.equal(first, train)
     sampled = calibration_windows(
         lm.tokenizer, SMALL, 32, get_scheme("absmax-fine:static=true,calib=3,calib_seed=0")
@@ -123,7 +126,7 @@ def test_calib_data_and_calib_tokens_choose_the_windows_and_are_recorded(tmp_pat
     assert CalibrationData("embedded").split() == "train" and CalibrationData(tokens=64).windows(8, 32) == 2
     windows = calibration_windows(lm.tokenizer, SMALL, 32, scheme, data)
     expected = make_windows(
-        lm.tokenizer, Protocol(corpus=str(own), split="all", tokens=3 * 32, window=32), 32
+        lm.tokenizer, Protocol(corpus=str(own), split="all", tokens=3 * 32, window=32, sample="first"), 32
     )
     assert torch.equal(windows, expected.ids)
     default = calibration_windows(lm.tokenizer, SMALL, 32, scheme)

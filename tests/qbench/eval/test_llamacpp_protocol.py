@@ -29,6 +29,7 @@ from qbench.eval.llamacpp_protocol import (
     render_kld_printout,
 )
 from qbench.eval.metrics import Protocol, make_windows, perplexity, token_comparison
+from qbench.eval.sampling import SAMPLES
 from tests.qbench.conftest import micro_config, trained_like
 
 
@@ -140,19 +141,28 @@ def _old_cell_identity(record: dict) -> str:
 
 
 def test_default_records_keep_their_identity_and_a_llama_cpp_cell_has_its_own():
+    """A record written before the ``protocol`` and ``sample`` fields keeps its identity (its file); a llama.cpp
+    cell, a documents sample and the first windows of today's corpus each have their own."""
     from qbench.eval.harness import cell_identity
 
+    written = Protocol(window=32, sample="first").to_dict()
+    del written["sample"]  # what a record of the first windows held before the field existed
     record = {
         "model": {"fingerprint": "abc"},
         "scheme": {"name": "absmax-coarse"},
         "mode": "fake",
         "kv": None,
-        "protocol": {**Protocol(window=32).to_dict(), "dtype": "float32"},
+        "protocol": {**written, "dtype": "float32"},
         "seed": 0,
     }
     assert cell_identity(record) == _old_cell_identity(record)
     llama = {**record, "protocol": {**record["protocol"], "protocol": LLAMA_CPP}}
     assert cell_identity(llama) != cell_identity(record)
+    others = [
+        {**record, "protocol": {**Protocol(window=32, sample=s).to_dict(), "dtype": "float32"}}
+        for s in SAMPLES
+    ]
+    assert len({cell_identity(r) for r in [record, *others]}) == 3
 
 
 def test_run_records_the_protocol_and_prints_llama_cpps_block(ckpt_dir, tmp_path, capsys):

@@ -46,8 +46,8 @@ def test_perplexity_is_exp_of_mean_token_nll_and_batch_invariant(model, tokenize
 
 @pytest.mark.parametrize("bos", [True, False])
 def test_the_trainers_validation_perplexity_is_qbenchs_float_perplexity(model, tokenizer, bos):
-    """One window cutter: the trainer's validation loss and ``qbench run``'s float perplexity on the same
-    checkpoint and token budget are the same number."""
+    """One window cutter: the trainer's validation loss and ``qbench run --sample first``'s float perplexity on
+    the same checkpoint and token budget are the same number."""
     import contextlib
 
     from models.tokenizer import separator_id
@@ -58,7 +58,7 @@ def test_the_trainers_validation_perplexity_is_qbenchs_float_perplexity(model, t
     stream = token_stream("embedded", "validation", tokenizer)
     x, y = validation_windows(stream, 32, separator_id(tokenizer) if bos else None, max_tokens=200)
     trainer = math.exp(evaluate(model, x, y, batch=4, autocast=contextlib.nullcontext()))
-    w = make_windows(tokenizer, Protocol(tokens=200, window=32, bos=bos), context=32)
+    w = make_windows(tokenizer, Protocol(tokens=200, window=32, bos=bos, sample="first"), context=32)
     assert torch.equal(w.ids, x) and torch.equal(w.targets, y)
     assert perplexity(model, w, 4)["perplexity"] == pytest.approx(trainer, rel=1e-6)
 
@@ -200,3 +200,61 @@ def test_perplexity_builds_no_autograd_graph(model, tokenizer):
     finally:
         handle.remove()
     assert seen == [False] and any(p.requires_grad for p in model.parameters())
+
+
+def test_the_documents_sample_scores_sixteen_windows_across_documents_and_sources(tokenizer):
+    """The default sample: at the card's quick budget (4,096 tokens) 16 windows of 256 tokens, each from another
+    document, from every source of the embedded corpus; the record says where each window came from."""
+    from qbench.eval.metrics import protocol_record
+
+    p = Protocol(tokens=4096)
+    assert p.sample == "documents" and Protocol(protocol="llama.cpp").sample == "first"
+    w = make_windows(tokenizer, p, context=1024)
+    assert w.window == 256 and w.ids.shape == (16, 256) and not w.clamped
+    assert len(set(w.clusters)) == 16 and {s.source for s in w.sampled} == {"sotu", "shakespeare", "factbook"}
+    record = protocol_record(p, w, tokenizer, "float32")
+    assert record["sample"] == "documents" and record["sample_seed"] == 0 and record["stride"] is None
+    sampled = record["sampled"]
+    assert sampled["documents"] == 16 and sum(sampled["sources"].values()) == 16
+    assert [a["document"] for a in sampled["windows_at"]] == w.clusters
+    # each window is the piece's tokens at its offset, BOS in front
+    from trainers.data import stream_index, token_stream
+
+    stream = token_stream("embedded", "validation", tokenizer)
+    index = stream_index(stream, int(w.ids[0, 0]))
+    at = sampled["windows_at"][3]
+    start = int(index.starts[index.ids.index(at["piece"])]) + at["offset"]
+    assert w.targets[3].tolist() == stream[start : start + 256].tolist()
+    # the first windows: the stream's start, as every record before sampling
+    first = make_windows(tokenizer, replace(p, sample="first"), context=1024)
+    assert first.window == 1024 and first.clusters is None
+    assert first.targets[0].tolist() == stream[0:1024].tolist()
+    other = make_windows(tokenizer, replace(p, sample_seed=1), context=1024)
+    assert other.clusters != w.clusters
+
+
+def test_bad_sample_choices_are_one_line_errors():
+    from models.errors import UserError
+
+    with pytest.raises(UserError, match=r"--sample 'document' \(did you mean 'documents'\?\)"):
+        Protocol(sample="document")
+    with pytest.raises(UserError, match=r"--sample documents with --protocol llama\.cpp"):
+        Protocol(sample="documents", protocol="llama.cpp")
+    with pytest.raises(UserError, match=r"--sample-seed must be a non-negative integer, got -1"):
+        Protocol(sample_seed=-1)
+
+
+def test_the_sampling_window_cap_equals_the_adapters():
+    from qbench.eval.adapters import MAX_DEFAULT_WINDOW
+    from qbench.eval.sampling import MAX_WINDOW, default_window
+
+    assert MAX_WINDOW == MAX_DEFAULT_WINDOW
+    assert [default_window(t, 8192, "documents") for t in (512, 4096, 8192, 16384, 32768, 10**6)] == [
+        128,
+        256,
+        512,
+        1024,
+        2048,
+        2048,
+    ]
+    assert default_window(4096, 8192, "first") == 2048 and default_window(4096, 64, "documents") == 64

@@ -42,6 +42,16 @@ def micro_panel(tmp_path_factory):
     )
 
 
+def cli_args(panel: study.RecipesConfig) -> list[str]:
+    """The micro panel as ``qbench recipes`` options: its corpus as ``--data`` (the panel's own option: a
+    ``--train-arg --data`` is refused), every other trainer option as ``--train-arg``."""
+    extra = list(panel.extra_args)
+    at = extra.index("--data")
+    corpus = extra[at + 1]
+    del extra[at : at + 2]
+    return ["--data", corpus, *(f"--train-arg={a}" for a in extra)]
+
+
 def test_estimate_counts_tokens_and_flops_before_anything_runs(micro_panel):
     est = study.estimate(micro_panel, step_s=0.5)
     assert [r["recipe"] for r in est["runs"]] == ["vanilla", "osp"]
@@ -109,9 +119,10 @@ def test_cli_module_prints_the_estimate_and_refuses_bad_input(micro_panel, capsy
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    train_args = [f"--train-arg={a}" for a in micro_panel.extra_args]
     cli.run(
-        parser.parse_args(["--estimate", "--recipes", "vanilla", "sink-logit", "--steps", "3", *train_args])
+        parser.parse_args(
+            ["--estimate", "--recipes", "vanilla", "sink-logit", "--steps", "3", *cli_args(micro_panel)]
+        )
     )
     assert "2 runs x 3 steps" in capsys.readouterr().out
     with pytest.raises(UserError, match="--steps"):
@@ -281,12 +292,11 @@ def test_lr_from_trains_each_recipe_at_an_earlier_sweeps_choice(micro_panel, tmp
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    train_args = [f"--train-arg={a}" for a in micro_panel.extra_args]
     seen = []
     real_estimate = study.estimate
     monkeypatch.setattr(study, "estimate", lambda c, s=None: seen.append(c) or real_estimate(c, s))
     args = ["--estimate", "--recipes", "vanilla", "osp", "--steps", "3", "--lr-from", str(sweep)]
-    cli.run(parser.parse_args([*args, "--ckpt-root", str(tmp_path / "ckpts"), *train_args]))
+    cli.run(parser.parse_args([*args, "--ckpt-root", str(tmp_path / "ckpts"), *cli_args(micro_panel)]))
     assert "2 runs x 3 steps" in capsys.readouterr().out
     assert [(r.name, r.lr) for r in seen[0].runs()] == [("vanilla-lr0.002", 0.002), ("osp", 0.004)]
     with pytest.raises(UserError, match="one of --lr-sweep"):

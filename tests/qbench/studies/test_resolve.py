@@ -106,7 +106,10 @@ def test_card_resolve_shows_the_deciding_evaluation(ckpt_dir, tmp_path):
     from qbench.studies.card.config import CardConfig
     from qbench.studies.card.measure import run_card
 
-    cfg = CardConfig(models=[str(ckpt_dir)], budget="quick", output_path=tmp_path / "a", tokens=64)
+    # the first windows: on them the micro model's first format loses a little (the tolerance below is its change)
+    cfg = CardConfig(
+        models=[str(ckpt_dir)], budget="quick", output_path=tmp_path / "a", tokens=64, sample="first"
+    )
     plain = run_card(cfg)
     first = plain["models"][0]["formats"][0]
     tolerance = first["ppl_change_pct"]
@@ -118,3 +121,24 @@ def test_card_resolve_shows_the_deciding_evaluation(ckpt_dir, tmp_path):
     assert card["resolve_tokens"] == 256
     page = (tmp_path / "b" / "card.md").read_text()
     assert f"@ {row['tokens_scored']:,} tokens" in page and "--resolve" in page
+
+
+def test_every_look_keeps_the_first_looks_window():
+    """The default window grows with the budget (qbench.eval.sampling.default_window): a look at twice the
+    tokens must score twice the windows of the same length, or it would add no cluster to the interval."""
+    from qbench.studies.card.config import CardConfig
+    from qbench.studies.card.measure import _resolve_row
+
+    asked: list[tuple[int, int]] = []
+
+    def evaluate(tokens: int, window: int) -> dict:
+        asked.append((tokens, window))
+        record = _record(tokens, 1.2, 0.8 * 128 / tokens)
+        record["protocol"]["window"] = window
+        return {**record, "cell_id": f"c{tokens}"}
+
+    start = {**_record(128, 1.2, 0.8), "cell_id": "c128"}
+    start["protocol"]["window"] = 256
+    cfg = CardConfig(models=["m"], budget="quick", tokens=128, tolerance=1.0, resolve_tokens=4096)
+    _resolve_row(cfg, start, {}, evaluate)
+    assert asked and {w for _, w in asked} == {256}

@@ -33,7 +33,9 @@ def planted_ckpt(tmp_path_factory, tokenizer):
 
 
 def _spec(ckpt, out, scheme=SCHEME):
-    protocol = Protocol(tokens=4 * 31)
+    # the first windows: on them the planted down_proj ranks first; on other text its partner up_proj (whose row 7
+    # is 1000× the rest, so a per-tensor scale crushes the others) can outrank it — both real, one fixed text here
+    protocol = Protocol(tokens=4 * 31, sample="first")
     return GridSpec(models=[str(ckpt)], schemes=[scheme], protocol=protocol, output_path=out, attention=False)
 
 

@@ -157,25 +157,47 @@ def _cell_font(fig: Any, ax: Any, columns: int, rows: int) -> float | None:
     return size if size >= MIN_FONT else None
 
 
+def curve_metric(card: Mapping[str, Any], curves: list[tuple[str, Any]] | None = None) -> str:
+    """The metric the breaking-point figure draws of ``curves`` (default: every model's): the card's, or ppl for a
+    card on kld or top1 from before its curve points held their decision (its perplexity changes, without the
+    tolerance line)."""
+    metric = card.get("metric") or "ppl"
+    if metric == "ppl":
+        return metric
+    if curves is None:
+        curves = [(m["name"], b) for m in card["models"] for b in m["breaking_points"]]
+    return metric if all("decision" in v for _, b in curves for v in b["curve"].values()) else "ppl"
+
+
 def _breaking_point_figure(plt: Any, card: Mapping[str, Any], curves: list[tuple[str, Any]]) -> Any:
     """Perplexity change against bit width, a panel per axis (at most four a row), integer bit ticks; each panel's
-    y axis fitted to its own data (``_fit_change_axis``); the legend below the panels, where it hides no point."""
+    y axis fitted to its own data (``_fit_change_axis``); the legend below the panels, where it hides no point. A
+    card decided on kld or top1 draws that metric's values (each curve point's decision) and the tolerance in its
+    unit."""
     import textwrap
 
     from matplotlib.lines import Line2D
+
+    from qbench.eval.tolerance import metric_axis_label, row_interval, tolerance_text
 
     axes_names = list(dict.fromkeys(f"{b['family']} {b['axis']}" for _, b in curves))
     per_row = min(4, len(axes_names))
     rows = math.ceil(len(axes_names) / per_row)
     width = min(FIGURE_WIDTH, 2.6 * per_row + 1.2)
     models = list(dict.fromkeys(name for name, _ in curves))
-    on_ppl = (card.get("metric") or "ppl") == "ppl"  # the line is the tolerance only on this axis
-    tolerance = card["tolerance_pct"] if on_ppl else None
+    metric = card.get("metric") or "ppl"
+    on_ppl = metric == "ppl"
+    shown = curve_metric(card, curves)
+    tolerance = (
+        card["tolerance_pct"] if shown == metric else None
+    )  # the line: on the axis of the card's metric
     # Full names, wrapped rather than cut: the legend is the one place that says which line is which model.
     labels = [textwrap.fill(name, LEGEND_WRAP, break_on_hyphens=False) for name in models]
     handles = [Line2D([], [], marker="o", ms=4, color=f"C{k}") for k in range(len(models))]
     if tolerance is not None:
-        labels.append(f"tolerance {tolerance:g} %")
+        labels.append(
+            f"tolerance {tolerance:g} %" if on_ppl else f"tolerance {tolerance_text(tolerance, metric)}"
+        )
         handles.append(Line2D([], [], color="grey", ls=":", lw=1))
     longest = max(len(line) for label in labels for line in label.splitlines())
     # ~0.075 in a character at the legend's 9 pt, plus the marker and the gap between columns
@@ -201,7 +223,8 @@ def _breaking_point_figure(plt: Any, card: Mapping[str, Any], curves: list[tuple
         key = f"{b['family']} {b['axis']}"
         bits = [int(k) for k in b["curve"]]
         widths.setdefault(key, set()).update(bits)
-        ys = [math.nan if v["ppl_change_pct"] is None else v["ppl_change_pct"] for v in b["curve"].values()]
+        points = [row_interval(v, shown)[0] for v in b["curve"].values()]
+        ys = [math.nan if y is None else y for y in points]
         values.setdefault(key, []).extend(y for y in ys if math.isfinite(y))
         panel[key].plot(bits, ys, "o-", ms=4, color=f"C{models.index(name)}")
     for key, bits in widths.items():
@@ -212,9 +235,9 @@ def _breaking_point_figure(plt: Any, card: Mapping[str, Any], curves: list[tuple
         ax.set_title(title)
         ax.set_xlabel("bits")
         ax.invert_xaxis()
-        _fit_change_axis(ax, values.get(title, []), tolerance)
+        _fit_change_axis(ax, values.get(title, []), tolerance, shown)
     for row in panels:
-        row[0].set_ylabel("perplexity change")
+        row[0].set_ylabel("perplexity change" if shown == "ppl" else metric_axis_label(shown))
     fig.legend(handles, labels, loc="outside lower center", ncols=columns, frameon=False)
     return fig
 
@@ -225,12 +248,13 @@ LEGEND_WRAP = 40  # characters a legend line: a long checkpoint path wraps inste
 MAX_TICKS = 6  # a log panel's labelled ticks: SmolLM2's 24 decades labelled one by one piled up
 
 
-def _fit_change_axis(ax: Any, values: list[float], tolerance: float | None) -> None:
+def _fit_change_axis(ax: Any, values: list[float], tolerance: float | None, metric: str = "ppl") -> None:
     """A breaking-point panel's y axis fitted to its data. Linear while every change is within ten times the
     linear threshold (the tolerance's power of ten, else 1 %); log where they are positive and span more; symlog
     where they span more and reach zero or below. The limits: the data's range and the tolerance line, plus 5 % in
     the axis's own coordinates — matplotlib's symlog autoscale ran SmolLM2's +10²³ % curve down to −10²¹ % with
-    no point below +1 %. At most ``MAX_TICKS`` ticks, powers of ten (and 0) on a log axis, labelled in %."""
+    no point below +1 %. At most ``MAX_TICKS`` ticks, powers of ten (and 0) on a log axis, labelled in % (a KLD
+    axis in plain numbers: its unit is the axis label's)."""
     from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
 
     points = [*values, *([tolerance] if tolerance is not None else [])] or [0.0, 1.0]
@@ -267,7 +291,10 @@ def _fit_change_axis(ax: Any, values: list[float], tolerance: float | None) -> N
     ax.yaxis.set_major_locator(FixedLocator(ticks) if len(ticks) >= 2 else MaxNLocator(nbins=5))
     if scale != "linear":
         ax.yaxis.set_minor_locator(NullLocator())  # unlabelled minor ticks in every decade: noise, not scale
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: pct_tick(v)))
+    if metric == "kld":
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: pct_tick(v).removesuffix(" %")))
+    else:
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: pct_tick(v)))
 
 
 def _through(transform: Any, v: float) -> float:

@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from qbench.eval.tolerance import METRICS, interval_text, metric_heading, row_interval
 from qbench.studies.card.render.table import Column, Record, Table
-from qbench.studies.card.units import fixed, mb, num, pct, percent, ratio, share_text, signed
+from qbench.studies.card.units import fixed, mb, num, pct, percent, ratio, share_text
 
 
 def status_text(row: Record) -> str:
@@ -25,15 +26,14 @@ def verdict_class(row: Record) -> str:
     )
 
 
-def change_ci(row: Record) -> str:
-    """``+0.97 % [+0.41, +1.53]``: the change with its 95 % interval (``qbench.eval.evidence``)."""
+def change_ci(row: Record, metric: str = "ppl", tolerance: float | None = None) -> str:
+    """``+0.97 % [+0.41, +1.53]``: the change with its 95 % interval (``qbench.eval.evidence``) — on ``metric`` kld
+    or top1 that metric's value and interval, the ones the verdict read, in a column headed by its name:
+    ``0.0123 nats [0.0101, 0.0145]``, ``1.23 % [0.80, 1.66]`` (``qbench.eval.tolerance.interval_text``)."""
     if row.get("status") == "skipped":
         return "-"
-    text = pct(row.get("ppl_change_pct"))
-    ci = row.get("ppl_change_ci95")
-    text = (
-        f"{text} [{signed(ci[0])}, {signed(ci[1])}]" if ci and row.get("ppl_change_pct") is not None else text
-    )
+    value, ci = row_interval(row, metric)
+    text = interval_text(value, ci, metric, tolerance, named=False)
     if row.get("resolved"):  # --resolve re-evaluated it: the row is the last evaluation, on more tokens
         text += f" @ {row['resolved'][-1]['tokens_scored']:,} tokens"
     return text
@@ -66,16 +66,43 @@ def _excludes(f: Record) -> str:
     return " †" if f.get("speed_excludes") and f.get("decode_speedup") is not None else ""
 
 
-def format_columns(m: Mapping[str, Any], limit: str) -> list[Column[Record]]:
+def deciding_columns(
+    limit: str, metric: str = "ppl", tolerance: float | None = None, when: Callable[[Record], bool] = ran
+) -> list[Column[Record]]:
+    """The columns a verdict is read from, shared by the format and KV tables: the change with its 95 % interval
+    and the verdict. On kld or top1 the change alone, then that metric's interval (in its unit: what the verdict
+    read), then the verdict; ``when``: whether a row has the numbers (else "-"). The HTML keys the change and
+    the deciding value."""
+
+    def shown(text: Callable[[Record], str]) -> Callable[[Record], str]:
+        return lambda f: text(f) if when(f) else "-"
+
+    verdict = Column(f"≤ {limit}", status_text, css=verdict_class)
+    if metric == "ppl":
+        return [Column("change [95 % CI]", shown(change_ci), key="ppl_change_pct", keyed=when), verdict]
+    return [
+        Column("change", shown(lambda f: pct(f.get("ppl_change_pct"))), key="ppl_change_pct", keyed=when),
+        Column(
+            f"{metric_heading(metric)} [95 % CI]",
+            shown(lambda f: change_ci(f, metric, tolerance)),
+            key="decision.value",
+            keyed=lambda f: when(f) and bool(f.get("decision")),
+        ),
+        verdict,
+    ]
+
+
+def format_columns(
+    m: Mapping[str, Any], limit: str, metric: str = "ppl", tolerance: float | None = None
+) -> list[Column[Record]]:
     """One model's format columns; its nominal size shows whatever the row's status. The perplexity, the change
-    and the size are the verdict's inputs: the HTML keys them."""
+    (on kld or top1 also that metric's value) and the size are the verdict's inputs: the HTML keys them."""
     columns: list[Column[Record]] = [
         Column("format", lambda f: f"{f['label']} `{f['scheme']}`"),
         Column("quantised", lambda f: f.get("quantised") or "-"),
         Column("ppl", _if_ran(perplexity), key="perplexity", keyed=ran),
-        Column("change [95 % CI]", _if_ran(change_ci), key="ppl_change_pct", keyed=ran),
-        Column(f"≤ {limit}", status_text, css=verdict_class),
-        Column("KLD", kld),
+        *deciding_columns(limit, metric, tolerance),
+        *([] if metric == "kld" else [Column("KLD", kld)]),  # on kld the deciding column shows it
         Column("top-1", top1),
         Column("size (MB)", lambda f: mb(f["weight_bytes"]), key="weight_bytes"),
         Column("rest fp32 (MB)", lambda f: mb(f.get("weight_bytes_rest_float"))),
@@ -89,11 +116,13 @@ def format_columns(m: Mapping[str, Any], limit: str) -> list[Column[Record]]:
     return columns
 
 
-def format_table(m: Mapping[str, Any], i: int, limit: str) -> Table[Record]:
+def format_table(
+    m: Mapping[str, Any], i: int, limit: str, metric: str = "ppl", tolerance: float | None = None
+) -> Table[Record]:
     resolved = any(f.get("resolved") for f in m["formats"]) or any(r.get("resolved") for r in m["kv"]["rows"])
     notes = " ".join(f"{f['label']}: {f['note']}." for f in m["formats"] if f["note"])
     caption = (
-        _format_caption(m, limit)
+        _format_caption(m, limit, metric)
         + (
             " @ N tokens: undecided at the card's tokens, re-evaluated at doubling tokens by --resolve "
             "(card.json's `resolved` lists each step)." + _resolve_rule(m)
@@ -103,7 +132,11 @@ def format_table(m: Mapping[str, Any], i: int, limit: str) -> Table[Record]:
         + (f" {notes}" if notes else "")
     )
     return Table(
-        "Deployable formats", format_columns(m, limit), m["formats"], caption, path=f"models.{i}.formats"
+        "Deployable formats",
+        format_columns(m, limit, metric, tolerance),
+        m["formats"],
+        caption,
+        path=f"models.{i}.formats",
     )
 
 
@@ -141,6 +174,13 @@ def _clusters(p: Mapping[str, Any]) -> str:
     """The interval's clusters: with two windows it has one degree of freedom, and a reader should see why it
     is wide."""
     n = p.get("windows")
+    sampled = p.get("sampled") or {}
+    if sampled.get("documents"):  # the documents sample: its documents are the clusters
+        g = sampled["documents"]
+        return (
+            f"paired over {n} windows of {p['window']:,} tokens from {g} documents, the documents as clusters"
+            + (f", t with {g - 1} degree(s) of freedom: wide" if g <= 3 else "")
+        )
     if not (isinstance(n, int) and n > 1 and p.get("window")):
         return "paired, windows as clusters"
     return f"paired over the {n} scored windows of {p['window']:,} tokens as clusters" + (
@@ -148,7 +188,23 @@ def _clusters(p: Mapping[str, Any]) -> str:
     )
 
 
-def _format_caption(m: Mapping[str, Any], limit: str) -> str:
+def verdict_caption(m: Mapping[str, Any], limit: str, metric: str = "ppl") -> str:
+    """What the change and the verdict columns show (:func:`deciding_columns`)."""
+    rule = (
+        f"✓ within {limit} (the interval's upper end ≤ it), ✗ beyond (its lower end above), ? undecided (it "
+        "straddles the tolerance: more tokens would decide)"
+    )
+    clusters = _clusters(m.get("protocol") or {})
+    if metric == "ppl":
+        return f"Change: perplexity change with its 95 % interval ({clusters}); {rule}."
+    name, unit, _ = METRICS[metric]
+    return (
+        f"Change: perplexity change. {metric_heading(metric)} [95 % CI]: the verdict's metric, the {name} "
+        f"({unit}), with its 95 % interval ({clusters}); {rule}."
+    )
+
+
+def _format_caption(m: Mapping[str, Any], limit: str, metric: str = "ppl") -> str:
     memory = m["kv"].get("memory")
     plus_kv = (
         f" + bf16 KV: the size plus the KV cache in bf16 at the model's context ({memory['context']:,} tokens, "
@@ -159,10 +215,8 @@ def _format_caption(m: Mapping[str, Any], limit: str) -> str:
     return (
         "Fake quantisation at each format's standard settings; quantised: what each row quantised (W: weights, "
         "A: the activations entering each linear, O: outputs) and how the weights were rounded (RTN: "
-        f"round-to-nearest). Change: perplexity change with its 95 % interval ({_clusters(m.get('protocol') or {})}); ✓ "
-        f"within {limit} (the interval's upper end ≤ it), ✗ beyond (its lower end above), ? undecided (it "
-        "straddles the tolerance: more tokens would decide). KLD: mean KL divergence from the float model per token "
-        "(nats); top-1: tokens whose most likely next token is the float model's (llama.cpp's definitions, "
+        f"round-to-nearest). {verdict_caption(m, limit, metric)} KLD: mean KL divergence from the float model per "
+        "token (nats); top-1: tokens whose most likely next token is the float model's (llama.cpp's definitions, "
         "docs/metrics.md). Size: the model as deployed, MB = 10⁶ bytes: the quantised weights at their bits with "
         "their scales and zero points, every other tensor (embeddings, norms, an unquantised head) in bf16; rest "
         "fp32: the same with those tensors in float32; of bf16: the size's ratio to the whole model in bf16."

@@ -10,7 +10,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from qbench.eval.tolerance import tolerance_text
+from qbench.eval.tolerance import metric_axis_label, tolerance_text
+from qbench.studies.card.render.figures import curve_metric
 from qbench.studies.card.render.overview import (
     command_rows,
     comparison_table,
@@ -96,9 +97,9 @@ def html(card: Mapping[str, Any], figs: Mapping[str, bytes]) -> str:
         body += _model(card, i, figs)
     if "breaking-points" in figs:
         body.append("<h2>Breaking-point curves</h2>")
-        body.append(
-            _figure("breaking-points", figs["breaking-points"], "perplexity change against bit width")
-        )
+        shown = curve_metric(card)
+        what = "perplexity change" if shown == "ppl" else metric_axis_label(shown)
+        body.append(_figure("breaking-points", figs["breaking-points"], f"{what} against bit width"))
     if card.get("comparison"):
         table = comparison_table(card)
         body += [f"<h2>{_e(table.title)}</h2>", _table(table), f"<p>{_code(table.caption)}</p>"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from qbench.studies.card.render.formats import change_ci, kld, perplexity, status_text, top1, verdict_class
+from qbench.studies.card.render.formats import deciding_columns, kld, perplexity, top1
 from qbench.studies.card.render.table import Column, Record, Table
 from qbench.studies.card.units import SIZE_UNIT, mb, mb_text, share_text
 
@@ -16,9 +16,16 @@ def _float_reads(row: Record) -> str:
     return "-" if not reads else f"{share_text(reads['keys'], 0)} / {share_text(reads['values'], 0)}"
 
 
-def kv_columns(memory: Mapping[str, Any] | None, limit: str) -> list[Column[Record]]:
+def _always(row: Record) -> bool:
+    return True
+
+
+def kv_columns(
+    memory: Mapping[str, Any] | None, limit: str, metric: str = "ppl", tolerance: float | None = None
+) -> list[Column[Record]]:
     """The KV rows' columns; ``memory`` (the bf16 cache at the model's context) is what "of bf16 cache" divides
-    by. The perplexity and the change are the verdict's inputs: the HTML keys them."""
+    by. The perplexity and the change (on kld or top1 also that metric's value: ``deciding_columns``) are the
+    verdict's inputs: the HTML keys them."""
     bf16 = (memory or {}).get("bf16_bytes")
 
     def of_bf16(r: Record) -> str:
@@ -30,9 +37,8 @@ def kv_columns(memory: Mapping[str, Any] | None, limit: str) -> list[Column[Reco
         Column("sinks kept", lambda r: str(r["keep_sinks"])),
         Column("label", lambda r: r["label"] or "-"),
         Column("ppl", perplexity, key="perplexity"),
-        Column("change [95 % CI]", change_ci, key="ppl_change_pct"),
-        Column(f"≤ {limit}", status_text, css=verdict_class),
-        Column("KLD", kld),
+        *deciding_columns(limit, metric, tolerance, when=_always),
+        *([] if metric == "kld" else [Column("KLD", kld)]),  # on kld the deciding column shows it
         Column("top-1", top1),
         Column("float reads K / V", _float_reads),
         Column("cache (MB)", lambda r: mb(r.get("cache_bytes"))),
@@ -40,11 +46,13 @@ def kv_columns(memory: Mapping[str, Any] | None, limit: str) -> list[Column[Reco
     ]
 
 
-def kv_table(m: Mapping[str, Any], i: int, limit: str) -> Table[Record]:
+def kv_table(
+    m: Mapping[str, Any], i: int, limit: str, metric: str = "ppl", tolerance: float | None = None
+) -> Table[Record]:
     kv = m["kv"]
     return Table(
         "KV cache",
-        kv_columns(kv.get("memory"), limit),
+        kv_columns(kv.get("memory"), limit, metric, tolerance),
         kv["rows"],
         kv_caption(kv),
         path=f"models.{i}.kv.rows",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from qbench.eval.tolerance import METRICS, interval_text, metric_heading, row_interval, value_text
 from qbench.studies.card.render.formats import change_ci, status_text
 from qbench.studies.card.render.table import Column, Record, Table
 from qbench.studies.card.units import mb_text, num, pct, share_text
@@ -32,23 +33,39 @@ def _verdict(m: Record) -> str:
     return status_text(found) if found else f"{len(m['verdict'].get('undecided') or [])} undecided"
 
 
-def _avoid(m: Record) -> str:
+def _avoid(m: Record, metric: str = "ppl", tolerance: float | None = None) -> str:
+    """How many formats to avoid and the worst one's damage: its change, on kld or top1 that metric's value."""
     avoid = m["verdict"].get("avoid") or []
-    return f"{len(avoid)}: worst {avoid[0]['label']} ({pct(avoid[0]['ppl_change_pct'])})" if avoid else "-"
+    if not avoid:
+        return "-"
+    worst = avoid[0]
+    if metric == "ppl":
+        return f"{len(avoid)}: worst {worst['label']} ({pct(worst['ppl_change_pct'])})"
+    row = next((f for f in m["formats"] if f["scheme"] == worst["scheme"]), {})
+    return f"{len(avoid)}: worst {worst['label']} ({value_text(row_interval(row, metric)[0], metric, tolerance)})"
 
 
-def _repair(m: Record) -> str:
+def _repair(m: Record, metric: str = "ppl", tolerance: float | None = None) -> str:
+    """The repair's format, its change (on kld or top1 that metric's value, as the repair decided) and size."""
     repair = m["verdict"].get("repair")
     if not repair:
         return "-"
-    return f"`{repair['scheme']}` {pct(repair['ppl_change_pct'])}, {mb_text(repair.get('weight_bytes'))}" + (
+    value = (
+        pct(repair["ppl_change_pct"])
+        if metric == "ppl"
+        else value_text(row_interval(repair, metric)[0], metric, tolerance)
+    )
+    return f"`{repair['scheme']}` {value}, {mb_text(repair.get('weight_bytes'))}" + (
         " (pays)" if repair.get("pays") else " (does not pay)"
     )
 
 
 def summary_table(card: Mapping[str, Any]) -> Table[Record]:
     """The page's first table: per model its recommended format, size, change and verdict, what to avoid and
-    whether a repair pays. The recommended scheme is keyed (the page names what card.json recommends)."""
+    whether a repair pays. The recommended scheme is keyed (the page names what card.json recommends). On a card
+    decided on kld or top1 the change column shows that metric's interval, the one the verdict read."""
+    metric, tolerance = card.get("metric") or "ppl", card.get("tolerance_pct")
+    heading = "change" if metric == "ppl" else metric_heading(metric)
     columns: list[Column[Record]] = [
         Column("model", lambda m: m["name"]),
         Column("float ppl", lambda m: num(m["fp"]["perplexity"], ".4g")),
@@ -60,10 +77,13 @@ def summary_table(card: Mapping[str, Any]) -> Table[Record]:
             beside=True,
         ),
         Column("size", _size),
-        Column("change [95 % CI]", lambda m: change_ci(found) if (found := _recommended_row(m)) else "-"),
+        Column(
+            f"{heading} [95 % CI]",
+            lambda m: change_ci(found, metric, tolerance) if (found := _recommended_row(m)) else "-",
+        ),
         Column("verdict", _verdict),
-        Column("avoid", _avoid),
-        Column("repair", _repair),
+        Column("avoid", lambda m: _avoid(m, metric, tolerance)),
+        Column("repair", lambda m: _repair(m, metric, tolerance)),
     ]
     return Table("Summary", columns, card["models"], path="models")
 
@@ -89,21 +109,45 @@ COMPARISON_CAPTION = (
 )
 
 
+def comparison_caption(metric: str = "ppl") -> str:
+    """:data:`COMPARISON_CAPTION`; on kld or top1 the rows' "more robust" compares that metric's intervals, and each
+    format or KV cell leads with that metric's value and interval."""
+    if metric == "ppl":
+        return COMPARISON_CAPTION
+    name, unit, _ = METRICS[metric]
+    return COMPARISON_CAPTION.replace(
+        "the model whose change is decidedly smaller",
+        f"the model whose {name} ({unit}, the verdicts' metric) is decidedly smaller",
+    ).replace(
+        "KV rows give",
+        f"Format and KV cells give the {name} with its 95 % interval, then the perplexity change. KV rows give",
+    )
+
+
 def ship_text(c: Record) -> str:
     """The comparison's absolute verdict: decided for format and float rows only."""
     return (c.get("better_to_ship") or "-") if c["section"] in ("float", "formats") else ""
 
 
-def comparison_cell(c: Record, name: str) -> str:
+def comparison_cell(c: Record, name: str, metric: str = "ppl", tolerance: float | None = None) -> str:
     """One model's value in a comparison row, as its section reads: a change with its quantised perplexity, a
-    float perplexity, a breaking point, a statistic."""
+    float perplexity, a breaking point, a statistic. On kld or top1 a format or KV cell leads with that metric's
+    value and interval (the row's ``decision``), then the change."""
     v = c["values"].get(name)
+    decided = (c.get("decision") or {}).get(name)
+    if metric != "ppl" and decided and c["section"] in ("formats", "kv") and not isinstance(v, str):
+        shown = interval_text(*row_interval({"decision": decided}, metric), metric, tolerance)
+        return f"{shown}; {_ppl_cell(c, name, v)}"
     if isinstance(v, str) and c["section"] == "kv":  # a row that model could not measure: "skipped"
         return v
     if c["section"] == "kv" and name in c.get("missing", ()):  # a row that model's card did not run
         return "-"
     if c["section"] == "float":
         return "-" if v is None else f"ppl {v:.2f}"
+    return _ppl_cell(c, name, v)
+
+
+def _ppl_cell(c: Record, name: str, v: Any) -> str:
     if c["section"] == "formats" and (c.get("perplexity") or {}).get(name) is not None:
         text = f"{pct(v)} (ppl {c['perplexity'][name]:.2f})"  # relative damage and absolute quality
         below = (c.get("below_others_float") or {}).get(name)
@@ -122,8 +166,10 @@ def comparison_cell(c: Record, name: str) -> str:
 def comparison_table(card: Mapping[str, Any]) -> Table[Record]:
     """Every compared row, a column per model, the more robust model and the one better to ship."""
 
+    metric, tolerance = card.get("metric") or "ppl", card.get("tolerance_pct")
+
     def model(name: str) -> Column[Record]:
-        return Column(name, lambda c: comparison_cell(c, name))
+        return Column(name, lambda c: comparison_cell(c, name, metric, tolerance))
 
     columns: list[Column[Record]] = [
         Column("section", lambda c: c["section"]),
@@ -132,7 +178,7 @@ def comparison_table(card: Mapping[str, Any]) -> Table[Record]:
         Column("more robust", lambda c: c["more_robust"] or "-"),
         Column("better to ship", ship_text),
     ]
-    return Table("Side by side", columns, card.get("comparison") or [], COMPARISON_CAPTION)
+    return Table("Side by side", columns, card.get("comparison") or [], comparison_caption(metric))
 
 
 def definitions_table(card: Mapping[str, Any]) -> Table[tuple[str, Record]]:

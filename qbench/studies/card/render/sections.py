@@ -8,7 +8,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from qbench.eval.gguf import block_quantised
-from qbench.eval.tolerance import tolerance_text
+from qbench.eval.sampling import sample_text
+from qbench.eval.tolerance import (
+    interval_text,
+    metric_heading,
+    number_text,
+    row_interval,
+    tolerance_text,
+    value_text,
+)
 from qbench.studies.card.render.formats import format_table
 from qbench.studies.card.render.kv import kv_table
 from qbench.studies.card.render.table import Column, Figure, Record, Table, text_columns
@@ -18,33 +26,52 @@ from qbench.studies.card.units import fixed, mb_text, num, pct, share_text
 def page_sections(card: Mapping[str, Any], i: int) -> list[Table[Any]]:
     """Model ``i``'s tables: the one source both renderers format."""
     m = card["models"][i]
-    limit = tolerance_text(card["tolerance_pct"], card.get("metric") or "ppl")
+    metric, tolerance = card.get("metric") or "ppl", card["tolerance_pct"]
+    limit = tolerance_text(tolerance, metric)
     out: list[Table[Any]] = [
         identity_table(m),
         outlier_table(m, i),
         linear_table(m),
         attention_table(m, i),
-        format_table(m, i, limit),
-        kv_table(m, i, limit),
+        format_table(m, i, limit, metric, tolerance),
+        kv_table(m, i, limit, metric, tolerance),
         Table(
             "Breaking points",
             [
                 Column("family", lambda b: b["family"]),
                 Column("axis", lambda b: b["axis"]),
                 Column("breaking point", lambda b: b["text"]),
-                Column("curve (bits:change)", _curve_text),
+                _curve_column(metric, tolerance),
             ],
             m["breaking_points"],
             f"Lowest width within {limit} there and at every wider width.",
         ),
     ]
     if m["sensitivity"]:
-        out.append(sensitivity_table(m["sensitivity"]))
+        out.append(sensitivity_table(m["sensitivity"], metric))
     return out
 
 
 def _curve_text(b: Record) -> str:
     return "  ".join(f"{k}:{pct(v['ppl_change_pct'])}" for k, v in b["curve"].items())
+
+
+def _curve_column(metric: str, tolerance: float) -> Column[Record]:
+    """A breaking point's curve: each width's change; on kld or top1 the value of that metric the width's verdict
+    read (``curve (bits:KLD (nats))``; "-" where a curve point holds none)."""
+    if metric == "ppl":
+        return Column("curve (bits:change)", _curve_text)
+
+    def point(v: Record) -> str:
+        value = row_interval(v, metric)[0]
+        if value is None:
+            return "NaN" if v.get("status") == "nonfinite" else "-"
+        return number_text(value, metric, tolerance)
+
+    def text(b: Record) -> str:
+        return "  ".join(f"{k}:{point(v)}" for k, v in b["curve"].items())
+
+    return Column(f"curve (bits:{metric_heading(metric)})", text)
 
 
 def gate_text(gate: str | None) -> str:
@@ -71,6 +98,7 @@ def identity_table(m: Mapping[str, Any]) -> Table[list[str]]:
         ["corpus", f"{p['corpus']}/{p['split']}: " + (p.get("corpus_description") or "-")],
         ["tokens scored", f"{p['tokens_scored']:,} (budget {p['tokens']:,})"],
         ["window", f"{p['window']} ({p['windows']} windows)"],
+        *([["windows from", sample_text(p).split(" drawn ", 1)[-1]]] if "sampled" in p else []),
         [
             "statistics on",
             f"{p['statistics_windows']} window(s), {p['statistics_tokens']:,} tokens"
@@ -224,8 +252,9 @@ def _sink_text(outliers: Mapping[str, Any]) -> str:
     )
 
 
-def sensitivity_table(s: Mapping[str, Any]) -> Table[Record]:
-    """Where it breaks: each unit quantised alone, and the repair that keeps the worst in float."""
+def sensitivity_table(s: Mapping[str, Any], metric: str = "ppl") -> Table[Record]:
+    """Where it breaks: each unit quantised alone, and the repair that keeps the worst in float (on a card decided
+    on kld or top1, that metric's values before and after first, where the repair holds them)."""
     columns: list[Column[Record]] = [
         Column("unit", lambda u: f"`{u['name']}`"),
         Column("change alone", lambda u: pct(u["ppl_change_pct"])),
@@ -242,10 +271,17 @@ def sensitivity_table(s: Mapping[str, Any]) -> Table[Record]:
         if (r.get("beat") or {}).get("bytes") and r["reached"]
         else ""
     )
+    change = f"{pct(r['quantised_ppl_change_pct'])} → {pct(r['ppl_change_pct'])} (perplexity {num(r['ppl'], '.4f')})"
+    if metric != "ppl" and r.get("decision"):
+        tolerance = r["tolerance_pct"]
+        before = value_text(
+            row_interval({"decision": r.get("quantised_decision")}, metric)[0], metric, tolerance
+        )
+        after = interval_text(*row_interval(r, metric), metric, tolerance)
+        change = f"{before} → {after} (perplexity change {change})"
     caption = (
         f"Each unit quantised alone, the rest float; the {len(s['top'])} most damaging of {s['units']}. "
         f"Repair: keep {r['count']} unit(s) in float ({share_text(r['weight_share_float'])} of the quantised "
-        f"weights): {pct(r['quantised_ppl_change_pct'])} → {pct(r['ppl_change_pct'])} (perplexity "
-        f"{num(r['ppl'], '.4f')}){size}{pays}. The command is in the verdict's commands."
+        f"weights): {change}{size}{pays}. The command is in the verdict's commands."
     )
     return Table(f"Where it breaks: `{s['scheme']}` by {s['by']}", columns, s["top"], caption)

@@ -16,7 +16,7 @@ from qbench.studies import demo
 from qbench.studies import recipes as study
 
 ROOT = Path(__file__).resolve().parents[3]
-# what results/demo/vanilla/absmax-coarse__real.json said when it was made, before pieces and sampling (the demo's
+# what the committed demo's vanilla absmax-coarse real-mode record said when it was made, before pieces and sampling (the demo's
 # regeneration replaced that record; this file keeps its training provenance and protocol)
 COMMITTED = Path(__file__).parent / "data" / "demo_vanilla_before_pieces.json"
 WHOLE_FIRST = {"data": "embedded-whole", "sample": "first"}

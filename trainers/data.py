@@ -415,7 +415,14 @@ def write_stream(corpus: Corpus, split: Split, tok: PreTrainedTokenizerFast, pat
             counts["bytes"] += sum(len(t.encode("utf-8")) for t in texts)
         if counts["documents"] == 0:
             raise UserError(f"corpus {corpus.name!r} has no {split} documents")
-        atomic_write_json(index_path(path), {"format": 1, **index})
+        found = DocumentIndex(
+            tuple(index["ids"]),
+            tuple(index["documents"]),
+            tuple(index["sources"]),
+            np.asarray(index["starts"], dtype=np.int64),
+            np.asarray(index["lengths"], dtype=np.int64),
+        )
+        atomic_write_json(index_path(path), found.to_json())
         seconds = time.perf_counter() - start
         info = _stream_meta(corpus, split, tok, sep, dtype, counts, seconds)
         # Written before the .bin appears, so a .bin always has its .json.
@@ -444,9 +451,9 @@ def _entry_batches(entries: Iterator[Entry], max_chars: int) -> Iterator[list[En
 def stream_index(stream: np.ndarray, sep: int, name: str = "stream") -> DocumentIndex:
     """Where each piece of a token stream sits (:class:`trainers.documents.DocumentIndex`): the index written
     beside a cached stream, else (a ``qbench data prepare`` folder's shard) one found from its separators."""
-    path = index_path(getattr(stream, "filename", None) or "")
-    if getattr(stream, "filename", None) and path.exists():
-        return DocumentIndex.from_json(json.loads(path.read_text()))
+    filename = getattr(stream, "filename", None)  # a cached stream's memmap; None for an array in memory
+    if filename and index_path(filename).exists():
+        return DocumentIndex.from_json(json.loads(index_path(filename).read_text()))
     return DocumentIndex.from_separators(stream, sep, name)
 
 

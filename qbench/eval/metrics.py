@@ -3,22 +3,26 @@
 
 Perplexity protocol (token level, never word or byte level):
 - text: the ``split`` of ``corpus`` (default: "validation" of a registered corpus, "all" of a user's own file or
-  folder — ``trainers.data.default_split``), tokenised with the model's own tokenizer, each document preceded by
-  ``<|endoftext|>``, concatenated (``trainers.data.token_stream``);
-- budget: the first ``tokens`` tokens of that stream are scored, each exactly once (rounded down to whole
-  windows, but at least one window: ``tokens_scored`` in the record is the exact count);
-- windows: non-overlapping, each of ``window`` input positions (default: the model's context, at most
-  ``adapters.MAX_DEFAULT_WINDOW`` = 2,048 as lm-evaluation-harness caps it), every position
-  scored — the trainer's own cutter (``trainers.batches.validation_windows``), so a checkpoint's validation
-  perplexity during training and ``qbench run``'s float perplexity are the same number. With ``bos`` (default)
-  the inputs are [BOS] + the next window−1 stream tokens and the targets the next ``window`` stream tokens
-  (every stream token predicted exactly once, and each sequence starts the way the models were trained);
-  without it the inputs are ``window`` stream tokens and the targets the same shifted by one (a window's first
-  token is context only);
+  folder — ``trainers.data.default_split``), its texts cut into pieces of ≤ 16 kB, tokenised with the model's own
+  tokenizer, each piece preceded by ``<|endoftext|>``, concatenated, with the index of where each piece sits
+  (``trainers.data.token_stream``, ``stream_index``);
+- windows (``sample``, ``qbench.eval.sampling``): ``documents`` (default) — ``tokens // window`` windows drawn
+  across the split's documents, stratified by source, each inside one piece (``trainers.batches.document_windows``;
+  the record's ``protocol.sampled`` says where each came from; the intervals cluster by document); ``first`` — the
+  first ``tokens`` tokens of the stream, consecutive windows, each token scored once, the trainer's own cutter
+  (``trainers.batches.validation_windows``: a checkpoint's validation perplexity during training and
+  ``qbench run --sample first``'s float perplexity are the same number). Both score every position of
+  non-overlapping windows of ``window`` input positions (default: the model's context, at most
+  ``adapters.MAX_DEFAULT_WINDOW`` = 2,048 as lm-evaluation-harness caps it, and under ``documents`` at most tokens/16:
+  ``sampling.default_window``), ``tokens_scored`` the exact count. With ``bos`` (default) the inputs are [BOS] +
+  the next window−1 stream tokens and the targets the next ``window`` stream tokens (each sequence starts the way
+  the models were trained); without it the inputs are ``window`` stream tokens and the targets the same shifted by
+  one (a window's first token is context only);
 - perplexity = exp(mean negative log-likelihood over the predicted tokens), accumulated in float64.
 Batches never mix information: dynamic activation scales of the quantisation schemes are per sequence (see
 ``qbench.quant.schemes``), so the result does not depend on ``batch_size``.
-A budget larger than the text is clamped to what exists; the record says ``tokens_clamped: true``.
+A budget larger than the text (or than its pieces hold) is clamped to what exists; the record says
+``tokens_clamped: true``.
 
 ``protocol="llama.cpp"`` (``--protocol llama.cpp``) is llama.cpp's ``llama-perplexity`` instead
 (``qbench.eval.llamacpp_protocol``): the stream cut into consecutive chunks of ``window`` tokens (default 512,

@@ -43,6 +43,7 @@ from trainers.documents import (
     PIECE_CHARS,
     DocumentIndex,
     Entry,
+    _batches,
     _hub_offline,
     cache_root,
     cut_entries,
@@ -398,7 +399,7 @@ def write_stream(corpus: Corpus, split: Split, tok: PreTrainedTokenizerFast, pat
     index: dict[str, list] = {"ids": [], "documents": [], "sources": [], "starts": [], "lengths": []}
     start = time.perf_counter()
     with atomic_output(path) as f:
-        for batch in _entry_batches(corpus.split_entries(split), BATCH_CHARS):
+        for batch in _batches(corpus.split_entries(split), BATCH_CHARS, lambda entry: entry.text):
             texts = [e.text for e in batch]
             ids, lengths = encode_lengths(backend, texts, sep, dtype)
             offset = counts["tokens"]
@@ -433,19 +434,6 @@ def write_stream(corpus: Corpus, split: Split, tok: PreTrainedTokenizerFast, pat
         file=sys.stderr,
     )
     return info
-
-
-def _entry_batches(entries: Iterator[Entry], max_chars: int) -> Iterator[list[Entry]]:
-    batch: list[Entry] = []
-    size = 0
-    for entry in entries:
-        batch.append(entry)
-        size += len(entry.text)
-        if size >= max_chars:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
 
 
 def stream_index(stream: np.ndarray, sep: int, name: str = "stream") -> DocumentIndex:

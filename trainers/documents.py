@@ -21,7 +21,7 @@ import gzip
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -137,12 +137,13 @@ def stream_dtype(tok: Any) -> np.dtype:
     return np.dtype(np.uint16 if len(tok) <= 1 << 16 else np.uint32)
 
 
-def _batches(texts: Iterable[str], max_chars: int) -> Iterator[list[str]]:
-    batch: list[str] = []
+def _batches(items: Iterable[Any], max_chars: int, text: Callable[[Any], str] = str) -> Iterator[list[Any]]:
+    """``items`` in lists holding about ``max_chars`` characters of ``text(item)`` each (texts, or entries)."""
+    batch: list[Any] = []
     size = 0
-    for text in texts:
-        batch.append(text)
-        size += len(text)
+    for item in items:
+        batch.append(item)
+        size += len(text(item))
         if size >= max_chars:
             yield batch
             batch, size = [], 0

@@ -199,7 +199,7 @@ def _float_row(models: Sequence[Model], floats: Mapping[str, float]) -> Comparis
 def _format_rows(models: Sequence[Model], floats: Mapping[str, float]) -> list[ComparisonRow]:
     """A row per format any model measured: its change per model, relative damage (more robust) beside absolute
     quality (below the others' float, better to ship), decided on the paired windows where every model has them."""
-    rows = []
+    rows, clusters = [], _clusters(models)
     for scheme in dict.fromkeys(f["scheme"] for m in models for f in m["formats"]):
         found = {m["name"]: next((f for f in m["formats"] if f["scheme"] == scheme), None) for m in models}
         quantised = {k: None if f is None else f["perplexity"] for k, f in found.items()}
@@ -213,8 +213,8 @@ def _format_rows(models: Sequence[Model], floats: Mapping[str, float]) -> list[C
                 {k: None if f is None else f["ppl_change_pct"] for k, f in found.items()},
                 more_robust_change(found),
                 perplexity=quantised,
-                below_others_float=below_others_float(quantised, floats, evidence, _clusters(models)),
-                better_to_ship=better_to_ship(evidence, _clusters(models)) if evidence else None,
+                below_others_float=below_others_float(quantised, floats, evidence, clusters),
+                better_to_ship=better_to_ship(evidence, clusters) if evidence else None,
                 decision=_decisions(found),
             )
         )

@@ -258,6 +258,7 @@ def evaluate(
     name: str | None = None,
     calib_data: str | None = None,
     calib_tokens: int | None = None,
+    calib_sample: str = "documents",
 ) -> dict[str, Any]:
     """Evaluate one (model, scheme, mode) cell and return its record (``scheme=None``: the float baseline).
 
@@ -266,8 +267,8 @@ def evaluate(
     ``qbench run`` (``corpus`` = ``--data``; ``split`` None: validation of a registered corpus, all of a file).
     ``dtype``: what the model is evaluated in (None: a path loads in float32, a model object stays in its own);
     a model object in another dtype, or on another ``device``, is evaluated as a cast copy, never modified.
-    The record names the dtype actually used. ``calib_data`` / ``calib_tokens``: a calibrated scheme's windows,
-    as ``--calib-data`` / ``--calib-tokens`` give them. A bad argument is a one-line error naming it.
+    The record names the dtype actually used. ``calib_data`` / ``calib_tokens`` / ``calib_sample``: a calibrated
+    scheme's windows, as ``--calib-data`` / ``--calib-tokens`` / ``--calib-sample`` give them. A bad argument is a one-line error naming it.
     """
     from qbench.eval.harness import GridSpec, ModelEvaluation, check_modes
     from qbench.eval.load import check_device, parse_dtype
@@ -293,7 +294,7 @@ def evaluate(
             f"calib_tokens must be a positive integer (calibration tokens) or None (each scheme's windows), "
             f"got {_shown(calib_tokens)}"
         )
-    calibration = CalibrationData(calib_data, calib_tokens)
+    calibration = CalibrationData(calib_data, calib_tokens, calib_sample)
     lm, dtype = _as_loaded(model_or_ckpt, tokenizer, dtype, device, name)
     protocol = Protocol(corpus=corpus, split=split, tokens=tokens, window=window, batch_size=batch_size)
     with tempfile.TemporaryDirectory(prefix="qbench-evaluate-") as scratch:

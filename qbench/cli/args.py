@@ -220,6 +220,13 @@ def kv_from_args(args: argparse.Namespace) -> KVConfig | None:
     return KVConfig(bits, scheme or "kivi", keep_first or 0, keep_sinks or 0)
 
 
+# What the default calibration costs, measured (results/algorithms/README.md): said in every --help that offers it.
+CALIBRATION_COST = (
+    "Cost on SmolLM2-135M, 2 CPU cores: sequential GPTQ on 16,384 tokens took 3 min per cell; the default 128 "
+    "windows of 2,048 tokens are 16x that (--calib-tokens 32768: 2x)"
+)
+
+
 def add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
     """--calib-data and --calib-tokens: where calibrated schemes (GPTQ, AWQ, SmoothQuant, static scales) and an
     fp8 ``scale=calib`` KV cache take their windows (``qbench.quant.calibrate.CalibrationData``)."""
@@ -233,8 +240,19 @@ def add_calibration_arguments(parser: argparse.ArgumentParser) -> None:
         "--calib-tokens",
         type=int,
         metavar="N",
-        help="calibration tokens, rounded up to whole windows of --window (default: each scheme's calib= "
-        "windows, 8)",
+        help="calibration tokens, rounded up to whole calibration windows (default: each scheme's calib= "
+        "windows: 128 for GPTQ and AWQ, 8 for SmoothQuant and static scales; windows of min(2048, context) "
+        "tokens under --calib-sample documents, of --window under first). "
+        f"{CALIBRATION_COST}",
+    )
+    parser.add_argument(
+        "--calib-sample",
+        choices=("documents", "first"),
+        default="documents",
+        help="how calibration windows are drawn: 'documents' across the calibration text's documents, stratified "
+        "by source, seeded by the scheme's calib_seed (one more window per 8 held out to measure the layer error "
+        "out of sample); 'first' the first windows of --window tokens, as qbench calibrated before "
+        "(default: documents)",
     )
 
 
@@ -242,7 +260,11 @@ def calibration_from_args(args: argparse.Namespace):
     """The ``CalibrationData`` the options ask for (the default: the train split, each scheme's windows)."""
     from qbench.quant.calibrate import CalibrationData
 
-    return CalibrationData(getattr(args, "calib_data", None), getattr(args, "calib_tokens", None))
+    return CalibrationData(
+        getattr(args, "calib_data", None),
+        getattr(args, "calib_tokens", None),
+        getattr(args, "calib_sample", None) or "documents",
+    )
 
 
 def add_tolerance_arguments(parser: argparse.ArgumentParser, what: str = "breaking-point") -> None:

@@ -104,6 +104,7 @@ def config(args: argparse.Namespace):
         overwrite=args.overwrite,
         calib_data=args.calib_data,
         calib_tokens=args.calib_tokens,
+        calib_sample=args.calib_sample,
     )
     from dataclasses import replace
 

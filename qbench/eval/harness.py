@@ -56,6 +56,7 @@ from qbench.eval.metrics import (
     output_width,
     perplexity,
     protocol_record,
+    sampled_record,
     scoring_rows,
 )
 from qbench.eval.prefix import BlockPrefix, ReplayMismatch
@@ -181,15 +182,20 @@ class GridSpec:
         record = {**scheme.to_dict(), "exclude": list(self.exclude)}
         if needs_calibration(scheme):
             record["calibration"] = {
-                **self.calibration.describe(self.protocol.corpus, scheme.calib_windows),
+                **self.calibration.describe(self.protocol.corpus, scheme.calib_count, scheme.calib_seed),
                 "seed": scheme.calib_seed,
-                "selection": "first windows" if scheme.calib_seed is None else "seeded sample",
             }
-            if scheme.algo == "gptq":  # what the Hessians are of (qbench.quant.gptq's docstring)
-                record["calibration"]["hessian"] = "float model's inputs, (2/n) sum x x^T per layer"
+            sequential = bool(scheme.algo_params.get("sequential"))
+            inputs = (
+                "each block's inputs from the quantised blocks before it"
+                if sequential
+                else "float model's inputs"
+            )
+            if scheme.algo == "gptq":  # what the Hessians are of (qbench.quant.gptq, qbench.quant.solve)
+                record["calibration"]["hessian"] = f"{inputs}, (2/n) sum x x^T per layer"
             elif scheme.algo == "awq":  # what the scale and clipping searches read (qbench.quant.awq)
                 record["calibration"]["statistics"] = (
-                    "float model's inputs: mean |x| per channel and (2/n) sum x x^T per layer"
+                    f"{inputs}: mean |x| per channel and (2/n) sum x x^T per layer"
                 )
         return record
 
@@ -213,6 +219,8 @@ class CellResult:
     linear: dict[str, Any] | None = None  # float record only
     # fp8 scale=calib: what calibration found (KV_CALIBRATION_MEASURED)
     kv_calibration: dict[str, Any] | None = None
+    # a calibrated scheme: the windows it took and what its algorithm found (layer error in and out of sample)
+    calibrated: dict[str, Any] | None = None
     # decoder blocks whose float output was replayed rather than recomputed (qbench.eval.prefix); 0: none
     replayed_blocks: int = 0
     # why a replay was abandoned for the plain evaluation (qbench.eval.prefix.ReplayMismatch); None: it was not
@@ -477,7 +485,12 @@ class ModelEvaluation:
         if kv_calibrated(kv):
             calibration.check_disjoint(protocol.corpus, protocol.split, f"KV scheme {kv.label}")
         if calibrated:  # text holding no window: refused now, not recorded as unsupported cells later
-            calibration_text_tokens(self.spec, self.lm.tokenizer, self.windows.window)
+            calibration_text_tokens(
+                self.spec,
+                self.lm.tokenizer,
+                self.windows.window,
+                context_length(self.lm.model, self.spec.protocol.window),
+            )
         check_kv_window(kv, self.windows.window)
 
     def identity(self, scheme_name: str | None, mode: str) -> str:
@@ -640,6 +653,7 @@ class ModelEvaluation:
             "eval_seconds": round(r.eval_seconds, 3),
             "tokens_per_second": round(ppl["tokens"] / r.eval_seconds, 1) if r.eval_seconds > 0 else None,
             "model_bytes": r.model_bytes,
+            **({"calibrated": r.calibrated} if r.calibrated else {}),
             # how the number was computed, not what it is: the same perplexity either way (qbench.eval.prefix)
             "replayed_blocks": r.replayed_blocks,
             **({"replay_fallback": r.replay_fallback} if r.replay_fallback else {}),
@@ -668,6 +682,11 @@ class ModelEvaluation:
             outliers={**fp["outliers"], "per_layer": fp.get("outliers_per_layer")},
         )
         try:
+            sample = (
+                self._calibration(scheme)
+                if _needs_calibration(scheme) and not is_float_scheme(scheme)
+                else None
+            )
             qmodel = (
                 self.lm.model
                 if is_float_scheme(scheme)
@@ -676,10 +695,15 @@ class ModelEvaluation:
                     scheme,
                     mode=mode,
                     exclude=self.spec.exclude,
-                    calibration=self._calibration(scheme) if _needs_calibration(scheme) else None,
+                    calibration=None if sample is None else sample.ids,
                     allow_empty=self.spec.allow_empty,
+                    held_out=None if sample is None else sample.held_out,
                 )
             )
+            if sample is not None:
+                base = replace(
+                    base, calibrated={**sample.record, **getattr(qmodel, "qbench_calibration", {})}
+                )
             qmodel = self._with_kv(qmodel)
             base = replace(base, kv_calibration=self._calibrate_kv(qmodel))
         except (UserError, NonFiniteError) as e:  # no real kernel here / NaN or inf weights: recorded, go on
@@ -782,15 +806,22 @@ class ModelEvaluation:
             "v_scale": [scales[i][1] for i in layers],
         }
 
-    def _calibration(self, scheme: Any) -> torch.Tensor:
-        """Calibration windows (SmoothQuant, static scales): ``scheme.calib_windows`` windows of the *train*
-        split (never the evaluated text), the evaluation's window length (``calibration_windows``)."""
-        return calibration_windows(
-            self.lm.tokenizer, self.spec.protocol, self.windows.window, scheme, self.spec.calibration
+    def _calibration(self, scheme: Any) -> CalibrationSample:
+        """A calibrated scheme's windows of the *train* split (never the evaluated text) and its held-out windows
+        (:func:`calibration_sample`)."""
+        return calibration_sample(
+            self.lm.tokenizer,
+            self.spec.protocol,
+            self.windows.window,
+            scheme,
+            self.spec.calibration,
+            context=context_length(self.lm.model, self.spec.protocol.window),
         )
 
 
-def calibration_text_tokens(spec: GridSpec, tokenizer: Any, window: int) -> tuple[str, str, int]:
+def calibration_text_tokens(
+    spec: GridSpec, tokenizer: Any, window: int, context: int | None = None
+) -> tuple[str, str, int]:
     """(corpus, split, tokens it holds) of the text calibrated schemes cut their windows from, or a one-line error
     under the option that named it when that text holds no window (empty, binary, too short): calibration would
     run on nothing and the cell would be recorded as unsupported, with exit status 0."""
@@ -798,6 +829,7 @@ def calibration_text_tokens(spec: GridSpec, tokenizer: Any, window: int) -> tupl
     from trainers.data import token_stream
 
     cal, protocol = spec.calibration, spec.protocol
+    window = calibration_window(cal, window, context)  # the calibration windows' length, not the evaluation's
     corpus, split = str(cal.corpus(protocol.corpus)), cal.split()
     named = f"--calib-data {corpus!r}" if cal.data is not None else f"the {split} split of {corpus!r}"
     span = window_span(window, protocol.bos)
@@ -822,35 +854,109 @@ def calibration_text_tokens(spec: GridSpec, tokenizer: Any, window: int) -> tupl
     return corpus, split, held
 
 
+# Calibration windows under the documents sample are min(CALIB_WINDOW, context) tokens long — the reference code's
+# and llm-compressor's 2,048-token segments — whatever the evaluation's window; the first windows keep its length.
+CALIB_WINDOW = 2048
+# Held-out windows: one per HELD_OUT_EVERY calibration windows (at least one), drawn with them from the same text and
+# never calibrated on: the algorithm's layer error on them says how its solve generalises (qbench.quant.solve).
+HELD_OUT_EVERY = 8
+
+
+@dataclass(frozen=True)
+class CalibrationSample:
+    """The windows a calibrated scheme takes (``ids``, (N, W)), the held-out windows of the same text (None when
+    the text holds no more), and what the record says of them (``record``: sample, window, tokens, places)."""
+
+    ids: torch.Tensor
+    held_out: torch.Tensor | None
+    record: dict[str, Any]
+
+
+def calibration_window(calibration: CalibrationData, window: int, context: int | None) -> int:
+    """Tokens per calibration window: min(:data:`CALIB_WINDOW`, context) for the documents sample, the
+    evaluation's ``window`` for the first windows (as every calibration before the sample)."""
+    if calibration.sample == FIRST:
+        return window
+    return min(CALIB_WINDOW, context or window)
+
+
+def calibration_sample(
+    tokenizer: Any,
+    protocol: Protocol,
+    window: int,
+    scheme: Any,
+    calibration: CalibrationData | None = None,
+    context: int | None = None,
+) -> CalibrationSample:
+    """The windows a calibrated scheme uses, cut from ``calibration``'s text (default: the train split of the
+    scored corpus). N is the scheme's ``calib`` count or ``--calib-tokens`` rounded up to whole windows; H =
+    ⌈N / HELD_OUT_EVERY⌉ more are held out. Two rules (``--calib-sample``):
+
+    - ``documents`` (the default): N + H windows of :func:`calibration_window` tokens drawn across the text's
+      documents, stratified by source (``trainers.batches.document_windows``, seeded by ``calib_seed``, 0 when
+      none) — as GPTQ's and AWQ's reference code draw random segments of a broad corpus; every H-th window of the
+      draw (so every source) is held out.
+    - ``first``: the first N windows of the evaluation's length (``calib_seed``: a seeded sample of N from the
+      first ``POOL_FACTOR``·N), the next H held out — every record before the documents sample.
+
+    Fewer windows when the text holds fewer (the held-out ones give way first). One definition for the harness,
+    ``qbench algorithms`` and lm-eval."""
+    from qbench.quant.calibrate import POOL_FACTOR, select_windows
+
+    calibration = calibration or CalibrationData()
+    length = calibration_window(calibration, window, context)
+    wanted = calibration.windows(scheme.calib_count, length)
+    held = -(-wanted // HELD_OUT_EVERY)
+    documents = calibration.sample != FIRST
+    pool = wanted + held if documents or scheme.calib_seed is None else wanted * POOL_FACTOR + held
+    source = replace(
+        protocol,
+        corpus=calibration.corpus(protocol.corpus),
+        split=calibration.split(),
+        tokens=pool * length,
+        window=length,
+        sample=calibration.sample,
+        sample_seed=(scheme.calib_seed or 0) if documents else 0,
+        protocol="qbench",  # calibration text is cut into plain windows under either scoring protocol
+    )
+    cut = make_windows(tokenizer, source, length)
+    ids = cut.ids
+    n = len(ids)
+    if documents:
+        h = min(held, max(0, n - wanted)) if n > wanted else n // (HELD_OUT_EVERY + 1)
+        picked = {min(n - 1, int((j + 0.5) * n / h)) for j in range(h)} if h else set()
+        keep = [i for i in range(n) if i not in picked]
+        held_ids = sorted(picked)
+        place = sampled_record(replace(cut, sampled=[cut.sampled[i] for i in keep])) if cut.sampled else None
+    else:
+        h = min(held, max(0, n - wanted))
+        chosen = select_windows(ids[: n - h] if h else ids, wanted, scheme.calib_seed)
+        keep = None
+        held_ids = list(range(n - h, n))
+        place = None
+    calib = ids[keep] if keep is not None else chosen
+    record: dict[str, Any] = {
+        "sample": calibration.sample,
+        "window": length,
+        "windows": len(calib),
+        "tokens": int(calib.numel()),
+        "held_out_windows": len(held_ids),
+    }
+    if place is not None:
+        record["sampled"] = place
+    return CalibrationSample(calib, ids[held_ids] if held_ids else None, record)
+
+
 def calibration_windows(
     tokenizer: Any,
     protocol: Protocol,
     window: int,
     scheme: Any,
     calibration: CalibrationData | None = None,
+    context: int | None = None,
 ) -> torch.Tensor:
-    """The windows a calibrated scheme uses, cut from ``calibration``'s text (default: the train split of the
-    scored corpus) like evaluation windows: the first N (``calib_seed=None``), or a seeded sample of N from the
-    first ``POOL_FACTOR``·N (``calibrate.select_windows``); N is the scheme's ``calib`` or ``--calib-tokens``
-    rounded up to whole windows. Fewer windows than N when the text holds fewer. One definition for the harness
-    and lm-eval."""
-    from dataclasses import replace
-
-    from qbench.quant.calibrate import POOL_FACTOR, select_windows
-
-    calibration = calibration or CalibrationData()
-    wanted = calibration.windows(scheme.calib_windows, window)
-    n = wanted * (1 if scheme.calib_seed is None else POOL_FACTOR)
-    source = replace(
-        protocol,
-        corpus=calibration.corpus(protocol.corpus),
-        split=calibration.split(),
-        tokens=n * window,
-        window=window,
-        sample=FIRST,  # the train split's first windows, as calibration has always read them
-    )  # each window predicts `window`
-    ids = make_windows(tokenizer, source, window).ids
-    return select_windows(ids, wanted, scheme.calib_seed)
+    """The calibration windows alone (:func:`calibration_sample`)."""
+    return calibration_sample(tokenizer, protocol, window, scheme, calibration, context).ids
 
 
 def kv_calibration_windows(
@@ -860,11 +966,12 @@ def kv_calibration_windows(
     ``--calib-tokens``' worth) of :func:`calibration_windows`' text, ``window`` tokens each."""
     from types import SimpleNamespace
 
+    calibration = replace(calibration or CalibrationData(), sample=FIRST)  # as fp8 caches always calibrated
     return calibration_windows(
         tokenizer,
         protocol,
         window,
-        SimpleNamespace(calib_windows=KV_CALIB_WINDOWS, calib_seed=None),
+        SimpleNamespace(calib_count=KV_CALIB_WINDOWS, calib_seed=None),
         calibration,
     )
 

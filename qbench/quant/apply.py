@@ -21,14 +21,12 @@
   reference code); static scales the observed ranges of the transformed input and the output (``static.py``),
   passed to the layers as ``act_static=`` / ``out_static=``.
 - Hadamard: one seeded :class:`~qbench.quant.fake.HadamardRotation` per layer input dimension.
-- ``algo=awq`` (``awq.py``): each group of layers reading one input gets AWQ's searched input scale s (applied in
-  the layer, as SmoothQuant's: ``input_scale``) and each layer a clipped weight grid (``weight_qparams``), both
-  from the same cached calibration statistics as GPTQ.
-- ``algo=gptq`` (``gptq.py``): each layer's input Hessian from the calibration windows run through the float model
-  (``calibrate.hessians``, cached per model and windows), carried into the layer's transformed input space
-  (H' = Mᵀ H M for x' = x · M, M = diag(1/s) · Rᵀ), GPTQ on W' = R(W · diag(s)); the layer is then built from the
-  weight that the transforms map onto Ŵ' and GPTQ's grid (``weight_qparams``), so fake and real layers round it
-  onto exactly GPTQ's codes.
+- ``algo=gptq`` and ``algo=awq`` (``gptq.py``, ``awq.py``, run over the model by ``solve.py``): each layer's
+  input statistics from the calibration windows — block by block through the already quantised blocks
+  (``sequential.py``, the default) or from the float model (``sequential=false``) — then GPTQ's codes and grid
+  (``weight_qparams``) or AWQ's input scale (``input_scale``, applied in the layer as SmoothQuant's) and clipped
+  grid; fake and real layers round onto exactly those codes. ``held_out`` windows give the algorithm's layer error
+  out of sample; the result carries what calibration found as ``qbench_calibration`` (for the record).
 - A gated-attention export (``models.hf``: the gate packed into ``q_proj``'s extra heads, ``o_proj`` = [W_o, 0]) is
   first unpacked (``models.hf.unpack_gates``) so that every scale sees the queries, the gate and the output
   projection apart, as the checkpoint's layers are quantised: checkpoint and export agree under any scheme.
@@ -38,7 +36,6 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import sys
 from collections.abc import Iterable
 
 import torch
@@ -48,34 +45,16 @@ from models.errors import UserError, unknown_choice
 from qbench.quant.calibrate import (
     Observed,
     check_calibration,
-    input_statistics,
     observe,
     static_quantizers,
 )
-from qbench.quant.fake import FakeQuantLinear, HadamardRotation, transform_input, transform_weight
+from qbench.quant.fake import FakeQuantLinear, HadamardRotation
+from qbench.quant.linears import is_conv1d, is_linear, linear_weight  # noqa: F401  (this module's API too)
 from qbench.quant.primitives import QParams
 from qbench.quant.quarot import QUAROT_SEED
 from qbench.quant.schemes import BNB_METHODS, QuantScheme, get_scheme
 
 MODES = ("fake", "real")
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """transformers' GPT-2 ``Conv1D``, checked without importing transformers (a model that has one imported it)."""
-    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
-    return pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D)
-
-
-def is_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or is_conv1d(module)
-
-
-def linear_weight(module: nn.Module) -> tuple[Tensor, Tensor | None]:
-    """(weight (out, in), bias) of an ``nn.Linear`` or a ``Conv1D`` (whose weight is stored (in, out))."""
-    weight = module.weight.detach()
-    return (weight.t() if is_conv1d(module) else weight), (
-        None if module.bias is None else module.bias.detach()
-    )
 
 
 def _output_embeddings(model: nn.Module) -> nn.Module | None:
@@ -241,127 +220,6 @@ def _calibrate(
     return observed
 
 
-def _inverse_transform(weight: Tensor, input_scale: Tensor | None, rotation: nn.Module | None) -> Tensor:
-    """V with ``fake.transform_weight(V, s, R)`` = ``weight``: V = (weight · R) · diag(1/s) (R orthogonal)."""
-    v = weight
-    if rotation is not None:
-        v = v @ rotation.matrix().to(v.device)  # transform_weight applies v ↦ v · Rᵀ
-    return v / input_scale.float() if input_scale is not None else v
-
-
-def _transform_hessian(h: Tensor, input_scale: Tensor | None, rotation: nn.Module | None) -> Tensor:
-    """The Hessian of the transformed input x' = x · M (``fake.transform_input``): H' = Mᵀ H M, H symmetric."""
-    if input_scale is None and rotation is None:
-        return h
-    hm = transform_input(h, input_scale, rotation)  # H · M
-    return transform_input(hm.t().contiguous(), input_scale, rotation)  # Mᵀ · H · M
-
-
-def gptq_layers(
-    model: nn.Module,
-    layers: dict[str, nn.Module],
-    scheme: QuantScheme,
-    calibration: Tensor | None,
-    scales: dict[str, Tensor],
-    rotations: dict[str, nn.Module],
-) -> dict[str, tuple[Tensor, QParams]]:
-    """GPTQ of every layer (module docstring): name -> (the weight to build the layer from, GPTQ's qparams)."""
-    from qbench.quant.gptq import gptq_quantize
-
-    h = _statistics(model, layers, scheme, calibration)
-    params = scheme.algo_params
-    out = {}
-    transformed: dict[tuple[int, int, int], Tensor] = {}  # q/k/v share one H and rotation: carried over once
-    for name, module in layers.items():
-        weight = linear_weight(module)[0]
-        s, r = scales.get(name), rotations.get(name)
-        key = (id(h[name]), id(s), id(r))
-        if key not in transformed:
-            transformed[key] = _transform_hessian(h[name].hessian.to(weight.device), s, r)
-        result = gptq_quantize(
-            transform_weight(weight, s, r),
-            transformed[key],
-            scheme.weight_bits,
-            scheme.weight_granularity_for(weight.shape[1]),
-            scheme.weight_symmetric,
-            damp=float(params["damp"]),
-            block=int(params["block"]),
-            act_order=bool(params["act_order"]),
-            name=name,
-        )
-        out[name] = (_inverse_transform(result.weight, s, r), result.qparams)
-    return out
-
-
-def _statistics(
-    model: nn.Module, layers: dict[str, nn.Module], scheme: QuantScheme, calibration: Tensor | None
-) -> dict[str, object]:
-    """Each layer's calibration statistics (``calibrate.input_statistics``), every layer seen."""
-    why = f"scheme {scheme.name!r} (algo={scheme.algo})"
-    stats = input_statistics(model, layers, check_calibration(calibration, why))
-    missing = sorted(set(layers) - set(stats))
-    if missing:
-        raise UserError(f"{why}: layer {missing[0]!r} never ran during calibration; exclude it")
-    return stats
-
-
-def awq_layers(
-    model: nn.Module, layers: dict[str, nn.Module], scheme: QuantScheme, calibration: Tensor | None
-) -> tuple[dict[str, Tensor], dict[str, tuple[Tensor, QParams]]]:
-    """AWQ (``awq.py``): (each layer's input scale s, {name: (its float weight, the clipped grid of W · diag(s), or
-    None where no clipping is searched)}); layers reading one input (one shared accumulator) share one s."""
-    from qbench.quant.awq import clipped, search_clip, search_scale
-
-    stats = _statistics(model, layers, scheme, calibration)
-    grid, clip = int(scheme.algo_params["grid"]), bool(scheme.algo_params["clip"])
-    groups: dict[int, list[str]] = {}
-    for name in layers:
-        groups.setdefault(id(stats[name]), []).append(name)
-    scales, solved = {}, {}
-    unscaled = {n for n in layers if _grouped_query_output(model, n, layers[n])}
-    for names in groups.values():
-        acc = stats[names[0]]
-        weights = {n: linear_weight(layers[n])[0] for n in names}
-        dim = next(iter(weights.values())).shape[1]
-        granularity = scheme.weight_granularity_for(dim)
-        if set(names) <= unscaled:  # llm-awq's mapping: no scale it could not fold; the clipping still runs
-            s = None
-        else:
-            s, _, _ = search_scale(
-                list(weights.values()),
-                acc.hessian,
-                acc.abs_mean,
-                scheme.weight_bits,
-                granularity,
-                scheme.weight_symmetric,
-                grid,
-            )
-        h_s = acc.hessian.float() if s is None else acc.hessian.float() / (s.unsqueeze(0) * s.unsqueeze(1))
-        for n, w in weights.items():
-            w_s = w.float() if s is None else w.float() * s.to(w.device)
-            qp = None  # not clipped: round-to-nearest's own grid of W · diag(s)
-            if clip and clipped(n):
-                qp = search_clip(w_s, h_s, scheme.weight_bits, granularity, scheme.weight_symmetric, grid)
-            if s is not None:
-                scales[n] = s.to(w.device)
-            solved[n] = (w, qp)
-    return scales, solved
-
-
-def _grouped_query_output(model: nn.Module, name: str, layer: nn.Module) -> bool:
-    """Whether ``name`` is an attention output projection whose input is wider than its ``v_proj``'s output
-    (grouped-query attention: n_kv_head < n_head). AWQ folds that layer's input scale into ``v_proj``, which
-    cannot hold one scale per query-head channel, so llm-awq and AutoAWQ leave it unscaled; so does qbench."""
-    parent_name, _, leaf = name.rpartition(".")
-    if leaf not in ("o_proj", "c_proj", "out_proj", "dense"):
-        return False
-    parent = model.get_submodule(parent_name) if parent_name else model
-    value = getattr(parent, "v_proj", None)
-    if value is None or not is_linear(value):
-        return False
-    return linear_weight(value)[0].shape[0] != linear_weight(layer)[0].shape[1]
-
-
 def _check_not_quantized(model: nn.Module) -> None:
     previous = getattr(model, "qbench_scheme", None)
     if previous is not None or any(isinstance(m, FakeQuantLinear) for m in model.modules()):
@@ -378,6 +236,7 @@ def quantize(
     exclude: Iterable[str] = (),
     calibration: Tensor | None = None,
     allow_empty: bool = False,
+    held_out: Tensor | None = None,
 ) -> nn.Module:
     """A quantised deep copy of ``model`` (see the module docstring); ``model`` itself is not modified.
     ``allow_empty``: accept an ``exclude`` that keeps every layer in float (a study's all-float cell)."""
@@ -403,11 +262,21 @@ def quantize(
     scales = {}
     if scheme.method == "smoothquant":
         scales = smoothquant_from_observed(layers, observed, float(scheme.param("alpha")))
-    solved = {}
-    if scheme.algo == "gptq":
-        solved = gptq_layers(model, layers, scheme, calibration, scales, rotations)
-    elif scheme.algo == "awq":
-        scales, solved = awq_layers(model, layers, scheme, calibration)
+    solved, report = {}, None
+    if scheme.algo in ("gptq", "awq"):
+        from qbench.quant.solve import solve_layers
+
+        def static_for(name: str) -> tuple[nn.Module | None, nn.Module | None]:
+            return (
+                static_quantizers(scheme, observed[name], scales.get(name)) if scheme.static else (None, None)
+            )
+
+        def build(name: str, module: nn.Module, scale: Tensor | None, entry: tuple) -> nn.Module:
+            # sequential calibration propagates through the fake layer: the reference arithmetic of every mode
+            return _replacement(module, scheme, "fake", scale, rotations.get(name), static_for(name), entry)
+
+        solution = solve_layers(model, layers, scheme, calibration, held_out, scales, rotations, build)
+        scales, solved, report = solution.scales, solution.weights, solution.report
     memo = {}
     for name, module in layers.items():
         static = (
@@ -422,6 +291,8 @@ def quantize(
         if config is not None and getattr(config, "tie_word_embeddings", False):
             config.tie_word_embeddings = False
     quantized.qbench_scheme = scheme.to_dict()
+    if report is not None:  # what the algorithm's calibration found (qbench.quant.solve), for the record
+        quantized.qbench_calibration = report
     return quantized
 
 

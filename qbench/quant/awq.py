@@ -23,8 +23,9 @@ From the paper's §3.2 ("Searching to scale"):
 Where this differs from the reference code, and why:
 
 - The output error is each layer's own, computed from the Hessian of its inputs, ‖ΔW X‖²/n = ½ tr(ΔW H ΔWᵀ)
-  (``gptq.layer_error``), rather than by running the whole attention or MLP block on cached inputs: the same
-  calibration pass as GPTQ then serves both (``calibrate.input_statistics``, cached per model and windows).
+  (``gptq.layer_error``), rather than by running the whole attention or MLP block on cached inputs: the statistics
+  GPTQ gathers then serve both (``qbench.quant.solve``: block by block through the quantised blocks before, as
+  the reference code feeds each block, or from the float model's inputs with ``sequential=false``).
 - The scale is applied inside each layer (x / s before the layer's own quantisation, W · diag(s) before rounding:
   ``fake.py``), not folded into the previous norm or linear. In float and for every quantised tensor this is the
   same computation as the fold (x / s is what the folded norm outputs); it works on every architecture, and the

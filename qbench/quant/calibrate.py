@@ -10,11 +10,12 @@ So :func:`observe` keeps the per-channel (min, max) of the raw input, of R(x) wh
 (Hadamard mixes channels, so R(x)'s range cannot be derived from x's), and optionally of the output. The
 SmoothQuant division x / s is per channel with s > 0, so x'-ranges follow exactly from x's: min(x_j)/s_j, max(x_j)/s_j.
 
-Which windows: ``calib_windows`` windows of the corpus's *train* split (never the evaluated text: a scored split that
-contains it is refused, :func:`check_calibration_disjoint`), cut like the evaluation windows; the caller builds
-them (``qbench.eval``). ``calib_seed=None`` takes the first N windows
-(what SmoothQuant always did here); a seed takes a seeded random sample of N from the ones offered
-(:func:`select_windows`). The record carries N, the seed and the corpus.
+Which windows: the scheme's ``calib`` windows of the corpus's *train* split (never the evaluated text: a scored
+split that contains it is refused, :func:`check_calibration_disjoint`), drawn across its documents by default or the
+first ones (``CalibrationData.sample``, ``--calib-sample``); the caller builds them
+(``qbench.eval.harness.calibration_sample``). The record carries the rule, the windows and where they were drawn.
+GPTQ and AWQ statistics: :func:`input_statistics` (the float model's inputs) and :class:`StatisticsCollector`,
+which ``qbench.quant.sequential`` also attaches block by block.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def select_windows(ids: Tensor, n: int, seed: int | None) -> Tensor:
 
 
 CALIBRATION_SPLIT = "train"  # where calibration windows come from (harness.calibration_windows)
+CALIB_SAMPLES = ("documents", "first")  # --calib-sample (qbench.eval.harness.calibration_sample)
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,14 @@ class CalibrationData:
 
     data: str | None = None
     tokens: int | None = None
+    # how the windows are drawn (``--calib-sample``): "documents" across the text (the default), or "first"
+    sample: str = "documents"
 
     def __post_init__(self) -> None:
+        if self.sample not in CALIB_SAMPLES:
+            from models.errors import unknown_choice
+
+            raise unknown_choice("--calib-sample", self.sample, CALIB_SAMPLES)
         if self.tokens is not None and (
             isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1
         ):
@@ -112,14 +120,21 @@ class CalibrationData:
         (the scheme's ``calib``)."""
         return default if self.tokens is None else -(-self.tokens // window)
 
-    def describe(self, scored: Any, default: int) -> dict[str, Any]:
+    def describe(self, scored: Any, default: int, seed: int | None = None) -> dict[str, Any]:
         """The calibration protocol as records state it: corpus, split, and the windows (or the tokens asked for,
         when ``--calib-tokens`` decides the windows once the window length is known)."""
         out: dict[str, Any] = {"corpus": self.corpus(scored), "split": self.split()}
         if self.tokens is None:
             out["windows"] = default
-        else:  # the windows follow from the record's protocol.window: ceil(requested_tokens / window)
+        else:  # the windows follow from the window length: ceil(requested_tokens / window)
             out["requested_tokens"] = self.tokens
+        if self.sample == "first":  # worded as every record before the documents sample, which it reproduces
+            out["selection"] = "first windows" if seed is None else "seeded sample"
+        else:
+            out["selection"] = (
+                "documents sample (trainers.batches.document_windows, seeded by calib_seed or 0) of windows of "
+                "min(2048, context) tokens; one more window per 8 held out"
+            )
         return out
 
     def check_disjoint(self, scored: Any, scored_split: str | None, what: str) -> None:
@@ -302,6 +317,9 @@ def static_quantizers(
 # model -> {(calibration fingerprint, weights fingerprint, layer names): {layer: H}}: a grid quantises one model
 # many times with the same windows; the Hessians of its float inputs are computed once (each (in, in) float32).
 _HESSIANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CACHED_PER_MODEL = (
+    2  # the calibration windows' statistics and the held-out windows' (``qbench.quant.solve``)
+)
 
 
 def _fingerprint(model: nn.Module, calibration: Tensor, names: tuple[str, ...]) -> tuple:
@@ -323,58 +341,86 @@ def input_statistics(model: nn.Module, layers: dict[str, nn.Module], calibration
     the calibration tokens, from the *float* model (GPTQ, ``gptq.py``; AWQ, ``awq.py``), cached per (model,
     windows, weights). Layers fed the very same input tensor (q/k/v after one norm, gate/up) share one
     accumulator (the same object). The model's train/eval flags come back as they were."""
-    from qbench.quant.gptq import HessianAccumulator
-
     names = tuple(layers)
     key = _fingerprint(model, calibration, names)
     cached = _HESSIANS.get(model, {})
     if key in cached:
         check_statistics_finite(cached[key], names)
         return cached[key]
-    accumulators: dict[str, HessianAccumulator] = {}
-    last: dict[str, Any] = {"input": None, "owner": None}
-    shared: dict[str, str] = {}  # layer -> the layer whose accumulator it shares (decided in the first batch)
-    batch_index = {"i": 0}
-
-    def hook(name: str) -> Callable:
-        def pre(module: nn.Module, args: tuple) -> None:
-            x = args[0]
-            if batch_index["i"] == 0 and name not in accumulators and name not in shared:
-                if last["input"] is x:
-                    shared[name] = last["owner"]
-                else:
-                    accumulators[name] = HessianAccumulator(x.shape[-1], x.device)
-            if name in shared:
-                if last["input"] is not x:  # not the same input as in the first batch: cannot share
-                    raise RuntimeError(
-                        f"GPTQ calibration: {name!r} no longer shares its input with {shared[name]!r}"
-                    )
-                return
-            accumulators[name].add(x)
-            last["input"], last["owner"] = x, name
-
-        return pre
-
-    handles = [module.register_forward_pre_hook(hook(name)) for name, module in layers.items()]
+    collector = StatisticsCollector(layers)
     modes = {m: m.training for m in model.modules()}
     try:
         model.eval()
-        with torch.no_grad(), stop_before_head(model, layers.values()) as run:
+        with torch.no_grad(), collector.attached(), stop_before_head(model, layers.values()) as run:
             for batch in calibration.to(_model_device(model)).split(CALIBRATION_BATCH):
                 run(batch)
-                batch_index["i"] += 1
-                last["input"] = None
+                collector.end_batch()
     finally:
-        for h in handles:
-            h.remove()
         for m, training in modes.items():
             m.training = training
-    out: dict[str, Any] = dict(accumulators)
-    out.update({name: out[owner] for name, owner in shared.items()})
-    _HESSIANS.setdefault(model, {}).clear()  # one entry per model: a new protocol replaces the old one
-    _HESSIANS[model][key] = out
+    out = collector.result()
+    entries = _HESSIANS.setdefault(model, {})
+    while len(entries) >= _CACHED_PER_MODEL:  # a new protocol replaces the oldest
+        del entries[next(iter(entries))]
+    entries[key] = out
     check_statistics_finite(out, names)
     return out
+
+
+class StatisticsCollector:
+    """Forward pre-hooks that feed each layer's inputs to a ``gptq.HessianAccumulator`` (:func:`input_statistics`,
+    and block by block for sequential calibration, ``qbench.quant.sequential``). Layers fed the very same input
+    tensor in the first batch (q/k/v after one norm, gate/up) share one accumulator — the same object, so the
+    GPTQ and AWQ code sees which layers read one input; a later batch that breaks the sharing is an error."""
+
+    def __init__(self, layers: dict[str, nn.Module]) -> None:
+        self.layers = layers
+        self.accumulators: dict[str, Any] = {}
+        self.shared: dict[str, str] = {}  # layer -> the layer whose accumulator it shares (the first batch's)
+        self._last: tuple[Any, str | None] = (None, None)  # (input tensor, its owner) within one batch
+        self._first = True
+
+    def _hook(self, name: str) -> Callable:
+        from qbench.quant.gptq import HessianAccumulator
+
+        def pre(module: nn.Module, args: tuple) -> None:
+            x = args[0]
+            last, owner = self._last
+            if self._first and name not in self.accumulators and name not in self.shared:
+                if last is x:
+                    self.shared[name] = owner
+                else:
+                    self.accumulators[name] = HessianAccumulator(x.shape[-1], x.device)
+            if name in self.shared:
+                if last is not x:  # not the same input as in the first batch: cannot share
+                    raise RuntimeError(
+                        f"calibration: {name!r} no longer shares its input with {self.shared[name]!r}"
+                    )
+                return
+            self.accumulators[name].add(x)
+            self._last = (x, name)
+
+        return pre
+
+    @contextmanager
+    def attached(self) -> Iterator[None]:
+        handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in self.layers.items()]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def end_batch(self) -> None:
+        """Call after each forward pass (one batch of windows)."""
+        self._first = False
+        self._last = (None, None)
+
+    def result(self) -> dict[str, Any]:
+        """{layer: accumulator} for every layer that ran (shared ones map to the same object)."""
+        out: dict[str, Any] = dict(self.accumulators)
+        out.update({name: out[owner] for name, owner in self.shared.items()})
+        return out
 
 
 def check_statistics_finite(stats: dict[str, Any], names: Iterable[str]) -> None:

@@ -22,8 +22,9 @@ What is implemented, from the paper's §4 ("The Full Algorithm") and Algorithm 1
   groups of g input channels they are chosen when the algorithm reaches the group's first column, from that
   group's weights as they were when its lazy block began: the error compensation of the earlier blocks in, that
   of the columns before it in the same block not yet — the reference code's rule (IST-DASLab ``gptq.py``
-  ``find_params(W[:, i1 + i : i1 + i + groupsize])`` on ``W``, not the block's working copy; GPTQModel and
-  llm-compressor alike). So with g below ``block`` the grid depends on the block size, as in the reference. (The
+  ``find_params(W[:, i1 + i : i1 + i + groupsize])`` on ``W``, not the block's working copy; GPTQModel alike;
+  llm-compressor 0.14 instead fixes every group's grid from the original weights before the sweep, as act order's
+  static groups do here). So with g below ``block`` the grid depends on the block size, as in the reference. (The
   grid from the fully updated weights, qbench's rule before, gave 0–3 % larger layer errors in 19 of 20 synthetic
   comparisons.) A group that does not divide the row leaves a shorter last group, as round-to-nearest does
   (``fake.pad_to_groups``).
@@ -32,10 +33,9 @@ What is implemented, from the paper's §4 ("The Full Algorithm") and Algorithm 1
   computed from the original W before the permutation, so group membership stays contiguous in the original
   column order and the result is stored exactly like round-to-nearest's (no group index per column).
 
-The Hessian here is the one of the *float* model's inputs for every layer (one calibration pass, cached per model
-and calibration windows so that a grid computes it once). The reference implementation instead runs the
-calibration through the blocks already quantised, so later layers see quantised inputs; that sequential variant
-costs one pass per block and a Hessian per scheme; qbench does not implement it yet.
+The Hessians are gathered by ``qbench.quant.solve``: by default block by block, each block fed the outputs of the
+blocks already quantised (``qbench.quant.sequential``), as the reference implementation, GPTQModel and
+llm-compressor run it; with ``sequential=false`` every layer's from the float model's inputs in one cached pass.
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def gptq_quantize(
             if group is not None and not act_order and j % group == 0:
                 # a group's grid from its columns as they were when this lazy block began — the earlier blocks'
                 # updates in, this block's not yet (``w``, not ``w1``): the reference code's rule
-                # (IST-DASLab gptq.py: find_params(W[:, i1 + i : i1 + i + groupsize]); GPTQModel, llm-compressor)
+                # (IST-DASLab gptq.py: find_params(W[:, i1 + i : i1 + i + groupsize]); GPTQModel)
                 set_group(j // group, w[:, start + i : start + i + group])
             g = 0 if group is None else j // group
             s = scales[:, g].to(dtype)

@@ -14,8 +14,9 @@ activation granularity becomes per tensor, since a static scale cannot follow to
 for per channel); ``calib``/``calib_seed`` the calibration windows and their sampling seed; ``head`` also
 quantise the LM head; plus the base method's own parameters (``alpha`` for smoothquant, ``seed`` for hadamard,
 ``threshold`` for llm-int8, ``blocksize`` for bnb-nf4); ``algo`` how the weights are rounded (``rtn``, the
-default, ``gptq`` or ``awq``), GPTQ's settings ``damp`` (0.01), ``block`` (128), ``act_order`` (false) and AWQ's
-``grid`` (20) and ``clip`` (true). The bitsandbytes schemes take only ``head`` and their
+default, ``gptq`` or ``awq``), GPTQ's settings ``damp`` (0.01), ``block`` (128), ``act_order`` (false), AWQ's
+``grid`` (20) and ``clip`` (true), and both algorithms' ``sequential`` (true: each block calibrated on the outputs of
+the quantised blocks before it; false: on the float model's inputs). The bitsandbytes schemes take only ``head`` and their
 own parameters: their layers fix everything else.
 """
 
@@ -69,8 +70,10 @@ def _agran(text: str) -> Granularity:
 ALGOS = ("rtn", "gptq", "awq")
 _ALGO_PARAMS: dict[str, dict[str, Any]] = {
     "rtn": {},
-    "gptq": {"damp": 0.01, "block": 128, "act_order": False},
-    "awq": {"grid": 20, "clip": True},
+    # sequential: each block calibrated on the quantised blocks' outputs (qbench.quant.sequential), as GPTQModel
+    # and llm-compressor run both algorithms; false: every layer on the float model's inputs
+    "gptq": {"damp": 0.01, "block": 128, "act_order": False, "sequential": True},
+    "awq": {"grid": 20, "clip": True, "sequential": True},
 }
 
 
@@ -155,6 +158,8 @@ KEYS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     # AWQ's settings (awq.py): points of the α search (and of the clipping search), whether to search clipping
     "grid": ("algo_params.grid", _grid, "int>=2"),
     "clip": ("algo_params.clip", _bool, "true|false"),
+    # both algorithms: block-by-block calibration on the quantised blocks' outputs, or the float model's inputs
+    "sequential": ("algo_params.sequential", _bool, "true|false"),
 }
 BNB_KEYS = ("head",)  # what the bitsandbytes schemes accept besides their own parameters
 SYNTAX = (

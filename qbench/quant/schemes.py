@@ -74,7 +74,7 @@ def check_static(scheme: Any) -> None:
     if not isinstance(scheme.static, bool):
         raise UserError(f"scheme {name!r}: static must be true or false, got {scheme.static!r}")
     n = scheme.calib_windows
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise UserError(f"scheme {name!r}: calib_windows must be a positive integer, got {n!r}")
     seed = scheme.calib_seed
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
@@ -122,7 +122,8 @@ class QuantScheme:
     params: dict[str, Any] = field(default_factory=dict)
     quantize_lm_head: bool = False
     static: bool = False  # activation/output scales calibrated once (``static.py``) instead of per sequence
-    calib_windows: int = 8  # calibration windows of the train split (static scales, SmoothQuant)
+    # calibration windows of the train split; None: the default of what calibrates (:data:`CALIB_WINDOWS`)
+    calib_windows: int | None = None
     calib_seed: int | None = None  # None: the first calib_windows windows; an int: a seeded sample of them
     format: str = INT  # number format of quantised weights/activations: "int" or a ``formats.FORMATS`` name
     algo: str = "rtn"  # how weights are rounded: ``ALGOS``; gptq calibrates on calib_windows train windows
@@ -148,6 +149,8 @@ class QuantScheme:
         object.__setattr__(self, "params", {**_METHOD_PARAMS[self.method], **self.params})
         _check_algo(self)
         object.__setattr__(self, "algo_params", {**_ALGO_PARAMS[self.algo], **self.algo_params})
+        if self.calib_windows == CALIB_WINDOWS.get(self.algo):  # the default, stated: the same scheme
+            object.__setattr__(self, "calib_windows", None)
         _check_rotate(self)
 
     def __hash__(self) -> int:  # params is a dict; hash its items so schemes can key caches
@@ -201,8 +204,17 @@ class QuantScheme:
             return _PER_CHANNEL
         return g
 
+    @property
+    def calib_count(self) -> int:
+        """Calibration windows: ``calib_windows``, else :data:`CALIB_WINDOWS` for the algorithm (GPTQ and AWQ: 128,
+        as their reference code draws; SmoothQuant and static scales: 8)."""
+        if self.calib_windows is not None:
+            return self.calib_windows
+        return CALIB_WINDOWS.get(self.algo, CALIB_WINDOWS["rtn"])
+
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["calib_windows"] = self.calib_count  # the count in force, as every record before the default moved
         for key in ("weight_granularity", "act_granularity", "out_granularity"):
             d[key] = d[key].to_dict()
         d["params"] = dict(self.params)
@@ -239,6 +251,11 @@ class QuantScheme:
                 kwargs[key] = granularity_from_dict(kwargs[key])
         return cls(**kwargs)
 
+
+# Calibration windows by rounding algorithm when a scheme names none (``calib=``): GPTQ's and AWQ's reference code
+# and llm-compressor draw 128 segments (of 2,048 tokens: qbench.eval.harness.CALIB_WINDOW); SmoothQuant and static
+# scales keep the 8 they always took.
+CALIB_WINDOWS = {"rtn": 8, "gptq": 128, "awq": 128}
 
 ROTATIONS = ("none", "quarot")
 # How GPTQ chooses a group's grid (qbench.quant.gptq), in every grouped GPTQ record

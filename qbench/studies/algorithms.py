@@ -205,22 +205,27 @@ def _calibration_taken(spec: Any, lm: Any, window: int, calibrated: Sequence[Any
     """What the calibrated cells of one model really calibrate on, from the harness's own
     ``calibration_windows``: the text (``--calib-data`` or the scored corpus's train split), the tokens it holds
     and the windows and tokens taken (text holding no window was refused by the grid's own check)."""
-    from qbench.eval.harness import calibration_text_tokens, calibration_windows
+    from qbench.eval.adapters import context_length
+    from qbench.eval.harness import calibration_sample, calibration_text_tokens, calibration_window
 
     cal, protocol = spec.calibration, spec.protocol
-    corpus, split, held = calibration_text_tokens(spec, lm.tokenizer, window)
+    context = context_length(lm.model, protocol.window)
+    corpus, split, held = calibration_text_tokens(spec, lm.tokenizer, window, context)
+    length = calibration_window(cal, window, context)
     taken = []
-    for key in dict.fromkeys((s.calib_windows, s.calib_seed) for s in calibrated):
-        scheme = next(s for s in calibrated if (s.calib_windows, s.calib_seed) == key)
-        ids = calibration_windows(lm.tokenizer, protocol, window, scheme, cal)
+    for key in dict.fromkeys((s.calib_count, s.calib_seed) for s in calibrated):
+        scheme = next(s for s in calibrated if (s.calib_count, s.calib_seed) == key)
+        sample = calibration_sample(lm.tokenizer, protocol, window, scheme, cal, context)
         taken.append(
             {
-                "windows_requested": cal.windows(scheme.calib_windows, window),
-                "windows": int(ids.shape[0]),
-                "window": int(ids.shape[1]),
-                "tokens": int(ids.numel()),
+                "windows_requested": cal.windows(scheme.calib_count, length),
+                "windows": int(sample.ids.shape[0]),
+                "window": int(sample.ids.shape[1]),
+                "tokens": int(sample.ids.numel()),
+                "held_out_windows": sample.record["held_out_windows"],
+                "sample": cal.sample,
                 "seed": scheme.calib_seed,
-                "schemes": [s.name for s in calibrated if (s.calib_windows, s.calib_seed) == key],
+                "schemes": [s.name for s in calibrated if (s.calib_count, s.calib_seed) == key],
             }
         )
     return {
@@ -426,12 +431,17 @@ def calibration_text(result: Mapping[str, Any]) -> str:
         whole = cal["given"] and cal["split"] == "all"
         source = cal["corpus"] if whole else f"the {cal['split']} split of {cal['corpus']}"
         for t in cal["taken"]:
-            picked = "the first" if t["seed"] is None else f"a seeded sample (seed {t['seed']}) of"
+            if t.get("sample", "first") == "documents":  # an algorithms.json before the sample: first windows
+                picked = f"a sample across documents (seed {t['seed'] or 0}) of"
+            else:
+                picked = "the first" if t["seed"] is None else f"a seeded sample (seed {t['seed']}) of"
             windows = f"{t['windows']} window{'s' if t['windows'] != 1 else ''}"
             text = (
                 f"{picked} {windows} of {t['window']} tokens ({t['tokens']:,} tokens) of {source}, which holds "
                 f"{cal['tokens_held']:,} tokens"
             )
+            if t.get("held_out_windows"):
+                text += f"; {t['held_out_windows']} more held out for the layer error out of sample"
             if t["windows"] < t["windows_requested"]:
                 text += f" ({t['windows_requested']} windows asked for; the text holds fewer)"
             said.setdefault(text, []).append(model)

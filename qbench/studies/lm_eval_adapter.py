@@ -70,9 +70,8 @@ def _calibration(
     """Calibration windows (SmoothQuant, static scales, GPTQ, AWQ), as the harness takes them: the scheme's
     ``calib`` windows (or ``--calib-tokens``) of the corpus's *train* split or of ``--calib-data``, the model's
     context long (``harness.calibration_windows``)."""
-    return calibration_windows(
-        lm.tokenizer, Protocol(corpus=corpus), context_length(model), scheme, calibration
-    )
+    context = context_length(model)
+    return calibration_windows(lm.tokenizer, Protocol(corpus=corpus), context, scheme, calibration, context)
 
 
 def _is_float(scheme: str | None) -> bool:
@@ -117,7 +116,7 @@ def quantised_transformers(
     record = config.to_dict()
     if calibrated:
         record["calibration"] = {
-            **source.describe(calibration_corpus, config.calib_windows),
+            **source.describe(calibration_corpus, config.calib_count, config.calib_seed),
             "windows": len(windows),
             "seed": config.calib_seed,
         }

@@ -46,11 +46,13 @@ class CardConfig:
     # CalibrationData (None, None: the train split of ``corpus``, each scheme's windows)
     calib_data: str | None = None
     calib_tokens: int | None = None
+    calib_sample: str = "documents"  # --calib-sample: how the windows are drawn (documents | first)
 
     def calibration(self) -> Any:
         from qbench.quant.calibrate import CalibrationData
 
-        return CalibrationData(self.calib_data, self.calib_tokens)
+        tokens = self.calib_tokens if self.calib_tokens is not None else self.plan.calib_tokens
+        return CalibrationData(self.calib_data, tokens, self.calib_sample)
 
     @property
     def plan(self) -> Budget:

@@ -135,6 +135,10 @@ class Budget:
     repair_minimise: bool = True
     # formats a repair is tried on, in turn, until one pays (within and smaller than what already passes)
     repair_candidates: int = 1
+    # calibration tokens of the GPTQ/AWQ rows (``--calib-tokens`` overrides); None: each scheme's own (128 windows
+    # of min(2048, context) tokens). Sized for the budget's time: sequential GPTQ on 32,768 tokens takes minutes
+    # on a 135M model on 2 cores, the default's 262,144 eight times as long (results/algorithms/README.md)
+    calib_tokens: int | None = None
 
     @property
     def kv_bits(self) -> tuple[int, ...]:
@@ -165,6 +169,13 @@ class Budget:
             + " and of the most damaged format"
             + ", per-layer kernel speed"
             + (" and whole-model real-kernel speed" if self.speed else "")
+            + (
+                ""
+                if not any(":algo=" in f for f in self.formats)
+                else f", GPTQ/AWQ calibrated on {self.calib_tokens:,} tokens"
+                if self.calib_tokens
+                else ", GPTQ/AWQ calibrated on 128 windows of min(2048, context) tokens"
+            )
         )
 
 
@@ -193,6 +204,7 @@ def describe_kv_rows(rows: Sequence[KVRow]) -> str:
 # cards share cells with run/grid/sweep at their defaults. Literals
 # here (studies do not import the CLI); tests/qbench/studies/test_card.py keeps them equal.
 QUICK_TOKENS, STANDARD_TOKENS, FULL_TOKENS = 4096, 8192, 32768
+STANDARD_CALIB_TOKENS = 32768  # 16 windows of 2,048: the algorithm rows' calibration at the standard budget
 
 
 def _budgets() -> dict[str, Budget]:
@@ -214,6 +226,7 @@ def _budgets() -> dict[str, Budget]:
             ("w", "a", "o", "all"),
             (8, 6, 4, 3, 2),
             repair_candidates=2,
+            calib_tokens=STANDARD_CALIB_TOKENS,
         ),
         "full": Budget(
             "full",

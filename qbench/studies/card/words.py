@@ -75,11 +75,13 @@ def quantised_text(scheme: Mapping[str, Any]) -> str:
     if split == "all":  # --calib-data: a user's own file or folder, all of it
         windows += f" of {Path(str(calibration.get('corpus'))).name}"
     params = scheme.get("algo_params") or {}
+    # block by block through the quantised blocks (the default since it existed; earlier records: float inputs)
+    sequential = ", sequential" if params.get("sequential") else ""
     if scheme.get("algo") == "gptq":
-        return text + f"; GPTQ ({windows}, damp {params.get('damp')})"
+        return text + f"; GPTQ ({windows}, damp {params.get('damp')}{sequential})"
     if scheme.get("algo") == "awq":
         clip = ", clipping searched" if params.get("clip") else ""
-        return text + f"; AWQ ({windows}, α grid {params.get('grid')}{clip})"
+        return text + f"; AWQ ({windows}, α grid {params.get('grid')}{clip}{sequential})"
     return text + "; RTN"
 
 

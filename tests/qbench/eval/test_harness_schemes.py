@@ -40,14 +40,21 @@ def test_records_rebuild_their_scheme_and_carry_the_calibration(tmp_path, ckpt_d
         assert record["scheme"]["name"] == get_scheme(name).name
     assert coarse4["scheme"]["name"] == "absmax-coarse:a=4,o=4,w=4" and "calibration" not in coarse4["scheme"]
     assert coarse4["scheme"]["label"] == "W4A4-tensor+out"
-    assert static["scheme"]["static"] and static["scheme"]["calibration"] == {
+    calibration = static["scheme"]["calibration"]
+    assert static["scheme"]["static"] and {
+        k: calibration[k] for k in ("corpus", "split", "windows", "seed")
+    } == {
         "corpus": "embedded",
         "split": "train",
         "windows": 2,
         "seed": 1,
-        "selection": "seeded sample",
     }
+    assert calibration["selection"].startswith("documents sample")
     assert static["scheme"]["calib_windows"] == 2 and static["scheme"]["calib_seed"] == 1
+    # what the windows were: min(2048, context) = the micro model's 32 tokens, one more held out, their places
+    taken = static["calibrated"]
+    assert (taken["sample"], taken["window"], taken["windows"], taken["tokens"]) == ("documents", 32, 2, 64)
+    assert taken["held_out_windows"] == 1 and len(taken["sampled"]["windows_at"]) == 2
     path = record_path(tmp_path / "results", fp["model"]["name"], coarse4["scheme"]["name"], "fake")
     assert path.name == "absmax-coarse@a=4,o=4,w=4__fake.json" and path.exists()
 
@@ -71,19 +78,43 @@ def test_reuse_needs_an_equal_config(tmp_path, ckpt_dir):
 
 
 def test_calibration_windows_come_from_the_train_split(ckpt_dir):
+    from qbench.eval.harness import calibration_sample
+    from qbench.quant.calibrate import CalibrationData
+
     lm = load_model(str(ckpt_dir))
-    first = calibration_windows(lm.tokenizer, SMALL, 32, get_scheme("absmax-fine:static=true,calib=3"))
-    # calibration reads the train split's first windows (not a documents sample: what its records say)
+    validation = make_windows(lm.tokenizer, SMALL, 32).ids
+    # the default: windows of min(2048, context) drawn across the train split's documents, 1 in 9 held out
+    scheme = get_scheme("absmax-fine:static=true,calib=16")
+    drawn = calibration_sample(lm.tokenizer, SMALL, 16, scheme, context=32)
+    assert drawn.ids.shape == (16, 32) and drawn.held_out.shape == (
+        2,
+        32,
+    )  # the context, not the 16 evaluated
+    places = drawn.record["sampled"]["windows_at"]
+    assert drawn.record["sampled"]["documents"] == 16 and len({p["source"] for p in places}) == 3
+    assert not any(
+        torch.equal(h, w) for h in drawn.held_out for w in drawn.ids
+    )  # held out: never calibrated on
+    both = torch.cat([drawn.ids, drawn.held_out])
+    assert not any(torch.equal(w, v) for w in both for v in validation)  # never the evaluated text
+    reseeded = calibration_sample(
+        lm.tokenizer, SMALL, 16, get_scheme("absmax-fine:static=true,calib=16,calib_seed=5"), context=32
+    )
+    assert not torch.equal(reseeded.ids, drawn.ids)
+    # --calib-sample first: the train split's first windows of the evaluation's length, as records before
+    first_only = CalibrationData(sample="first")
+    first = calibration_windows(
+        lm.tokenizer, SMALL, 32, get_scheme("absmax-fine:static=true,calib=3"), first_only
+    )
     train = make_windows(
         lm.tokenizer, Protocol(split="train", tokens=3 * 32, window=32, sample="first"), 32
     ).ids
     assert torch.equal(first, train)
     sampled = calibration_windows(
-        lm.tokenizer, SMALL, 32, get_scheme("absmax-fine:static=true,calib=3,calib_seed=0")
+        lm.tokenizer, SMALL, 32, get_scheme("absmax-fine:static=true,calib=3,calib_seed=0"), first_only
     )
     assert sampled.shape == (3, 32) and not torch.equal(sampled, first)
-    validation = make_windows(lm.tokenizer, SMALL, 32).ids
-    assert not any(torch.equal(w, v) for w in sampled for v in validation)  # never the evaluated text
+    assert not any(torch.equal(w, v) for w in sampled for v in validation)
 
 
 def test_cli_takes_overrides_and_explains_them(tmp_path, ckpt_dir, capsys):
@@ -101,10 +132,19 @@ def test_cli_takes_overrides_and_explains_them(tmp_path, ckpt_dir, capsys):
 def test_algorithm_records_say_what_their_statistics_are_of(tmp_path, ckpt_dir):
     spec = grid(tmp_path, ckpt_dir, ["zeropoint-int4:algo=gptq", "zeropoint-int4:algo=awq"])
     gptq, awq = (spec.scheme_record(s) for s in spec.schemes)
-    assert gptq["algo"] == "gptq" and gptq["algo_params"] == {"damp": 0.01, "block": 128, "act_order": False}
-    assert gptq["calibration"]["hessian"].startswith("float model's inputs")
-    assert awq["calibration"]["statistics"].startswith("float model's inputs: mean |x|")
+    assert gptq["algo"] == "gptq" and gptq["algo_params"] == {
+        "damp": 0.01,
+        "block": 128,
+        "act_order": False,
+        "sequential": True,
+    }
+    assert gptq["calibration"]["hessian"].startswith(
+        "each block's inputs from the quantised blocks before it"
+    )
+    assert awq["calibration"]["statistics"].startswith("each block's inputs from the quantised blocks")
     assert rebuilt(gptq) == get_scheme("zeropoint-int4:algo=gptq")
+    flat = spec.scheme_record("zeropoint-int4:algo=gptq,sequential=false")
+    assert flat["calibration"]["hessian"].startswith("float model's inputs") and flat["calib_windows"] == 128
 
 
 def test_calib_data_and_calib_tokens_choose_the_windows_and_are_recorded(tmp_path, ckpt_dir):
@@ -121,7 +161,7 @@ def test_calib_data_and_calib_tokens_choose_the_windows_and_are_recorded(tmp_pat
     )
     lm = load_model(str(ckpt_dir))
     scheme = get_scheme("absmax-fine:static=true,calib=3")
-    data = CalibrationData(str(own), tokens=70)  # rounded up to 3 windows of 32
+    data = CalibrationData(str(own), tokens=70, sample="first")  # rounded up to 3 windows of 32
     assert data.split() == "all" and data.windows(3, 32) == 3
     assert CalibrationData("embedded").split() == "train" and CalibrationData(tokens=64).windows(8, 32) == 2
     windows = calibration_windows(lm.tokenizer, SMALL, 32, scheme, data)

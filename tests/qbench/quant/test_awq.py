@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from models.errors import UserError
-from qbench.quant.apply import awq_layers, linear_weight, quantize, select_layers
+from qbench.quant.apply import linear_weight, quantize, select_layers
 from qbench.quant.awq import candidate_scales, clipped, search_clip, search_scale
 from qbench.quant.calibrate import input_statistics
 from qbench.quant.fake import FakeQuantLinear, fake_quantize_weight
@@ -13,12 +13,19 @@ from qbench.quant.gptq import HessianAccumulator, layer_error
 from qbench.quant.granularity import PerAxis, PerGroup, PerTensor
 from qbench.quant.primitives import qparams_from_stats
 from qbench.quant.schemes import QuantScheme, get_scheme
+from qbench.quant.solve import awq_layers
 
 transformers = pytest.importorskip("transformers")
 from tests.qbench.quant.test_apply import assert_same_state, snapshot, tiny_gpt2, tiny_llama  # noqa: E402
 
 CALIB = torch.randint(0, 128, (16, 32), generator=torch.Generator().manual_seed(1))
 TOKENS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+
+
+def _awq(model, layers, scheme, calibration):
+    """AWQ on the float model's inputs: ({layer: its input scale}, {layer: (weight, clipped grid or None)})."""
+    found = awq_layers(model, layers, input_statistics(model, layers, calibration), scheme)
+    return {n: s for n, (s, _) in found.items() if s is not None}, {n: e for n, (_, e) in found.items()}
 
 
 def _inputs(n=400, inn=96, seed=0):
@@ -89,7 +96,7 @@ def test_the_scales_leave_the_float_model_unchanged_and_errors_fall():
     before = snapshot(model)
     scheme = get_scheme("zeropoint-int4-g128:algo=awq,group=32")
     layers = select_layers(model, scheme)
-    scales, solved = awq_layers(model, layers, scheme, CALIB)
+    scales, solved = _awq(model, layers, scheme, CALIB)
     assert_same_state(model, before)
     stats = input_statistics(model, layers, CALIB)
     attn = "model.layers.0.self_attn."
@@ -159,7 +166,7 @@ def test_fake_equals_real_code_for_code(make, name):
 def test_awq_scheme_names_and_refusals():
     s = get_scheme("zeropoint-int4:algo=awq,grid=20")
     assert s.name == "zeropoint-int4:algo=awq" and s.label == "W4-channel-zp-awq"
-    assert s.algo_params == {"grid": 20, "clip": True} and get_scheme(s.name) == s
+    assert s.algo_params == {"grid": 20, "clip": True, "sequential": True} and get_scheme(s.name) == s
     assert get_scheme("zeropoint-int4:algo=awq,clip=false").name == "zeropoint-int4:algo=awq,clip=false"
     for bad, match in (
         ("zeropoint-int4:grid=10", "awq settings: add algo=awq"),
@@ -177,5 +184,5 @@ def test_o_proj_is_scaled_where_v_proj_can_absorb_it():
     """With one key/value head per query head v_proj's outputs are o_proj's inputs, and the fold exists."""
     model = tiny_llama(kv_heads=4)
     scheme = get_scheme("zeropoint-int4-g128:algo=awq,group=32")
-    scales, _ = awq_layers(model, select_layers(model, scheme), scheme, CALIB)
+    scales, _ = _awq(model, select_layers(model, scheme), scheme, CALIB)
     assert "model.layers.0.self_attn.o_proj" in scales

@@ -6,13 +6,14 @@ import torch
 from torch import nn
 
 from models.errors import UserError
-from qbench.quant.apply import _transform_hessian, linear_weight, quantize, select_layers
+from qbench.quant.apply import linear_weight, quantize, select_layers
 from qbench.quant.calibrate import hessians, needs_calibration
 from qbench.quant.fake import FakeQuantLinear, HadamardRotation, fake_quantize_weight, transform_input
 from qbench.quant.gptq import HessianAccumulator, gptq_quantize, layer_error
 from qbench.quant.granularity import PerAxis, PerGroup, PerTensor
 from qbench.quant.primitives import qparams_from_stats, qrange
 from qbench.quant.schemes import QuantScheme, get_scheme
+from qbench.quant.solve import transform_hessian
 
 transformers = pytest.importorskip("transformers")
 from tests.qbench.quant.test_apply import assert_same_state, snapshot, tiny_gpt2, tiny_llama  # noqa: E402
@@ -217,14 +218,14 @@ def test_fake_equals_real_code_for_code(name):
 
 def test_hessians_cached_shared_and_transformed():
     model = tiny_llama()
-    scheme = get_scheme("zeropoint-int4:algo=gptq")
+    scheme = get_scheme("zeropoint-int4:algo=gptq,sequential=false")  # the float model's inputs: cached
     layers = select_layers(model, scheme)
     calls = []
     handle = model.register_forward_pre_hook(lambda m, a: calls.append(1))
     h = hessians(model, layers, CALIB)
     n = len(calls)
     quantize(model, scheme, calibration=CALIB)
-    quantize(model, "zeropoint-int3-g128:algo=gptq", calibration=CALIB)
+    quantize(model, "zeropoint-int3-g128:algo=gptq,sequential=false", calibration=CALIB)
     assert len(calls) == n  # computed once for the model and windows
     quantize(model, scheme, calibration=CALIB[:8])
     assert len(calls) > n  # other windows: computed again
@@ -239,13 +240,13 @@ def test_hessians_cached_shared_and_transformed():
     acc, acc_t = HessianAccumulator(64), HessianAccumulator(64)
     acc.add(x)
     acc_t.add(transform_input(x, s, rot))
-    torch.testing.assert_close(_transform_hessian(acc.hessian, s, rot), acc_t.hessian, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(transform_hessian(acc.hessian, s, rot), acc_t.hessian, rtol=1e-4, atol=1e-4)
 
 
 def test_scheme_names_records_and_refusals():
     s = get_scheme("zeropoint-int4:algo=gptq,damp=0.01")
     assert s.name == "zeropoint-int4:algo=gptq" and s.label == "W4-channel-zp-gptq"
-    assert s.algo_params == {"damp": 0.01, "block": 128, "act_order": False}
+    assert s.algo_params == {"damp": 0.01, "block": 128, "act_order": False, "sequential": True}
     assert get_scheme(s.name) == s and QuantScheme.from_dict(s.to_dict()) == s
     t = get_scheme("zeropoint-int3-g128:act_order=true,algo=gptq,damp=0.05")
     assert t.name == "zeropoint-int3-g128:act_order=true,algo=gptq,damp=0.05" and get_scheme(t.name) == t

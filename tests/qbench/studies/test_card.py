@@ -480,10 +480,13 @@ def test_each_format_row_says_what_it_quantised():
     assert text("absmax-coarse").endswith("+ O8 per tensor; RTN")
     assert text("bnb-nf4").startswith("W4 NF4 g64, weight-only")
     assert text("smoothquant").startswith("SmoothQuant α 0.5 (calibrated), then W8 int per tensor")
-    assert text("zeropoint-int4:algo=awq").endswith("; AWQ (8 train windows, α grid 20, clipping searched)")
-    assert text("zeropoint-int4:algo=gptq") == (
-        "W4 int per channel asymmetric, weight-only; GPTQ (8 train windows, damp 0.01)"
+    assert text("zeropoint-int4:algo=awq").endswith(
+        "; AWQ (128 train windows, α grid 20, clipping searched, sequential)"
     )
+    assert text("zeropoint-int4:algo=gptq") == (
+        "W4 int per channel asymmetric, weight-only; GPTQ (128 train windows, damp 0.01, sequential)"
+    )
+    assert text("zeropoint-int4:algo=gptq,sequential=false").endswith("GPTQ (128 train windows, damp 0.01)")
 
 
 def test_a_sink_is_read_against_uniform_attention_with_a_margin():

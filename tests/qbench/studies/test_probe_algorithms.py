@@ -186,11 +186,14 @@ def test_the_table_names_the_calibration_file_and_the_windows_taken(models, tmp_
     cal = result["calibration"]["ok"]
     (taken,) = cal["taken"]
     assert cal["corpus"] == str(text) and cal["split"] == "all"
-    assert 1 <= taken["windows"] < taken["windows_requested"] == 8
-    assert taken["tokens"] == taken["windows"] * taken["window"] == taken["windows"] * 32
+    assert 1 <= taken["windows"] < taken["windows_requested"] == 128  # GPTQ's default: 128 windows
+    assert (
+        taken["tokens"] == taken["windows"] * taken["window"] == taken["windows"] * 32
+    )  # min(2048, context)
     table = (out / "table.md").read_text()
-    assert f"the first {taken['windows']} windows of 32 tokens ({taken['tokens']} tokens) of {text}" in table
-    assert f"which holds {cal['tokens_held']} tokens (8 windows asked for" in table
+    drawn = f"a sample across documents (seed 0) of {taken['windows']} windows of 32 tokens ({taken['tokens']} tokens)"
+    assert f"{drawn} of {text}" in table
+    assert f"which holds {cal['tokens_held']} tokens (128 windows asked for" in table
     assert "train split" not in table
 
 

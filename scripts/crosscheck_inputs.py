@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scheme", required=True, help="the calibrated scheme whose windows to write")
     p.add_argument("--tokens", type=int, default=8192, help="stream tokens scored (default: 8192)")
     p.add_argument("--window", type=int, default=None, help="evaluation window (default: qbench's)")
-    p.add_argument("--calib-tokens", type=int, default=None, help="calibration tokens (default: the scheme's)")
+    p.add_argument(
+        "--calib-tokens", type=int, default=None, help="calibration tokens (default: the scheme's)"
+    )
     p.add_argument("--output-path", required=True, help="folder to write the three files into")
     args = p.parse_args(argv)
     try:
@@ -66,7 +68,9 @@ def _write(args: argparse.Namespace) -> int:
     if not windows.every_position:
         raise UserError("the evaluation scores only some positions (llama.cpp's protocol); use qbench's")
     if not torch.equal(windows.targets[:, :-1], windows.ids[:, 1:]):  # each target is the next input token
-        raise UserError("the evaluation windows' targets are not their next input tokens; cannot write them as one")
+        raise UserError(
+            "the evaluation windows' targets are not their next input tokens; cannot write them as one"
+        )
     full = torch.cat([windows.ids, windows.targets[:, -1:]], dim=1).long().contiguous()
     scored = torch.ones_like(full, dtype=torch.bool)
     scored[:, 0] = False
@@ -77,7 +81,12 @@ def _write(args: argparse.Namespace) -> int:
     meta = {
         "ckpt": args.ckpt,
         "scheme": scheme.name,
-        "protocol": {"tokens": args.tokens, "window": windows.window, "windows": len(full), "bos": protocol.bos},
+        "protocol": {
+            "tokens": args.tokens,
+            "window": windows.window,
+            "windows": len(full),
+            "bos": protocol.bos,
+        },
         "calibration": sample.record,
         "command": " ".join(["python", "scripts/crosscheck_inputs.py", *sys.argv[1:]]),
     }

@@ -788,8 +788,8 @@ class ModelEvaluation:
     def _calibrate_kv(self, model: torch.nn.Module) -> dict[str, Any] | None:
         """fp8 ``scale=calib``: per-layer k_scale / v_scale of ``model`` (weights as the cell quantises them, a
         float cache meanwhile) over ``KV_CALIB_WINDOWS`` train windows of the evaluation's length, batched as
-        calibrated weight schemes are (``calibrate.CALIBRATION_BATCH``); None for any other cache."""
-        from qbench.quant.calibrate import CALIBRATION_BATCH
+        calibrated weight schemes are (``calibrate.calibration_batches``); None for any other cache."""
+        from qbench.quant.calibrate import calibration_batches
         from qbench.quant.kvschemes import calibrate_kv_scales
 
         if not kv_calibrated(self.spec.kv):
@@ -798,7 +798,7 @@ class ModelEvaluation:
             self.lm.tokenizer, self.spec.protocol, self.windows.window, self.spec.calibration
         )
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        scales = calibrate_kv_scales(model, ids.to(device).split(CALIBRATION_BATCH))
+        scales = calibrate_kv_scales(model, calibration_batches(ids.to(device)))
         layers = sorted(scales)
         return {
             "tokens": int(ids.numel()),
@@ -850,7 +850,12 @@ def calibration_text_tokens(
             raise UserError(f"{named}: {str(e).replace('--data ', '', 1)}") from None
         held = 0
     if held < span:
-        raise UserError(f"{named} holds {held} tokens, and {need}; give more text (or a smaller --window)")
+        shorter = (
+            "a smaller --window"
+            if cal.sample == FIRST
+            else "--calib-sample first, whose windows are --window long"
+        )
+        raise UserError(f"{named} holds {held} tokens, and {need}; give more text (or {shorter})")
     return corpus, split, held
 
 

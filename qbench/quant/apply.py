@@ -191,6 +191,11 @@ def _replacement(
     extra = {"act_static": static[0], "out_static": static[1]} if scheme.static else {}
     if solved is not None:  # an algorithm's weight and grid (GPTQ): the layer rounds onto exactly its codes
         weight, extra["weight_qparams"] = solved[0].to(weight.dtype), solved[1]
+    if mode == "real" and scheme.act_clip_ratio != 1.0:  # the kernels choose activation scales from max |x|
+        raise UserError(
+            f"scheme {scheme.name!r}: no real kernel clips activations (aclip={scheme.act_clip_ratio:g}); run it "
+            "with mode='fake'"
+        )
     if mode == "real" or scheme.method in BNB_METHODS:
         return _real_linear(weight, bias, scheme, input_scale=input_scale, rotation=rotation, **extra)
     return FakeQuantLinear(weight, bias, scheme, input_scale=input_scale, rotation=rotation, **extra)
@@ -277,6 +282,10 @@ def quantize(
 
         solution = solve_layers(model, layers, scheme, calibration, held_out, scales, rotations, build)
         scales, solved, report = solution.scales, solution.weights, solution.report
+    elif scheme.weight_clip_rule == "mse":  # round-to-nearest onto searched ranges (QuaRot's w_clip: clip.py)
+        from qbench.quant.solve import clipped_grids
+
+        solved = clipped_grids(layers, scheme, scales, rotations)
     memo = {}
     for name, module in layers.items():
         static = (

@@ -33,7 +33,18 @@ from torch import Tensor, nn
 from models.errors import UserError
 from qbench.quant.static import StaticQuantizer, static_qparams
 
-CALIBRATION_BATCH = 8  # windows per forward pass while calibrating
+# Tokens per forward pass while calibrating: 8 windows of 512, 2 of 2,048. By tokens, not windows, because a batch's
+# attention scores grow with the window squared: 8 windows of 2,048 (SmolLM2: 9 heads) hold 1.2 GB of scores per
+# layer, which set a 6.2 GB peak for a 135M model; 2 hold 0.3 GB.
+CALIBRATION_TOKENS = 4096
+
+
+def calibration_batches(windows: Tensor) -> tuple[Tensor, ...]:
+    """``windows`` (N, T) split into the forward passes of a calibration run: ⌊CALIBRATION_TOKENS / T⌋ windows
+    each, at least one."""
+    return windows.split(max(1, CALIBRATION_TOKENS // max(1, windows.shape[-1])))
+
+
 POOL_FACTOR = 4  # a seeded sample draws N windows from the first POOL_FACTOR · N of the train split
 
 
@@ -277,7 +288,7 @@ def observe(
     try:
         model.eval()
         with torch.no_grad(), stop_before_head(model, layers.values()) as run:
-            for batch in calibration.to(_model_device(model)).split(CALIBRATION_BATCH):
+            for batch in calibration_batches(calibration.to(_model_device(model))):
                 run(batch)
     finally:
         for h in handles:
@@ -352,7 +363,7 @@ def input_statistics(model: nn.Module, layers: dict[str, nn.Module], calibration
     try:
         model.eval()
         with torch.no_grad(), collector.attached(), stop_before_head(model, layers.values()) as run:
-            for batch in calibration.to(_model_device(model)).split(CALIBRATION_BATCH):
+            for batch in calibration_batches(calibration.to(_model_device(model))):
                 run(batch)
                 collector.end_batch()
     finally:

@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models.errors import UserError
+from qbench.quant.clip import clipped_fake_quantize
 from qbench.quant.float32 import Float32Buffers
 from qbench.quant.formats import INT, fake_quantize_format
-from qbench.quant.granularity import Granularity, PerGroup, unit
+from qbench.quant.granularity import Granularity, PerGroup, per_sequence, unit
 from qbench.quant.hadamard import apply_kron, odd_factor
 from qbench.quant.ops import fake_quantize, fake_quantize_activation
 from qbench.quant.primitives import QParams, dequantize, given_or_chosen, quantize
@@ -182,6 +183,9 @@ class FakeQuantLinear(Float32Buffers):
             x = self.act_static(x)
         elif s.act_bits is not None and s.format != INT:
             x = fake_quantize_format(x, s.format, s.act_granularity, activation=True)
+        elif s.act_bits is not None and s.act_clip_ratio != 1.0:  # QuaRot's clip ratio (qbench.quant.clip)
+            gran = per_sequence(s.act_granularity, x.ndim)
+            x = clipped_fake_quantize(x, s.act_bits, gran, s.act_symmetric, s.act_clip_ratio)
         elif s.act_bits is not None:
             x = fake_quantize_activation(x, s.act_bits, s.act_granularity, s.act_symmetric)
         y = F.linear(x, self.weight, self.bias)

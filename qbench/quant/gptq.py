@@ -113,8 +113,19 @@ def _group_size(granularity: Granularity, cols: int) -> int | None:
     raise ValueError(f"GPTQ supports per-channel, per-tensor and grouped weights, not {granularity.label}")
 
 
-def _qparams(w: Tensor, bits: int, symmetric: bool, per_tensor: bool) -> tuple[Tensor, Tensor | None]:
-    """(scale, zero) of each row of ``w`` (out, k) — or of all of it when ``per_tensor`` — as (out, 1) / (1, 1)."""
+def _qparams(
+    w: Tensor, bits: int, symmetric: bool, per_tensor: bool, mse: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """(scale, zero) of each row of ``w`` (out, k) — or of all of it when ``per_tensor`` — as (out, 1) / (1, 1):
+    from the range, or with ``mse`` from the range shrunk by the reference quantiser's search (``clip.py``: the
+    GPTQ code's ``find_params`` with ``mse=True``, as QuaRot runs GPTQ with ``--w_clip``)."""
+    if mse:
+        from qbench.quant.clip import mse_weight_qparams
+
+        qp = mse_weight_qparams(w, bits, PerTensor() if per_tensor else PerAxis(0), symmetric)
+        shape = (1, 1) if per_tensor else (w.shape[0], 1)
+        zero = None if qp.zero_point is None else qp.zero_point.float().reshape(shape)
+        return qp.scale.reshape(shape), zero
     dims = (0, 1) if per_tensor else (1,)
     stats = (w.amin(dims, keepdim=True), w.amax(dims, keepdim=True))
     return qparams_from_stats(stats, bits, symmetric)
@@ -140,6 +151,7 @@ def gptq_quantize(
     act_order: bool = GPTQ_DEFAULTS["act_order"],
     dtype: torch.dtype = torch.float32,
     name: str | None = None,
+    weight_clip: str = "none",
 ) -> GPTQResult:
     """GPTQ of one (out, in) weight given its input Hessian (in, in) (module docstring). Neither input is modified.
 
@@ -174,7 +186,7 @@ def gptq_quantize(
     zeros = None if symmetric else torch.empty_like(scales)
 
     def set_group(g: int, source: Tensor) -> None:
-        s, z = _qparams(source.float(), bits, symmetric, per_tensor)
+        s, z = _qparams(source.float(), bits, symmetric, per_tensor, weight_clip == "mse")
         scales[:, g : g + 1] = s
         if zeros is not None:
             zeros[:, g : g + 1] = z

@@ -88,6 +88,12 @@ def _rotate(text: str) -> str:
     return text
 
 
+def _weight_clip(text: str) -> str:
+    if text not in ("none", "mse"):
+        raise ValueError("none or mse")
+    return text
+
+
 def _algo(text: str) -> str:
     if text in ALGOS:
         return text
@@ -158,6 +164,9 @@ KEYS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     # AWQ's settings (awq.py): points of the α search (and of the clipping search), whether to search clipping
     "grid": ("algo_params.grid", _grid, "int>=2"),
     "clip": ("algo_params.clip", _bool, "true|false"),
+    # QuaRot's clipping (qbench.quant.clip): the activation range ratio, the weight range search
+    "aclip": ("act_clip", _fraction, "0<x<=1"),
+    "wclip": ("weight_clip", _weight_clip, "none|mse"),
     # both algorithms: block-by-block calibration on the quantised blocks' outputs, or the float model's inputs
     "sequential": ("algo_params.sequential", _bool, "true|false"),
 }

@@ -131,6 +131,11 @@ class QuantScheme:
     # a transform of the whole float model before quantising: "quarot" (qbench.quant.quarot: norms folded, the
     # residual stream rotated, an online Hadamard before o_proj and down_proj); "none" quantises the model as is
     rotate: str = "none"
+    # QuaRot's clipping (qbench.quant.clip): the dynamic activation range scaled by act_clip, and the weight range
+    # searched (weight_clip "mse"); None: the default, QuaRot's own for rotate=quarot (0.9 and mse on integer
+    # grids), none otherwise (:attr:`act_clip_ratio`, :attr:`weight_clip_rule`)
+    act_clip: float | None = None
+    weight_clip: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -152,6 +157,31 @@ class QuantScheme:
         if self.calib_windows == CALIB_WINDOWS.get(self.algo):  # the default, stated: the same scheme
             object.__setattr__(self, "calib_windows", None)
         _check_rotate(self)
+        _check_clip(self)
+        if self.act_clip is not None and self.act_clip == self._default_act_clip():
+            object.__setattr__(self, "act_clip", None)
+        if self.weight_clip is not None and self.weight_clip == self._default_weight_clip():
+            object.__setattr__(self, "weight_clip", None)
+
+    def _default_act_clip(self) -> float:
+        quarot = (
+            self.rotate == "quarot" and self.format == INT and self.act_bits is not None and not self.static
+        )
+        return QUAROT_ACT_CLIP if quarot else 1.0
+
+    def _default_weight_clip(self) -> str:
+        quarot = self.rotate == "quarot" and self.format == INT and self.weight_bits is not None
+        return "mse" if quarot and self.algo in ("rtn", "gptq") else "none"
+
+    @property
+    def act_clip_ratio(self) -> float:
+        """The dynamic activation range's scale factor (``qbench.quant.clip``): 1 is no clipping."""
+        return self.act_clip if self.act_clip is not None else self._default_act_clip()
+
+    @property
+    def weight_clip_rule(self) -> str:
+        """How the weight range is chosen: "none" (min/max) or "mse" (``clip.mse_weight_qparams``)."""
+        return self.weight_clip if self.weight_clip is not None else self._default_weight_clip()
 
     def __hash__(self) -> int:  # params is a dict; hash its items so schemes can key caches
         return hash(
@@ -162,6 +192,8 @@ class QuantScheme:
                 self.algo,
                 tuple(sorted(self.algo_params.items())),
                 self.rotate,
+                self.act_clip,
+                self.weight_clip,
                 self.label,
             )
         )
@@ -215,6 +247,14 @@ class QuantScheme:
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["calib_windows"] = self.calib_count  # the count in force, as every record before the default moved
+        del (
+            d["act_clip"],
+            d["weight_clip"],
+        )  # stated only where they clip: earlier records keep their identity
+        if self.act_clip_ratio != 1.0:
+            d["act_clip"] = self.act_clip_ratio
+        if self.weight_clip_rule != "none":
+            d["weight_clip"] = self.weight_clip_rule
         for key in ("weight_granularity", "act_granularity", "out_granularity"):
             d[key] = d[key].to_dict()
         d["params"] = dict(self.params)
@@ -277,6 +317,34 @@ def _check_rotate(s: QuantScheme) -> None:
         )
     if s.algo == "awq":
         raise UserError(f"scheme {s.name!r}: rotate={s.rotate} composes with algo=rtn or gptq, not awq")
+
+
+WEIGHT_CLIPS = ("none", "mse")
+QUAROT_ACT_CLIP = 0.9  # QuaRot's activation clip ratio in its runs (a_clip_ratio; qbench.quant.clip)
+
+
+def _check_clip(s: QuantScheme) -> None:
+    """``aclip`` clips dynamic integer activations; ``wclip=mse`` searches integer weight grids rounded to nearest
+    or by GPTQ (AWQ searches its own clipping; bitsandbytes and the float formats fix their own ranges)."""
+    where = f"scheme {s.name!r}"
+    if s.act_clip is not None:
+        if isinstance(s.act_clip, bool) or not isinstance(s.act_clip, int | float) or not 0 < s.act_clip <= 1:
+            raise UserError(f"{where}: aclip must be a number in (0, 1], got {s.act_clip!r}")
+        if s.act_clip != 1 and (s.act_bits is None or s.static or s.format != INT or s.method in BNB_METHODS):
+            raise UserError(
+                f"{where}: aclip={s.act_clip:g} clips dynamic integer activations; this scheme has "
+                + ("none (a=none)" if s.act_bits is None else "static or non-integer ones")
+            )
+    if s.weight_clip is not None:
+        if s.weight_clip not in WEIGHT_CLIPS:
+            raise unknown_choice("weight clipping (wclip)", s.weight_clip, WEIGHT_CLIPS)
+        if s.weight_clip == "mse" and (
+            s.weight_bits is None or s.format != INT or s.method in BNB_METHODS or s.algo == "awq"
+        ):
+            raise UserError(
+                f"{where}: wclip=mse searches integer weight grids rounded to nearest or by GPTQ; not with "
+                + ("algo=awq (its own clipping search)" if s.algo == "awq" else "this scheme's weights")
+            )
 
 
 def _check_transform_applies(s: QuantScheme) -> QuantScheme:

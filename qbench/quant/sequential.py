@@ -38,8 +38,8 @@ from torch import Tensor, nn
 
 from models.errors import UserError
 from qbench.quant.calibrate import (
-    CALIBRATION_BATCH,
     StatisticsCollector,
+    calibration_batches,
     check_statistics_finite,
     stop_before_head,
 )
@@ -141,7 +141,7 @@ def capture(model: nn.Module, first_block: nn.Module, windows: Tensor, device: t
     handle = first_block.register_forward_pre_hook(pre, with_kwargs=True)
     try:
         with torch.no_grad():
-            for batch in windows.to(device).split(CALIBRATION_BATCH):
+            for batch in calibration_batches(windows.to(device)):
                 with suppress(_Captured):
                     model(batch, **_model_kwargs(model))
     finally:

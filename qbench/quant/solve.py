@@ -28,7 +28,8 @@ from torch import Tensor, nn
 
 from models.errors import UserError
 from qbench.quant.calibrate import check_calibration, input_statistics
-from qbench.quant.fake import FakeQuantLinear, transform_input, transform_weight
+from qbench.quant.clip import mse_weight_qparams
+from qbench.quant.fake import FakeQuantLinear, pad_to_groups, transform_input, transform_weight
 from qbench.quant.linears import is_linear, linear_weight
 from qbench.quant.primitives import QParams
 from qbench.quant.schemes import QuantScheme
@@ -178,6 +179,7 @@ def gptq_layers(
             block=int(params["block"]),
             act_order=bool(params["act_order"]),
             name=name,
+            weight_clip=scheme.weight_clip_rule,
         )
         out[name] = (s, (inverse_transform(result.weight, s, r), result.qparams))
     return out
@@ -221,6 +223,27 @@ def awq_layers(
             if clip and clipped(n):
                 qp = search_clip(w_s, h_s, scheme.weight_bits, granularity, scheme.weight_symmetric, grid)
             out[n] = (None if s is None else s.to(w.device), (w, qp))
+    return out
+
+
+def clipped_grids(
+    layers: dict[str, nn.Module],
+    scheme: QuantScheme,
+    scales: dict[str, Tensor],
+    rotations: dict[str, nn.Module],
+) -> dict[str, tuple[Tensor, QParams]]:
+    """Round-to-nearest with QuaRot's weight clipping search (``wclip=mse``, ``clip.mse_weight_qparams``): name ->
+    (the layer's weight, the searched grid of its transformed weight R(W · diag(s)), ragged groups padded as
+    ``fake.pad_to_groups``). No calibration: the search reads the weights alone."""
+    out = {}
+    for name, module in layers.items():
+        weight = linear_weight(module)[0]
+        w = transform_weight(weight, scales.get(name), rotations.get(name))
+        granularity = scheme.weight_granularity_for(w.shape[1])
+        qp = mse_weight_qparams(
+            pad_to_groups(w, granularity), scheme.weight_bits, granularity, scheme.weight_symmetric
+        )
+        out[name] = (weight, qp)
     return out
 
 

@@ -136,8 +136,8 @@ class Budget:
     # formats a repair is tried on, in turn, until one pays (within and smaller than what already passes)
     repair_candidates: int = 1
     # calibration tokens of the GPTQ/AWQ rows (``--calib-tokens`` overrides); None: each scheme's own (128 windows
-    # of min(2048, context) tokens). Sized for the budget's time: sequential GPTQ on 32,768 tokens takes minutes
-    # on a 135M model on 2 cores, the default's 262,144 eight times as long (results/algorithms/README.md)
+    # of min(2048, context) tokens). Sized for the budget's time: sequential GPTQ on 32,768 tokens took 4.6 min on
+    # a 135M model on 2 cores, the default's 262,144 eight times as long (results/algorithms/calibration/)
     calib_tokens: int | None = None
 
     @property
@@ -204,7 +204,9 @@ def describe_kv_rows(rows: Sequence[KVRow]) -> str:
 # cards share cells with run/grid/sweep at their defaults. Literals
 # here (studies do not import the CLI); tests/qbench/studies/test_card.py keeps them equal.
 QUICK_TOKENS, STANDARD_TOKENS, FULL_TOKENS = 4096, 8192, 32768
-STANDARD_CALIB_TOKENS = 32768  # 16 windows of 2,048: the algorithm rows' calibration at the standard budget
+# the algorithm rows' calibration at the standard budget: 8 windows of 2,048 tokens, about 2.5 min per row on a 135M
+# model on 2 cores (sequential GPTQ on 32,768 tokens took 4.6 min: results/algorithms/calibration/README.md)
+STANDARD_CALIB_TOKENS = 16384
 
 
 def _budgets() -> dict[str, Budget]:

@@ -50,6 +50,8 @@ def quantised_text(scheme: Mapping[str, Any]) -> str:
     text = part("W", scheme.get("weight_bits"), scheme.get("weight_granularity"))
     if scheme.get("weight_symmetric") is False:
         text += " asymmetric"
+    if scheme.get("weight_clip") == "mse":  # QuaRot's weight range search (qbench.quant.clip)
+        text += ", range searched"
     if method == "smoothquant":
         text = f"SmoothQuant α {params.get('alpha')} (calibrated), then {text}"
     elif method == "llm-int8":
@@ -62,6 +64,8 @@ def quantised_text(scheme: Mapping[str, Any]) -> str:
         text += ", weight-only"
     else:
         scales = "static scales" if scheme.get("static") else "dynamic scales"
+        if scheme.get("act_clip"):  # QuaRot's activation clip ratio
+            scales += f" clipped at {scheme['act_clip']:g} of the range"
         text += f" + {part('A', scheme.get('act_bits'), scheme.get('act_granularity'))} ({scales})"
     if scheme.get("out_bits") is not None:
         text += f" + O{scheme['out_bits']} {_granularity(scheme.get('out_granularity'))}"

@@ -131,11 +131,11 @@ def _reference_scales(model, ids, top):
     """Plain torch: the float model's own KV cache (models.KVCache) over each calibration batch, max |k|, |v|."""
     import torch
 
-    from qbench.quant.calibrate import CALIBRATION_BATCH
+    from qbench.quant.calibrate import calibration_batches
 
     amax = [[0.0, 0.0] for _ in range(model.config.n_layer)]
     with torch.no_grad():
-        for batch in ids.split(CALIBRATION_BATCH):
+        for batch in calibration_batches(ids):
             cache = model.new_cache()
             model(batch, cache)
             for layer in range(model.config.n_layer):

@@ -274,7 +274,7 @@ def test_scheme_names_records_and_refusals():
 def test_calibration_stops_at_the_head_with_the_same_statistics(make):
     """The calibration pass never computes logits (the largest tensor of a pass) yet sees exactly what a whole
     forward pass shows the target layers; where the head is itself observed, it still runs."""
-    from qbench.quant.calibrate import CALIBRATION_BATCH, observe, output_head
+    from qbench.quant.calibrate import calibration_batches, observe, output_head
 
     model = make()
     layers = select_layers(model, get_scheme("zeropoint-int4"))
@@ -304,7 +304,7 @@ def test_calibration_stops_at_the_head_with_the_same_statistics(make):
             torch.testing.assert_close(ranges[name].in_hi, x.amax(0).float())
         calls.clear()
         observe(model, {**layers, "head": head}, CALIB)
-        assert len(calls) == len(CALIB.split(CALIBRATION_BATCH))  # observed: not stopped, once per batch
+        assert len(calls) == len(calibration_batches(CALIB))  # observed: not stopped, once per batch
     finally:
         handle.remove()
 

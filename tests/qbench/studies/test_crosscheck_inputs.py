@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("crosscheck_inputs", ROOT / "scripts" / "crosscheck_inputs.py")
+    spec = importlib.util.spec_from_file_location(
+        "crosscheck_inputs", ROOT / "scripts" / "crosscheck_inputs.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -43,5 +45,7 @@ def test_the_written_windows_reproduce_qbench_numbers(ckpt_dir, tmp_path):
 
 
 def test_a_bad_scheme_is_one_line(ckpt_dir, tmp_path, capsys):
-    code = _script().main(["--ckpt", str(ckpt_dir), "--scheme", "zeropiont-int4", "--output-path", str(tmp_path)])
+    code = _script().main(
+        ["--ckpt", str(ckpt_dir), "--scheme", "zeropiont-int4", "--output-path", str(tmp_path)]
+    )
     assert code == 2 and "did you mean" in capsys.readouterr().err

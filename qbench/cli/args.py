@@ -222,8 +222,8 @@ def kv_from_args(args: argparse.Namespace) -> KVConfig | None:
 
 # What the default calibration costs, measured (results/algorithms/README.md): said in every --help that offers it.
 CALIBRATION_COST = (
-    "Cost on SmolLM2-135M, 2 CPU cores: sequential GPTQ on 16,384 tokens took 3 min per cell; the default 128 "
-    "windows of 2,048 tokens are 16x that (--calib-tokens 32768: 2x)"
+    "Cost on SmolLM2-135M, 2 CPU cores: sequential GPTQ or AWQ on 32,768 tokens took 4.6-5.1 min per cell; the "
+    "default 128 windows of 2,048 tokens are 8x that (about 37 min, extrapolated); --calib-tokens 16384 about 2.5 min"
 )
 
 

@@ -952,33 +952,16 @@ def calibration_sample(
     return CalibrationSample(calib, ids[held_ids] if held_ids else None, record)
 
 
-def calibration_windows(
-    tokenizer: Any,
-    protocol: Protocol,
-    window: int,
-    scheme: Any,
-    calibration: CalibrationData | None = None,
-    context: int | None = None,
-) -> torch.Tensor:
-    """The calibration windows alone (:func:`calibration_sample`)."""
-    return calibration_sample(tokenizer, protocol, window, scheme, calibration, context).ids
-
-
 def kv_calibration_windows(
     tokenizer: Any, protocol: Protocol, window: int, calibration: CalibrationData | None = None
 ) -> torch.Tensor:
     """The windows an fp8 ``scale=calib`` cache is calibrated on: the first ``KV_CALIB_WINDOWS`` windows (or
-    ``--calib-tokens``' worth) of :func:`calibration_windows`' text, ``window`` tokens each."""
+    ``--calib-tokens``' worth) of :func:`calibration_sample`'s text, ``window`` tokens each."""
     from types import SimpleNamespace
 
     calibration = replace(calibration or CalibrationData(), sample=FIRST)  # as fp8 caches always calibrated
-    return calibration_windows(
-        tokenizer,
-        protocol,
-        window,
-        SimpleNamespace(calib_count=KV_CALIB_WINDOWS, calib_seed=None),
-        calibration,
-    )
+    scheme = SimpleNamespace(calib_count=KV_CALIB_WINDOWS, calib_seed=None)
+    return calibration_sample(tokenizer, protocol, window, scheme, calibration).ids
 
 
 def _needs_calibration(scheme: Any) -> bool:

@@ -81,7 +81,7 @@ def select_windows(ids: Tensor, n: int, seed: int | None) -> Tensor:
     return ids[pick.sort().values]
 
 
-CALIBRATION_SPLIT = "train"  # where calibration windows come from (harness.calibration_windows)
+CALIBRATION_SPLIT = "train"  # where calibration windows come from (harness.calibration_sample)
 CALIB_SAMPLES = ("documents", "first")  # --calib-sample (qbench.eval.harness.calibration_sample)
 
 

@@ -14,7 +14,7 @@ saying how well its solution holds on tokens it did not see.
 - **Layer error in and out of sample** (:func:`layer_errors`): for every layer, the output error of the algorithm's
   weight ‖(W − Ŵ)X‖²/n divided by round-to-nearest's (the same scheme, the same transforms) — on the calibration
   rows the solve saw and on held-out rows it did not (windows of the same text, disjoint from the calibration
-  ones: ``qbench.eval.harness.calibration_windows``). A ratio below 1 in sample and near 1 out of sample is an
+  ones: ``qbench.eval.harness.calibration_sample``). A ratio below 1 in sample and near 1 out of sample is an
   over-fitted solve.
 """
 

@@ -203,7 +203,7 @@ def _check_tokenizers(named: Sequence[tuple[str, Any]]) -> None:
 
 def _calibration_taken(spec: Any, lm: Any, window: int, calibrated: Sequence[Any]) -> dict[str, Any]:
     """What the calibrated cells of one model really calibrate on, from the harness's own
-    ``calibration_windows``: the text (``--calib-data`` or the scored corpus's train split), the tokens it holds
+    ``calibration_sample``: the text (``--calib-data`` or the scored corpus's train split), the tokens it holds
     and the windows and tokens taken (text holding no window was refused by the grid's own check)."""
     from qbench.eval.adapters import context_length
     from qbench.eval.harness import calibration_sample, calibration_text_tokens, calibration_window

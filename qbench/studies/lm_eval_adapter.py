@@ -30,7 +30,7 @@ from torch import nn
 
 from models.errors import UserError, did_you_mean
 from qbench.eval.adapters import context_length, first_parameter, is_ours
-from qbench.eval.harness import calibration_windows, check_modes, environment
+from qbench.eval.harness import calibration_sample, check_modes, environment
 from qbench.eval.load import LoadedModel
 from qbench.eval.metrics import Protocol
 from qbench.quant.calibrate import CalibrationData
@@ -69,9 +69,11 @@ def _calibration(
 ) -> torch.Tensor:
     """Calibration windows (SmoothQuant, static scales, GPTQ, AWQ), as the harness takes them: the scheme's
     ``calib`` windows (or ``--calib-tokens``) of the corpus's *train* split or of ``--calib-data``, the model's
-    context long (``harness.calibration_windows``)."""
+    context long (``harness.calibration_sample``)."""
     context = context_length(model)
-    return calibration_windows(lm.tokenizer, Protocol(corpus=corpus), context, scheme, calibration, context)
+    return calibration_sample(
+        lm.tokenizer, Protocol(corpus=corpus), context, scheme, calibration, context
+    ).ids
 
 
 def _is_float(scheme: str | None) -> bool:

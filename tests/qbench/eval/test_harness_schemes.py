@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from qbench.eval.harness import GridSpec, calibration_windows, record_path, run_grid
+from qbench.eval.harness import GridSpec, calibration_sample, record_path, run_grid
 from qbench.eval.load import load_model
 from qbench.eval.metrics import Protocol, make_windows
 from qbench.quant.schemes import QuantScheme, get_scheme
@@ -103,16 +103,16 @@ def test_calibration_windows_come_from_the_train_split(ckpt_dir):
     assert not torch.equal(reseeded.ids, drawn.ids)
     # --calib-sample first: the train split's first windows of the evaluation's length, as records before
     first_only = CalibrationData(sample="first")
-    first = calibration_windows(
+    first = calibration_sample(
         lm.tokenizer, SMALL, 32, get_scheme("absmax-fine:static=true,calib=3"), first_only
-    )
+    ).ids
     train = make_windows(
         lm.tokenizer, Protocol(split="train", tokens=3 * 32, window=32, sample="first"), 32
     ).ids
     assert torch.equal(first, train)
-    sampled = calibration_windows(
+    sampled = calibration_sample(
         lm.tokenizer, SMALL, 32, get_scheme("absmax-fine:static=true,calib=3,calib_seed=0"), first_only
-    )
+    ).ids
     assert sampled.shape == (3, 32) and not torch.equal(sampled, first)
     assert not any(torch.equal(w, v) for w in sampled for v in validation)
 
@@ -164,12 +164,12 @@ def test_calib_data_and_calib_tokens_choose_the_windows_and_are_recorded(tmp_pat
     data = CalibrationData(str(own), tokens=70, sample="first")  # rounded up to 3 windows of 32
     assert data.split() == "all" and data.windows(3, 32) == 3
     assert CalibrationData("embedded").split() == "train" and CalibrationData(tokens=64).windows(8, 32) == 2
-    windows = calibration_windows(lm.tokenizer, SMALL, 32, scheme, data)
+    windows = calibration_sample(lm.tokenizer, SMALL, 32, scheme, data).ids
     expected = make_windows(
         lm.tokenizer, Protocol(corpus=str(own), split="all", tokens=3 * 32, window=32, sample="first"), 32
     )
     assert torch.equal(windows, expected.ids)
-    default = calibration_windows(lm.tokenizer, SMALL, 32, scheme)
+    default = calibration_sample(lm.tokenizer, SMALL, 32, scheme).ids
     assert not torch.equal(windows, default)  # not the train split of the scored corpus
 
     spec = replace(grid(tmp_path, ckpt_dir, ["absmax-fine:static=true,calib=3"]), calibration=data)

@@ -219,3 +219,23 @@ def test_calib_options_on_the_command_line(tmp_path, ckpt_dir, capsys):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         assert "--calib-data" in capsys.readouterr().out, command
+
+
+def test_calib_sample_on_the_command_line_and_the_cards_budgets(tmp_path, ckpt_dir, capsys):
+    from qbench.cli import main
+    from qbench.studies.card.config import CardConfig
+
+    argv = ["run", "--ckpt", str(ckpt_dir), "--tokens", "128", "--batch-size", "2", "--no-attention"]
+    argv += ["--scheme", "absmax-fine:static=true", "--output-path", str(tmp_path / "out")]
+    assert main([*argv, "--calib-sample", "first"]) == 0
+    record = json.loads(next((tmp_path / "out").rglob("absmax-fine@static=true__fake.json")).read_text())
+    assert record["scheme"]["calibration"]["selection"] == "first windows"
+    assert record["calibrated"]["sample"] == "first" and "sampled" not in record["calibrated"]
+    assert main([*argv, "--calib-sample", "frist"]) == 2
+    err = capsys.readouterr().err
+    assert "frist" in err and "documents" in err and "Traceback" not in err
+    # the card: standard calibrates its algorithm rows on 16,384 tokens, full on the schemes' own 128 windows
+    assert CardConfig(["m"], budget="standard").calibration().tokens == 16384
+    assert CardConfig(["m"], budget="full").calibration().tokens is None
+    given = CardConfig(["m"], budget="standard", calib_tokens=4096, calib_sample="first").calibration()
+    assert (given.tokens, given.sample) == (4096, "first")

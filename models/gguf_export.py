@@ -1,4 +1,5 @@
-"""Write a float32 GGUF (llama.cpp's format) of a GPT-2- or Llama-family model, with the ``gguf`` package.
+"""Write a float32 GGUF (llama.cpp's format) of a GPT-2- or Llama-family model, with the ``gguf`` package, and
+read any GGUF's header (:func:`gguf_summary`: architecture, file type, tensor types).
 
 What llama.cpp needs of each architecture was read from its loader (``src/models/gpt2.cpp``, ``llama.cpp`` and
 ``llama-model.cpp``'s ``create_tensor_qkv`` in ggml-org/llama.cpp):
@@ -27,8 +28,10 @@ the file says so in ``qbench.vocab``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +50,7 @@ def _import_gguf() -> Any:
         import gguf
     except ImportError as e:
         raise UserError(
-            f"writing a .gguf file needs the gguf package: pip install 'qbench[gguf]' ({e})"
+            f"reading or writing a .gguf file needs the gguf package: pip install 'qbench[gguf]' ({e})"
         ) from None
     return gguf
 
@@ -305,3 +308,32 @@ def write_gguf(
         writer.close()
     os.replace(tmp, path)
     return path
+
+
+def gguf_summary(path: Path) -> dict[str, Any]:
+    """The file's architecture, declared file type and tensor types (``{"Q8_0": 14, "F32": 5}``), from its header."""
+    gguf = _import_gguf()
+    try:
+        reader = gguf.GGUFReader(str(path))
+    # A truncated or corrupt file fails anywhere in the reader's parsing: an IndexError or KeyError from a
+    # short array, an OverflowError from a garbage length, not only the ValueError of a wrong magic.
+    except (OSError, ValueError, IndexError, KeyError, TypeError, OverflowError, EOFError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{path} is not a readable GGUF file (corrupt or truncated: {why})") from None
+
+    def field(name: str) -> Any:
+        f = reader.fields.get(name)
+        return None if f is None else f.contents()
+
+    file_type = field("general.file_type")
+    with contextlib.suppress(
+        ValueError
+    ):  # a newer file type this gguf package does not name: keep the number
+        file_type = gguf.LlamaFileType(file_type).name if file_type is not None else None
+    counts = Counter(gguf.GGMLQuantizationType(t.tensor_type).name for t in reader.tensors)
+    return {
+        "architecture": field("general.architecture"),
+        "file_type": file_type,
+        "tensor_types": dict(sorted(counts.items())),
+        "tensors": len(reader.tensors),
+    }

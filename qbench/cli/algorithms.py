@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--algorithms",
         default=ALGORITHM_CHOICES.replace(" ", ""),
         help="comma list of algorithms, rtn required (the others are compared with it); GPTQ and AWQ "
-        "calibrate on 8 windows of the train split, or of --calib-data (--calib-tokens)",
+        "calibrate sequentially on windows sampled across the train split or --calib-data (128 of min(2048, "
+        "context) tokens unless --calib-tokens says otherwise; QuaRot clips as its paper: aclip=0.9, wclip=mse)",
     )
     add_calibration_arguments(p)
     add_output_argument(

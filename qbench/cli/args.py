@@ -163,7 +163,7 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
 
 
 def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
-    """--kv-bits, --kv-scheme, --kv-keep-first, --kv-keep-sinks: KV-cache quantisation on top of every scheme
+    """--kv-bits, --kv-scheme, --kv-keep-first, --kv-keep-sinks, --kv-rotate: KV-cache quantisation on top of every scheme
     (``qbench.quant.kv``, ``qbench.quant.kvschemes``; results named ``<scheme>+kv4``, and ``--scheme fp`` gives
     the float model's ``fp+kv4``). --kv-granularity is the former name of --kv-scheme."""
     bits = " | ".join(map(str, KV_BITS))
@@ -189,6 +189,12 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="keep the K positions that receive the most attention in the float model's first pass in float",
     )
+    parser.add_argument(
+        "--kv-rotate",
+        action="store_true",
+        help="rotate what the cache stores by a head-dim Hadamard before quantising it, as QuaRot's KV cache "
+        "(keys after RoPE and values; the same as rotate=true in --kv-scheme; default: off)",
+    )
 
 
 def kv_from_args(args: argparse.Namespace) -> KVConfig | None:
@@ -202,6 +208,7 @@ def kv_from_args(args: argparse.Namespace) -> KVConfig | None:
         raise UserError("give --kv-scheme only (--kv-granularity is its former name)")
     scheme = scheme if scheme is not None else legacy
     keep_first, keep_sinks = getattr(args, "kv_keep_first", None), getattr(args, "kv_keep_sinks", None)
+    rotate = bool(getattr(args, "kv_rotate", False))
     bits = getattr(args, "kv_bits", None)
     if bits is None and scheme is not None:
         parsed = parse_kv_scheme(scheme)
@@ -211,13 +218,14 @@ def kv_from_args(args: argparse.Namespace) -> KVConfig | None:
                 f"--kv-scheme {scheme} needs --kv-bits (the KV cache's bit width: {' | '.join(map(str, KV_BITS))})"
             )
     if bits is None:
-        if keep_first is not None or keep_sinks is not None:
-            raise UserError("--kv-keep-first and --kv-keep-sinks need --kv-bits or --kv-scheme")
+        if keep_first is not None or keep_sinks is not None or rotate:
+            raise UserError("--kv-keep-first, --kv-keep-sinks and --kv-rotate need --kv-bits or --kv-scheme")
         return None
     from qbench.quant.kv import KVConfig
 
     # fp8 scale=calib: the harness calibrates k_scale/v_scale per layer on train windows (GridSpec.kv_record)
-    return KVConfig(bits, scheme or "kivi", keep_first or 0, keep_sinks or 0)
+    # rotate=None lets a --kv-scheme that says rotate=… decide; --kv-rotate asks for it (a clash is refused)
+    return KVConfig(bits, scheme or "kivi", keep_first or 0, keep_sinks or 0, rotate=True if rotate else None)
 
 
 # What the default calibration costs, measured (results/algorithms/README.md): said in every --help that offers it.

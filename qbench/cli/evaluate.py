@@ -17,7 +17,8 @@ def add_eval_arguments(p: argparse.ArgumentParser, many: bool = False) -> None:
         "--scheme",
         action="append",
         help="scheme name (repeatable), 'paper' (the paper's four, "
-        "default) or 'all' — see qbench ls schemes; 'fp' = float weights (with --kv-bits); "
+        "default), 'all' (every scheme but llama.cpp's) or 'gguf' (llama.cpp's file types: gguf:q8_0 … "
+        "gguf:q2_k, quantised and scored by llama.cpp) — see qbench ls schemes; 'fp' = float weights (with --kv-bits); "
         "overrides as NAME:key=value,… (e.g. absmax-coarse:w=4,a=4,o=4, zeropoint-int4:group=128)",
     )
     p.add_argument("--mode", action="append", help="fake (default) | real; repeatable")

@@ -68,11 +68,14 @@ def _registries() -> dict[str, Callable[[], Table]]:
         from qbench.quant.schemes import SCHEMES
 
         def real(name: str) -> str:  # from the dispatch registry itself
+            if SCHEMES.get(name).method == "gguf":
+                return "llama.cpp, both modes"
             kernel = real_kernel_for(SCHEMES.get(name))
             return kernel.layer if kernel else "[dim]fake only[/]"
 
         table = _registry_table("quantisation schemes", SCHEMES, columns={"real kernel": real})
-        table.caption, table.caption_justify = f"every scheme takes overrides: {SYNTAX}", "left"
+        table.caption = f"every scheme but gguf:* takes overrides: {SYNTAX}"
+        table.caption_justify = "left"
         return table
 
     def optimizers() -> Table:

@@ -163,6 +163,8 @@ def _kv_scheme_text(kv: KVConfig) -> str:
     for key in KV_SCHEMES.get(kv.scheme).defaults:
         value = getattr(kv, key)
         options.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+    if kv.rotate:  # the sweep's curves store what this cache stores
+        options.append("rotate=true")
     return f"{kv.scheme}:{','.join(options)}" if options else kv.scheme
 
 

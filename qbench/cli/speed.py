@@ -326,6 +326,12 @@ def run(args: argparse.Namespace) -> None:
 
         kv_configs = parse_kv_configs(args.kv_scheme, args.kv_bits)
     schemes = expand_schemes(args.scheme) if args.scheme else None
+    gguf = [s for s in schemes or () if s.startswith("gguf:")]
+    if gguf:
+        raise UserError(
+            f"{', '.join(gguf)}: llama.cpp's file types are timed by llama.cpp beside qbench's rows, not as "
+            "qbench layers; give --llama-cpp (and --llama-cpp-type TYPE)"
+        )
     llama_cpp_types: list[str] = []
     if args.llama_cpp_type and not args.llama_cpp:
         raise UserError("--llama-cpp-type needs --llama-cpp")

@@ -10,8 +10,6 @@ Needs the ``gguf`` package (``pip install 'qbench[gguf]'``), imported only here.
 
 from __future__ import annotations
 
-import contextlib
-from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ from typing import Any
 import torch
 
 from models.errors import UserError
+from models.gguf_export import gguf_summary  # the header reader, beside the writer (quant uses it too)
 
 
 def _import_gguf():
@@ -38,35 +37,6 @@ FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 def block_quantised(summary: Mapping[str, Any] | None) -> bool:
     """Whether a :func:`gguf_summary` names a block-quantised tensor: the file's weights already lie on a grid."""
     return any(t not in FLOAT_TYPES for t in ((summary or {}).get("tensor_types") or {}))
-
-
-def gguf_summary(path: Path) -> dict[str, Any]:
-    """The file's architecture, declared file type and tensor types (``{"Q8_0": 14, "F32": 5}``), from its header."""
-    gguf = _import_gguf()
-    try:
-        reader = gguf.GGUFReader(str(path))
-    # A truncated or corrupt file fails anywhere in the reader's parsing: an IndexError or KeyError from a
-    # short array, an OverflowError from a garbage length, not only the ValueError of a wrong magic.
-    except (OSError, ValueError, IndexError, KeyError, TypeError, OverflowError, EOFError) as e:
-        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{path} is not a readable GGUF file (corrupt or truncated: {why})") from None
-
-    def field(name: str) -> Any:
-        f = reader.fields.get(name)
-        return None if f is None else f.contents()
-
-    file_type = field("general.file_type")
-    with contextlib.suppress(
-        ValueError
-    ):  # a newer file type this gguf package does not name: keep the number
-        file_type = gguf.LlamaFileType(file_type).name if file_type is not None else None
-    counts = Counter(gguf.GGMLQuantizationType(t.tensor_type).name for t in reader.tensors)
-    return {
-        "architecture": field("general.architecture"),
-        "file_type": file_type,
-        "tensor_types": dict(sorted(counts.items())),
-        "tensors": len(reader.tensors),
-    }
 
 
 def _fixed_config(config: Any) -> Any:

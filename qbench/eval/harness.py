@@ -64,6 +64,7 @@ from qbench.eval.reference import ReferenceLogits, reference_store
 from qbench.eval.sampling import FIRST
 from qbench.quant.apply import MODES
 from qbench.quant.calibrate import CalibrationData
+from qbench.quant.gguf_types import GGUF_PREFIX
 from qbench.quant.kv import KVConfig
 from qbench.quant.primitives import NonFiniteError
 from qbench.quant.schemes import PAPER_SCHEMES
@@ -80,16 +81,21 @@ FLOAT_SCHEME = "fp"  # as a grid scheme: weights and activations left float (wit
 
 
 def expand_schemes(names: Iterable[str]) -> list[str]:
-    """Scheme names with the groups ``paper`` (the paper's four) and ``all`` (every registered scheme).
+    """Scheme names with the groups ``paper`` (the paper's four), ``all`` (every registered scheme but llama.cpp's
+    file types, which need llama-cpp-python) and ``gguf`` (llama.cpp's file types: gguf:f32 … gguf:q2_k).
 
     A name with overrides (``absmax-coarse:w=4,a=4,o=4``) becomes its canonical form (``overrides.py``).
     """
-    from qbench.quant.schemes import SCHEMES, get_scheme
+    from qbench.quant.schemes import GGUF_SCHEMES, SCHEMES, get_scheme
 
     out: list[str] = []
     for name in names:
-        if name in ("all", "paper"):
-            group = list(SCHEMES) if name == "all" else list(PAPER_SCHEMES)
+        if name == "all":
+            group = [s for s in SCHEMES if s not in GGUF_SCHEMES]
+        elif name == "paper":
+            group = list(PAPER_SCHEMES)
+        elif name == "gguf":
+            group = list(GGUF_SCHEMES)
         elif name == FLOAT_SCHEME:  # float weights: a cell of its own only with a quantised KV cache
             group = [FLOAT_SCHEME]
         else:
@@ -225,6 +231,8 @@ class CellResult:
     replayed_blocks: int = 0
     # why a replay was abandoned for the plain evaluation (qbench.eval.prefix.ReplayMismatch); None: it was not
     replay_fallback: str | None = None
+    # a file the cell ran (llama.cpp's GGUF of a gguf:* scheme): bytes, bits per weight, sha256, tensor types
+    artifact: dict[str, Any] | None = None
 
 
 def evidence_metrics(
@@ -369,7 +377,9 @@ def refuse_unscorable(name: str, fp: dict[str, Any], study: str) -> None:
 
 
 def is_float_scheme(scheme: Any) -> bool:
-    return scheme.weight_bits is None and scheme.act_bits is None and scheme.out_bits is None
+    """Nothing is quantised: the float model itself is scored (gguf:f32 is not: llama.cpp runs it)."""
+    float_bits = scheme.weight_bits is None and scheme.act_bits is None and scheme.out_bits is None
+    return float_bits and getattr(scheme, "method", "rtn") != "gguf"
 
 
 def _finite(x: float) -> float | None:
@@ -654,6 +664,7 @@ class ModelEvaluation:
             "tokens_per_second": round(ppl["tokens"] / r.eval_seconds, 1) if r.eval_seconds > 0 else None,
             "model_bytes": r.model_bytes,
             **({"calibrated": r.calibrated} if r.calibrated else {}),
+            **({"artifact": r.artifact} if r.artifact else {}),
             # how the number was computed, not what it is: the same perplexity either way (qbench.eval.prefix)
             "replayed_blocks": r.replayed_blocks,
             **({"replay_fallback": r.replay_fallback} if r.replay_fallback else {}),
@@ -704,6 +715,7 @@ class ModelEvaluation:
                 base = replace(
                     base, calibrated={**sample.record, **getattr(qmodel, "qbench_calibration", {})}
                 )
+            base = replace(base, artifact=getattr(qmodel, "qbench_artifact", None))
             qmodel = self._with_kv(qmodel)
             base = replace(base, kv_calibration=self._calibrate_kv(qmodel))
         except (UserError, NonFiniteError) as e:  # no real kernel here / NaN or inf weights: recorded, go on
@@ -777,6 +789,11 @@ class ModelEvaluation:
 
         if self.spec.kv is None:
             return model
+        if getattr(model, "qbench_artifact", None) is not None:
+            raise UserError(
+                "llama.cpp's file types (gguf:*) run with llama.cpp's own float32 KV cache; --kv-bits does not "
+                "apply to them (score them without it)"
+            )
         return apply_kv(model, self.spec.kv) if model is self.lm.model else attach_kv(model, self.spec.kv)
 
     def _kv_block(self, r: CellResult) -> dict[str, Any] | None:
@@ -973,6 +990,10 @@ def _needs_calibration(scheme: Any) -> bool:
 def _backend(model: torch.nn.Module, mode: str) -> str:
     from qbench.quant.apply import real_kernels
 
+    artifact = getattr(model, "qbench_artifact", None)
+    if artifact is not None:  # a gguf:* cell: llama.cpp's kernels in either mode
+        return f"llama.cpp ({artifact['llama_cpp']}; {artifact['file_type']})"
+
     if mode == "fake":
         fmt = (getattr(model, "qbench_scheme", None) or {}).get("format", "int")
         return "fake-quant (torch.library ops)" if fmt == "int" else f"fake-quant ({fmt}, plain torch)"
@@ -1009,7 +1030,8 @@ def unsupported_cells(spec: GridSpec) -> list[tuple[str, str, str]]:
 
 
 def cells(spec: GridSpec) -> list[tuple[str, str]]:
-    """(scheme, mode) pairs; the ``fp`` scheme (float weights + quantised KV cache) once, in fake mode.
+    """(scheme, mode) pairs; the ``fp`` scheme (float weights + quantised KV cache) once, in fake mode, and each
+    llama.cpp file type (gguf:*) once, in real mode.
 
     ``fp`` without a quantised KV cache is the float baseline itself, which every grid evaluates (or reuses)
     first: it adds no cell, so ``qbench run --scheme fp`` is the way to get the float perplexity alone."""
@@ -1017,8 +1039,18 @@ def cells(spec: GridSpec) -> list[tuple[str, str]]:
         (scheme, mode)
         for scheme in spec.schemes
         if not (scheme == FLOAT_SCHEME and spec.kv is None)
-        for mode in (["fake"] if scheme == FLOAT_SCHEME else spec.modes)
+        for mode in _modes(spec, scheme)
     ]
+
+
+def _modes(spec: GridSpec, scheme: str) -> list[str]:
+    """The modes ``scheme`` is evaluated in: ``fp`` once, fake; llama.cpp's file types (gguf:*) once, real —
+    llama.cpp's kernels are the only way they run, so no record of them says fake."""
+    if scheme == FLOAT_SCHEME:
+        return ["fake"]
+    if scheme.lower().startswith(GGUF_PREFIX):
+        return ["real"]
+    return list(spec.modes)
 
 
 def run_grid(

@@ -253,6 +253,12 @@ def quantize(
             f"scheme {scheme.name!r}: no real kernel for format {scheme.format!r}; run it with mode='fake'"
         )
     _check_not_quantized(model)
+    if scheme.method == "gguf":  # llama.cpp quantises and runs its own file type (qbench.quant.llamacpp)
+        from qbench.quant.llamacpp import quantize_llama_cpp
+
+        if calibration is not None:
+            raise UserError(f"scheme {scheme.name!r}: llama.cpp's file types take no calibration")
+        return quantize_llama_cpp(model, scheme.param("type"), tuple(exclude))
     from models.hf import unpack_gates
 
     model = unpack_gates(model)  # a gated export: q_proj / o_proj quantised as the checkpoint's layers are
@@ -313,6 +319,14 @@ def real_kernel_problem(scheme: str | QuantScheme | dict) -> str | None:
     SmoothQuant, the scheme's Hadamard rotation, static quantisers from a unit range), so it is the dispatch's
     own verdict and cannot drift from it."""
     scheme = get_scheme(scheme)
+    if scheme.method == "gguf":  # llama.cpp's kernels in either mode: there when llama-cpp-python is
+        from qbench.quant.llamacpp import require_llama_cpp
+
+        try:
+            require_llama_cpp()
+        except UserError as err:
+            return str(err)
+        return None
     if scheme.format != "int":
         return f"scheme {scheme.name!r}: no real kernel for format {scheme.format!r}; run it with mode='fake'"
     d_in, d_out = 256, 32

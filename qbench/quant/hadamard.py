@@ -104,3 +104,33 @@ def apply_kron(x: Tensor, factor: Tensor | None) -> Tensor:
     if factor is not None:
         u = torch.matmul(factor, u)  # (m, m) @ (..., m, b): F acting on the slow sub-axis
     return u.flatten(-2)
+
+
+def seeded_factors(dim: int, seed: int = 0) -> tuple[Tensor, Tensor | None, str]:
+    """(signs s, explicit factor F or None, kind) of R = (F ⊗ H_b / √b) · diag(s) for ``dim`` and ``seed``: the
+    rotation ``fake.HadamardRotation(dim, seed)`` applies (it draws from one generator in this order)."""
+    gen = torch.Generator().manual_seed(seed)
+    factor, kind = odd_factor(dim, gen)
+    signs = torch.randint(0, 2, (dim,), generator=gen).float() * 2 - 1
+    return signs, factor, kind
+
+
+@functools.lru_cache(maxsize=8)
+def _head_factors(dim: int, seed: int) -> tuple[Tensor, Tensor | None]:
+    signs, factor, kind = seeded_factors(dim, seed)
+    if kind == "windowed":  # an odd part above MAX_EXPLICIT: no attention head is that wide
+        raise ValueError(f"no explicit Hadamard rotation of order {dim}")
+    return signs, None if factor is None else factor.float()
+
+
+def rotate_rows(x: Tensor, seed: int = 0, inverse: bool = False) -> Tensor:
+    """x (…, d) ↦ x·Rᵀ, or with ``inverse`` x·R, in float32, R the seeded rotation of ``seeded_factors(d, seed)``
+    (orthogonal, so each undoes the other). A fast Walsh–Hadamard transform and the odd part's small factor, not a
+    dense matmul: each row's result does not depend on how many rows are transformed together (the KV cache's
+    fake and packed paths read back the same bits: ``qbench.quant.kvschemes``, ``rotate=true``)."""
+    signs, factor = _head_factors(x.shape[-1], seed)
+    signs = signs.to(x.device)
+    factor = None if factor is None else factor.to(x.device)
+    if inverse:  # x·R = (x·(F ⊗ H_b/√b)) ⊙ s, H_b symmetric: apply_kron with Fᵀ
+        return apply_kron(x.float(), None if factor is None else factor.t()) * signs
+    return apply_kron(x.float() * signs, factor)

@@ -80,8 +80,8 @@ KV_PREFIX = "qbench_kv+"  # transformers attention implementations registered by
 class KVConfig:
     """How the KV cache is quantised: ``bits`` (8, 6, 4, 3, 2; 8 for fp8), ``scheme`` (a ``kvschemes.KV_SCHEMES``
     name, optionally ``NAME:key=value,…``: kivi (default), per-token, fp8-e4m3, fp8-e5m2, window), ``keep_first``
-    (leading absolute positions kept in float), ``keep_sinks`` (the most-attended positions kept in float) and
-    the scheme's own options (``None`` = its default): kivi ``group``/``residual``, per-token ``block``/``sym``,
+    (leading absolute positions kept in float), ``keep_sinks`` (the most-attended positions kept in float),
+    ``rotate`` (QuaRot's head-dim Hadamard rotation of what the cache stores) and the scheme's own options (``None`` = its default): kivi ``group``/``residual``, per-token ``block``/``sym``,
     fp8 ``scale``, window ``key_axis``. See ``qbench.quant.kvschemes``."""
 
     bits: int
@@ -94,6 +94,7 @@ class KVConfig:
     sym: bool | None = None
     scale: float | str | None = None
     key_axis: str | None = None
+    rotate: bool | None = None  # None: as the scheme text says (false when it says nothing)
 
     def __post_init__(self) -> None:
         from qbench.quant.kvschemes import normalize_config

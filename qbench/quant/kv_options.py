@@ -9,5 +9,5 @@ GRANULARITIES = ("kivi", "per-token")  # the former --kv-granularity values, now
 KV_SCHEME_NAMES = ("kivi", "per-token", "fp8-e4m3", "fp8-e5m2", "window")
 KV_SCHEME_SYNTAX = (
     "NAME[:key=value,…], e.g. kivi:group=32,residual=128 | per-token:sym=false | fp8-e4m3:scale=0.5 | "
-    "window:key_axis=token; every scheme also takes bits, keep_first, keep_sinks"
+    "window:key_axis=token; every scheme also takes bits, keep_first, keep_sinks, rotate"
 )

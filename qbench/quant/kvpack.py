@@ -20,7 +20,7 @@ packed form here: :func:`pack` refuses them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from torch import Tensor
 
 from models.errors import UserError
 from qbench.quant.formats import E4M3, E5M2
+from qbench.quant.hadamard import rotate_rows
 from qbench.quant.primitives import TINY, check_finite, true_div
 
 FP8_ELEMENTS = {"fp8-e4m3": E4M3, "fp8-e5m2": E5M2}
@@ -129,6 +130,8 @@ class Packed:
     grouped: tuple[int, ...]  # the shape codes are quantised in (before bit packing)
     layout: str  # how ``grouped`` maps back to (B, H, n, D): "bhnd" or "rows" (per-token rows)
     dtype: torch.dtype
+    # rotate=true: the codes hold k·Rᵀ (QuaRot's cache), read back as Q(k·Rᵀ)·R; R's seed (None: not rotated)
+    rotation_seed: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -155,12 +158,20 @@ class Packed:
             tuple(grouped),
             self.layout,
             self.dtype,
+            self.rotation_seed,
         )
 
     def dequantize(self) -> Tensor:
+        x = self._stored()
+        if self.rotation_seed is not None:
+            x = rotate_rows(x, self.rotation_seed, inverse=True)
+        return x.to(self.dtype)
+
+    def _stored(self) -> Tensor:
+        """The dequantised codes (B, H, n, D), float32, in the basis they were stored in."""
         B, H, n, D = self.shape
         if self.kind == "fp8":
-            return (self.codes.float() * self.scale).to(self.dtype)
+            return self.codes.float() * self.scale
         if self.layout == "kivi-k":  # codes packed along each group's tokens: (B, H, m, D, G)
             q = _unpack_bits(self.codes, self.bits, self.grouped[-2]).transpose(-1, -2)
         elif self.codes.dtype == torch.uint8:
@@ -173,8 +184,8 @@ class Packed:
         else:
             x = ggml_dequantize(q, self.scale, self.zero, self.bits, self.symmetric)
         if self.layout == "rows":
-            return x.reshape(B, n, H, D).transpose(1, 2).to(self.dtype)
-        return x.reshape(B, H, n, D).to(self.dtype)
+            return x.reshape(B, n, H, D).transpose(1, 2)
+        return x.reshape(B, H, n, D)
 
 
 def _minmax_codes(x: Tensor, bits: int, dim: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -196,6 +207,15 @@ def pack(quantizer: Any, x: Tensor, values: bool, offset: int = 0) -> Packed:
             f"the packed KV cache does not hold {c.label}: kept positions and the window scheme have no packed "
             "form (use the fake cache, Transformer.new_cache())"
         )
+    if c.rotate:  # the cache holds k·Rᵀ (QuaRot); Packed.dequantize rotates back
+        seed = quantizer.rotation_seed
+        packed = _pack(quantizer, rotate_rows(x, seed), values, offset)
+        return replace(packed, dtype=x.dtype, rotation_seed=seed)
+    return _pack(quantizer, x, values, offset)
+
+
+def _pack(quantizer: Any, x: Tensor, values: bool, offset: int) -> Packed:
+    c, name = quantizer.config, quantizer.scheme.name
     B, H, n, D = x.shape
     if name in FP8_ELEMENTS:
         s = quantizer._fp8_scale(values)

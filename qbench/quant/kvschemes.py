@@ -41,6 +41,16 @@ Shared: ``keep_first=K`` keeps absolute positions 0 … K−1 in float and out o
 keeps, per sequence and layer, the K positions that received the most attention in the float model's first pass
 (Sun et al. 2024, "Massive Activations in Large Language Models", §2.2: the attention sink is not always
 token 0) — see :func:`attach_sink_finder`. Kept positions are float in every version a query reads.
+
+``rotate=true`` (every scheme; ``--kv-rotate``) is QuaRot's rotation of the cache (Ashkboos et al. 2024, §4
+"KV cache" and Figure 4): keys are stored as k·Rᵀ and values as v·Rᵀ, R a Hadamard rotation of the head dimension
+(:class:`~qbench.quant.fake.HadamardRotation` of order head_dim, seeded as QuaRot's rotation), so a channel whose
+keys are all large (the outlier channels of the rotary embedding) is spread over every channel of the head
+before the range is taken. QuaRot rotates the queries alike after RoPE (qRᵀ·(kRᵀ)ᵀ = q·kᵀ) and folds the values'
+rotation into W_v and, reversed, into W_o; here the stored form is rotated back after dequantisation,
+Q(k·Rᵀ)·R, which gives every query the same scores and outputs in exact arithmetic and needs no weight edit, so
+it composes with any model and any weight scheme (``rotate=quarot`` or not). The rotation is part of what the
+cache stores: the packed cache holds the rotated codes, fp8 ``scale=calib`` measures the rotated maxima.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ from models.kvcache import CacheView
 from models.registry import Registry
 from qbench.quant.calibrate import stop_before_head
 from qbench.quant.formats import round_to_element
+from qbench.quant.hadamard import rotate_rows
 from qbench.quant.kv_options import KV_SCHEME_SYNTAX
 from qbench.quant.kvpack import FP8_ELEMENTS as PACK_FP8_ELEMENTS
 from qbench.quant.kvpack import ggml_quantize_blocks, pack
@@ -109,6 +120,9 @@ LEGACY_GRANULARITY = {"kivi": {"scheme": "window"}, "per-token": {"scheme": "win
 FP8_ELEMENTS = PACK_FP8_ELEMENTS  # scheme name -> element format (shared with the packed cache)
 CALIBRATED = "calib"  # fp8 scale=calib: per-layer k_scale/v_scale from calibrate_kv_scales
 OPTION_FIELDS = ("group", "residual", "block", "sym", "scale", "key_axis")
+SHARED_FIELDS = ("bits", "keep_first", "keep_sinks", "rotate")  # keys every scheme takes
+SHARED_DEFAULTS = {"keep_first": 0, "keep_sinks": 0, "rotate": False}
+ROTATION_SEED = 0  # the cache's head-dim Hadamard rotation: fixed, so a rotated cell is reproducible
 SYNTAX = KV_SCHEME_SYNTAX
 
 
@@ -155,6 +169,7 @@ _PARSERS = {
     "bits": _positive,
     "keep_first": _count,
     "keep_sinks": _count,
+    "rotate": _bool,
     "group": _positive,
     "residual": _positive,
     "block": _positive,
@@ -171,7 +186,7 @@ def parse_kv_scheme(text: str) -> dict[str, Any]:
     out: dict[str, Any] = {"scheme": scheme.name}
     if not sep:
         return out
-    valid = ["bits", "keep_first", "keep_sinks", *scheme.defaults]
+    valid = [*SHARED_FIELDS, *scheme.defaults]
     if not spec.strip():
         raise UserError(f"KV-cache scheme {text!r}: nothing after ':'; give overrides as {SYNTAX}")
     parsers = {key: _PARSERS[key] for key in valid}
@@ -189,7 +204,7 @@ def normalize_config(config: Any) -> None:
     parsed = parse_kv_scheme(config.scheme)
     for key, value in parsed.items():
         given = getattr(config, key)
-        default = {"keep_first": 0, "keep_sinks": 0}.get(key)
+        default = SHARED_DEFAULTS.get(key)
         if key != "scheme" and given is not None and given != default and given != value:
             raise UserError(
                 f"KV-cache scheme {config.scheme!r} sets {key}={value} but {key}={given} was also given"
@@ -202,7 +217,7 @@ def normalize_config(config: Any) -> None:
             if value is not None:
                 raise UserError(
                     f"KV-cache scheme {scheme.name!r} takes no {key!r}; its keys: "
-                    f"{', '.join(['bits', 'keep_first', 'keep_sinks', *scheme.defaults])}"
+                    f"{', '.join([*SHARED_FIELDS, *scheme.defaults])}"
                 )
             continue
         object.__setattr__(config, key, scheme.defaults[key] if value is None else value)
@@ -222,6 +237,10 @@ def normalize_config(config: Any) -> None:
             raise UserError(
                 f"KV-cache {key} {value!r} is not supported; choose an integer ≥ 0 (positions kept in float)"
             )
+    if config.rotate is None:
+        object.__setattr__(config, "rotate", False)
+    if not isinstance(config.rotate, bool):
+        raise UserError(f"KV-cache rotate {config.rotate!r} is not supported; choose true or false")
     for key in ("group", "residual", "block"):
         value = getattr(config, key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -242,7 +261,7 @@ def normalize_config(config: Any) -> None:
 
 
 def label(config: Any) -> str:
-    """kv2, kv2-keep1, kv2-g32r32, kv4-tok, kv4-tok-asym, kv8-e4m3, kv2-win, kv2-win-tok, …-sinks1."""
+    """kv2, kv2-keep1, kv2-g32r32, kv4-tok, kv4-tok-asym, kv8-e4m3, kv2-win, kv2-win-tok, …-sinks1, …-rot."""
     scheme = KV_SCHEMES.get(config.scheme)
     parts = [f"kv{config.bits}{scheme.suffix}"]
     if scheme.name == "kivi" and (config.group, config.residual) != (32, 128):
@@ -260,6 +279,8 @@ def label(config: Any) -> str:
         parts.append(f"keep{config.keep_first}")
     if config.keep_sinks:
         parts.append(f"sinks{config.keep_sinks}")
+    if config.rotate:
+        parts.append("rot")
     return "-".join(parts)
 
 
@@ -268,14 +289,17 @@ def describe(config: Any) -> dict[str, Any]:
     scheme = KV_SCHEMES.get(config.scheme)
     fields = {key: getattr(config, key) for key in ("bits", "scheme", "keep_first", "keep_sinks")}
     fields.update({key: getattr(config, key) for key in scheme.defaults})
+    if config.rotate:  # written only when on: every record from before the option keeps its identity
+        fields["rotate"] = True
     keys_text = "per token over the head" if config.key_axis == "token" else scheme.keys_text
+    rotated = ", rotated by a head-dim Hadamard (QuaRot §4)" if config.rotate else ""
     return {
         **fields,
         # Sinks chosen from the scored window's float pass see the whole window (attach_sink_finder).
         "causal": "yes" if scheme.causal and not config.keep_sinks else "no",
         "label": label(config),
-        "keys": f"{keys_text}, after the rotary embedding where the model has one",
-        "values": f"{scheme.values_text}, after the projection",
+        "keys": f"{keys_text}, after the rotary embedding where the model has one{rotated}",
+        "values": f"{scheme.values_text}, after the projection{rotated}",
         "description": KV_SCHEMES.describe(scheme.name),
     }
 
@@ -319,6 +343,13 @@ def _per_token_rows(x: Tensor, bits: int, block: int, symmetric: bool) -> Tensor
     return out.reshape(B, n, H, D).transpose(1, 2).to(x.dtype)
 
 
+def rotate_cache(x: Tensor, inverse: bool = False) -> Tensor:
+    """``rotate=true``'s transform of cached vectors x (…, head_dim), in float32: x·Rᵀ (what the cache stores) or,
+    ``inverse``, x·R (back to the model's basis), R = ``HadamardRotation(head_dim, ROTATION_SEED)``
+    (``hadamard.rotate_rows``: row by row, so the fake and the packed cache read back the same bits)."""
+    return rotate_rows(x, ROTATION_SEED, inverse)
+
+
 class KVSchemeQuantizer:
     """The quantiser attached to each attention layer for one :class:`~qbench.quant.kv.KVConfig`.
 
@@ -344,6 +375,8 @@ class KVSchemeQuantizer:
         self.calls = 0  # how often it ran: the probe after attaching checks every layer's quantiser ran
         self.probing = False  # the attach probe's forward: counts the call, reads float (scales may be unset)
         self.received: Tensor | None = None  # (B, L) attention received, summed over heads and queries
+
+    rotation_seed = ROTATION_SEED  # rotate=true: the seed of the head-dim rotation (kvpack stores it)
 
     def __repr__(self) -> str:
         return f"KVSchemeQuantizer({self.config.label})"
@@ -405,10 +438,12 @@ class KVSchemeQuantizer:
         """The quantised form of indices [start, stop) of x (B, H, L, D) (absolute positions offset + index);
         kept positions come back float."""
         c, name = self.config, self.scheme.name
-        part = x[:, :, start:stop]
+        source = part = x[:, :, start:stop]
         kept = None if keep is None else keep[:, None, start:stop, None]  # (B, 1, n, 1)
         if stop <= start:
             return part
+        if c.rotate:  # quantise what QuaRot's cache stores, k·Rᵀ, and read it back in the model's basis
+            part = rotate_cache(part)
         if name == "kivi" and not values:
             B, H, n, D = part.shape
             G = c.group
@@ -434,7 +469,10 @@ class KVSchemeQuantizer:
         else:  # window
             per_channel = not values and c.key_axis == "channel"
             out = minmax_quantize(part, c.bits, -2 if per_channel else -1, kept if per_channel else None)
-        return out if kept is None else torch.where(kept, part, out)
+        if c.rotate:
+            out = rotate_cache(out, inverse=True)
+        out = out.to(x.dtype)
+        return out if kept is None else torch.where(kept, source, out)
 
     def _fp8_scale(self, values: bool) -> float:
         """The layer's k_scale or v_scale: the configured number, or the calibrated pair (``scale=calib``)."""
@@ -492,8 +530,9 @@ class KVSchemeQuantizer:
         absolute position ``offset`` (0 unless the cache dropped positions, as sliding-window caches do)."""
         self.calls += 1
         B, L = k.size(0), k.size(2)
-        if self.calibrating:
-            self.amax = [max(self.amax[0], float(k.abs().max())), max(self.amax[1], float(v.abs().max()))]
+        if self.calibrating:  # the maxima of what the cache stores (rotated under rotate=true)
+            ks, vs = (rotate_cache(k), rotate_cache(v)) if self.config.rotate else (k, v)
+            self.amax = [max(self.amax[0], float(ks.abs().max())), max(self.amax[1], float(vs.abs().max()))]
         if self.observing or self.calibrating or self.probing:
             none = torch.zeros(1, 1, L - past, L, dtype=torch.bool, device=k.device)
             return CacheView(k, k, v, v, none, none)

@@ -238,12 +238,26 @@ def parse_items(
     return out
 
 
+# KV-cache options a user may write into a weight scheme (QuaRot's kv_rotate): where they belong instead
+KV_KEYS = {
+    "kv_rotate": "--kv-rotate (or rotate=true in --kv-scheme) with --kv-bits",
+    "kv_bits": "--kv-bits",
+    "kv": "--kv-bits and --kv-scheme",
+}
+
+
 def parse_overrides(spec: str, base: Any, full: str) -> dict[str, tuple[str, Any]]:
     """``"w=4,a=4"`` -> {key: (value text as given, parsed value)}; a one-line UserError on any bad item."""
     keys = _valid_keys(base)
     valid = ", ".join(f"{k} ({v[2]})" for k, v in keys.items())
     parsers = {k: v[1] for k, v in keys.items()}
     where, keys_text = f"scheme {full!r}", f"valid keys: {valid}"
+    for item in spec.split(","):
+        key = item.partition("=")[0].strip().lower()
+        if key in KV_KEYS:  # the cache is configured apart from the weights: say where, not only "unknown"
+            raise UserError(
+                f"{where}: {key} is a KV-cache option, not a weight scheme's; give {KV_KEYS[key]}"
+            )
     return parse_items(spec, parsers, where, base.name, keys_text, "override key", "override ")
 
 

@@ -21,6 +21,10 @@ Conventions every scheme shares (and every result records, since ``to_dict()`` i
 - ``hadamard-*``: a seeded randomised Hadamard rotation of each linear's input and weight rows (QuaRot-style,
   without fusing the rotation into the residual stream), then round-to-nearest with the named scheme.
 - ``llm-int8`` and ``bnb-nf4`` have no fake emulation: both modes run bitsandbytes' own layers.
+- ``gguf:<type>`` (``gguf:q4_k_m``, ``gguf:q8_0``, … ``qbench.quant.gguf_types``): llama.cpp's own file types,
+  quantised and run by llama.cpp in either mode (``qbench.quant.llamacpp``); their bit and block fields state the
+  type's nominal arithmetic (8-bit activation blocks: the CPU's ``vec_dot_type``), the file's tensor types are in
+  each record's ``artifact``. They take no overrides; ``--scheme gguf`` names them all.
 - ``zeropoint-int{4,3,2}-g{128,64,32}``: grouped weight-only round-to-nearest, one scale and zero point per g input
   channels of each output channel; a group at least as long as a layer's row is one group per row (per channel),
   a group that does not divide it is an error (``QuantScheme.weight_granularity_for``).
@@ -43,6 +47,7 @@ from typing import Any
 from models.errors import UserError, unknown_choice
 from models.registry import Registry
 from qbench.quant.format_specs import FORMATS, INT, check_bits, get_format
+from qbench.quant.gguf_types import GGUF_PREFIX, GGUF_TYPES, check_type, scheme_name
 from qbench.quant.granularity import (
     Granularity,
     PerAxis,
@@ -55,7 +60,7 @@ from qbench.quant.granularity import (
 )
 from qbench.quant.overrides import _ALGO_PARAMS, ALGOS, algo_defaults, apply_overrides  # noqa: F401
 
-METHODS = ("rtn", "llm-int8", "bnb-nf4", "smoothquant", "hadamard")
+METHODS = ("rtn", "llm-int8", "bnb-nf4", "smoothquant", "hadamard", "gguf")
 BNB_METHODS = ("llm-int8", "bnb-nf4")  # run by bitsandbytes in either mode: no fake emulation
 _METHOD_PARAMS = {
     "rtn": {},
@@ -63,6 +68,7 @@ _METHOD_PARAMS = {
     "bnb-nf4": {"blocksize": 64},
     "smoothquant": {"alpha": 0.5},
     "hadamard": {"seed": 0},
+    "gguf": {"type": "F32"},  # llama.cpp's file type (qbench.quant.gguf_types)
 }
 _PER_CHANNEL, _PER_TOKEN, _PER_TENSOR = PerAxis(0), PerToken(), PerTensor()  # immutable defaults
 
@@ -206,6 +212,8 @@ class QuantScheme:
         """A short label for tables, e.g. ``W8A8-tensor+out``, ``W8A8-channel/token``, ``W4-channel-zp``."""
         if self.format != INT:
             return _format_label(self)
+        if self.method == "gguf":  # llama.cpp's own name says what the file holds (a mix, not one grid)
+            return f"llama.cpp-{self.param('type')}"
         weights = self.weight_bits is not None
         bits = (f"W{self.weight_bits}" if weights else "") + (f"A{self.act_bits}" if self.act_bits else "")
         if self.method in BNB_METHODS:
@@ -350,8 +358,8 @@ def _check_clip(s: QuantScheme) -> None:
 def _check_transform_applies(s: QuantScheme) -> QuantScheme:
     """A model-wide rotation or a method's per-layer transform exists to make quantisation kinder; with nothing
     quantised (w, a and o all none) the cell would be the float model labelled with a transform that never ran."""
-    if s.weight_bits is not None or s.act_bits is not None or s.out_bits is not None:
-        return s
+    if s.weight_bits is not None or s.act_bits is not None or s.out_bits is not None or s.method == "gguf":
+        return s  # a gguf:f32 cell runs llama.cpp's float kernels: what it measures is that path
     applied = [f"rotate={s.rotate}"] if s.rotate != "none" else []
     applied += [f"method={s.method}"] if s.method != "rtn" else []
     if applied:
@@ -642,6 +650,25 @@ for _fmt in ("mxfp8", "mxfp6", "mxfp4", "nvfp4", "nvfp4-torchao"):
     )
 del _fmt, _block
 
+# llama.cpp's file types, run by llama.cpp (qbench.quant.llamacpp): gguf:q4_k_m, gguf:q8_0, …
+for _name, _t in GGUF_TYPES.items():
+    _register(
+        QuantScheme(
+            scheme_name(_name),
+            f"llama.cpp {_name}: {_t.description}; quantised and run by llama.cpp",
+            method="gguf",
+            weight_bits=_t.bits,
+            weight_symmetric=not _t.minimum,
+            weight_granularity=PerGroup(_t.block) if _t.block else _PER_CHANNEL,
+            act_bits=8 if _t.act_block else None,
+            act_granularity=PerGroup(_t.act_block) if _t.act_block else _PER_TOKEN,
+            params={"type": _name},
+            quantize_lm_head=_t.bits is not None,  # llama.cpp quantises the head too (its type in the record)
+        )
+    )
+del _name, _t
+GGUF_SCHEMES = tuple(scheme_name(t) for t in GGUF_TYPES)
+
 PAPER_SCHEMES = ("absmax-fine", "absmax-moderate", "absmax-coarse", "zeropoint-int4")
 
 
@@ -654,6 +681,14 @@ def get_scheme(scheme: str | QuantScheme | dict[str, Any]) -> QuantScheme:
     # layer-level probe (a float layer with a Hadamard rotation equals the float layer)
     if isinstance(scheme, dict):
         return _check_transform_applies(QuantScheme.from_dict(scheme))
+    if isinstance(scheme, str) and scheme.strip().lower().startswith(GGUF_PREFIX):
+        rest = scheme.strip()[len(GGUF_PREFIX) :]
+        if any(c in rest for c in ":,="):
+            raise UserError(
+                f"scheme {scheme!r}: llama.cpp's file types take no overrides (llama.cpp chooses each tensor's "
+                f"type); choose one of {', '.join(GGUF_SCHEMES)}"
+            )
+        return SCHEMES.get(scheme_name(check_type(rest)))
     if isinstance(scheme, str):
         base, sep, spec = scheme.partition(":")
         if not sep:

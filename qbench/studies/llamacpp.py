@@ -27,7 +27,6 @@ imported only here.
 from __future__ import annotations
 
 import contextlib
-import os
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,9 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from models.errors import UserError, unknown_choice
+from qbench.quant.gguf_types import GGUF_TYPES
+from qbench.quant.llamacpp import quantize_gguf, require_llama_cpp, system_info
+from qbench.quant.llamacpp import quiet as _quiet
 
 # llama.cpp's file types (LLAMA_FTYPE_* in include/llama.h) and the qbench generation row each one is matched with
-LLAMA_CPP_TYPES: dict[str, int] = {"F32": 0, "BF16": 32, "Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K_M": 15}
+LLAMA_CPP_TYPES: dict[str, int] = {
+    t: GGUF_TYPES[t].ftype for t in ("F32", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K_M")
+}
 # llama.cpp quantises the output head too (Q8_0 in a Q8_0 file, Q6_K in the 4-bit ones), so the matched qbench
 # scheme quantises it as well (``:head=true``); the head is the largest single matmul of a small model's step.
 MATCHED: dict[str, str] = {
@@ -53,18 +57,6 @@ MATCHED: dict[str, str] = {
 DEFAULT_TYPES = tuple(LLAMA_CPP_TYPES)
 
 
-def require_llama_cpp() -> Any:
-    """The ``llama_cpp`` module, or a one-line error saying how to install it."""
-    try:
-        import llama_cpp
-    except ImportError as e:
-        raise UserError(
-            "--llama-cpp needs llama-cpp-python: pip install 'qbench[llama-cpp]' (pip builds llama.cpp from "
-            f"source: a C compiler and CMake, ~5 minutes on 2 cores) ({e})"
-        ) from None
-    return llama_cpp
-
-
 def check_types(types: Sequence[str] | None) -> list[str]:
     """The llama.cpp file types to time (default all of ``LLAMA_CPP_TYPES``); an unknown one fails in one line."""
     chosen = list(types) if types else list(DEFAULT_TYPES)
@@ -72,33 +64,6 @@ def check_types(types: Sequence[str] | None) -> list[str]:
         if t.upper() not in LLAMA_CPP_TYPES:
             raise unknown_choice("llama.cpp type", t, LLAMA_CPP_TYPES)
     return [t.upper() for t in chosen]
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Silence llama.cpp's C-level logging (it writes straight to file descriptor 2, past Python's streams)."""
-    saved = os.dup(2)
-    null = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(null, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
-
-
-def quantize_gguf(src: Path, dst: Path, type_name: str, threads: int = 1) -> Path:
-    """``src`` (a float GGUF) quantised by llama.cpp's ``llama_model_quantize`` to ``type_name`` at ``dst``."""
-    llama_cpp = require_llama_cpp()
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = LLAMA_CPP_TYPES[type_name]
-    params.nthread = threads
-    with _quiet():
-        status = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
-    if status != 0:
-        raise RuntimeError(f"llama.cpp could not quantise {src.name} to {type_name} (status {status})")
-    return dst
 
 
 def chunk_logits(path: Path, ids: Any, first: int, threads: int = 1, f32_cache: bool = True) -> Iterator[Any]:
@@ -306,12 +271,6 @@ def engines(
             for engine in loaded:
                 if engine.generator is not None:
                     engine.generator.close()
-
-
-def system_info() -> str:
-    """llama.cpp's own account of the build (the ISA it compiled for, OpenMP, repacking)."""
-    llama_cpp = require_llama_cpp()
-    return llama_cpp.llama_print_system_info().decode().strip().rstrip("|").strip()
 
 
 def matched_schemes(types: Sequence[str]) -> list[str]:

@@ -727,7 +727,7 @@ def run_speed(
     if schemes is None:
         from qbench.quant.schemes import SCHEMES
 
-        schemes = SCHEMES.names()
+        schemes = [s for s in SCHEMES.names() if SCHEMES.get(s).method != "gguf"]  # llama.cpp: --llama-cpp
     from qbench.eval.load import check_device
 
     device = str(check_device(device))

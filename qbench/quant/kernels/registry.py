@@ -155,8 +155,10 @@ NATIVE_LAYERS = tuple(name for kernel in REAL_KERNELS for name in kernel.native)
 def real_kernel_for(scheme: QuantScheme) -> RealKernel | None:
     """The registry entry that builds ``scheme``'s real layer (None: fake mode only). Floating-point formats
     never have one (``quantize`` refuses them before asking)."""
-    if getattr(scheme, "format", "int") != "int":
-        return None
+    if getattr(scheme, "format", "int") != "int" or getattr(scheme, "method", "rtn") == "gguf":
+        return (
+            None  # float formats: fake only; llama.cpp's file types: llama.cpp's own kernels (quant.llamacpp)
+        )
     return next((k for k in REAL_KERNELS if k.applies(scheme)), None)
 
 

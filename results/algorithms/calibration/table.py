@@ -2,6 +2,8 @@
 qbench-vs-llm-compressor table of results/algorithms/llm-compressor/ from its records and llm-compressor's JSON.
 
     python results/algorithms/calibration/table.py        # rewrites both table.md files
+    python results/algorithms/calibration/table.py DIR …  # DIR/calibration.md: every calibrated cell of an
+                                                          # algorithms folder (old and new calibration beside)
 """
 
 from __future__ import annotations
@@ -58,6 +60,18 @@ def row(r: dict) -> str:
     )
 
 
+def _order(r: dict) -> tuple:
+    """Rows by format (the scheme name without its algorithm overrides), round-to-nearest first, then by name."""
+    name = str(r["scheme"]["name"])
+    base = name.split(":")[0]
+    rest = ",".join(
+        item
+        for item in name.partition(":")[2].split(",")
+        if item and item.split("=")[0] in ("a", "w", "group")
+    )
+    return (r["scheme"].get("weight_bits", 0), base, rest, r["scheme"].get("algo") not in (None, "rtn"), name)
+
+
 def calibration_table(folder: Path) -> str:
     rs = records(folder)
     if not rs:
@@ -77,7 +91,7 @@ def calibration_table(folder: Path) -> str:
         "| scheme | calibration | change [95 % CI] | KLD | top-1 | layer error in / out | quantise |\n"
         "|---|---|---|---|---|---|---|\n"
     )
-    order = sorted(rs, key=lambda r: (r["scheme"].get("weight_bits", 0), str(r["scheme"]["name"])))
+    order = sorted(rs, key=_order)
     return head + "\n".join(row(r) for r in order) + "\n"
 
 
@@ -159,6 +173,12 @@ def write(path: Path, text: str) -> None:
 
 
 if __name__ == "__main__":
-    for folder in sorted(p for p in HERE.iterdir() if p.is_dir()):
-        write(folder / "table.md", calibration_table(folder))
-    write(CROSS / "table.md", cross_table())
+    import sys
+
+    if sys.argv[1:]:
+        for folder in map(Path, sys.argv[1:]):
+            write(folder / "calibration.md", calibration_table(folder))
+    else:
+        for folder in sorted(p for p in HERE.iterdir() if p.is_dir()):
+            write(folder / "table.md", calibration_table(folder))
+        write(CROSS / "table.md", cross_table())

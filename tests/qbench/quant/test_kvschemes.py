@@ -30,6 +30,8 @@ CAUSAL = [
     KVConfig(8, "per-token"),
     KVConfig(8, "fp8-e4m3:scale=0.01"),
     KVConfig(8, "fp8-e5m2"),
+    KVConfig(2, SMALL + ",rotate=true"),  # QuaRot's rotated cache: what it stores is rotated
+    KVConfig(3, "per-token:sym=false,block=16,rotate=true", keep_first=1),
 ]
 
 
@@ -614,6 +616,9 @@ def test_command_line_options():
     assert parse("--kv-scheme", "fp8-e5m2") == KVConfig(8, "fp8-e5m2")
     assert parse("--kv-scheme", "per-token:bits=4") == KVConfig(4, "per-token")
     assert parse("--kv-scheme", "fp8-e4m3:scale=calib").label == "kv8-e4m3-calib"  # calibrated by the harness
+    rotated = parse("--kv-bits", "4", "--kv-rotate")
+    assert rotated == parse("--kv-scheme", "kivi:bits=4,rotate=true") == KVConfig(4, rotate=True)
+    assert rotated.label == "kv4-rot" and parse("--kv-bits", "4").rotate is False
     assert (
         parse("--kv-bits", "3", "--kv-granularity", "window", "--kv-keep-first", "2").label == "kv3-win-keep2"
     )
@@ -622,6 +627,7 @@ def test_command_line_options():
         (("--kv-keep-sinks", "1"), "need --kv-bits or --kv-scheme"),
         (("--kv-bits", "4", "--kv-scheme", "per-token:bits=2"), "bits=2 but bits=4"),
         (("--kv-scheme", "fp8-e4m3:scale=foo"), "a positive number or calib"),
+        (("--kv-rotate",), "need --kv-bits or --kv-scheme"),
     ]:
         with pytest.raises(UserError, match=message):
             parse(*args)
@@ -722,6 +728,9 @@ PACKABLE = [
     KVConfig(8, "per-token"),
     KVConfig(8, "fp8-e4m3:scale=0.01"),
     KVConfig(8, "fp8-e5m2"),
+    KVConfig(2, SMALL + ",rotate=true"),
+    KVConfig(4, "per-token:rotate=true"),
+    KVConfig(8, "fp8-e4m3:scale=0.01,rotate=true"),
 ]
 
 
@@ -897,3 +906,101 @@ def test_a_three_bit_cache_is_three_eighths_of_a_byte_a_value():
         values * H * D * 3 // 8 + values * H * (D // 32) * 8 + (C - values) * H * D * 2
     )
     assert cache_bytes(KVConfig(3, "kivi"), H, D, C) == expected
+
+
+# ------------------------------------------------------------------------- QuaRot's rotated cache
+
+
+def test_the_rotation_is_the_seeded_hadamard_of_the_head_and_its_inverse():
+    from qbench.quant.fake import HadamardRotation
+    from qbench.quant.kvschemes import rotate_cache
+
+    for dim in (8, 64, 80, 96, 128):  # 80 = 20 · 4 and 96 = 12 · 8: Paley factors
+        r = HadamardRotation(dim, seed=0).matrix()
+        torch.testing.assert_close(r @ r.t(), torch.eye(dim), rtol=0, atol=1e-5)
+        assert torch.allclose(r.abs(), torch.full_like(r, dim**-0.5), atol=1e-6)  # a Hadamard matrix: ±1/√d
+        x = torch.randn(2, 3, 5, dim, generator=gen(dim))
+        torch.testing.assert_close(rotate_cache(x), x @ r.t(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(rotate_cache(rotate_cache(x), inverse=True), x, rtol=0, atol=1e-5)
+        # one vector's result does not depend on the others transformed with it (fake = packed, bit for bit)
+        assert torch.equal(rotate_cache(x)[:, :, :1], rotate_cache(x[:, :, :1]))
+
+
+@pytest.mark.parametrize(
+    "config", [KVConfig(4, "window:rotate=true"), KVConfig(4, "per-token:sym=false,rotate=true")], ids=str
+)
+def test_the_stored_cache_is_the_quantised_rotation_read_back(config):
+    """QuaRot §4 written out: the cache holds Q(k·Rᵀ), Q(v·Rᵀ); queries rotated alike give q·kᵀ-scores from
+    (q·Rᵀ)·Q(k·Rᵀ)ᵀ and outputs softmax(·)·Q(v·Rᵀ)·R — the same as reading back Q(k·Rᵀ)·R, Q(v·Rᵀ)·R."""
+    from qbench.quant.fake import HadamardRotation
+
+    plain = KVConfig(4, "window") if config.scheme == "window" else KVConfig(4, "per-token:sym=false")
+    r = HadamardRotation(16, seed=0).matrix()
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=gen(30 + i)) for i in range(3))
+    k[..., 3] *= 40.0  # an outlier channel, as RoPE'd keys have
+    k_hat, v_hat = KVSchemeQuantizer(config).stored(k, v)
+    k_rot, v_rot = KVSchemeQuantizer(plain).stored(
+        k @ r.t(), v @ r.t()
+    )  # the plain scheme on rotated vectors
+    torch.testing.assert_close(k_hat, k_rot @ r, rtol=0, atol=1e-4)
+    torch.testing.assert_close(v_hat, v_rot @ r, rtol=0, atol=1e-4)
+    scores_quarot = (q @ r.t()) @ k_rot.transpose(-1, -2)
+    torch.testing.assert_close(q @ k_hat.transpose(-1, -2), scores_quarot, rtol=0, atol=1e-3)
+    # what the rotation is for: the outlier channel's range no longer sets every token's step
+    k_plain, _ = KVSchemeQuantizer(plain).stored(k, v)
+    if config.scheme == "per-token":
+        assert (k_hat - k).norm() < 0.5 * (k_plain - k).norm()
+
+
+def test_rotating_a_cache_that_rounds_nothing_is_the_float_model(ours, theirs, monkeypatch):
+    """The rotation and its inverse on every path a cache is read through (our attention, transformers' eager,
+    sdpa, softmax-1 and Mistral's sliding window): with the rounding made the identity, the logits are float's."""
+    import qbench.quant.kvschemes as kvschemes
+
+    monkeypatch.setattr(kvschemes, "minmax_quantize", lambda x, bits, dim, exclude=None: x.clone())
+    ids = torch.randint(0, 64, (2, 32), generator=gen(31))
+    with torch.no_grad():
+        for name, model in {**ours, **theirs}.items():
+            kv = apply_kv(model, KVConfig(2, "window:rotate=true"))
+            torch.testing.assert_close(_logits(kv, ids), _logits(model, ids), rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_rotated_cache_costs_no_bytes_and_calibrates_rotated_maxima(ours):
+    from qbench.quant.fake import HadamardRotation
+    from qbench.quant.kvschemes import calibrate_kv_scales, kv_quantizers
+
+    ids = torch.randint(0, 64, (2, 20), generator=gen(32))
+    sizes = []
+    for config in (KVConfig(4, "per-token"), KVConfig(4, "per-token:rotate=true")):
+        kv = apply_kv(ours["llama"], config)
+        with torch.no_grad():
+            cache = kv.new_cache(packed=True)
+            kv(ids, cache)
+        sizes.append(cache.nbytes())
+    assert sizes[0] == sizes[1]
+    config = KVConfig(8, "fp8-e4m3:scale=calib,rotate=true")
+    assert config.label == "kv8-e4m3-calib-rot" and KVConfig.from_dict(config.to_dict()) == config
+    kv = apply_kv(ours["llama"], config)
+    scales = calibrate_kv_scales(kv, [ids])
+    recorder = Recorder()
+    ours["llama"].transformer.h[0].attn.kv_transform = recorder
+    try:
+        with torch.no_grad():
+            ours["llama"](ids)
+    finally:
+        ours["llama"].transformer.h[0].attn.kv_transform = None
+    k, v = recorder.calls[0]
+    r = HadamardRotation(k.size(-1), seed=0).matrix()
+    expected = (float((k @ r.t()).abs().max()) / 448, float((v @ r.t()).abs().max()) / 448)
+    assert scales[0] == pytest.approx(expected, rel=1e-5)
+    assert kv_quantizers(kv)[0].config.rotate
+
+
+def test_records_without_rotate_keep_their_identity():
+    d = KVConfig(4, "per-token").to_dict()
+    assert "rotate" not in d and KVConfig.from_dict(d).rotate is False
+    d = KVConfig(4, "per-token", rotate=True).to_dict()
+    assert d["rotate"] is True and "Hadamard" in d["keys"] and "Hadamard" in d["values"]
+    assert KVConfig(4, "per-token:rotate=false") == KVConfig(4, "per-token")
+    with pytest.raises(UserError, match="rotate takes true or false"):
+        KVConfig(4, "kivi:rotate=yes please")

@@ -82,6 +82,7 @@ def test_static_on_a_per_token_scheme_becomes_per_tensor():
         ("absmax-fine:static=true,agran=token", "static activation scales are per tensor or per channel"),
         ("llm-int8:alpha=0.5", "unknown override key 'alpha'"),
         ("smoothquant:alpha=x", "alpha='x' is not valid"),
+        ("zeropoint-int4:rotate=quarot,kv_rotate=true", "kv_rotate is a KV-cache option.*--kv-rotate"),
     ],
 )
 def test_bad_overrides_are_one_line_user_errors(name, match):
@@ -111,5 +112,9 @@ def test_json_round_trip_and_name_rebuilds(name):
 
 def test_every_registered_scheme_accepts_head_and_the_syntax_is_documented():
     for name in SCHEMES:
+        if SCHEMES.get(name).method == "gguf":  # llama.cpp chooses its tensors' types: no overrides
+            with pytest.raises(UserError, match="take no overrides"):
+                get_scheme(f"{name}:head=true")
+            continue
         assert get_scheme(f"{name}:head=true").quantize_lm_head
     assert all(key in SYNTAX for key in KEYS)

@@ -34,6 +34,10 @@ EXPECTED = {
     # floating-point formats, fake mode
     *("fp8-e4m3", "fp8-e4m3-rowwise", "fp8-e5m2", "fp8-e5m2-rowwise", "mxfp8", "mxfp6", "mxfp4", "nvfp4"),
     "nvfp4-torchao",
+    # llama.cpp's file types, run by llama.cpp
+    *(f"gguf:{t}" for t in ("f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q5_k_s", "q5_1", "q5_0")),
+    *(f"gguf:{t}" for t in ("q4_k_m", "q4_k_s", "q4_1", "q4_0", "iq4_nl", "iq4_xs", "q3_k_l", "q3_k_m")),
+    *(f"gguf:{t}" for t in ("q3_k_s", "iq3_m", "iq3_s", "q2_k")),
 }
 
 
@@ -63,9 +67,10 @@ def test_paper_table():
     )
     assert (coarse.out_bits, coarse.out_granularity) == (8, PerTensor())
     assert (int4.weight_bits, int4.weight_symmetric, int4.act_bits) == (4, False, None)
-    assert not any(
-        get_scheme(n).quantize_lm_head for n in SCHEMES
-    )  # documented default: the head stays float
+    ours = [n for n in SCHEMES if get_scheme(n).method != "gguf"]
+    assert not any(get_scheme(n).quantize_lm_head for n in ours)  # documented default: the head stays float
+    # llama.cpp's quantised file types quantise the head too (the record's artifact names its tensor type)
+    assert get_scheme("gguf:q4_k_m").quantize_lm_head and not get_scheme("gguf:f32").quantize_lm_head
 
 
 def test_labels():

@@ -1,0 +1,243 @@
+"""llama.cpp as a quantisation backend: its own file types as cells (``--scheme gguf:q4_k_m``), quantised and
+computed by llama.cpp itself.
+
+    from qbench.quant import quantize
+    q = quantize(model, "gguf:q4_k_m")      # a module whose logits llama.cpp computes; ``model`` is untouched
+    q(input_ids=ids).logits                 # (B, T, V) float32
+
+What a cell is (docs/schemes.md, "llama.cpp's formats"): the float model written as a float32 GGUF
+(``models.gguf_export.write_gguf``, ids only — no tokenizer is needed, qbench feeds token ids), quantised by
+llama.cpp's ``llama_model_quantize`` to the file type (llama.cpp chooses each tensor's type: the head, the token
+embedding and some layers differ from the nominal type; :mod:`qbench.quant.gguf_types`), loaded by llama.cpp and
+run by its kernels on the harness's windows: each window decoded as a fresh sequence (the KV cache cleared,
+positions from 0, the window's own first token — qbench's BOS rule — fed as it is) with the logits of every
+position returned. So the cell's perplexity, KL divergence and top-1 come from the same windows and the same
+float reference as every other cell; the record's ``artifact`` names the file (bytes, bits per weight, sha256,
+tensor types) and llama.cpp's version and build. The float32 file through the same path (``gguf:f32``) is the
+consistency check: its distance from qbench's float cell is llama.cpp's arithmetic, not quantisation.
+
+Both modes run llama.cpp's kernels (there is no fake emulation, as with bitsandbytes); its KV cache is float32
+(llama.cpp's default float16 would add its own rounding), so ``--kv-bits`` does not apply and is refused; layer
+exclusions and the other schemes' options cannot be expressed in a llama.cpp file type and are refused too.
+
+Needs ``llama-cpp-python`` (``pip install 'qbench[llama-cpp]'``) and the ``gguf`` package, imported only here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from models.errors import UserError
+from qbench.quant.gguf_types import GGUF_TYPES, check_type
+
+
+def require_llama_cpp() -> Any:
+    """The ``llama_cpp`` module, or a one-line error saying how to install it."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise UserError(
+            "llama.cpp's formats need llama-cpp-python: pip install 'qbench[llama-cpp]' (pip builds llama.cpp "
+            f"from source: a C compiler and CMake, ~5 minutes on 2 cores) ({e})"
+        ) from None
+    return llama_cpp
+
+
+def llama_cpp_version() -> str:
+    return f"llama-cpp-python {getattr(require_llama_cpp(), '__version__', '?')}"
+
+
+def system_info() -> str:
+    """llama.cpp's own account of the build (the ISA it compiled for, OpenMP, repacking)."""
+    llama_cpp = require_llama_cpp()
+    return llama_cpp.llama_print_system_info().decode().strip().rstrip("|").strip()
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence llama.cpp's C-level logging (it writes straight to file descriptor 2, past Python's streams)."""
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def quantize_gguf(src: Path, dst: Path, type_name: str, threads: int = 1) -> Path:
+    """``src`` (a float GGUF) quantised by llama.cpp's ``llama_model_quantize`` to ``type_name`` at ``dst``."""
+    llama_cpp = require_llama_cpp()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = GGUF_TYPES[check_type(type_name)].ftype
+    params.nthread = threads
+    with quiet():
+        status = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if status != 0:
+        raise RuntimeError(f"llama.cpp could not quantise {src.name} to {type_name} (status {status})")
+    return dst
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def describe_file(path: Path, parameters: int) -> dict[str, Any]:
+    """The artifact block of a cell's record: the file's bytes, bits per weight (file bits over the float
+    model's parameters, as llama.cpp's ``quantize`` tool reports BPW), sha256 and tensor types."""
+    from models.gguf_export import gguf_summary
+
+    size = path.stat().st_size
+    summary = gguf_summary(path)
+    return {
+        "format": "gguf",
+        "file": path.name,
+        "bytes": size,
+        "bits_per_weight": round(8 * size / parameters, 4) if parameters else None,
+        "sha256": sha256(path),
+        "file_type": summary["file_type"],
+        "tensor_types": summary["tensor_types"],
+        "llama_cpp": llama_cpp_version(),
+        "llama_cpp_system": system_info(),
+    }
+
+
+class LlamaCppLM(nn.Module):
+    """A causal LM whose logits llama.cpp computes from one GGUF file (module docstring).
+
+    ``model(input_ids=ids)`` (or ``model(ids)``) returns an object with ``.logits``, (B, T, V) float32: each row
+    decoded as a fresh sequence, every position's logits. The llama.cpp context is made on first use with room for
+    the longest row seen (remade when a longer one comes). ``config`` is the float model's (the vocabulary the
+    harness sizes its batches by); ``nbytes()`` the weights as llama.cpp holds them. The folder holding the file is
+    removed by :meth:`close` (also on garbage collection)."""
+
+    def __init__(self, path: Path, config: Any, threads: int, workdir: Path | None, artifact: dict[str, Any]):
+        super().__init__()
+        self.path = Path(path)
+        self.config = config
+        self.threads = threads
+        self.qbench_artifact = artifact
+        self._workdir = workdir
+        self._llm: Any = None
+        self._n_ctx = 0
+
+    def _context(self, length: int) -> Any:
+        if self._llm is None or length > self._n_ctx:
+            llama_cpp = require_llama_cpp()
+            if self._llm is not None:
+                self._llm.close()
+            with quiet():
+                self._llm = llama_cpp.Llama(
+                    model_path=str(self.path),
+                    n_ctx=length,
+                    n_batch=length,
+                    n_ubatch=length,
+                    n_threads=self.threads,
+                    n_threads_batch=self.threads,
+                    logits_all=True,
+                    type_k=0,  # GGML_TYPE_F32: the cache adds no rounding of its own
+                    type_v=0,
+                    verbose=False,
+                )
+            self._n_ctx = length
+        return self._llm
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor | None = None, *args: Any, **kwargs: Any) -> SimpleNamespace:
+        if input_ids is None:
+            raise TypeError("LlamaCppLM needs input_ids")
+        import numpy as np
+
+        ids = input_ids.detach().to("cpu", torch.int64)
+        if ids.dim() == 1:
+            ids = ids[None]
+        length = int(ids.shape[1])
+        llm = self._context(length)
+        out = []
+        for row in ids.tolist():
+            llm.reset()  # eval() then starts from position 0: the KV cache is cleared (llama_memory_clear)
+            llm.eval(row)
+            out.append(torch.from_numpy(np.array(llm.scores[:length], dtype=np.float32)))
+        return SimpleNamespace(logits=torch.stack(out).to(input_ids.device))
+
+    def nbytes(self) -> int:
+        """The weights' bytes as llama.cpp holds them (``llama_model_size``)."""
+        llama_cpp = require_llama_cpp()
+        return int(llama_cpp.llama_model_size(self._context(max(self._n_ctx, 8)).model))
+
+    def close(self) -> None:
+        if self._llm is not None:
+            self._llm.close()
+            self._llm = None
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def __deepcopy__(self, memo: dict) -> LlamaCppLM:
+        raise UserError(
+            "a llama.cpp cell cannot be copied or changed further (its weights are llama.cpp's file): "
+            "KV-cache quantisation (--kv-bits) and other transforms do not apply to gguf:* schemes"
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.path.name}, threads={self.threads}"
+
+
+def quantize_llama_cpp(model: nn.Module, type_name: str, exclude: tuple[str, ...] = ()) -> LlamaCppLM:
+    """``model`` written as a float32 GGUF, quantised by llama.cpp to ``type_name`` (F32: as written) and loaded
+    by llama.cpp: the module a ``gguf:*`` cell scores. ``model`` is not modified. A model llama.cpp cannot run
+    (``write_gguf`` names why) and layer exclusions are refused in one line."""
+    name = check_type(type_name)
+    if tuple(exclude):
+        raise UserError(
+            f"gguf:{name.lower()}: llama.cpp chooses every tensor's type itself; --exclude does not apply"
+        )
+    require_llama_cpp()
+    from models.gguf_export import write_gguf
+
+    workdir = Path(tempfile.mkdtemp(prefix="qbench-gguf-"))
+    try:
+        f32 = write_gguf(model, workdir / "model-F32.gguf", None, placeholder_vocab=True)
+        threads = max(torch.get_num_threads(), 1)
+        path = f32 if name == "F32" else quantize_gguf(f32, workdir / f"model-{name}.gguf", name, threads)
+        if path != f32:
+            f32.unlink()  # a 135M model's float32 file is 0.5 GB: only the cell's own file is kept
+        parameters = sum(p.numel() for p in model.parameters())
+        artifact = describe_file(path, parameters)
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    return LlamaCppLM(path, getattr(model, "config", None), threads, workdir, artifact)
+
+
+__all__ = [
+    "LlamaCppLM",
+    "check_type",
+    "describe_file",
+    "llama_cpp_version",
+    "quantize_gguf",
+    "quantize_llama_cpp",
+    "require_llama_cpp",
+    "system_info",
+]

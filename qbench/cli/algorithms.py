@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from models.errors import UserError
 from qbench.cli.args import add_calibration_arguments, add_model_arguments, seed_value
 from qbench.cli.base import SEED_HELP, add_output_argument, console
 from qbench.cli.budgets import EVAL_TOKENS
@@ -33,6 +34,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "calibrate sequentially on windows sampled across the train split or --calib-data (128 of min(2048, "
         "context) tokens unless --calib-tokens says otherwise; QuaRot clips as its paper: aclip=0.9, wclip=mse)",
     )
+    p.add_argument(
+        "--llama-cpp",
+        default="default",
+        metavar="TYPES",
+        help="comma list of llama.cpp file types scored as rows of their own on the same tokens (quantised and "
+        "run by llama.cpp; needs pip install 'qbench[llama-cpp]'), none, or default = Q8_0,Q6_K,Q5_K_M,Q4_K_M,"
+        "Q4_0,IQ4_NL,Q3_K_M,Q2_K when llama-cpp-python is installed, else none and the table says so "
+        "(default: default)",
+    )
     add_calibration_arguments(p)
     add_output_argument(
         p, "the records, algorithms.json and table.md", default="results/algorithms", metavar="DIR"
@@ -49,6 +59,7 @@ def run(args: argparse.Namespace) -> int | None:
     from qbench.cli.evaluate import grid_spec, print_record
     from qbench.studies.algorithms import AlgorithmsConfig, run_algorithms
 
+    types, skipped = _llama_cpp_types(args.llama_cpp)
     cfg = AlgorithmsConfig(
         models=tuple(args.ckpt),
         # empty items kept: AlgorithmsConfig.check refuses them rather than running less than was typed
@@ -56,6 +67,8 @@ def run(args: argparse.Namespace) -> int | None:
         algorithms=tuple(a.strip() for a in args.algorithms.split(",")),
         output_path=Path(args.output_path),
         command=getattr(args, "command_line", ""),
+        llama_cpp=types,
+        llama_cpp_skipped=skipped,
     )
     cfg.check()
     # the grid's own options, as `qbench grid` builds them (float model, protocol, seed, loading)
@@ -69,3 +82,24 @@ def run(args: argparse.Namespace) -> int | None:
     result = run_algorithms(cfg, spec_for, on_record=print_record)
     console.print(f"table: {cfg.output_path / 'table.md'} ({result['wall_seconds']:.0f} s)")
     return None
+
+
+def _llama_cpp_types(text: str) -> tuple[tuple[str, ...], str | None]:
+    """(the llama.cpp types to score, why the default ones are left out): ``default`` scores the default types
+    when llama-cpp-python imports, else none (said in the table); ``none`` none; a list names them (upper-cased,
+    checked by the study) and needs llama-cpp-python."""
+    from qbench.studies.algorithms import LLAMA_CPP_DEFAULT
+
+    if text.strip().lower() == "none":
+        return (), None
+    default = text.strip().lower() == "default"
+    types = LLAMA_CPP_DEFAULT if default else tuple(t.strip().upper() for t in text.split(","))
+    try:
+        from qbench.quant.llamacpp import require_llama_cpp
+
+        require_llama_cpp()
+    except UserError as err:  # how to install it
+        if default:
+            return (), "llama-cpp-python is not installed: pip install 'qbench[llama-cpp]'"
+        raise err
+    return types, None

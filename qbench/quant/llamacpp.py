@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from models.errors import UserError
 from qbench.quant.gguf_types import GGUF_TYPES, check_type
+from qbench.quant.primitives import NonFiniteError
 
 
 def require_llama_cpp() -> Any:
@@ -171,10 +172,11 @@ class LlamaCppLM(nn.Module):
         length = int(ids.shape[1])
         llm = self._context(length)
         out = []
-        for row in ids.tolist():
-            llm.reset()  # eval() then starts from position 0: the KV cache is cleared (llama_memory_clear)
-            llm.eval(row)
-            out.append(torch.from_numpy(np.array(llm.scores[:length], dtype=np.float32)))
+        with quiet():  # llama.cpp's context warnings go to file descriptor 2, past Python's streams
+            for row in ids.tolist():
+                llm.reset()  # eval() then starts from position 0: the KV cache is cleared (llama_memory_clear)
+                llm.eval(row)
+                out.append(torch.from_numpy(np.array(llm.scores[:length], dtype=np.float32)))
         return SimpleNamespace(logits=torch.stack(out).to(input_ids.device))
 
     def nbytes(self) -> int:
@@ -216,11 +218,17 @@ def quantize_llama_cpp(model: nn.Module, type_name: str, exclude: tuple[str, ...
     require_llama_cpp()
     from models.gguf_export import write_gguf
 
+    for pname, p in model.named_parameters():  # llama.cpp's quantiser fails on them without saying where
+        if not torch.isfinite(p).all():
+            raise NonFiniteError(f"gguf:{name.lower()}: the float weights hold NaN or inf (first in {pname})")
     workdir = Path(tempfile.mkdtemp(prefix="qbench-gguf-"))
     try:
         f32 = write_gguf(model, workdir / "model-F32.gguf", None, placeholder_vocab=True)
         threads = max(torch.get_num_threads(), 1)
-        path = f32 if name == "F32" else quantize_gguf(f32, workdir / f"model-{name}.gguf", name, threads)
+        try:
+            path = f32 if name == "F32" else quantize_gguf(f32, workdir / f"model-{name}.gguf", name, threads)
+        except RuntimeError as err:  # recorded as the cell's one-line reason, the grid goes on
+            raise UserError(str(err)) from None
         if path != f32:
             f32.unlink()  # a 135M model's float32 file is 0.5 GB: only the cell's own file is kept
         parameters = sum(p.numel() for p in model.parameters())

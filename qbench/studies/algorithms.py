@@ -19,6 +19,13 @@ vocabulary): a mix is refused before anything runs (:func:`check_inputs`), as ``
 Every input is checked before anything is written (:func:`check_inputs`), and the table states the calibration the
 GPTQ/AWQ cells really took: the text, the tokens it holds, and the windows and tokens taken from it.
 
+llama.cpp's own file types (``--llama-cpp``, default :data:`LLAMA_CPP_DEFAULT`: Q8_0 … Q2_K) are scored on the same
+tokens as rows of their own (``gguf:<type>`` cells, ``qbench.quant.llamacpp``): each with its file's size and bits
+per weight, its change and KL divergence, and its perplexity paired against the best algorithm at int4 g128 (the
+format the k-quants compete with); the smallest type within :data:`LLAMA_CPP_TOLERANCE_PCT` of the float model is
+named. Without llama-cpp-python the default rows are left out and the table says so; asked for by name, they are
+refused in one line.
+
 Two rotations, said apart in the table: "Hadamard" is the in-layer rotation of the ``hadamard-*`` schemes (each
 linear's input and weight rows rotated inside the layer, the residual stream untouched); "QuaRot" rotates the
 residual stream itself (``rotate=quarot``), for the pre-norm RMSNorm models it can fold (qbench's Llama-style
@@ -53,6 +60,10 @@ FORMATS: tuple[tuple[str, str, str], ...] = (
     ),
 )
 ALGORITHMS = ("rtn", "gptq", "awq", "hadamard", "hadamard+gptq", "quarot", "quarot+gptq")
+# llama.cpp's file types scored beside them: what a llama.cpp user downloads, from 8.5 to ~2.6 bits per weight
+LLAMA_CPP_DEFAULT = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "IQ4_NL", "Q3_K_M", "Q2_K")
+LLAMA_CPP_TOLERANCE_PCT = 1.0  # "smallest llama.cpp type within 1 %" (the card's default tolerance)
+LLAMA_CPP_AGAINST = 1  # FORMATS index the types are paired against: int4 g128
 ALGORITHM_LABELS = {
     "rtn": "RTN",
     "gptq": "GPTQ",
@@ -96,6 +107,8 @@ class AlgorithmsConfig:
     algorithms: tuple[str, ...] = ALGORITHMS
     output_path: Path = Path("results/algorithms")
     command: str = ""
+    llama_cpp: tuple[str, ...] = ()  # llama.cpp file types scored as rows of their own (gguf:<type> cells)
+    llama_cpp_skipped: str | None = None  # why the default llama.cpp rows were left out (said in the table)
 
     def format_indices(self) -> list[int]:
         return [FORMAT_KEYS[key] for key in _checked_list("--formats", self.formats, tuple(FORMAT_KEYS))]
@@ -103,6 +116,10 @@ class AlgorithmsConfig:
     def check(self) -> None:
         self.format_indices()
         _checked_list("--algorithms", self.algorithms, ALGORITHMS)
+        if self.llama_cpp:
+            from qbench.quant.gguf_types import GGUF_TYPES
+
+            _checked_list("--llama-cpp", self.llama_cpp, tuple(GGUF_TYPES))
         if "rtn" not in self.algorithms:
             raise UserError("--algorithms must include rtn: every other algorithm is compared with it")
 
@@ -127,7 +144,11 @@ def _checked_list(option: str, items: Sequence[str], choices: Sequence[str]) -> 
 
 
 def schemes(cfg: AlgorithmsConfig) -> list[str]:
-    return [scheme_for(i, a) for i in cfg.format_indices() for a in cfg.algorithms]
+    from qbench.quant.gguf_types import scheme_name
+
+    return [scheme_for(i, a) for i in cfg.format_indices() for a in cfg.algorithms] + [
+        scheme_name(t) for t in cfg.llama_cpp
+    ]
 
 
 def check_inputs(cfg: AlgorithmsConfig, spec: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -327,6 +348,7 @@ def build(
                 }
             )
     remedies = _remedies(rows, models)
+    llama_rows = _llama_cpp_rows(cfg, by_key, models, rows, output_path)
     fp0 = fps[0] if fps else {}
     return {
         "command": cfg.command,
@@ -344,7 +366,75 @@ def build(
         "calibration": dict(calibration or {}),
         "rows": rows,
         "remedies": remedies,
+        "llama_cpp": {"types": list(cfg.llama_cpp), "skipped": cfg.llama_cpp_skipped, "rows": llama_rows},
     }
+
+
+def _llama_cpp_rows(
+    cfg: AlgorithmsConfig,
+    by_key: Mapping[tuple[str, str], Mapping[str, Any]],
+    models: list[str],
+    rows: list[dict[str, Any]],
+    output_path: Path,
+) -> list[dict[str, Any]]:
+    """One row per (model, llama.cpp type): the cell, its file (bytes, bits per weight, tensor types), tokens/s of
+    its evaluation, and its perplexity paired against the best algorithm at int4 g128 on the same tokens."""
+    from qbench.quant.gguf_types import scheme_name
+
+    out = []
+    against_label = FORMATS[LLAMA_CPP_AGAINST][0]
+    for model in models:
+        fp = by_key.get((model, "fp"))
+        clusters = window_documents(fp["protocol"]) if fp else None
+        base_row = next((r for r in rows if r["model"] == model and r["format"] == against_label), None)
+        best = None if base_row is None or base_row["best"] is None else base_row["best"]
+        best_record = None if best is None else by_key.get((model, scheme_for(LLAMA_CPP_AGAINST, best)))
+        best_nll = _tokens(output_path, best_record) if best_record else None
+        for t in cfg.llama_cpp:
+            record = by_key.get((model, scheme_name(t)))
+            if record is None:
+                continue
+            cell = _cell(record)
+            art = record.get("artifact") or {}
+            ok = record.get("status") == "ok"
+            ci = (
+                _paired(_tokens(output_path, record), best_nll, clusters)
+                if ok and best_nll is not None
+                else None
+            )
+            out.append(
+                {
+                    "model": model,
+                    "type": t,
+                    "cell": cell,
+                    "bytes": art.get("bytes"),
+                    "bits_per_weight": art.get("bits_per_weight"),
+                    "tensor_types": art.get("tensor_types"),
+                    "tokens_per_second": record.get("tokens_per_second"),
+                    "against": None if best is None else f"{ALGORITHM_LABELS[best]} at {against_label}",
+                    "vs_against_ci95": ci,
+                    "vs_against": None
+                    if ci is None
+                    else ("better" if ci[1] < 0 else "worse" if ci[0] > 0 else "undecided"),
+                }
+            )
+    return out
+
+
+def smallest_within(
+    rows: Sequence[Mapping[str, Any]], model: str, tolerance: float
+) -> Mapping[str, Any] | None:
+    """The smallest file among ``model``'s llama.cpp rows whose change's 95 % interval lies below ``tolerance`` %
+    (the card's pass rule); None when none does."""
+    passing = [
+        r
+        for r in rows
+        if r["model"] == model
+        and r["bytes"]
+        and r["cell"]["ppl_change_ci95"] is not None
+        and r["cell"]["ppl_change_ci95"][1] < tolerance
+    ]
+    return min(passing, key=lambda r: r["bytes"], default=None)
 
 
 def _remedies(rows: list[dict[str, Any]], models: list[str]) -> list[dict[str, Any]]:
@@ -488,6 +578,7 @@ def render(result: Mapping[str, Any]) -> str:
         lines.append(f"| {row['model']} | {row['format']} | {cells} | {best} |")
     fp = result.get("fp_perplexity") or {}
     lines += ["", "Float perplexity: " + ", ".join(f"{m} {p:.3f}" for m, p in fp.items() if p) + "."]
+    lines += _llama_cpp_lines(result)
     if result.get("remedies"):
         base = result["models"][0]
         lines += [
@@ -505,6 +596,47 @@ def render(result: Mapping[str, Any]) -> str:
                 f"{r['relation']} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _llama_cpp_lines(result: Mapping[str, Any]) -> list[str]:
+    """table.md's llama.cpp section: each type's file and cell beside the best algorithm at int4 g128."""
+    section = result.get("llama_cpp") or {}
+    if section.get("skipped"):
+        return ["", f"llama.cpp's file types: not scored ({section['skipped']})."]
+    if not section.get("rows"):
+        return []
+    lines = [
+        "",
+        "## llama.cpp's file types on the same tokens",
+        "",
+        "Each type written by llama.cpp's own quantiser from the float model and scored by llama.cpp (`gguf:<type>` "
+        "cells): the file's size and bits per weight (file bits over the float model's parameters), its change ± "
+        "the half-width of the 95 % interval, KL divergence and top-1 agreement with the float model, tokens/s of "
+        "its evaluation, and its perplexity paired against the best algorithm at int4 g128 (better / worse: that "
+        "paired interval wholly below / above zero).",
+        "",
+        "| model | type | MB | bits/weight | change | KLD | top-1 | tokens/s | vs |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in section["rows"]:
+        c = r["cell"]
+        mb = "-" if not r["bytes"] else f"{r['bytes'] / 1e6:,.1f}"
+        bpw = "-" if r["bits_per_weight"] is None else f"{r['bits_per_weight']:.2f}"
+        kld = "-" if c["kld_mean"] is None else f"{c['kld_mean']:.4f}"
+        top1 = "-" if c["top1_agreement"] is None else f"{100 * c['top1_agreement']:.1f} %"
+        change = _cell_text({**c, "quantize_seconds": None, "kld_mean": None, "vs_rtn": None})
+        vs = "-" if r["vs_against"] is None else f"{r['vs_against']} than {r['against']}"
+        tps = "-" if r["tokens_per_second"] is None else f"{r['tokens_per_second']:,.0f}"
+        lines.append(
+            f"| {r['model']} | {r['type']} | {mb} | {bpw} | {change} | {kld} | {top1} | {tps} | {vs} |"
+        )
+    for model in dict.fromkeys(r["model"] for r in section["rows"]):
+        small = smallest_within(section["rows"], model, LLAMA_CPP_TOLERANCE_PCT)
+        said = "none" if small is None else f"{small['type']} ({small['bytes'] / 1e6:,.1f} MB)"
+        lines.append(
+            f"\n{model}: smallest llama.cpp type within {LLAMA_CPP_TOLERANCE_PCT:g} % of float: {said}."
+        )
+    return lines
 
 
 def run_algorithms(cfg: AlgorithmsConfig, spec_for: Any, on_record: Any = None) -> dict[str, Any]:

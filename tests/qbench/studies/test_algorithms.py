@@ -51,3 +51,65 @@ def test_the_command_writes_the_table_from_its_json(ckpt_dir, tmp_path, capsys):
             assert (cell["vs_rtn_ci95"] is None) == (algo == "rtn")
             assert cell["vs_rtn"] in (None, "better", "worse", "undecided")
     assert "AWQ" in (out / "table.md").read_text() and result["machine"]
+
+
+# ----------------------------------------------------------------------------- llama.cpp's file types
+
+
+@pytest.fixture(scope="module")
+def llama_ckpt(tmp_path_factory, tokenizer):
+    from models.checkpoint import save_checkpoint
+    from tests.qbench.conftest import micro_config, trained_like
+
+    path = tmp_path_factory.mktemp("alg-llama") / "micro-llama"
+    save_checkpoint(path, trained_like(micro_config("llama")), tokenizer, provenance={"training": None})
+    return path
+
+
+def test_llama_cpp_types_are_rows_beside_the_algorithms(llama_ckpt, tmp_path, capsys):
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    out = tmp_path / "alg"
+    argv = ["algorithms", "--ckpt", llama_ckpt, "--formats", "int4-g128", "--algorithms", "rtn,awq"]
+    argv += ["--llama-cpp", "q8_0,Q4_0,Q2_K", "--output-path", out, *FAST]
+    assert main([str(a) for a in argv]) in (0, None), capsys.readouterr()
+    result = json.loads((out / "algorithms.json").read_text())
+    section = result["llama_cpp"]
+    assert section["types"] == ["Q8_0", "Q4_0", "Q2_K"] and section["skipped"] is None
+    rows = {r["type"]: r for r in section["rows"]}
+    assert list(rows) == ["Q8_0", "Q4_0", "Q2_K"]
+    for r in rows.values():
+        assert r["cell"]["status"] == "ok" and r["bytes"] > 0 and r["bits_per_weight"] > 0
+        assert r["against"].endswith("at int4 g128") and r["vs_against"] in ("better", "worse", "undecided")
+        assert r["tokens_per_second"] > 0 and r["tensor_types"]
+    # rows of 32 are no multiple of the k-quants' 256: llama.cpp falls back to a legacy type, and says which
+    assert rows["Q8_0"]["bytes"] > rows["Q4_0"]["bytes"] >= rows["Q2_K"]["bytes"]
+    assert "Q2_K" not in rows["Q2_K"]["tensor_types"]
+    table = (out / "table.md").read_text()
+    assert table == render(result) and "## llama.cpp's file types on the same tokens" in table
+    assert "smallest llama.cpp type within 1 % of float:" in table
+
+
+def test_llama_cpp_rows_are_refused_or_left_out_as_asked(llama_ckpt, tmp_path, monkeypatch):
+    from qbench.cli.algorithms import _llama_cpp_types
+
+    assert _llama_cpp_types("none") == ((), None)
+    with pytest.raises(UserError, match="did you mean 'Q4_K_M'"):
+        AlgorithmsConfig(models=("m",), llama_cpp=("Q4_KM",)).check()
+    import qbench.quant.llamacpp as llamacpp
+
+    def missing():
+        raise UserError("llama.cpp's formats need llama-cpp-python: pip install 'qbench[llama-cpp]'")
+
+    monkeypatch.setattr(llamacpp, "require_llama_cpp", missing)
+    types, skipped = _llama_cpp_types("default")
+    assert types == () and "not installed" in skipped  # the default rows are left out, and the table says so
+    with pytest.raises(UserError, match="need llama-cpp-python"):
+        _llama_cpp_types("Q4_0")  # asked for by name: refused
+    out = tmp_path / "alg"
+    argv = ["algorithms", "--ckpt", llama_ckpt, "--formats", "int4", "--algorithms", "rtn"]
+    assert main([str(a) for a in [*argv, "--output-path", out, *FAST]]) in (0, None)
+    assert (
+        "llama.cpp's file types: not scored (llama-cpp-python is not installed"
+        in (out / "table.md").read_text()
+    )

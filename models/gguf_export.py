@@ -262,17 +262,31 @@ def write_gguf(
     *,
     placeholder_vocab: bool = False,
     name: str | None = None,
+    quantize: Any = None,
+    separate_head: bool = False,
 ) -> Path:
     """Write ``model`` (ours, or transformers' GPT-2 / Llama) as a float32 GGUF at ``path``; returns the path.
 
     Every refusal (an architecture or attention llama.cpp has no graph for, a vocabulary that cannot be written)
     happens before the first byte; the file appears only complete (written beside it, then renamed).
+
+    ``quantize(gguf_name, tensor)``: called for every 2-D tensor, returns None (written float32) or (a llama.cpp
+    block type name, its bytes rows × bytes-per-row) written as that type (``qbench.quant.llamacpp.pack_blocks``);
+    the file type is then the first such type's. ``separate_head``: write ``output.weight`` even for tied
+    embeddings (a quantised head beside a float embedding).
     """
     gguf = _import_gguf()
     path = Path(path)
     hf = _as_hf(model, tokenizer)
     family = _check_exportable(hf)
     tensors, meta = (_gpt2_tensors if family == "gpt2" else _llama_tensors)(hf)
+    if separate_head and "output.weight" not in tensors:
+        tensors["output.weight"] = tensors["token_embd.weight"].clone()
+    packed = {}
+    if quantize is not None:  # every block computed before the first byte: a refusal leaves no file
+        for tensor_name, tensor in tensors.items():
+            if tensor.dim() == 2 and (done := quantize(tensor_name, tensor)) is not None:
+                packed[tensor_name] = done
     rows = tensors["token_embd.weight"].shape[0]
     vocab = _vocab(tokenizer, rows, placeholder_vocab)
     note = meta.pop("note", None)
@@ -281,7 +295,9 @@ def write_gguf(
     writer = gguf.GGUFWriter(str(tmp), family)
     try:
         writer.add_name(name or getattr(hf.config, "name_or_path", None) or family)
-        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+        first = next(iter(packed.values()), None)
+        ftype = gguf.LlamaFileType.ALL_F32 if first is None else gguf.LlamaFileType[f"MOSTLY_{first[0]}"]
+        writer.add_file_type(ftype)
         for key, value in meta.items():
             getattr(writer, f"add_{key}")(value)
         writer.add_vocab_size(rows)
@@ -300,7 +316,11 @@ def write_gguf(
         if note:
             writer.add_string("qbench.note", note)
         for tensor_name, tensor in tensors.items():
-            writer.add_tensor(tensor_name, tensor.contiguous().numpy())
+            if tensor_name in packed:
+                type_name, data = packed[tensor_name]
+                writer.add_tensor(tensor_name, data, raw_dtype=gguf.GGMLQuantizationType[type_name])
+            else:
+                writer.add_tensor(tensor_name, tensor.contiguous().numpy())
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

@@ -193,8 +193,10 @@ class LlamaCppLM(nn.Module):
             self._workdir = None
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:  # noqa: SIM105 - not contextlib: at interpreter shutdown module globals may be gone
             self.close()
+        except Exception:
+            pass
 
     def __deepcopy__(self, memo: dict) -> LlamaCppLM:
         raise UserError(
@@ -239,11 +241,92 @@ def quantize_llama_cpp(model: nn.Module, type_name: str, exclude: tuple[str, ...
     return LlamaCppLM(path, getattr(model, "config", None), threads, workdir, artifact)
 
 
+# ------------------------------------------------------------------------ a qbench scheme written as GGUF
+
+# The llama.cpp block types whose arithmetic a qbench weight grid has (ggml-common.h): one scale per 32 weights
+# of a row, stored as fp16. (bits, symmetric) -> type. Q8_0: x̂ = d·q, q ∈ [−127, 127] (qbench's int8 absmax
+# codes); Q4_0: x̂ = d·(q − 8), q ∈ [0, 15] (qbench's int4 absmax codes −7 … 7, shifted by 8); Q4_1:
+# x̂ = d·q + m, q ∈ [0, 15] (qbench's zero-point codes u with scale s and zero z: d = s, m = −s·z).
+EXPORT_TYPES = {(8, True): "Q8_0", (4, True): "Q4_0", (4, False): "Q4_1"}
+EXPORT_BLOCK = 32
+
+
+def export_type(scheme: Any) -> str:
+    """The llama.cpp type that holds ``scheme``'s weights exactly (but for its scales' fp16 rounding), or a
+    one-line error naming what differs and the nearest scheme that has one."""
+    from qbench.quant.granularity import PerGroup
+
+    name = scheme.name
+    what = []
+    if scheme.method not in ("rtn",) or scheme.format != "int":
+        what.append(
+            f"method {scheme.method}, format {scheme.format} (only integer round-to-nearest grids are)"
+        )
+    if scheme.algo != "rtn" or scheme.rotate != "none" or scheme.weight_clip_rule != "none":
+        what.append("a weight algorithm, rotation or clipped range (export writes round-to-nearest grids)")
+    key = (scheme.weight_bits, scheme.weight_symmetric)
+    if key not in EXPORT_TYPES:
+        what.append(
+            f"{scheme.weight_bits}-bit {'symmetric' if scheme.weight_symmetric else 'asymmetric'} weights"
+        )
+    if scheme.weight_granularity != PerGroup(EXPORT_BLOCK):
+        what.append(f"weights {scheme.weight_granularity.label} (llama.cpp's blocks are 32 weights of a row)")
+    if not what:
+        return EXPORT_TYPES[key]
+    bits = scheme.weight_bits if scheme.weight_bits in (4, 8) else 4
+    sym = scheme.weight_symmetric if bits == 4 else True
+    nearest = "absmax-fine:group=32" if bits == 8 else "absmax-w4a8-g32" if sym else "zeropoint-w4a8-g32"
+    raise UserError(
+        f"scheme {name!r} has no llama.cpp type with its arithmetic ({'; '.join(what)}); the nearest is "
+        f"{EXPORT_TYPES[(bits, sym)]}: --scheme {nearest} (types written: Q8_0, Q4_0, Q4_1)"
+    )
+
+
+def _fp16(x: Tensor) -> Any:
+    return x.to(torch.float16).numpy().view("uint8").reshape(*x.shape, 2)
+
+
+def pack_blocks(weight: Tensor, scheme: Any) -> tuple[str, Any]:
+    """(type name, the GGUF bytes of ``weight`` (rows × in) as llama.cpp's blocks): qbench's own codes and scales
+    (``primitives.choose_qparams`` / ``quantize`` with the scheme's grid) laid out as ``block_q8_0`` / ``q4_0`` /
+    ``q4_1``, the scales rounded to fp16 as llama.cpp stores them."""
+    import numpy as np
+
+    from qbench.quant.primitives import choose_qparams, quantize
+
+    type_name = export_type(scheme)
+    w = weight.detach().float().cpu()
+    rows, cols = w.shape
+    if cols % EXPORT_BLOCK:
+        raise UserError(
+            f"a row of {cols} weights is not whole blocks of {EXPORT_BLOCK}: llama.cpp cannot hold it"
+        )
+    qp = choose_qparams(w, scheme.weight_bits, scheme.weight_granularity, scheme.weight_symmetric)
+    codes = quantize(w, qp, scheme.weight_bits, scheme.weight_granularity, scheme.weight_symmetric)
+    blocks = cols // EXPORT_BLOCK
+    q = codes.reshape(rows, blocks, EXPORT_BLOCK).to(torch.int16)
+    d = _fp16(qp.scale.reshape(rows, blocks))
+    if type_name == "Q8_0":
+        body = q.to(torch.int8).numpy().view("uint8")
+        out = np.concatenate([d, body], axis=-1)
+    else:
+        u = (q + 8 if type_name == "Q4_0" else q).to(torch.uint8).numpy()
+        nibbles = (u[..., :16] & 0xF) | (u[..., 16:] << 4)  # ggml: the first 16 in low nibbles, the rest high
+        parts = [d]
+        if type_name == "Q4_1":  # m = −s·z: x̂ = s·(u − z) = d·u + m
+            parts.append(_fp16(-(qp.scale * qp.zero_point.float()).reshape(rows, blocks)))
+        out = np.concatenate([*parts, nibbles.astype(np.uint8)], axis=-1)
+    return type_name, np.ascontiguousarray(out.reshape(rows, -1))
+
+
 __all__ = [
+    "EXPORT_TYPES",
     "LlamaCppLM",
     "check_type",
     "describe_file",
+    "export_type",
     "llama_cpp_version",
+    "pack_blocks",
     "quantize_gguf",
     "quantize_llama_cpp",
     "require_llama_cpp",

@@ -598,6 +598,10 @@ def render(result: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _against_words(verdict: str, against: str) -> str:
+    return f"undecided against {against}" if verdict == "undecided" else f"{verdict} than {against}"
+
+
 def _llama_cpp_lines(result: Mapping[str, Any]) -> list[str]:
     """table.md's llama.cpp section: each type's file and cell beside the best algorithm at int4 g128."""
     section = result.get("llama_cpp") or {}
@@ -612,8 +616,10 @@ def _llama_cpp_lines(result: Mapping[str, Any]) -> list[str]:
         "Each type written by llama.cpp's own quantiser from the float model and scored by llama.cpp (`gguf:<type>` "
         "cells): the file's size and bits per weight (file bits over the float model's parameters), its change ± "
         "the half-width of the 95 % interval, KL divergence and top-1 agreement with the float model, tokens/s of "
-        "its evaluation, and its perplexity paired against the best algorithm at int4 g128 (better / worse: that "
-        "paired interval wholly below / above zero).",
+        "its evaluation (llama.cpp's forward passes and the comparison with the float logits: not a speed "
+        "figure, which `qbench speed --llama-cpp` gives), and its perplexity paired against the best algorithm at "
+        "int4 g128 (better / worse: that paired interval wholly below / above zero). A type is a mix: the tensor "
+        "types llama.cpp wrote are in each record's `artifact`.",
         "",
         "| model | type | MB | bits/weight | change | KLD | top-1 | tokens/s | vs |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -625,7 +631,7 @@ def _llama_cpp_lines(result: Mapping[str, Any]) -> list[str]:
         kld = "-" if c["kld_mean"] is None else f"{c['kld_mean']:.4f}"
         top1 = "-" if c["top1_agreement"] is None else f"{100 * c['top1_agreement']:.1f} %"
         change = _cell_text({**c, "quantize_seconds": None, "kld_mean": None, "vs_rtn": None})
-        vs = "-" if r["vs_against"] is None else f"{r['vs_against']} than {r['against']}"
+        vs = "-" if r["vs_against"] is None else _against_words(r["vs_against"], r["against"])
         tps = "-" if r["tokens_per_second"] is None else f"{r['tokens_per_second']:,.0f}"
         lines.append(
             f"| {r['model']} | {r['type']} | {mb} | {bpw} | {change} | {kld} | {top1} | {tps} | {vs} |"

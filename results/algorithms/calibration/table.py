@@ -69,11 +69,12 @@ def _order(r: dict) -> tuple:
         for item in name.partition(":")[2].split(",")
         if item and item.split("=")[0] in ("a", "w", "group")
     )
-    return (r["scheme"].get("weight_bits", 0), base, rest, r["scheme"].get("algo") not in (None, "rtn"), name)
+    bits = r["scheme"].get("weight_bits") or 0
+    return (bits, base, rest, r["scheme"].get("algo") not in (None, "rtn"), name)
 
 
 def calibration_table(folder: Path) -> str:
-    rs = records(folder)
+    rs = [r for r in records(folder) if r["scheme"].get("method") != "gguf"]  # llama.cpp's: no calibration
     if not rs:
         return ""
     first = rs[0]

@@ -296,7 +296,16 @@ def write_gguf(
     try:
         writer.add_name(name or getattr(hf.config, "name_or_path", None) or family)
         first = next(iter(packed.values()), None)
-        ftype = gguf.LlamaFileType.ALL_F32 if first is None else gguf.LlamaFileType[f"MOSTLY_{first[0]}"]
+        kinds = {t for t, _ in packed.values()}
+        # one type throughout: its file type; a mix (or a type with no MOSTLY_ name, Q4_K) llama.cpp reads as
+        # "guessed" and takes each tensor's own type from the tensor table
+        ftype = (
+            gguf.LlamaFileType.ALL_F32
+            if first is None
+            else gguf.LlamaFileType.__members__.get(f"MOSTLY_{first[0]}", gguf.LlamaFileType.GUESSED)
+            if len(kinds) == 1
+            else gguf.LlamaFileType.GUESSED
+        )
         writer.add_file_type(ftype)
         for key, value in meta.items():
             getattr(writer, f"add_{key}")(value)
@@ -328,6 +337,15 @@ def write_gguf(
         writer.close()
     os.replace(tmp, path)
     return path
+
+
+def tensor_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """The GGUF tensor names ``write_gguf`` would write for ``model`` and their shapes as torch holds them (rows ×
+    row length: ggml's ne1 × ne0), without writing anything; a model llama.cpp cannot run is refused as there."""
+    hf = _as_hf(model, None)
+    family = _check_exportable(hf)
+    tensors, _ = (_gpt2_tensors if family == "gpt2" else _llama_tensors)(hf)
+    return {name: tuple(t.shape) for name, t in tensors.items()}
 
 
 def gguf_summary(path: Path) -> dict[str, Any]:

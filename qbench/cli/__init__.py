@@ -57,6 +57,7 @@ COMMAND_MODULES = (
     "reproduce",
     "recipes",
     "algorithms",
+    "plan",
     "train",
     "data",
 )
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # The commands whose peak resident memory is printed when they finish: those that evaluate many cells.
-MEMORY_REPORTED = ("card", "run", "sweep", "sensitivity", "grid", "score", "algorithms", "demo")
+MEMORY_REPORTED = ("card", "run", "sweep", "sensitivity", "grid", "score", "algorithms", "plan", "demo")
 
 
 def peak_memory_gib() -> float:

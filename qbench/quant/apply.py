@@ -258,7 +258,7 @@ def quantize(
 
         if calibration is not None:
             raise UserError(f"scheme {scheme.name!r}: llama.cpp's file types take no calibration")
-        return quantize_llama_cpp(model, scheme.param("type"), tuple(exclude))
+        return quantize_llama_cpp(model, scheme.param("type"), tuple(exclude), scheme.params.get("tensors"))
     from models.hf import unpack_gates
 
     model = unpack_gates(model)  # a gated export: q_proj / o_proj quantised as the checkpoint's layers are

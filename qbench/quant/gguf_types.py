@@ -102,4 +102,125 @@ def scheme_name(type_name: str) -> str:
     return GGUF_PREFIX + type_name.lower()
 
 
-__all__ = ["GGUF_PREFIX", "GGUF_TYPES", "GGUFType", "check_type", "scheme_name"]
+# ------------------------------------------------------------------ one tensor's type (a mixed file)
+
+
+class TensorType(NamedTuple):
+    ggml: int  # enum ggml_type (ggml.h; gguf-py's GGMLQuantizationType, a test holds them equal)
+    block: int  # weights per block: a row's length must be a multiple of it
+    block_bytes: int  # bytes one block takes (ggml-common.h's block_* sizes)
+
+
+# The ggml types one tensor of a mixed file can take (``gguf:f16:ffn_down=q6_k``), written by llama.cpp's own
+# quantiser (``ggml_quantize_chunk``, what ``llama_model_quantize`` calls per tensor, without an importance
+# matrix). The k-quants need rows that are whole super-blocks of 256 (llama.cpp's quantize tool falls back to a
+# legacy type for other rows; here such a tensor is refused in one line). Bits per weight: 8·block_bytes / block.
+TENSOR_TYPES: dict[str, TensorType] = {
+    "F32": TensorType(0, 1, 4),
+    "F16": TensorType(1, 1, 2),
+    "BF16": TensorType(30, 1, 2),
+    "Q8_0": TensorType(8, 32, 34),
+    "Q6_K": TensorType(14, 256, 210),
+    "Q5_K": TensorType(13, 256, 176),
+    "Q5_1": TensorType(7, 32, 24),
+    "Q5_0": TensorType(6, 32, 22),
+    "Q4_K": TensorType(12, 256, 144),
+    "Q4_1": TensorType(3, 32, 20),
+    "Q4_0": TensorType(2, 32, 18),
+    "IQ4_NL": TensorType(20, 32, 18),
+    "IQ4_XS": TensorType(23, 256, 136),
+    "Q3_K": TensorType(11, 256, 110),
+    "Q2_K": TensorType(10, 256, 84),
+}
+FLOAT_BASES = ("F32", "F16", "BF16")  # the type of every tensor a mixed file's spec does not name
+
+# What a spec key names: a kind of tensor in every block (llama.cpp's GGUF names), a block (``blk.3``), one tensor
+# (``blk.3.ffn_down``), or the embedding / head. GPT-2 files fuse q, k, v into ``attn_qkv``.
+TENSOR_KINDS = (
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_qkv",
+    "attn_output",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+)
+TENSOR_GLOBALS = ("token_embd", "output", "position_embd")
+
+
+def tensor_type_bits(type_name: str) -> float:
+    """Bits per weight of one tensor type (Q4_K: 4.5, Q8_0: 8.5)."""
+    t = TENSOR_TYPES[type_name]
+    return 8 * t.block_bytes / t.block
+
+
+def check_tensor_type(type_name: str) -> str:
+    """``q4_k`` -> ``Q4_K``; an unknown one (``q4_k_m`` is a file type, not a tensor type) fails in one line."""
+    from models.errors import unknown_choice
+
+    name = str(type_name).strip().upper()
+    if name not in TENSOR_TYPES:
+        raise unknown_choice("llama.cpp tensor type", name, TENSOR_TYPES)
+    return name
+
+
+def check_tensor_key(key: str) -> str:
+    """A spec key as written (``ffn_down``, ``blk.3``, ``blk.3.attn_v``, ``token_embd``), or a one-line error."""
+    from models.errors import UserError, unknown_choice
+
+    key = key.strip()
+    parts = key.split(".")
+    if parts[0] == "blk":
+        if len(parts) not in (2, 3) or not parts[1].isdigit():
+            raise UserError(f"tensor key {key!r}: write a block as blk.N or one tensor as blk.N.<kind>")
+        if len(parts) == 3 and parts[2] not in TENSOR_KINDS:
+            raise unknown_choice("tensor kind", parts[2], TENSOR_KINDS)
+        return key
+    if key not in TENSOR_KINDS + TENSOR_GLOBALS:
+        raise unknown_choice("tensor key", key, (*TENSOR_KINDS, *TENSOR_GLOBALS, "blk.N", "blk.N.<kind>"))
+    return key
+
+
+def key_matches(key: str, tensor_name: str) -> bool:
+    """Does ``key`` name the GGUF tensor ``tensor_name`` (``blk.3.ffn_down.weight``)?"""
+    stem = tensor_name.removesuffix(".weight")
+    parts = stem.split(".")
+    if key.startswith("blk."):
+        return stem == key or (stem.startswith(key + ".") and key.count(".") == 1)
+    return (parts[-1] == key and parts[0] == "blk") or stem == key
+
+
+def parse_tensor_spec(spec: str) -> tuple[tuple[str, str], ...]:
+    """``attn_v=q6_k,ffn_down=q4_k`` -> ((key, TYPE), …), checked; a tensor named twice (the same key, or a
+    tensor two keys both name, such as ``ffn_down`` and ``blk.3.ffn_down``) is refused when the file is written
+    (where the tensors are known); here a key given twice is."""
+    from models.errors import UserError
+
+    out: dict[str, str] = {}
+    for item in spec.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise UserError(f"tensor spec {spec!r}: write key=type pairs, e.g. attn_v=q6_k,ffn_down=q4_k")
+        key = check_tensor_key(key)
+        if key in out:
+            raise UserError(f"tensor spec {spec!r} names {key!r} twice; give each once")
+        out[key] = check_tensor_type(value)
+    return tuple(sorted(out.items()))
+
+
+__all__ = [
+    "FLOAT_BASES",
+    "GGUF_PREFIX",
+    "GGUF_TYPES",
+    "TENSOR_TYPES",
+    "GGUFType",
+    "TensorType",
+    "check_tensor_key",
+    "check_tensor_type",
+    "check_type",
+    "key_matches",
+    "parse_tensor_spec",
+    "scheme_name",
+    "tensor_type_bits",
+]

@@ -39,7 +39,13 @@ import torch
 from torch import Tensor, nn
 
 from models.errors import UserError
-from qbench.quant.gguf_types import GGUF_TYPES, check_type
+from qbench.quant.gguf_types import (
+    GGUF_TYPES,
+    TENSOR_TYPES,
+    check_tensor_type,
+    check_type,
+    key_matches,
+)
 from qbench.quant.primitives import NonFiniteError
 
 
@@ -208,37 +214,129 @@ class LlamaCppLM(nn.Module):
         return f"{self.path.name}, threads={self.threads}"
 
 
-def quantize_llama_cpp(model: nn.Module, type_name: str, exclude: tuple[str, ...] = ()) -> LlamaCppLM:
+def quantize_llama_cpp(
+    model: nn.Module,
+    type_name: str,
+    exclude: tuple[str, ...] = (),
+    tensors: dict[str, str] | None = None,
+) -> LlamaCppLM:
     """``model`` written as a float32 GGUF, quantised by llama.cpp to ``type_name`` (F32: as written) and loaded
     by llama.cpp: the module a ``gguf:*`` cell scores. ``model`` is not modified. A model llama.cpp cannot run
-    (``write_gguf`` names why) and layer exclusions are refused in one line."""
+    (``write_gguf`` names why) and layer exclusions are refused in one line.
+
+    ``tensors`` (``{"ffn_down": "Q6_K", "blk.0": "Q8_0"}``, keys as :func:`~qbench.quant.gguf_types.key_matches`
+    reads them): a mixed file instead — each named tensor in its own ggml type by :func:`quantize_tensor`, every
+    other 2-D tensor in the float ``type_name`` (F32, F16, BF16), norms float32. A key that names no tensor, or a
+    tensor two keys name, is refused."""
     name = check_type(type_name)
+    label = f"gguf:{name.lower()}" + (":…" if tensors else "")
     if tuple(exclude):
-        raise UserError(
-            f"gguf:{name.lower()}: llama.cpp chooses every tensor's type itself; --exclude does not apply"
-        )
+        raise UserError(f"{label}: llama.cpp chooses every tensor's type itself; --exclude does not apply")
     require_llama_cpp()
     from models.gguf_export import write_gguf
 
     for pname, p in model.named_parameters():  # llama.cpp's quantiser fails on them without saying where
         if not torch.isfinite(p).all():
-            raise NonFiniteError(f"gguf:{name.lower()}: the float weights hold NaN or inf (first in {pname})")
+            raise NonFiniteError(f"{label}: the float weights hold NaN or inf (first in {pname})")
     workdir = Path(tempfile.mkdtemp(prefix="qbench-gguf-"))
     try:
-        f32 = write_gguf(model, workdir / "model-F32.gguf", None, placeholder_vocab=True)
         threads = max(torch.get_num_threads(), 1)
-        try:
-            path = f32 if name == "F32" else quantize_gguf(f32, workdir / f"model-{name}.gguf", name, threads)
-        except RuntimeError as err:  # recorded as the cell's one-line reason, the grid goes on
-            raise UserError(str(err)) from None
-        if path != f32:
-            f32.unlink()  # a 135M model's float32 file is 0.5 GB: only the cell's own file is kept
+        if tensors:
+            quantize, used = mixed_quantizer(tensors, name)
+            path = write_gguf(
+                model,
+                workdir / "model-mixed.gguf",
+                None,
+                placeholder_vocab=True,
+                quantize=quantize,
+                separate_head="output" in tensors,
+            )
+            check_all_used(tensors, used)
+        else:
+            f32 = write_gguf(model, workdir / "model-F32.gguf", None, placeholder_vocab=True)
+            try:
+                path = (
+                    f32
+                    if name == "F32"
+                    else quantize_gguf(f32, workdir / f"model-{name}.gguf", name, threads)
+                )
+            except RuntimeError as err:  # recorded as the cell's one-line reason, the grid goes on
+                raise UserError(str(err)) from None
+            if path != f32:
+                f32.unlink()  # a 135M model's float32 file is 0.5 GB: only the cell's own file is kept
         parameters = sum(p.numel() for p in model.parameters())
         artifact = describe_file(path, parameters)
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
     return LlamaCppLM(path, getattr(model, "config", None), threads, workdir, artifact)
+
+
+# ------------------------------------------------------------------ one tensor in a ggml type (mixed files)
+
+
+def tensor_bytes(shape: tuple[int, int], type_name: str) -> int:
+    """Bytes of a (rows × n) tensor in ggml type ``type_name`` (rows whole blocks: :func:`fits`)."""
+    t = TENSOR_TYPES[check_tensor_type(type_name)]
+    rows, n = shape
+    return rows * (n // t.block) * t.block_bytes
+
+
+def fits(n: int, type_name: str) -> bool:
+    """Can a row of ``n`` weights be stored in ``type_name`` (whole blocks; k-quants: whole 256s)?"""
+    return n % TENSOR_TYPES[check_tensor_type(type_name)].block == 0
+
+
+def quantize_tensor(weight: Tensor, type_name: str, name: str = "the tensor") -> Any:
+    """``weight`` (rows × n: ggml's ne0 is n) in ggml type ``type_name`` as llama.cpp's own quantiser writes it
+    (``ggml_quantize_chunk``, no importance matrix, as ``llama_model_quantize`` without ``--imatrix``): a uint8
+    array of rows × row bytes. Rows that are not whole blocks of the type are refused in one line."""
+    import numpy as np
+
+    type_name = check_tensor_type(type_name)
+    t = TENSOR_TYPES[type_name]
+    w = np.ascontiguousarray(weight.detach().to("cpu", torch.float32).numpy())
+    n = w.shape[1]
+    if n % t.block:
+        ok = [k for k, v in TENSOR_TYPES.items() if n % v.block == 0]
+        raise UserError(
+            f"{name}: rows of {n} weights are not whole blocks of {t.block} ({type_name}); types that fit: "
+            f"{', '.join(ok)}"
+        )
+    from qbench.quant.kernels.ggml import quantize_rows, requires_imatrix
+
+    if requires_imatrix(t.ggml):
+        raise UserError(f"{type_name} needs an importance matrix, which qbench does not compute")
+    return quantize_rows(t.ggml, w)
+
+
+def mixed_quantizer(tensors: dict[str, str], base: str) -> tuple[Any, dict[str, list[str]]]:
+    """(``write_gguf``'s ``quantize`` callback for a mixed file, the tensors each key matched, filled as it runs):
+    a named tensor in its type, any other 2-D tensor in ``base`` (F32: written as it is)."""
+    used: dict[str, list[str]] = {k: [] for k in tensors}
+
+    def quantize(tensor_name: str, tensor: Tensor) -> tuple[str, Any] | None:
+        keys = [k for k in tensors if key_matches(k, tensor_name)]
+        if len(keys) > 1:
+            raise UserError(f"{tensor_name} is named by {' and '.join(keys)}: give each tensor one type")
+        for k in keys:
+            used[k].append(tensor_name)
+        type_name = tensors[keys[0]] if keys else base
+        if type_name == "F32":
+            return None
+        return type_name, quantize_tensor(tensor, type_name, tensor_name)
+
+    return quantize, used
+
+
+def check_all_used(tensors: dict[str, str], used: dict[str, list[str]]) -> None:
+    """A key that named no tensor of the model did not apply: an error, not a silent float tensor."""
+    unused = [k for k, names in used.items() if not names]
+    if unused:
+        raise UserError(
+            f"{', '.join(unused)} names no tensor of this model (its GGUF has token_embd, output when untied, "
+            "and blk.N.attn_q/attn_k/attn_v/attn_output/ffn_gate/ffn_up/ffn_down, or attn_qkv for GPT-2)"
+        )
 
 
 # ------------------------------------------------------------------------ a qbench scheme written as GGUF
@@ -322,13 +420,18 @@ def pack_blocks(weight: Tensor, scheme: Any) -> tuple[str, Any]:
 __all__ = [
     "EXPORT_TYPES",
     "LlamaCppLM",
+    "check_all_used",
     "check_type",
     "describe_file",
     "export_type",
+    "fits",
     "llama_cpp_version",
+    "mixed_quantizer",
     "pack_blocks",
     "quantize_gguf",
     "quantize_llama_cpp",
+    "quantize_tensor",
     "require_llama_cpp",
     "system_info",
+    "tensor_bytes",
 ]

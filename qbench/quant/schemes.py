@@ -25,6 +25,10 @@ Conventions every scheme shares (and every result records, since ``to_dict()`` i
   quantised and run by llama.cpp in either mode (``qbench.quant.llamacpp``); their bit and block fields state the
   type's nominal arithmetic (8-bit activation blocks: the CPU's ``vec_dot_type``), the file's tensor types are in
   each record's ``artifact``. They take no overrides; ``--scheme gguf`` names them all.
+- ``gguf:<f32|f16|bf16>:<key>=<type>,…`` (``gguf:f16:ffn_down=q6_k,attn_q=q4_0``): a mixed file — the named
+  tensors (a kind in every block, ``blk.N``, ``blk.N.<kind>``, ``token_embd``, ``output``) in the named ggml
+  types, written by llama.cpp's own per-tensor quantiser, every other tensor in the float base; run by llama.cpp
+  (``qbench plan`` writes its plans this way).
 - ``zeropoint-int{4,3,2}-g{128,64,32}``: grouped weight-only round-to-nearest, one scale and zero point per g input
   channels of each output channel; a group at least as long as a layer's row is one group per row (per channel),
   a group that does not divide it is an error (``QuantScheme.weight_granularity_for``).
@@ -70,6 +74,9 @@ _METHOD_PARAMS = {
     "hadamard": {"seed": 0},
     "gguf": {"type": "F32"},  # llama.cpp's file type (qbench.quant.gguf_types)
 }
+# stated only where given, so records written before they existed keep their identity: a mixed GGUF's tensor
+# types (``gguf:f16:ffn_down=q6_k``, :func:`mixed_gguf_scheme`)
+_OPTIONAL_PARAMS = {"gguf": {"tensors"}}
 _PER_CHANNEL, _PER_TOKEN, _PER_TENSOR = PerAxis(0), PerToken(), PerTensor()  # immutable defaults
 
 
@@ -151,11 +158,12 @@ class QuantScheme:
                 check_bits(bits)
         check_static(self)
         _check_format(self)
-        unknown = set(self.params) - set(_METHOD_PARAMS[self.method])
+        known = set(_METHOD_PARAMS[self.method]) | _OPTIONAL_PARAMS.get(self.method, set())
+        unknown = set(self.params) - known
         if unknown:
             raise UserError(
                 f"scheme {self.name!r}: unknown {self.method} parameter(s) {sorted(unknown)}; "
-                f"known: {sorted(_METHOD_PARAMS[self.method]) or 'none'}"
+                f"known: {sorted(known) or 'none'}"
             )
         object.__setattr__(self, "params", {**_METHOD_PARAMS[self.method], **self.params})
         _check_algo(self)
@@ -213,7 +221,8 @@ class QuantScheme:
         if self.format != INT:
             return _format_label(self)
         if self.method == "gguf":  # llama.cpp's own name says what the file holds (a mix, not one grid)
-            return f"llama.cpp-{self.param('type')}"
+            mixed = "-mix" if self.params.get("tensors") else ""
+            return f"llama.cpp-{self.param('type')}{mixed}"
         weights = self.weight_bits is not None
         bits = (f"W{self.weight_bits}" if weights else "") + (f"A{self.act_bits}" if self.act_bits else "")
         if self.method in BNB_METHODS:
@@ -672,6 +681,32 @@ GGUF_SCHEMES = tuple(scheme_name(t) for t in GGUF_TYPES)
 PAPER_SCHEMES = ("absmax-fine", "absmax-moderate", "absmax-coarse", "zeropoint-int4")
 
 
+def mixed_gguf_scheme(base: str, spec: str) -> QuantScheme:
+    """``gguf:<base>:<key>=<type>,…``: a GGUF whose named tensors take their own ggml types (llama.cpp's
+    per-tensor quantiser) and every other tensor the float ``base`` (F32, F16 or BF16); the name is canonical
+    (keys sorted, lower case), so one mix is one cell whatever order it was written in."""
+    from qbench.quant.gguf_types import FLOAT_BASES, parse_tensor_spec
+
+    base_name = base.strip().upper()
+    if base_name not in FLOAT_BASES:
+        raise UserError(
+            f"scheme gguf:{base}:{spec}: llama.cpp's file types take no overrides (they choose each tensor's "
+            f"type); a mixed file names a float base ({', '.join(FLOAT_BASES)}) and its tensors' types: "
+            "gguf:f16:ffn_down=q6_k,attn_v=q8_0"
+        )
+    tensors = parse_tensor_spec(spec)
+    name = f"{GGUF_PREFIX}{base_name.lower()}:" + ",".join(f"{k}={t.lower()}" for k, t in tensors)
+    return QuantScheme(
+        name,
+        f"a llama.cpp file: {', '.join(f'{k} {t}' for k, t in tensors)}, every other tensor {base_name}; "
+        "quantised per tensor and run by llama.cpp",
+        method="gguf",
+        weight_bits=None,  # one grid per tensor: the record's artifact lists them
+        params={"type": base_name, "tensors": {k: t for k, t in tensors}},
+        quantize_lm_head=any(k in ("output", "token_embd") for k, _ in tensors),
+    )
+
+
 def get_scheme(scheme: str | QuantScheme | dict[str, Any]) -> QuantScheme:
     """A registered name or alias, optionally with overrides (``"absmax-coarse:w=4,a=4,o=4"``, see
     ``overrides.py``), a ``QuantScheme``, or its ``to_dict()`` form -> ``QuantScheme``."""
@@ -683,6 +718,9 @@ def get_scheme(scheme: str | QuantScheme | dict[str, Any]) -> QuantScheme:
         return _check_transform_applies(QuantScheme.from_dict(scheme))
     if isinstance(scheme, str) and scheme.strip().lower().startswith(GGUF_PREFIX):
         rest = scheme.strip()[len(GGUF_PREFIX) :]
+        base, sep, spec = rest.partition(":")
+        if sep:  # a mixed file: named tensors in their own types, the rest in a float base
+            return mixed_gguf_scheme(base, spec)
         if any(c in rest for c in ":,="):
             raise UserError(
                 f"scheme {scheme!r}: llama.cpp's file types take no overrides (llama.cpp chooses each tensor's "

@@ -30,6 +30,7 @@ WRITERS = {
     "reproduce",
     "recipes",
     "algorithms",
+    "plan",
     "data",
 }
 TOKEN_DEFAULTS = {  # command -> (option dest, its budget)
@@ -45,6 +46,7 @@ TOKEN_DEFAULTS = {  # command -> (option dest, its budget)
     "reproduce": ("eval_tokens", PAPER_TOKENS),
     "recipes": ("tokens", DEMO_TOKENS),
     "algorithms": ("tokens", EVAL_TOKENS),
+    "plan": ("tokens", EVAL_TOKENS),
     "speed": ("tokens", TIMING_TOKENS),
 }
 BUDGET_DESTS = {"tokens", "eval_tokens", "model_tokens"}

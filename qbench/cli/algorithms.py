@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from models.errors import UserError
-from qbench.cli.args import add_calibration_arguments, add_model_arguments, seed_value
+from qbench.cli.args import add_calibration_arguments, add_model_arguments, llama_cpp_types, seed_value
 from qbench.cli.base import SEED_HELP, add_output_argument, console
 from qbench.cli.budgets import EVAL_TOKENS
 
@@ -57,9 +56,9 @@ def run(args: argparse.Namespace) -> int | None:
     from dataclasses import replace
 
     from qbench.cli.evaluate import grid_spec, print_record
-    from qbench.studies.algorithms import AlgorithmsConfig, run_algorithms
+    from qbench.studies.algorithms import LLAMA_CPP_DEFAULT, AlgorithmsConfig, run_algorithms
 
-    types, skipped = _llama_cpp_types(args.llama_cpp)
+    types, skipped = llama_cpp_types(args.llama_cpp, LLAMA_CPP_DEFAULT)
     cfg = AlgorithmsConfig(
         models=tuple(args.ckpt),
         # empty items kept: AlgorithmsConfig.check refuses them rather than running less than was typed
@@ -82,24 +81,3 @@ def run(args: argparse.Namespace) -> int | None:
     result = run_algorithms(cfg, spec_for, on_record=print_record)
     console.print(f"table: {cfg.output_path / 'table.md'} ({result['wall_seconds']:.0f} s)")
     return None
-
-
-def _llama_cpp_types(text: str) -> tuple[tuple[str, ...], str | None]:
-    """(the llama.cpp types to score, why the default ones are left out): ``default`` scores the default types
-    when llama-cpp-python imports, else none (said in the table); ``none`` none; a list names them (upper-cased,
-    checked by the study) and needs llama-cpp-python."""
-    from qbench.studies.algorithms import LLAMA_CPP_DEFAULT
-
-    if text.strip().lower() == "none":
-        return (), None
-    default = text.strip().lower() == "default"
-    types = LLAMA_CPP_DEFAULT if default else tuple(t.strip().upper() for t in text.split(","))
-    try:
-        from qbench.quant.llamacpp import require_llama_cpp
-
-        require_llama_cpp()
-    except UserError as err:  # how to install it
-        if default:
-            return (), "llama-cpp-python is not installed: pip install 'qbench[llama-cpp]'"
-        raise err
-    return types, None

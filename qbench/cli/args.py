@@ -327,3 +327,31 @@ def add_resolve_argument(parser: argparse.ArgumentParser, budget: str = "--token
         help="re-evaluate undecided cells (95 %% interval straddling the tolerance) at twice the tokens, again "
         f"while undecided, up to MAX_TOKENS (given alone: 4 × {budget}); off unless given",
     )
+
+
+def llama_cpp_types(text: str, default: tuple[str, ...]) -> tuple[tuple[str, ...], str | None]:
+    """``--llama-cpp``: (the llama.cpp file types to score, why the default ones are left out). ``default``
+    scores ``default`` when llama-cpp-python imports, else none (the output says why); ``none`` none; a comma
+    list names them (checked, upper-cased) and needs llama-cpp-python (refused in one line without it)."""
+    from qbench.quant.gguf_types import GGUF_TYPES
+
+    if text.strip().lower() == "none":
+        return (), None
+    is_default = text.strip().lower() == "default"
+    types = default if is_default else tuple(t.strip().upper() for t in text.split(","))
+    for t in types:
+        if t not in GGUF_TYPES:
+            from models.errors import unknown_choice
+
+            raise unknown_choice("--llama-cpp type", t, GGUF_TYPES)
+    if not types:
+        return (), None
+    try:
+        from qbench.quant.llamacpp import require_llama_cpp
+
+        require_llama_cpp()
+    except UserError as err:  # how to install it
+        if is_default:
+            return (), "llama-cpp-python is not installed: pip install 'qbench[llama-cpp]'"
+        raise err
+    return types, None

@@ -68,6 +68,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed_value, default=0, help=SEED_HELP)
     add_calibration_arguments(p)
     p.add_argument(
+        "--llama-cpp",
+        default="default",
+        metavar="TYPES",
+        help="comma list of llama.cpp file types scored as rows of their own on the card's windows (quantised and "
+        "run by llama.cpp; pip install 'qbench[llama-cpp]'), none, or default = the budget's (standard, full: "
+        "Q8_0,Q6_K,Q5_K_M,Q4_K_M,Q4_0,IQ4_NL,Q3_K_M,Q2_K when llama-cpp-python is installed, else none and the "
+        "card says so; quick: none) (default: default)",
+    )
+    p.add_argument(
         "--from-json",
         metavar="DIR_OR_CARD_JSON",
         help="re-render card.md, card.html and the figures of a card already written, from its card.json alone "
@@ -107,6 +116,11 @@ def config(args: argparse.Namespace):
         calib_sample=args.calib_sample,
     )
     from dataclasses import replace
+
+    from qbench.cli.args import llama_cpp_types
+
+    types, skipped = llama_cpp_types(args.llama_cpp, cfg.plan.llama_cpp)
+    cfg = replace(cfg, llama_cpp=types, llama_cpp_skipped=skipped)
 
     from qbench.studies.resolve import resolve_cap
 

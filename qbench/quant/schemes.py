@@ -694,6 +694,14 @@ def mixed_gguf_scheme(base: str, spec: str) -> QuantScheme:
             f"type); a mixed file names a float base ({', '.join(FLOAT_BASES)}) and its tensors' types: "
             "gguf:f16:ffn_down=q6_k,attn_v=q8_0"
         )
+    from qbench.quant.overrides import KEYS
+
+    keys = [item.partition("=")[0].strip() for item in spec.split(",")]
+    if any(k in KEYS for k in keys):  # a scheme override (head=true, w=4 …), not a tensor
+        raise UserError(
+            f"scheme gguf:{base}:{spec}: llama.cpp's file types take no overrides ({', '.join(k for k in keys if k in KEYS)}); "
+            "a mixed file names tensors and their types: gguf:f16:output=q8_0,ffn_down=q6_k"
+        )
     tensors = parse_tensor_spec(spec)
     name = f"{GGUF_PREFIX}{base_name.lower()}:" + ",".join(f"{k}={t.lower()}" for k, t in tensors)
     return QuantScheme(

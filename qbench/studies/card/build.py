@@ -18,10 +18,16 @@ from qbench.studies.card.decide import Avoid, sink_heads_share, sink_verdict, si
 from qbench.studies.card.plan import KV_MIN_WINDOW, LINEAR_TABLE_ROWS
 from qbench.studies.card.repair import map_section, repair_section
 from qbench.studies.card.result import ModelResult
-from qbench.studies.card.rows import breaking_points, format_row, kv_section, record_ref
+from qbench.studies.card.rows import breaking_points, format_row, kv_section, llama_cpp_row, record_ref
 from qbench.studies.card.schema import CARD_VERSION
 from qbench.studies.card.sizes import kv_memory
-from qbench.studies.card.words import comparison_lines, decisions_line, not_measured, verdict_lines
+from qbench.studies.card.words import (
+    comparison_lines,
+    decisions_line,
+    llama_cpp_line,
+    not_measured,
+    verdict_lines,
+)
 
 # The registry's metrics card.json describes (its renderers' column headers and definitions).
 CARD_METRICS = (
@@ -87,8 +93,15 @@ def _model_section(entry: ModelResult, settings: Mapping[str, Any]) -> dict[str,
     sens = repair_section(entry, fp, profile, settings, tolerance, metric)
     avoid_map = map_section(entry.avoid_map)
     beat = size_to_beat(entry.formats, fp, profile, tolerance, metric, entry.source_bytes)
-    decisions = _decisions(formats, kv, entry.sweep, fp["model"]["name"])
-    return {
+    llama_cpp = [llama_cpp_row(r, tolerance, out, metric) for r in entry.llama_cpp]
+    decisions = _decisions([*formats, *llama_cpp], kv, entry.sweep, fp["model"]["name"])
+    verdict = verdict_section(formats, sens, tolerance, metric, avoid_map, beat, decisions)
+    if llama_cpp:  # the files people download, on the same tokens: the smallest that passes
+        verdict["lines"].append(llama_cpp_line(llama_cpp, tolerance, metric))
+    unmeasured = not_measured(formats, kv, bool(entry.speed), fp["protocol"], settings)
+    if entry.llama_cpp_skipped:
+        unmeasured.append(f"llama.cpp's file types: {entry.llama_cpp_skipped}")
+    section = {
         "name": fp["model"]["name"],
         "source": entry.source,
         "identity": _identity(fp["model"], profile["architecture"]),
@@ -112,10 +125,13 @@ def _model_section(entry: ModelResult, settings: Mapping[str, Any]) -> dict[str,
         # per-window mean NLL of the float record and each format (the comparison's paired intervals)
         "window_nll": entry.window_nll or {},
         "kernels": {k: v for k, v in (entry.layer_speed or {}).items() if k != "records"} or None,
-        "verdict": verdict_section(formats, sens, tolerance, metric, avoid_map, beat, decisions),
+        "verdict": verdict,
         "decisions": decisions,
-        "not_measured": not_measured(formats, kv, bool(entry.speed), fp["protocol"], settings),
+        "not_measured": unmeasured,
     }
+    if llama_cpp:  # cards without llama.cpp rows keep their shape
+        section["llama_cpp"] = llama_cpp
+    return section
 
 
 def _decisions(

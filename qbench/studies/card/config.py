@@ -47,6 +47,10 @@ class CardConfig:
     calib_data: str | None = None
     calib_tokens: int | None = None
     calib_sample: str = "documents"  # --calib-sample: how the windows are drawn (documents | first)
+    # llama.cpp's file types scored as rows of their own (gguf:<type> cells; --llama-cpp), and why the budget's
+    # default ones were left out (llama-cpp-python not installed: said under "Not measured")
+    llama_cpp: tuple[str, ...] = ()
+    llama_cpp_skipped: str | None = None
 
     def calibration(self) -> Any:
         from qbench.quant.calibrate import CalibrationData
@@ -468,10 +472,10 @@ def planned_kv_rows(cfg: CardConfig) -> int:
 
 
 def planned_cells(cfg: CardConfig) -> int:
-    """Cells per model before the sensitivity study: the float record, the formats, the KV rows and the sweep's
-    own cells (those not already formats)."""
+    """Cells per model before the sensitivity study: the float record, the formats, the llama.cpp rows, the KV
+    rows and the sweep's own cells (those not already formats)."""
     plan = cfg.plan
-    n = 1 + len(plan.formats) + planned_kv_rows(cfg)
+    n = 1 + len(plan.formats) + planned_kv_rows(cfg) + len(cfg.llama_cpp)
     if plan.sweep_families:
         from qbench.quant.schemes import get_scheme
         from qbench.studies.sweep import plan as sweep_plan

@@ -134,7 +134,11 @@ def _kv_scheme_gap(cfg: CardConfig) -> str | None:
 
 def _settings(cfg: CardConfig, seconds: float) -> dict[str, Any]:
     """The card's settings: what it measured (the budget's contents as the card's header states them) and how."""
-    plan = cfg.plan
+    from dataclasses import replace
+
+    plan = replace(
+        cfg.plan, llama_cpp=cfg.llama_cpp
+    )  # the llama.cpp rows as measured (none without llama.cpp)
     contents = plan.describe(cfg.tokens)
     if cfg.kv_scheme is not None:
         widths = kv_widths(plan, cfg.kv_scheme)
@@ -186,6 +190,7 @@ def _measure_model(m: _Subject) -> ModelResult:
     spec, evaluation, fp = _float(m)
     profile, _ = profile_record(evaluation, fp, m.cfg.device)
     formats, at_budget = _formats(m, spec, evaluation)
+    llama_cpp = _llama_cpp(m, spec, evaluation)
     kv = _kv(m)
     sweep = _sweep(m, [fp, *formats])
     source_bytes = quantised_source_bytes(fp)
@@ -205,9 +210,11 @@ def _measure_model(m: _Subject) -> ModelResult:
         layer_speed=layer_speed,
         source=m.lm.source,
         source_bytes=source_bytes,
-        window_nll=window_nll(out, [fp, *formats]),
+        window_nll=window_nll(out, [fp, *formats, *llama_cpp]),
         resolved=m.resolved,
-        paths=stored_paths(out, [fp, *formats, *(r for r in kv if "cell_id" in r)]),
+        paths=stored_paths(out, [fp, *formats, *llama_cpp, *(r for r in kv if "cell_id" in r)]),
+        llama_cpp=llama_cpp,
+        llama_cpp_skipped=m.cfg.llama_cpp_skipped,
     )
 
 
@@ -240,6 +247,21 @@ def _formats(m: _Subject, spec: Any, evaluation: Any) -> tuple[list[Record], dic
         at_budget[record["scheme"]["name"]] = record
         formats.append(_resolve_row(m.cfg, record, m.resolved, lambda t, w, s=scheme: _format_at(m, s, t, w)))
     return formats, at_budget
+
+
+def _llama_cpp(m: _Subject, spec: Any, evaluation: Any) -> list[Record]:
+    """One record per llama.cpp file type (``--llama-cpp``): the float model written as a GGUF, quantised and
+    scored by llama.cpp on the card's own windows (``qbench.quant.llamacpp``); a model llama.cpp has no graph for
+    records the one-line reason."""
+    from qbench.eval.harness import cell_record
+    from qbench.quant.gguf_types import scheme_name
+
+    rows = []
+    for type_name in m.cfg.llama_cpp:
+        record, reused = cell_record(spec, evaluation, scheme_name(type_name), "real")
+        m.progress.cell(record, reused)
+        rows.append(record)
+    return rows
 
 
 @dataclass

@@ -139,6 +139,8 @@ class Budget:
     # of min(2048, context) tokens). Sized for the budget's time: sequential GPTQ on 32,768 tokens took 4.6 min on
     # a 135M model on 2 cores, the default's 262,144 eight times as long (results/algorithms/calibration/)
     calib_tokens: int | None = None
+    # llama.cpp's file types scored as rows of their own when llama-cpp-python is installed (``--llama-cpp``)
+    llama_cpp: tuple[str, ...] = ()
 
     @property
     def kv_bits(self) -> tuple[int, ...]:
@@ -169,6 +171,7 @@ class Budget:
             + " and of the most damaged format"
             + ", per-layer kernel speed"
             + (" and whole-model real-kernel speed" if self.speed else "")
+            + (f", llama.cpp's {', '.join(self.llama_cpp)}" if self.llama_cpp else "")
             + (
                 ""
                 if not any(":algo=" in f for f in self.formats)
@@ -207,6 +210,9 @@ QUICK_TOKENS, STANDARD_TOKENS, FULL_TOKENS = 4096, 8192, 32768
 # the algorithm rows' calibration at the standard budget: 8 windows of 2,048 tokens, about 2.5 min per row on a 135M
 # model on 2 cores (sequential GPTQ on 32,768 tokens took 4.6 min: results/algorithms/calibration/README.md)
 STANDARD_CALIB_TOKENS = 16384
+# llama.cpp's file types on the standard and full cards: what people download, largest first (the quick card
+# leaves them out: --llama-cpp default adds none there)
+LLAMA_CPP_TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "IQ4_NL", "Q3_K_M", "Q2_K")
 
 
 def _budgets() -> dict[str, Budget]:
@@ -229,6 +235,7 @@ def _budgets() -> dict[str, Budget]:
             (8, 6, 4, 3, 2),
             repair_candidates=2,
             calib_tokens=STANDARD_CALIB_TOKENS,
+            llama_cpp=LLAMA_CPP_TYPES,
         ),
         "full": Budget(
             "full",
@@ -241,6 +248,7 @@ def _budgets() -> dict[str, Budget]:
             sensitivity_by="layer",
             speed=True,
             repair_candidates=3,
+            llama_cpp=LLAMA_CPP_TYPES,
         ),
     }
 

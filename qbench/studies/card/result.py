@@ -39,6 +39,8 @@ class ModelResult:
     resolved: dict[str, list[Record]] = field(default_factory=dict)  # final cell id -> --resolve's steps
     paths: dict[str, str] | None = None  # cell id -> its record file, relative to the card's folder
     sensitivity: Record | None = None  # a card before repairs were tried in turn held one study here
+    llama_cpp: list[Record] = field(default_factory=list)  # one gguf:<type> record per llama.cpp row
+    llama_cpp_skipped: str | None = None  # why the budget's llama.cpp rows were not measured
 
     @classmethod
     def from_mapping(cls, entry: Mapping[str, Any]) -> ModelResult:

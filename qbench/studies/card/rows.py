@@ -93,6 +93,34 @@ def format_row(
     }
 
 
+def llama_cpp_row(
+    record: Mapping[str, Any], tolerance: float, out: Mapping[str, str] | None, metric: str = "ppl"
+) -> dict[str, Any]:
+    """A llama.cpp file type's row (a ``gguf:<type>`` record): its change and verdict on ``metric`` as a format's,
+    its file as llama.cpp wrote it (bytes, bits per weight over the model's parameters, tensor types), the tokens
+    per second of its evaluation through llama.cpp, and the record behind it."""
+    from qbench.eval.evidence import row_fields
+
+    art = record.get("artifact") or {}
+    return {
+        "type": (record["scheme"].get("params") or {}).get("type") or record["scheme"]["name"],
+        "scheme": record["scheme"]["name"],
+        "error": record.get("error"),
+        "perplexity": record["metrics"]["perplexity"],
+        "ppl_change_pct": measured_change(record),
+        "status": record.get("status"),
+        **row_fields(record, tolerance, metric),
+        **_resolved_fields(record, None),
+        "bytes": art.get("bytes"),
+        "bits_per_weight": art.get("bits_per_weight"),
+        "tensor_types": art.get("tensor_types"),
+        "llama_cpp": art.get("llama_cpp"),
+        "tokens_per_second": record.get("tokens_per_second"),
+        "record": record_ref(record, out),
+        "cell_id": record.get("cell_id"),
+    }
+
+
 def _model_speedup(speed: Mapping[str, Any] | None, scheme: str) -> float | None:
     """The whole model's speedup in ``scheme`` with its real kernels (the full budget's speed record), if measured."""
     if not speed:

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
-from qbench.eval.tolerance import Decisions, Sequential
+from qbench.eval.tolerance import Decisions
 from qbench.eval.tolerance import RowDecision as Decision  # a row's verdict on the card's metric
+from qbench.studies.card.shapes import Kernels, LlamaCppRow, _Evidence
 
 CARD_VERSION = 2
 READS = (1, 2)  # the card versions this qbench reads (:func:`upgrade`)
@@ -181,38 +182,6 @@ class Attention(TypedDict):
     windows: int
     top1_share: list[list[float]]
     mass: list[list[float]]
-
-
-class _ResolveStep(TypedDict):
-    """One evaluation of a row ``--resolve`` re-evaluated (``qbench.studies.resolve``)."""
-
-    tokens_scored: int | None
-    verdict: str
-    value: float | None
-    ci95: list[float] | None
-
-
-class ResolveStep(_ResolveStep, total=False):
-    sequential: Sequential | None  # the look: rule, alpha spent, interval decided on (cards before: none)
-
-
-class _Evidence(TypedDict):
-    """What every measured row holds beside its change (``qbench.eval.evidence.row_fields``)."""
-
-    perplexity: float | None
-    ppl_change_pct: float | None
-    status: str | None
-    verdict: str
-    within_tolerance: bool
-    decision: Decision
-    ppl_change_ci95: list[float] | None
-    kld_mean: float | None
-    kld_p99: float | None
-    top1_agreement: float | None
-    tokens_to_decide: int | None
-    tokens_scored: int | None
-    resolved: list[ResolveStep] | None
-    record: str | None
 
 
 class FormatRow(_Evidence):
@@ -454,35 +423,6 @@ class Verdict(TypedDict):
     commands: list[Command]
 
 
-class KernelRatios(TypedDict, total=False):
-    decode: float | None
-    prefill: float | None
-    error: str | None
-
-
-class KernelShape(TypedDict):
-    out_in: list[int]
-    layers: int
-
-
-class Kernels(TypedDict, total=False):
-    """The linear layers' real kernels against float32 (``qbench.studies.layerspeed``, its records left out)."""
-
-    key: dict[str, Any]
-    what: str
-    prefill_tokens: int
-    fp32_ms: dict[str, float | None]
-    shapes: list[KernelShape]
-    schemes: dict[str, KernelRatios]
-    threads: int
-    torch: str
-    cpu: str | None
-    device: str
-    native_isa: str | None
-    git_commit: str | None
-    seed: int
-
-
 class _ModelSection(TypedDict):
     """One model's page (``build.build_card``)."""
 
@@ -508,6 +448,7 @@ class _ModelSection(TypedDict):
 
 class ModelSection(_ModelSection, total=False):
     decisions: Decisions  # its verdicts and the false within calls they could make (cards before: none)
+    llama_cpp: list[LlamaCppRow]  # llama.cpp's file types (cards without --llama-cpp rows: none)
 
 
 class _ComparisonRow(TypedDict):

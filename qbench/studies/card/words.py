@@ -305,6 +305,27 @@ def _algo_of(scheme: str) -> str | None:
     return " + ".join(_ALGO_NAMES.get(a, a.upper()) for a in found) or None
 
 
+def llama_cpp_line(rows: Sequence[Mapping[str, Any]], tolerance: float, metric: str = "ppl") -> str:
+    """The verdict's llama.cpp line: the smallest file type decidedly within the tolerance, and the smaller types
+    the card could not decide — or that none passes."""
+    limit = tolerance_text(tolerance, metric)
+
+    def said(r: Mapping[str, Any]) -> str:
+        value, ci = row_interval(r, metric)
+        return f"{r['type']} ({decimal_bytes(r['bytes'])}, {interval_text(value, ci, metric, tolerance)})"
+
+    ran = [r for r in rows if r.get("status") == "ok" and r.get("bytes")]
+    passing = [r for r in ran if r.get("verdict") == "within"]
+    best = min(passing, key=lambda r: r["bytes"], default=None)
+    if best is None:
+        undecided = [r["type"] for r in ran if r.get("verdict") == "undecided"]
+        tail = f"; undecided: {', '.join(undecided)}" if undecided else ""
+        return f"llama.cpp: none of {len(rows)} file types measured is decidedly within {limit}{tail}."
+    smaller = [r["type"] for r in ran if r["bytes"] < best["bytes"] and r.get("verdict") == "undecided"]
+    tail = f"; smaller and undecided: {', '.join(smaller)}" if smaller else ""
+    return f"llama.cpp: the smallest file type within {limit} is {said(best)}{tail}."
+
+
 def not_measured(
     formats: Sequence[Mapping[str, Any]],
     kv: Mapping[str, Any],

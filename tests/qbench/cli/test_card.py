@@ -408,3 +408,71 @@ def test_compare_on_a_card_folder_shows_the_formats_not_the_sensitivity_cells(ca
     assert main(["compare", str(card_dir), "--format", "csv"]) == 0
     table = capsys.readouterr().out
     assert "absmax-coarse" in table and "float:" not in table and "WARNING" not in table
+
+
+def test_llama_cpps_file_types_are_rows_of_the_card_with_their_verdict(tmp_path, capsys):
+    """--llama-cpp: each type a gguf:<type> cell on the card's windows, a table of its own (file MB, bits per
+    weight, change and verdict, KLD, top-1, tokens/s), a verdict line naming the smallest type within the
+    tolerance and a summary column; card.json declares the rows (LlamaCppRow) and --from-json renders the same
+    pages. A misspelt type is refused in one line before anything runs."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    from qbench.studies.card.shapes import LlamaCppRow
+    from qbench.studies.card.upgrade import missing_keys, mistyped_keys, unknown_keys
+    from tests.qbench.conftest import micro_config, trained_like
+
+    ckpt = tmp_path / "micro-llama"
+    from models.tokenizer import load_tokenizer
+
+    save_checkpoint(
+        ckpt, trained_like(micro_config("llama")), load_tokenizer("bpe8192"), provenance={"training": None}
+    )
+    out = tmp_path / "card"
+    argv = [*card_argv(ckpt, out, tolerance="1"), "--llama-cpp", "q8_0,Q2_K"]
+    assert main(argv) == 0
+    card = card_of(out)
+    (model,) = card["models"]
+    rows = model["llama_cpp"]
+    assert [r["type"] for r in rows] == ["Q8_0", "Q2_K"]
+    assert all(
+        set(r)
+        == set(LlamaCppRow.__annotations__)
+        | {
+            "perplexity",
+            "ppl_change_pct",
+            "status",
+            "verdict",
+            "within_tolerance",
+            "decision",
+            "ppl_change_ci95",
+            "kld_mean",
+            "kld_p99",
+            "top1_agreement",
+            "tokens_to_decide",
+            "tokens_scored",
+            "resolved",
+            "record",
+        }
+        for r in rows
+    )
+    assert unknown_keys(card) == [] and missing_keys(card) == [] and mistyped_keys(card) == []
+    q8 = rows[0]
+    assert q8["status"] == "ok" and q8["bytes"] > rows[1]["bytes"] and q8["tokens_per_second"] > 0
+    assert (out / q8["record"]).exists() and json.loads((out / q8["record"]).read_text())["mode"] == "real"
+    line = model["verdict"]["lines"][-1]
+    assert line.startswith("llama.cpp: ")
+    within = [r for r in rows if r["verdict"] == "within"]
+    if within:
+        assert f"is {min(within, key=lambda r: r['bytes'])['type']} (" in line
+    else:
+        assert "none of 2 file types" in line
+    md = (out / "card.md").read_text()
+    assert "### llama.cpp's file types" in md and "smallest llama.cpp within" in md
+    assert 'data-key="models.0.llama_cpp.0.bytes"' in (out / "card.html").read_text()
+    pages = {p: (out / p).read_bytes() for p in ("card.md", "card.html")}
+    assert main(["card", "--from-json", str(out)]) == 0
+    assert {p: (out / p).read_bytes() for p in pages} == pages
+    capsys.readouterr()
+    assert main([*card_argv(ckpt, tmp_path / "bad"), "--llama-cpp", "q4_km"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "did you mean 'Q4_K_M'" in err and "\n" not in err and not (tmp_path / "bad").exists()

@@ -91,9 +91,15 @@ def test_llama_cpp_types_are_rows_beside_the_algorithms(llama_ckpt, tmp_path, ca
 
 
 def test_llama_cpp_rows_are_refused_or_left_out_as_asked(llama_ckpt, tmp_path, monkeypatch):
-    from qbench.cli.algorithms import _llama_cpp_types
+    from qbench.cli.args import llama_cpp_types
+    from qbench.studies.algorithms import LLAMA_CPP_DEFAULT
+
+    def _llama_cpp_types(text):
+        return llama_cpp_types(text, LLAMA_CPP_DEFAULT)
 
     assert _llama_cpp_types("none") == ((), None)
+    with pytest.raises(UserError, match="did you mean 'Q4_K_M'"):
+        _llama_cpp_types("q4_km")
     with pytest.raises(UserError, match="did you mean 'Q4_K_M'"):
         AlgorithmsConfig(models=("m",), llama_cpp=("Q4_KM",)).check()
     import qbench.quant.llamacpp as llamacpp

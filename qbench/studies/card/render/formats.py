@@ -140,6 +140,33 @@ def format_table(
     )
 
 
+def llama_cpp_table(
+    m: Mapping[str, Any], i: int, limit: str, metric: str = "ppl", tolerance: float | None = None
+) -> Table[Record]:
+    """llama.cpp's own file types, quantised and scored by llama.cpp on the same windows as the formats above."""
+    rows = m["llama_cpp"]
+    version = next((r.get("llama_cpp") for r in rows if r.get("llama_cpp")), None)
+    columns: list[Column[Record]] = [
+        Column("type", lambda r: f"{r['type']} `{r['scheme']}`"),
+        Column("ppl", _if_ran(perplexity), key="perplexity", keyed=ran),
+        *deciding_columns(limit, metric, tolerance),
+        *([] if metric == "kld" else [Column("KLD", kld)]),
+        Column("top-1", top1),
+        Column("file (MB)", lambda r: mb(r.get("bytes")), key="bytes", keyed=lambda r: bool(r.get("bytes"))),
+        Column("bits/weight", lambda r: fixed(r.get("bits_per_weight"), 2)),
+        Column("tokens/s", _if_ran(lambda r: num(r.get("tokens_per_second"), ".0f"))),
+    ]
+    caption = (
+        "The float model written as a GGUF, quantised by llama.cpp's own quantiser to each file type (llama.cpp "
+        "picks each tensor's type: the record's `artifact.tensor_types`) and run by llama.cpp"
+        + (f" ({version})" if version else "")
+        + " on the same windows, paired with the float model like every format above. File: the GGUF's bytes "
+        "(token ids only, no vocabulary); bits/weight: file bits over the model's parameters, as llama.cpp's "
+        "quantize tool counts; tokens/s: the cell's evaluation through llama.cpp (float32 KV cache)."
+    )
+    return Table("llama.cpp's file types", columns, rows, caption, path=f"models.{i}.llama_cpp")
+
+
 def _resolve_rule(m: Mapping[str, Any]) -> str:
     """The rule --resolve's looks were decided by, from the rows' steps (nothing for a card from before the rule,
     whose steps hold no alpha: its page reads as it did)."""

@@ -85,7 +85,19 @@ def summary_table(card: Mapping[str, Any]) -> Table[Record]:
         Column("avoid", lambda m: _avoid(m, metric, tolerance)),
         Column("repair", lambda m: _repair(m, metric, tolerance)),
     ]
+    if any(m.get("llama_cpp") for m in card["models"]):  # cards without llama.cpp rows read as they did
+        columns.append(Column("smallest llama.cpp within", _llama_cpp_within))
     return Table("Summary", columns, card["models"], path="models")
+
+
+def _llama_cpp_within(m: Mapping[str, Any]) -> str:
+    """The smallest llama.cpp file type decidedly within the tolerance, with its file size; "none" when no type
+    measured passes, "-" where the model has no llama.cpp rows."""
+    if not m.get("llama_cpp"):
+        return "-"
+    passing = [r for r in m["llama_cpp"] if r.get("verdict") == "within" and r.get("bytes")]
+    best = min(passing, key=lambda r: r["bytes"], default=None)
+    return "none" if best is None else f"{best['type']} ({mb_text(best['bytes'])})"
 
 
 def command_rows(card: Mapping[str, Any]) -> list[tuple[str, str]]:

@@ -77,6 +77,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "card says so; quick: none) (default: default)",
     )
     p.add_argument(
+        "--mixed-plan",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="qbench plan on the card: a mixed-precision llama.cpp file at the size of the smallest llama.cpp type "
+        "within the tolerance and 10 %% below it, measured against its promise and that type (one cell per tensor "
+        "kind and candidate type, ~45 on a Llama-style model; needs the --llama-cpp rows) (default: the budget's: "
+        "full on, quick and standard off)",
+    )
+    p.add_argument(
         "--from-json",
         metavar="DIR_OR_CARD_JSON",
         help="re-render card.md, card.html and the figures of a card already written, from its card.json alone "
@@ -120,7 +129,15 @@ def config(args: argparse.Namespace):
     from qbench.cli.args import llama_cpp_types
 
     types, skipped = llama_cpp_types(args.llama_cpp, cfg.plan.llama_cpp)
-    cfg = replace(cfg, llama_cpp=types, llama_cpp_skipped=skipped)
+    from models.errors import UserError
+
+    mixed = cfg.plan.mixed_plan if args.mixed_plan is None else args.mixed_plan
+    if args.mixed_plan and not types:
+        raise UserError(
+            "--mixed-plan plans at the size of a llama.cpp file type the card measured: give --llama-cpp types "
+            + (f"({skipped})" if skipped else "(it is none)")
+        )
+    cfg = replace(cfg, llama_cpp=types, llama_cpp_skipped=skipped, mixed_plan=mixed and bool(types))
 
     from qbench.studies.resolve import resolve_cap
 

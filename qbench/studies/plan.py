@@ -297,9 +297,10 @@ def _cell(record: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return out
 
 
-def run_plan(cfg: PlanConfig, spec_for: Any, on_record: Any = None) -> PlanResult:
+def run_plan(cfg: PlanConfig, spec_for: Any, on_record: Any = None, lm: Any = None) -> PlanResult:
     """Measure the damage cells and the uniform types, solve each budget, measure each plan; write ``plan.json``,
-    ``table.md`` and (``write_gguf``) each plan's GGUF under ``cfg.output_path``."""
+    ``table.md`` and (``write_gguf``) each plan's GGUF under ``cfg.output_path``. ``lm``: the model already
+    loaded (``qbench card``'s), else loaded here; the cells' records go where ``spec_for``'s grid puts them."""
     from models.gguf_export import tensor_shapes
     from qbench.eval.harness import ModelEvaluation, environment, run_grid
     from qbench.quant.gguf_types import scheme_name
@@ -315,7 +316,7 @@ def run_plan(cfg: PlanConfig, spec_for: Any, on_record: Any = None) -> PlanResul
             f"--output-path {out} is an existing file; give a folder for the records and the plan"
         )
     spec = spec_for([])
-    evaluation = ModelEvaluation(spec, cfg.model)
+    evaluation = ModelEvaluation(spec, cfg.model, lm=lm)
     lm = evaluation.lm
     evaluation.check()
     shapes = tensor_shapes(lm.model)  # refuses a model llama.cpp has no graph for, before any cell runs

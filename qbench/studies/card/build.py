@@ -131,7 +131,58 @@ def _model_section(entry: ModelResult, settings: Mapping[str, Any]) -> dict[str,
     }
     if llama_cpp:  # cards without llama.cpp rows keep their shape
         section["llama_cpp"] = llama_cpp
+    if entry.mixed_plan is not None:
+        section["mixed_plan"] = mixed_plan_section(entry.mixed_plan)
+        verdict["lines"].append(mixed_plan_line(section["mixed_plan"]))
     return section
+
+
+def mixed_plan_section(plan: Mapping[str, Any]) -> dict[str, Any]:
+    """The card's view of ``qbench plan``'s result: per budget the plan, what it promised and what it measured,
+    and its paired verdict against the nearest uniform type at or above its size."""
+    if "skipped" in plan:
+        return {"skipped": plan["skipped"], "output": None, "plans": []}
+    rows = []
+    for p in plan["plans"]:
+        cell = p.get("cell") or {}
+        nearest = next((v for v in p.get("vs") or [] if v["type"] == p.get("nearest_at_or_above")), None)
+        rows.append(
+            {
+                "budget": p["budget"],
+                "budget_bytes": p["budget_bytes"],
+                "error": p.get("error"),
+                "plan": p.get("plan"),
+                "promised_kld": p.get("promised_kld"),
+                "promised_bytes": p.get("promised_bytes"),
+                "kld_mean": cell.get("kld_mean"),
+                "ppl_change_pct": cell.get("ppl_change_pct"),
+                "ppl_change_ci95": cell.get("ppl_change_ci95"),
+                "top1_agreement": cell.get("top1_agreement"),
+                "bytes": cell.get("bytes"),
+                "nearest": None if nearest is None else nearest["type"],
+                "vs_nearest": None if nearest is None else nearest["verdict"],
+                "vs_nearest_ci95": None if nearest is None else nearest["ppl_ratio_ci95"],
+                "gguf": (p.get("gguf") or {}).get("file"),
+            }
+        )
+    return {"skipped": None, "output": plan.get("output"), "plans": rows}
+
+
+def mixed_plan_line(section: Mapping[str, Any]) -> str:
+    """The verdict's line on the plan: measured against promised, and against the uniform type it competes with."""
+    if section["skipped"]:
+        return f"Mixed-precision plan: not made ({section['skipped']})."
+    parts = []
+    for p in section["plans"]:
+        if p["error"] or p["kld_mean"] is None:
+            parts.append(f"at {p['budget']}: {p['error'] or 'not measured'}")
+            continue
+        vs = f"; against {p['nearest']}: {p['vs_nearest']}" if p["nearest"] else ""
+        parts.append(
+            f"at {p['budget']} ({p['bytes'] / 1e6:,.2f} MB) KLD {p['kld_mean']:.4g} (promised "
+            f"{p['promised_kld']:.4g}), {p['ppl_change_pct']:+.2f} %{vs}"
+        )
+    return "Mixed-precision plan (qbench plan): " + "; ".join(parts) + "."
 
 
 def _decisions(

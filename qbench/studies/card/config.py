@@ -51,6 +51,7 @@ class CardConfig:
     # default ones were left out (llama-cpp-python not installed: said under "Not measured")
     llama_cpp: tuple[str, ...] = ()
     llama_cpp_skipped: str | None = None
+    mixed_plan: bool = False  # qbench plan at the smallest passing llama.cpp type's size and 10 % below
 
     def calibration(self) -> Any:
         from qbench.quant.calibrate import CalibrationData

@@ -2,7 +2,8 @@
 :func:`run_card` builds the card from them and writes it (``write_card(build_card(measure(cfg)))``).
 
 One model is measured in phases, in this order (the order of the cells on disk and of the progress bar):
-the float record (:func:`_float`), the formats (:func:`_formats`), the KV rows (:func:`_kv`), the breaking points
+the float record (:func:`_float`), the formats (:func:`_formats`), llama.cpp's file types and the mixed-precision
+plan (:mod:`~.llama`), the KV rows (:func:`_kv`), the breaking points
 (:func:`_sweep`), the repairs (:func:`_repairs`) and the map of the worst format (:func:`_avoid_map`), the speed
 (:func:`_speed`)."""
 
@@ -37,6 +38,7 @@ from qbench.studies.card.config import (
     validate,
 )
 from qbench.studies.card.decide import repair_targets, size_to_beat, worst_beyond
+from qbench.studies.card.llama import llama_cpp_rows, mixed_plan
 from qbench.studies.card.plan import KV_KEEP_SINKS
 from qbench.studies.card.profile import layer_speed_record, profile_record, speed_record
 from qbench.studies.card.result import ModelResult, Record, stored_paths, window_nll
@@ -190,7 +192,8 @@ def _measure_model(m: _Subject) -> ModelResult:
     spec, evaluation, fp = _float(m)
     profile, _ = profile_record(evaluation, fp, m.cfg.device)
     formats, at_budget = _formats(m, spec, evaluation)
-    llama_cpp = _llama_cpp(m, spec, evaluation)
+    llama_cpp = llama_cpp_rows(m, spec, evaluation)
+    plan_made = mixed_plan(m, llama_cpp)
     kv = _kv(m)
     sweep = _sweep(m, [fp, *formats])
     source_bytes = quantised_source_bytes(fp)
@@ -215,6 +218,7 @@ def _measure_model(m: _Subject) -> ModelResult:
         paths=stored_paths(out, [fp, *formats, *llama_cpp, *(r for r in kv if "cell_id" in r)]),
         llama_cpp=llama_cpp,
         llama_cpp_skipped=m.cfg.llama_cpp_skipped,
+        mixed_plan=plan_made,
     )
 
 
@@ -247,21 +251,6 @@ def _formats(m: _Subject, spec: Any, evaluation: Any) -> tuple[list[Record], dic
         at_budget[record["scheme"]["name"]] = record
         formats.append(_resolve_row(m.cfg, record, m.resolved, lambda t, w, s=scheme: _format_at(m, s, t, w)))
     return formats, at_budget
-
-
-def _llama_cpp(m: _Subject, spec: Any, evaluation: Any) -> list[Record]:
-    """One record per llama.cpp file type (``--llama-cpp``): the float model written as a GGUF, quantised and
-    scored by llama.cpp on the card's own windows (``qbench.quant.llamacpp``); a model llama.cpp has no graph for
-    records the one-line reason."""
-    from qbench.eval.harness import cell_record
-    from qbench.quant.gguf_types import scheme_name
-
-    rows = []
-    for type_name in m.cfg.llama_cpp:
-        record, reused = cell_record(spec, evaluation, scheme_name(type_name), "real")
-        m.progress.cell(record, reused)
-        rows.append(record)
-    return rows
 
 
 @dataclass

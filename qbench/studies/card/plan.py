@@ -141,6 +141,9 @@ class Budget:
     calib_tokens: int | None = None
     # llama.cpp's file types scored as rows of their own when llama-cpp-python is installed (``--llama-cpp``)
     llama_cpp: tuple[str, ...] = ()
+    # ``qbench plan`` at the smallest passing llama.cpp type's size and 10 % below (``--mixed-plan``): one cell
+    # per tensor kind and candidate type, ~45 on a Llama-style model, so the full budget only by default
+    mixed_plan: bool = False
 
     @property
     def kv_bits(self) -> tuple[int, ...]:
@@ -172,6 +175,7 @@ class Budget:
             + ", per-layer kernel speed"
             + (" and whole-model real-kernel speed" if self.speed else "")
             + (f", llama.cpp's {', '.join(self.llama_cpp)}" if self.llama_cpp else "")
+            + (" and a mixed-precision plan at the smallest passing one's size" if self.mixed_plan else "")
             + (
                 ""
                 if not any(":algo=" in f for f in self.formats)
@@ -249,6 +253,7 @@ def _budgets() -> dict[str, Budget]:
             speed=True,
             repair_candidates=3,
             llama_cpp=LLAMA_CPP_TYPES,
+            mixed_plan=True,
         ),
     }
 

@@ -41,6 +41,7 @@ class ModelResult:
     sensitivity: Record | None = None  # a card before repairs were tried in turn held one study here
     llama_cpp: list[Record] = field(default_factory=list)  # one gguf:<type> record per llama.cpp row
     llama_cpp_skipped: str | None = None  # why the budget's llama.cpp rows were not measured
+    mixed_plan: Record | None = None  # ``qbench plan``'s plan.json (--mixed-plan), or why none was made
 
     @classmethod
     def from_mapping(cls, entry: Mapping[str, Any]) -> ModelResult:

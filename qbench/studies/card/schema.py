@@ -17,7 +17,7 @@ from typing import Any, TypedDict
 
 from qbench.eval.tolerance import Decisions
 from qbench.eval.tolerance import RowDecision as Decision  # a row's verdict on the card's metric
-from qbench.studies.card.shapes import Kernels, LlamaCppRow, _Evidence
+from qbench.studies.card.shapes import Kernels, LlamaCppRow, MixedPlan, _Evidence
 
 CARD_VERSION = 2
 READS = (1, 2)  # the card versions this qbench reads (:func:`upgrade`)
@@ -449,6 +449,7 @@ class _ModelSection(TypedDict):
 class ModelSection(_ModelSection, total=False):
     decisions: Decisions  # its verdicts and the false within calls they could make (cards before: none)
     llama_cpp: list[LlamaCppRow]  # llama.cpp's file types (cards without --llama-cpp rows: none)
+    mixed_plan: MixedPlan  # qbench plan at the smallest passing type's size (--mixed-plan; else none)
 
 
 class _ComparisonRow(TypedDict):

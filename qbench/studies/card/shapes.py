@@ -83,3 +83,31 @@ class Kernels(TypedDict, total=False):
     native_isa: str | None
     git_commit: str | None
     seed: int
+
+
+class MixedPlanRow(TypedDict):
+    """One budget of the card's mixed-precision plan (``build.mixed_plan_section``)."""
+
+    budget: str
+    budget_bytes: int
+    error: str | None
+    plan: dict[str, str] | None
+    promised_kld: float | None
+    promised_bytes: int | None
+    kld_mean: float | None
+    ppl_change_pct: float | None
+    ppl_change_ci95: list[float] | None
+    top1_agreement: float | None
+    bytes: int | None
+    nearest: str | None
+    vs_nearest: str | None
+    vs_nearest_ci95: list[float] | None
+    gguf: str | None
+
+
+class MixedPlan(TypedDict):
+    """``qbench plan`` on the card (``--mixed-plan``): its folder, its plans, or why none was made."""
+
+    skipped: str | None
+    output: str | None
+    plans: list[MixedPlanRow]

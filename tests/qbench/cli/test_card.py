@@ -428,7 +428,7 @@ def test_llama_cpps_file_types_are_rows_of_the_card_with_their_verdict(tmp_path,
         ckpt, trained_like(micro_config("llama")), load_tokenizer("bpe8192"), provenance={"training": None}
     )
     out = tmp_path / "card"
-    argv = [*card_argv(ckpt, out, tolerance="1"), "--llama-cpp", "q8_0,Q2_K"]
+    argv = [*card_argv(ckpt, out, tolerance="1"), "--llama-cpp", "q8_0,Q2_K", "--mixed-plan"]
     assert main(argv) == 0
     card = card_of(out)
     (model,) = card["models"]
@@ -459,8 +459,24 @@ def test_llama_cpps_file_types_are_rows_of_the_card_with_their_verdict(tmp_path,
     q8 = rows[0]
     assert q8["status"] == "ok" and q8["bytes"] > rows[1]["bytes"] and q8["tokens_per_second"] > 0
     assert (out / q8["record"]).exists() and json.loads((out / q8["record"]).read_text())["mode"] == "real"
-    line = model["verdict"]["lines"][-1]
+    line = model["verdict"]["lines"][-2]
     assert line.startswith("llama.cpp: ")
+    # --mixed-plan: qbench plan at the smallest passing type's size and 10 % below, or why not
+    plan = model["mixed_plan"]
+    assert model["verdict"]["lines"][-1].startswith("Mixed-precision plan")
+    if plan["skipped"] is None:
+        smallest = min((r for r in rows if r["verdict"] == "within"), key=lambda r: r["bytes"])[
+            "type"
+        ].lower()
+        assert [p["budget"] for p in plan["plans"]] == [smallest, f"0.9*{smallest}"]
+        for p in plan["plans"]:
+            assert (
+                p["bytes"] <= p["budget_bytes"]
+                and p["kld_mean"] is not None
+                and p["promised_kld"] is not None
+            )
+            assert (Path(plan["output"]) / p["gguf"]).exists()
+        assert "### Mixed-precision plan" in (out / "card.md").read_text()
     within = [r for r in rows if r["verdict"] == "within"]
     if within:
         assert f"is {min(within, key=lambda r: r['bytes'])['type']} (" in line
@@ -476,3 +492,8 @@ def test_llama_cpps_file_types_are_rows_of_the_card_with_their_verdict(tmp_path,
     assert main([*card_argv(ckpt, tmp_path / "bad"), "--llama-cpp", "q4_km"]) == 2
     err = capsys.readouterr().err.strip()
     assert "did you mean 'Q4_K_M'" in err and "\n" not in err and not (tmp_path / "bad").exists()
+    assert main([*card_argv(ckpt, tmp_path / "bad"), "--llama-cpp", "none", "--mixed-plan"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        "--mixed-plan plans at the size of a llama.cpp file type" in err and not (tmp_path / "bad").exists()
+    )

@@ -167,6 +167,53 @@ def llama_cpp_table(
     return Table("llama.cpp's file types", columns, rows, caption, path=f"models.{i}.llama_cpp")
 
 
+def mixed_plan_table(m: Mapping[str, Any], i: int) -> Table[Record]:
+    """``qbench plan`` at the smallest passing llama.cpp type's size and 10 % below: promised against measured."""
+    section = m["mixed_plan"]
+
+    def types(p: Record) -> str:
+        return ", ".join(f"{k} {v}" for k, v in (p.get("plan") or {}).items()) or (p.get("error") or "-")
+
+    def against(p: Record) -> str:
+        if not p.get("nearest"):
+            return "-"
+        ci = p.get("vs_nearest_ci95")
+        interval = f" [{ci[0]:+.2f}, {ci[1]:+.2f}] %" if ci else ""
+        return f"{p['nearest']}: {p.get('vs_nearest') or '-'}{interval}"
+
+    columns: list[Column[Record]] = [
+        Column("budget", lambda p: f"{p['budget']} ({mb(p['budget_bytes'])} MB)"),
+        Column("types", types),
+        Column("file (MB)", lambda p: mb(p.get("bytes")), key="bytes", keyed=lambda p: bool(p.get("bytes"))),
+        Column("KLD promised", lambda p: num(p.get("promised_kld"), ".4g")),
+        Column(
+            "KLD measured",
+            lambda p: num(p.get("kld_mean"), ".4g"),
+            key="kld_mean",
+            keyed=lambda p: p.get("kld_mean") is not None,
+        ),
+        Column(
+            "change [95 % CI]",
+            lambda p: (
+                interval_text(p.get("ppl_change_pct"), p.get("ppl_change_ci95"), "ppl", None, named=False)
+                if p.get("ppl_change_pct") is not None
+                else "-"
+            ),
+        ),
+        Column("top-1", top1),
+        Column("vs the uniform type at or above its size", against),
+    ]
+    caption = (
+        "`qbench plan` (docs/schemes.md): each kind of tensor's damage per ggml type measured alone through "
+        "llama.cpp, the least summed damage that fits the budget (the promise), then the plan itself measured; "
+        "paired per token against the nearest llama.cpp file type at or above its size (the plan's perplexity "
+        f"over the type's − 1). Its cells, plan.json and the GGUFs: `{section.get('output')}`."
+    )
+    return Table(
+        "Mixed-precision plan", columns, section["plans"], caption, path=f"models.{i}.mixed_plan.plans"
+    )
+
+
 def _resolve_rule(m: Mapping[str, Any]) -> str:
     """The rule --resolve's looks were decided by, from the rows' steps (nothing for a card from before the rule,
     whose steps hold no alpha: its page reads as it did)."""

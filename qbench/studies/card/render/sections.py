@@ -17,7 +17,7 @@ from qbench.eval.tolerance import (
     tolerance_text,
     value_text,
 )
-from qbench.studies.card.render.formats import format_table, llama_cpp_table
+from qbench.studies.card.render.formats import format_table, llama_cpp_table, mixed_plan_table
 from qbench.studies.card.render.kv import kv_table
 from qbench.studies.card.render.table import Column, Figure, Record, Table, text_columns
 from qbench.studies.card.units import fixed, mb_text, num, pct, share_text
@@ -35,6 +35,7 @@ def page_sections(card: Mapping[str, Any], i: int) -> list[Table[Any]]:
         attention_table(m, i),
         format_table(m, i, limit, metric, tolerance),
         *([llama_cpp_table(m, i, limit, metric, tolerance)] if m.get("llama_cpp") else []),
+        *([mixed_plan_table(m, i)] if (m.get("mixed_plan") or {}).get("plans") else []),
         kv_table(m, i, limit, metric, tolerance),
         Table(
             "Breaking points",

@@ -255,6 +255,9 @@ def _byte_level(spec: dict[str, Any]) -> bool:
     return any(p.get("type") == "ByteLevel" for p in parts)
 
 
+_EMBEDDINGS = ("token_embd.weight", "position_embd.weight", "output.weight")
+
+
 def write_gguf(
     model: torch.nn.Module,
     path: str | Path,
@@ -272,7 +275,7 @@ def write_gguf(
 
     ``quantize(gguf_name, tensor)``: called for every 2-D tensor, returns None (written float32) or (a llama.cpp
     block type name, its bytes rows × bytes-per-row) written as that type (``qbench.quant.llamacpp.pack_blocks``);
-    the file type is then the first such type's. ``separate_head``: write ``output.weight`` even for tied
+    the file type is then that type's when every linear took it, else GUESSED (a mix). ``separate_head``: write ``output.weight`` even for tied
     embeddings (a quantised head beside a float embedding).
     """
     gguf = _import_gguf()
@@ -297,6 +300,10 @@ def write_gguf(
         writer.add_name(name or getattr(hf.config, "name_or_path", None) or family)
         first = next(iter(packed.values()), None)
         kinds = {t for t, _ in packed.values()}
+        # float linears beside quantised ones make a mix too (the embeddings and head float are a type's own)
+        kinds |= {
+            "F32" for n, t in tensors.items() if t.dim() == 2 and n not in packed and n not in _EMBEDDINGS
+        }
         # one type throughout: its file type; a mix (or a type with no MOSTLY_ name, Q4_K) llama.cpp reads as
         # "guessed" and takes each tensor's own type from the tensor table
         ftype = (

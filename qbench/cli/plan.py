@@ -30,8 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--by",
         choices=("type", "block"),
         default="type",
-        help="units that take one type: type = each kind of tensor across the blocks (attn_q … ffn_down) plus "
-        "token_embd and output; block = each block blk.N plus those two (one damage cell per unit and type: "
+        help="units that take one type: type = each kind of tensor across the blocks (attn_q … ffn_down; GPT-2: "
+        "attn_qkv …) plus token_embd (also the head when tied), output (untied) and GPT-2's position_embd; block = each block blk.N plus those two (one damage cell per unit and type: "
         "about 30 s each for a 135M model on 2 cores, so block costs ~4× type) (default: type)",
     )
     p.add_argument(

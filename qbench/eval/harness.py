@@ -262,7 +262,15 @@ def record_path(output_path: Path, model_name: str, scheme: str | None, mode: st
     This is a cell's *plain* name. When that file already holds another cell (same names, but other weights,
     protocol, excludes, KV cache…), the cell is stored beside it under its identity (:func:`stored_path`)."""
     stem = None if scheme is None else scheme.replace(":", "@")
+    if stem is not None and len(stem.encode()) > MAX_STEM:
+        # a long name (a mixed GGUF plan names every tensor kind or block): its head and a hash of the whole, so
+        # the file (and its sidecar, and an identity beside it) stays within the file system's 255 bytes
+        digest = hashlib.sha256(stem.encode()).hexdigest()[:16]
+        stem = f"{stem.encode()[: MAX_STEM - 17].decode(errors='ignore')}~{digest}"
     return output_path / model_name / ("fp.json" if stem is None else f"{stem}__{mode}.json")
+
+
+MAX_STEM = 120  # bytes of a record file's scheme part; the rest of the 255 is its mode, identity and suffixes
 
 
 KV_CALIB_WINDOWS = 8  # fp8 scale=calib: train windows, as many as a calibrated weight scheme's default

@@ -275,18 +275,6 @@ def quantize_llama_cpp(
 # ------------------------------------------------------------------ one tensor in a ggml type (mixed files)
 
 
-def tensor_bytes(shape: tuple[int, int], type_name: str) -> int:
-    """Bytes of a (rows × n) tensor in ggml type ``type_name`` (rows whole blocks: :func:`fits`)."""
-    t = TENSOR_TYPES[check_tensor_type(type_name)]
-    rows, n = shape
-    return rows * (n // t.block) * t.block_bytes
-
-
-def fits(n: int, type_name: str) -> bool:
-    """Can a row of ``n`` weights be stored in ``type_name`` (whole blocks; k-quants: whole 256s)?"""
-    return n % TENSOR_TYPES[check_tensor_type(type_name)].block == 0
-
-
 def quantize_tensor(weight: Tensor, type_name: str, name: str = "the tensor") -> Any:
     """``weight`` (rows × n: ggml's ne0 is n) in ggml type ``type_name`` as llama.cpp's own quantiser writes it
     (``ggml_quantize_chunk``, no importance matrix, as ``llama_model_quantize`` without ``--imatrix``): a uint8
@@ -334,8 +322,9 @@ def check_all_used(tensors: dict[str, str], used: dict[str, list[str]]) -> None:
     unused = [k for k, names in used.items() if not names]
     if unused:
         raise UserError(
-            f"{', '.join(unused)} names no tensor of this model (its GGUF has token_embd, output when untied, "
-            "and blk.N.attn_q/attn_k/attn_v/attn_output/ffn_gate/ffn_up/ffn_down, or attn_qkv for GPT-2)"
+            f"{', '.join(unused)} names no tensor of this model (its GGUF has token_embd, output unless tied, "
+            "blk.N.attn_q/attn_k/attn_v/attn_output/ffn_gate/ffn_up/ffn_down, or for GPT-2 attn_qkv and "
+            "position_embd)"
         )
 
 
@@ -424,7 +413,6 @@ __all__ = [
     "check_type",
     "describe_file",
     "export_type",
-    "fits",
     "llama_cpp_version",
     "mixed_quantizer",
     "pack_blocks",
@@ -433,5 +421,4 @@ __all__ = [
     "quantize_tensor",
     "require_llama_cpp",
     "system_info",
-    "tensor_bytes",
 ]

@@ -53,6 +53,7 @@ AGAINST = (
     "Q2_K",
 )  # uniform file types on the same tokens
 DP_STEPS = 20000
+GGUF_ALIGNMENT = 32  # gguf-py's default: each tensor's data starts at a multiple of it
 _SIZE = re.compile(r"^([0-9]*\.?[0-9]+)\s*(MB|MIB|GB|GIB)$")
 _FRACTION = re.compile(r"^([0-9]*\.?[0-9]+)\s*\*\s*([A-Z0-9_]+)$|^([A-Z0-9_]+)\s*\*\s*([0-9]*\.?[0-9]+)$")
 
@@ -138,10 +139,13 @@ class Unit:
         return all(n % TENSOR_TYPES[type_name].block == 0 for _, n in self.shapes)
 
     def bytes(self, type_name: str) -> int:
+        """The unit's bytes in the file: each tensor's data padded to GGUF's alignment (32 bytes)."""
         from qbench.quant.gguf_types import TENSOR_TYPES
 
         t = TENSOR_TYPES[type_name]
-        return sum(r * (n // t.block) * t.block_bytes for r, n in self.shapes)
+        return sum(
+            -(-r * (n // t.block) * t.block_bytes // GGUF_ALIGNMENT) * GGUF_ALIGNMENT for r, n in self.shapes
+        )
 
 
 def units_of(shapes: Mapping[str, tuple[int, ...]], by: str) -> list[Unit]:
@@ -247,6 +251,10 @@ class PlanConfig:
             raise unknown_choice("--by", self.by, BY)
         if not self.types:
             raise UserError(f"--types names nothing; choose from: {', '.join(TENSOR_TYPES)}")
+        named = [check_tensor_type(t) for t in self.types]
+        repeated = next((t for i, t in enumerate(named) if t in named[:i]), None)
+        if repeated is not None:
+            raise UserError(f"--types names {repeated} twice; give each once")
         for t in self.types:
             if check_tensor_type(t) == "F32":
                 raise UserError("--types: F32 is the unplanned float; plan among F16 and the quantised types")
@@ -365,8 +373,8 @@ def run_plan(cfg: PlanConfig, spec_for: Any, on_record: Any = None, lm: Any = No
     missing = [u.key for u in units if u.key not in options]
     if missing or fixed is None:
         raise UserError(
-            f"no damage cell of {', '.join(missing) or 'any unit'} was measured (see their records under {out}); "
-            "nothing to plan with"
+            f"no damage cell of {', '.join(missing) or 'any unit'} was measured (their records under "
+            f"{spec.output_path} say why); nothing to plan with"
         )
     against_rows = [dict(type=t, **(_cell(by_scheme.get(scheme_name(t))) or {})) for t in against]
     type_bytes = {r["type"]: r["bytes"] for r in against_rows if r.get("status") == "ok" and r.get("bytes")}
@@ -384,8 +392,9 @@ def run_plan(cfg: PlanConfig, spec_for: Any, on_record: Any = None, lm: Any = No
     if plan_cells:
         records = run_grid(spec_for(list(dict.fromkeys(plan_cells))), on_record=on_record, loaded=loaded)
         by_scheme.update({r["scheme"]["name"]: r for r in records})
+    smallest = sum(min(c.bytes for c in cs) for cs in options.values())
     plans = [
-        _plan_entry(b, capacity, plan, fixed, parameters, by_scheme, against_rows, spec, fp)
+        _plan_entry(b, capacity, plan, fixed, parameters, by_scheme, against_rows, spec, fp, smallest)
         for b, capacity, plan in solved
     ]
     if cfg.write_gguf:
@@ -422,6 +431,7 @@ def _plan_entry(
     against: Sequence[Mapping[str, Any]],
     spec: Any,
     fp: Mapping[str, Any] | None,
+    smallest: int = 0,
 ) -> dict[str, Any]:
     from qbench.eval.sampling import window_documents
     from qbench.quant.gguf_types import scheme_name
@@ -429,7 +439,10 @@ def _plan_entry(
 
     entry: dict[str, Any] = {"budget": budget.text, "slug": budget.slug, "budget_bytes": capacity}
     if plan is None:
-        entry["error"] = f"nothing fits {capacity / 1e6:,.2f} MB: the smallest choice of every unit is larger"
+        entry["error"] = (
+            f"nothing fits {capacity / 1e6:,.2f} MB: the rest of the file takes {fixed / 1e6:,.2f} MB and the "
+            f"smallest type of every unit {smallest / 1e6:,.2f} MB more"
+        )
         return entry
     promised_bytes = fixed + sum(c.bytes for c in plan)
     name = plan_scheme(plan)

@@ -177,7 +177,7 @@ def mixed_plan_line(section: Mapping[str, Any]) -> str:
         if p["error"] or p["kld_mean"] is None:
             parts.append(f"at {p['budget']}: {p['error'] or 'not measured'}")
             continue
-        vs = f"; against {p['nearest']}: {p['vs_nearest']}" if p["nearest"] else ""
+        vs = f"; against {p['nearest']}: {p['vs_nearest'] or '–'}" if p["nearest"] else ""
         parts.append(
             f"at {p['budget']} ({p['bytes'] / 1e6:,.2f} MB) KLD {p['kld_mean']:.4g} (promised "
             f"{p['promised_kld']:.4g}), {p['ppl_change_pct']:+.2f} %{vs}"

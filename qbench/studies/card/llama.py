@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from models.errors import UserError
 from qbench.studies.card.config import grid_spec, slug
 from qbench.studies.card.result import Record
 
@@ -60,7 +61,7 @@ def mixed_plan(m: Any, llama_cpp: Sequence[Record]) -> Record | None:
     seen = {r["cell_id"] for r in llama_cpp}
 
     def on_record(record: dict[str, Any], reused: bool) -> None:  # the plan's cells, counted as they come
-        if record["cell_id"] not in seen:
+        if record.get("mode") != "float" and record["cell_id"] not in seen:
             seen.add(record["cell_id"])
             m.count.add(1)
             m.progress.cell(record, reused)
@@ -68,7 +69,11 @@ def mixed_plan(m: Any, llama_cpp: Sequence[Record]) -> Record | None:
     def spec_for(schemes: list[str]) -> Any:
         return replace(grid_spec(cfg, m.model, []), schemes=schemes)
 
-    run_plan(plan_cfg, spec_for, on_record=on_record, lm=m.lm)
+    try:
+        run_plan(plan_cfg, spec_for, on_record=on_record, lm=m.lm)
+    except UserError as err:  # no unit measured, no type fits …: the card goes on and says why
+        m.progress.note(f"{m.lm.name}: no mixed-precision plan: {err}")
+        return {"skipped": str(err)}
     return {
         **json.loads((plan_cfg.output_path / "plan.json").read_text()),
         "output": str(plan_cfg.output_path),

@@ -138,9 +138,8 @@ def _settings(cfg: CardConfig, seconds: float) -> dict[str, Any]:
     """The card's settings: what it measured (the budget's contents as the card's header states them) and how."""
     from dataclasses import replace
 
-    plan = replace(
-        cfg.plan, llama_cpp=cfg.llama_cpp
-    )  # the llama.cpp rows as measured (none without llama.cpp)
+    # the llama.cpp rows and the plan as measured (none without llama-cpp-python, or as --mixed-plan said)
+    plan = replace(cfg.plan, llama_cpp=cfg.llama_cpp, mixed_plan=cfg.mixed_plan)
     contents = plan.describe(cfg.tokens)
     if cfg.kv_scheme is not None:
         widths = kv_widths(plan, cfg.kv_scheme)

@@ -428,7 +428,8 @@ def test_llama_cpps_file_types_are_rows_of_the_card_with_their_verdict(tmp_path,
         ckpt, trained_like(micro_config("llama")), load_tokenizer("bpe8192"), provenance={"training": None}
     )
     out = tmp_path / "card"
-    argv = [*card_argv(ckpt, out, tolerance="1"), "--llama-cpp", "q8_0,Q2_K", "--mixed-plan"]
+    # a tolerance Q8_0 surely passes on the micro model (it moves it by hundredths of a percent)
+    argv = [*card_argv(ckpt, out, tolerance="5"), "--llama-cpp", "q8_0,Q2_K", "--mixed-plan"]
     assert main(argv) == 0
     card = card_of(out)
     (model,) = card["models"]
@@ -464,19 +465,13 @@ def test_llama_cpps_file_types_are_rows_of_the_card_with_their_verdict(tmp_path,
     # --mixed-plan: qbench plan at the smallest passing type's size and 10 % below, or why not
     plan = model["mixed_plan"]
     assert model["verdict"]["lines"][-1].startswith("Mixed-precision plan")
-    if plan["skipped"] is None:
-        smallest = min((r for r in rows if r["verdict"] == "within"), key=lambda r: r["bytes"])[
-            "type"
-        ].lower()
-        assert [p["budget"] for p in plan["plans"]] == [smallest, f"0.9*{smallest}"]
-        for p in plan["plans"]:
-            assert (
-                p["bytes"] <= p["budget_bytes"]
-                and p["kld_mean"] is not None
-                and p["promised_kld"] is not None
-            )
-            assert (Path(plan["output"]) / p["gguf"]).exists()
-        assert "### Mixed-precision plan" in (out / "card.md").read_text()
+    assert plan["skipped"] is None
+    smallest = min((r for r in rows if r["verdict"] == "within"), key=lambda r: r["bytes"])["type"].lower()
+    assert [p["budget"] for p in plan["plans"]] == [smallest, f"0.9*{smallest}"]
+    for p in plan["plans"]:
+        assert p["bytes"] <= p["budget_bytes"] and p["kld_mean"] is not None and p["promised_kld"] is not None
+        assert (Path(plan["output"]) / p["gguf"]).exists()
+    assert "### Mixed-precision plan" in (out / "card.md").read_text()
     within = [r for r in rows if r["verdict"] == "within"]
     if within:
         assert f"is {min(within, key=lambda r: r['bytes'])['type']} (" in line

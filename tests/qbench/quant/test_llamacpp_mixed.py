@@ -181,3 +181,42 @@ def test_a_mixed_cell_is_what_its_file_holds(tmp_path, wide_ckpt):
     assert blk["Q8_0"] == 7 and blk["F16"] == 7 + 2  # block 0's seven linears and the embedding and head
     bad = records["gguf:f32:attn_qkv=q8_0"]
     assert bad["status"] == "unsupported" and "attn_qkv names no tensor" in bad["error"]
+
+
+def test_a_long_scheme_names_a_record_file_the_file_system_takes():
+    """A plan by block names every block: its record file keeps a readable head and a hash of the whole name, so
+    it stays under 255 bytes with its mode, identity and sidecar suffixes, and two plans never share a file."""
+    from pathlib import Path
+
+    from qbench.eval.harness import record_path
+
+    a = "gguf:f32:" + ",".join(f"blk.{i}=q4_k" for i in range(40))
+    b = a.replace("blk.39=q4_k", "blk.39=q8_0")
+    pa, pb = record_path(Path("out"), "m", a, "real"), record_path(Path("out"), "m", b, "real")
+    assert pa != pb and pa == record_path(Path("out"), "m", a, "real")
+    longest = f"{pa.stem}.{'0' * 16}.tokens.safetensors"  # an identity beside it, and its sidecar
+    assert len(longest.encode()) < 255 and pa.name.startswith("gguf@f32@blk.0=q4_k")
+    short = "gguf:f32:ffn_down=q8_0"
+    assert record_path(Path("out"), "m", short, "real").name == "gguf@f32@ffn_down=q8_0__real.json"
+
+
+def test_a_file_with_float_linears_beside_quantised_ones_is_a_mix(tmp_path, wide_llama):
+    """Its file type says GUESSED (a mix), not MOSTLY_Q8_0, when some linears stay float32."""
+    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("llama_cpp")
+    from models.gguf_export import write_gguf
+    from qbench.quant.llamacpp import mixed_quantizer
+
+    quantize, _ = mixed_quantizer({"ffn_down": "Q8_0"}, "F32")
+    path = write_gguf(wide_llama, tmp_path / "m.gguf", None, placeholder_vocab=True, quantize=quantize)
+    field = gguf.GGUFReader(str(path)).fields["general.file_type"]
+    assert int(field.parts[-1][0]) == int(gguf.LlamaFileType.GUESSED)
+    quantize, _ = mixed_quantizer(
+        {k: "Q8_0" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")},
+        "F32",
+    )
+    path = write_gguf(wide_llama, tmp_path / "all.gguf", None, placeholder_vocab=True, quantize=quantize)
+    field = gguf.GGUFReader(str(path)).fields["general.file_type"]
+    assert int(field.parts[-1][0]) == int(
+        gguf.LlamaFileType.MOSTLY_Q8_0
+    )  # every linear Q8_0, embeddings float

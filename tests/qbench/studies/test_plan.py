@@ -99,6 +99,25 @@ def test_the_knapsack_finds_the_least_damage_that_fits():
     assert solve({"a": [Choice("a", "x", 10, 0.0)]}, 5) is None and solve({}, 0) is None
 
 
+def test_the_knapsack_rounds_bytes_up_so_a_plan_never_exceeds_a_large_budget():
+    """At file sizes (MB) the bytes are counted in steps of 1/20000 of the budget, rounded up: the plan stays
+    within the budget, and no worse than the exact optimum of a budget smaller by one step per unit."""
+    rng = random.Random(1)
+    for _ in range(40):
+        options = {
+            f"u{u}": [Choice(f"u{u}", f"t{t}", rng.randint(10**5, 3 * 10**7), rng.random()) for t in range(3)]
+            for u in range(4)
+        }
+        capacity = rng.randint(10**6, 8 * 10**7)
+        plan, exact = solve(options, capacity), _brute(options, capacity)
+        step = capacity / 20000
+        loose = _brute(options, capacity - len(options) * step)
+        if loose is None:
+            continue
+        assert plan is not None and sum(c.bytes for c in plan) <= capacity
+        assert exact[0] - 1e-9 <= sum(c.damage for c in plan) <= loose[0] + 1e-9
+
+
 def test_the_cli_lists_are_the_studys_defaults():
     from qbench.cli.plan import AGAINST_DEFAULT, TYPES_DEFAULT
 

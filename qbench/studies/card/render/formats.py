@@ -207,7 +207,8 @@ def mixed_plan_table(m: Mapping[str, Any], i: int) -> Table[Record]:
         "`qbench plan` (docs/schemes.md): each kind of tensor's damage per ggml type measured alone through "
         "llama.cpp, the least summed damage that fits the budget (the promise), then the plan itself measured; "
         "paired per token against the nearest llama.cpp file type at or above its size (the plan's perplexity "
-        f"over the type's − 1). Its cells, plan.json and the GGUFs: `{section.get('output')}`."
+        f"over the type's − 1). Its cells are the card's records; plan.json, its table and the GGUFs: "
+        f"`{section.get('output')}`."
     )
     return Table(
         "Mixed-precision plan", columns, section["plans"], caption, path=f"models.{i}.mixed_plan.plans"

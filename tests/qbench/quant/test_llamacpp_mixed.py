@@ -8,12 +8,9 @@ import pytest
 import torch
 
 from models.errors import UserError
-from qbench.eval.harness import GridSpec, run_grid
-from qbench.eval.metrics import Protocol
 from qbench.quant.gguf_types import TENSOR_TYPES, key_matches, parse_tensor_spec, tensor_type_bits
 from qbench.quant.schemes import get_scheme
-
-SMALL = Protocol(tokens=64 * 4, batch_size=4, outlier_windows=1)
+from tests.qbench.quant.test_llamacpp_cells import _grid  # the same small grid as the type cells
 
 
 def test_the_tensor_types_are_ggmls_own_numbers_and_sizes():
@@ -141,18 +138,6 @@ def test_rows_that_are_not_whole_blocks_are_refused_naming_what_fits():
         UserError, match=r"blk.0.attn_q.weight: rows of 576 .* 256 \(Q4_K\); types that fit:.*Q8_0"
     ):
         quantize_tensor(torch.zeros(4, 576), "Q4_K", "blk.0.attn_q.weight")
-
-
-def _grid(tmp_path, ckpt, schemes):
-    spec = GridSpec(
-        models=[str(ckpt)],
-        schemes=list(schemes),
-        modes=["fake"],
-        protocol=SMALL,
-        output_path=tmp_path / "results",
-        attention=False,
-    )
-    return {r["scheme"]["name"]: r for r in run_grid(spec)}
 
 
 def test_a_mixed_cell_is_what_its_file_holds(tmp_path, wide_ckpt):

@@ -97,10 +97,10 @@ def run(args: argparse.Namespace) -> int | None:
         measured = (
             "not measured"
             if c.get("kld_mean") is None
-            else f"KLD {c['kld_mean']:.4f}, {c['ppl_change_pct']:+.2f} %"
+            else f"KLD {c['kld_mean']:.4g}, {c['ppl_change_pct']:+.2f} %"
         )
         console.print(
-            f"budget {p['budget']}: promised KLD {p['promised_kld']:.4f} at {p['promised_bytes'] / 1e6:,.2f} MB; "
+            f"budget {p['budget']}: promised KLD {p['promised_kld']:.4g} at {p['promised_bytes'] / 1e6:,.2f} MB; "
             f"measured {measured}"
         )
     console.print(f"table: {cfg.output_path / 'table.md'} ({result.wall_seconds:.0f} s)")

@@ -542,7 +542,7 @@ def render(result: Mapping[str, Any]) -> str:
             elif not c["cell"] or c["cell"].get("kld_mean") is None:
                 cells.append(f"{(c['cell'] or {}).get('status') or 'not run'}")
             else:
-                cells.append(f"{c['cell']['kld_mean']:.4f} ({c['bytes'] / 1e6:.2f} MB)")
+                cells.append(f"{c['cell']['kld_mean']:.4g} ({c['bytes'] / 1e6:.2f} MB)")
         lines.append(f"| {u['unit']} | {u['parameters']:,} | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -557,7 +557,7 @@ def render(result: Mapping[str, Any]) -> str:
             continue
         lines.append(
             f"| {a['type']} | {_mb(a['bytes'])} | {a['bits_per_weight']:.3f} | {_pct(a['ppl_change_pct'])}"
-            f"{_ci(a['ppl_change_ci95'])} | {a['kld_mean']:.4f} | {100 * a['top1_agreement']:.1f} % |"
+            f"{_ci(a['ppl_change_ci95'])} | {a['kld_mean']:.4g} | {100 * a['top1_agreement']:.1f} % |"
         )
     lines += ["", "## Plans", ""]
     for p in result["plans"]:
@@ -573,12 +573,12 @@ def render(result: Mapping[str, Any]) -> str:
         lines += [
             "| | MB | bits/weight | KLD | change [95 % CI] | top-1 |",
             "|---|---:|---:|---:|---|---:|",
-            f"| promised | {_mb(p['promised_bytes'])} | {p['promised_bits_per_weight']:.3f} | {p['promised_kld']:.4f} "
+            f"| promised | {_mb(p['promised_bytes'])} | {p['promised_bits_per_weight']:.3f} | {p['promised_kld']:.4g} "
             "| – | – |",
         ]
         if c.get("status") == "ok":
             lines.append(
-                f"| measured | {_mb(c['bytes'])} | {c['bits_per_weight']:.3f} | {measured_kld:.4f} | "
+                f"| measured | {_mb(c['bytes'])} | {c['bits_per_weight']:.3f} | {measured_kld:.4g} | "
                 f"{_pct(c['ppl_change_pct'])}{_ci(c['ppl_change_ci95'])} | {100 * c['top1_agreement']:.1f} % |"
             )
         else:

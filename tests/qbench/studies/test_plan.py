@@ -237,3 +237,16 @@ def test_bad_plan_inputs_are_refused_before_a_model_loads(tmp_path, capsys):
         err = capsys.readouterr().err
         assert code == 2 and message in err, (extra, err)
         assert not (tmp_path / "o").exists()
+
+
+def test_the_committed_plan_tables_are_their_json_rendered():
+    from pathlib import Path
+
+    from qbench.studies.plan import render
+
+    root = Path(__file__).resolve().parents[3] / "results" / "plan"
+    tables = sorted(root.glob("*/table.md"))
+    assert tables
+    for table in tables:
+        result = json.loads((table.parent / "plan.json").read_text())
+        assert table.read_text() == render(result), f"{table} is stale: render it from its plan.json"

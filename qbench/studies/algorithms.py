@@ -258,7 +258,7 @@ def _calibration_taken(spec: Any, lm: Any, window: int, calibrated: Sequence[Any
     }
 
 
-def _tokens(output_path: Path, record: Mapping[str, Any]) -> Any:
+def token_nll(output_path: Path, record: Mapping[str, Any]) -> Any:
     from qbench.eval.evidence import read
 
     path = output_path / record["model"]["name"] / "record.json"  # the sidecar lies beside the record
@@ -266,7 +266,7 @@ def _tokens(output_path: Path, record: Mapping[str, Any]) -> Any:
     return None if data is None else data["nll"]
 
 
-def _paired(a: Any, b: Any, clusters: list[str] | None = None) -> list[float] | None:
+def paired_change_ci(a: Any, b: Any, clusters: list[str] | None = None) -> list[float] | None:
     """95 % interval (percent) of ppl(a) / ppl(b) − 1 on the same tokens: their documents (``clusters``), else the
     windows, as clusters."""
     if a is None or b is None or a.shape != b.shape:
@@ -276,7 +276,7 @@ def _paired(a: Any, b: Any, clusters: list[str] | None = None) -> list[float] | 
     return paired_metrics(a, b, clusters)["ppl_change_ci95"]
 
 
-def _cell(record: Mapping[str, Any]) -> dict[str, Any]:
+def cell_summary(record: Mapping[str, Any]) -> dict[str, Any]:
     m = record.get("metrics") or {}
     ok = record.get("status") == "ok"
     quant_s = None
@@ -317,11 +317,11 @@ def build(
                 record = by_key.get((model, scheme_for(i, algo)))
                 if record is None:
                     continue
-                cells[algo] = _cell(record)
-                nll[algo] = _tokens(output_path, record) if record.get("status") == "ok" else None
+                cells[algo] = cell_summary(record)
+                nll[algo] = token_nll(output_path, record) if record.get("status") == "ok" else None
             for algo, cell in cells.items():  # paired against round-to-nearest on the same tokens
                 cell["vs_rtn_ci95"] = (
-                    None if algo == "rtn" else _paired(nll.get(algo), nll.get("rtn"), clusters)
+                    None if algo == "rtn" else paired_change_ci(nll.get(algo), nll.get("rtn"), clusters)
                 )
                 ci = cell["vs_rtn_ci95"]
                 cell["vs_rtn"] = (
@@ -335,7 +335,7 @@ def build(
             tie = []
             if best is not None:
                 for other in ranked[1:]:
-                    ci = _paired(nll.get(best), nll.get(other), clusters)
+                    ci = paired_change_ci(nll.get(best), nll.get(other), clusters)
                     if ci is None or ci[1] >= 0:  # not decidedly better than this one
                         tie.append(other)
             rows.append(
@@ -389,16 +389,16 @@ def _llama_cpp_rows(
         base_row = next((r for r in rows if r["model"] == model and r["format"] == against_label), None)
         best = None if base_row is None or base_row["best"] is None else base_row["best"]
         best_record = None if best is None else by_key.get((model, scheme_for(LLAMA_CPP_AGAINST, best)))
-        best_nll = _tokens(output_path, best_record) if best_record else None
+        best_nll = token_nll(output_path, best_record) if best_record else None
         for t in cfg.llama_cpp:
             record = by_key.get((model, scheme_name(t)))
             if record is None:
                 continue
-            cell = _cell(record)
+            cell = cell_summary(record)
             art = record.get("artifact") or {}
             ok = record.get("status") == "ok"
             ci = (
-                _paired(_tokens(output_path, record), best_nll, clusters)
+                paired_change_ci(token_nll(output_path, record), best_nll, clusters)
                 if ok and best_nll is not None
                 else None
             )

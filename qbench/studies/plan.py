@@ -292,9 +292,9 @@ def plan_scheme(plan: Sequence[Choice]) -> str:
 def _cell(record: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if record is None:
         return None
-    from qbench.studies.algorithms import _cell as cell
+    from qbench.studies.algorithms import cell_summary
 
-    out = cell(record)
+    out = cell_summary(record)
     art = record.get("artifact") or {}
     out.update(
         bytes=art.get("bytes"),
@@ -412,7 +412,7 @@ def run_plan(cfg: PlanConfig, spec_for: Any, on_record: Any = None, lm: Any = No
         plans=plans,
         protocol=None if fp is None else fp.get("protocol"),
         command=cfg.command,
-        environment=environment(spec.device) if hasattr(spec, "device") else {},
+        environment=environment(spec.device),
         wall_seconds=time.perf_counter() - start,
     )
     out.mkdir(parents=True, exist_ok=True)
@@ -435,7 +435,7 @@ def _plan_entry(
 ) -> dict[str, Any]:
     from qbench.eval.sampling import window_documents
     from qbench.quant.gguf_types import scheme_name
-    from qbench.studies.algorithms import _paired, _tokens
+    from qbench.studies.algorithms import paired_change_ci, token_nll
 
     entry: dict[str, Any] = {"budget": budget.text, "slug": budget.slug, "budget_bytes": capacity}
     if plan is None:
@@ -458,7 +458,7 @@ def _plan_entry(
     )
     output_path = Path(spec.output_path)
     clusters = window_documents(fp["protocol"]) if fp else None
-    nll = _tokens(output_path, record) if record is not None and record.get("status") == "ok" else None
+    nll = token_nll(output_path, record) if record is not None and record.get("status") == "ok" else None
     size = (cell or {}).get("bytes") or promised_bytes
     above = [a for a in against if a.get("bytes") and a["bytes"] >= size and a.get("status") == "ok"]
     nearest = min(above, key=lambda a: a["bytes"], default=None)
@@ -467,7 +467,11 @@ def _plan_entry(
         if a.get("status") != "ok":
             continue
         r = by_scheme.get(scheme_name(a["type"]))
-        ci = _paired(nll, _tokens(output_path, r), clusters) if nll is not None and r is not None else None
+        ci = (
+            paired_change_ci(nll, token_nll(output_path, r), clusters)
+            if nll is not None and r is not None
+            else None
+        )
         vs.append(
             {
                 "type": a["type"],

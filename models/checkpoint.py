@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from models.config import ModelConfig
@@ -149,14 +150,30 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
-def _read_weights(path: Path, meta: dict[str, Any], verify: bool) -> dict[str, torch.Tensor]:
+def _read_weights(
+    path: Path, meta: dict[str, Any], verify: bool, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """The saved tensors; with ``dtype``, each floating one cast as it is read, so that loading a float32
+    checkpoint in bfloat16 holds the bfloat16 model and one float32 tensor, never the whole float32 state (nor the
+    whole file's mapped pages)."""
     weights_file = path / meta["weights"]["file"]
     if not weights_file.is_file():
         raise UserError(f"{weights_file} is missing")
     if verify and sha256_file(weights_file) != meta["weights"]["sha256"]:
         raise UserError(f"{weights_file} is corrupt: its sha256 does not match the one in {CONFIG_FILE}")
     try:
-        return load_file(str(weights_file))
+        if dtype is None:
+            return load_file(str(weights_file))
+        with safe_open(str(weights_file), framework="pt") as f:
+            names = list(f.keys())
+        state = {}
+        for name in names:
+            # one tensor per opening: the file is memory-mapped, and every page read stays resident (and counted
+            # in the process's peak) until the mapping closes
+            with safe_open(str(weights_file), framework="pt") as f:
+                t = f.get_tensor(name)
+            state[name] = t.to(dtype) if t.is_floating_point() else t
+        return state
     except Exception as e:  # safetensors raises its own error types for truncated/garbled files
         raise UserError(f"{weights_file} is corrupt ({type(e).__name__}: {e})") from None
 
@@ -172,7 +189,7 @@ def load_checkpoint(
     path = Path(path)
     meta = read_meta(path)
     config = ModelConfig.from_dict(meta["model"])
-    state = _read_weights(path, meta, verify)
+    state = _read_weights(path, meta, verify, dtype)
     if config.tie_embeddings:
         state["lm_head.weight"] = state["transformer.wte.weight"]
     with torch.device("meta"):  # no wasted random init; load_state_dict(assign=True) brings the real tensors

@@ -133,6 +133,8 @@ def load_model(
     check_device(device)
     torch_dtype = parse_dtype(dtype)
     target = resolve(spec)
+    if isinstance(target, Path) and torch.device(device).type == "cpu":
+        check_fits(target, torch_dtype, dtype)
     if isinstance(target, Path) and is_checkpoint(target):
         ckpt = load_checkpoint(target, device=device, dtype=torch_dtype)
         if ckpt.tokenizer is None:
@@ -160,6 +162,66 @@ def load_model(
         description["fingerprint"] = _weights_fingerprint(target)
         return LoadedModel(model, tokenizer, target.stem, str(target), description)
     return _load_transformers(target, torch_dtype, dtype, device, trust_remote_code, allow_unsafe_weights)
+
+
+def stored_parameters(target: Path) -> int | None:
+    """Parameters of the weights ``target`` holds, from the files' headers alone (safetensors' JSON header, GGUF's
+    tensor infos); None when they cannot be read that way (pickle-based weights)."""
+    # the model's shards (model.safetensors, model-00001-of-00004.safetensors), not a trainer's saved state
+    files = [target] if target.is_file() else sorted(target.glob("model*.safetensors"))
+    gguf = _gguf_in(target) if target.is_dir() else None
+    if gguf is not None and not files:
+        files = [gguf]
+    total = 0
+    for path in files:
+        if path.suffix == ".gguf":
+            try:
+                from gguf import GGUFReader
+            except ImportError:
+                return None
+            try:
+                total += sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors)
+            except Exception:  # a corrupt file: the load itself says so in one line
+                return None
+            continue
+        try:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+            for name, info in header.items():
+                if name != "__metadata__":
+                    n = 1
+                    for d in info["shape"]:
+                        n *= int(d)
+                    total += n
+        except (OSError, ValueError, MemoryError, KeyError, TypeError, AttributeError):
+            return None  # a corrupt file: the load itself says so in one line
+    return total or None
+
+
+def check_fits(target: Path, torch_dtype: torch.dtype, dtype: str) -> None:
+    """Refuse, before loading, a model whose weights at ``dtype`` exceed the memory this machine can still give —
+    a clear error naming what to change instead of the kernel's OOM killer halfway through the load. A cell adds
+    little to its model (``qbench.quant.apply``: the copy shares what it does not change), so the weights decide."""
+    from qbench.eval.metrics import available_memory
+
+    available = available_memory()
+    params = stored_parameters(target)
+    if available is None or params is None:
+        return
+    need = params * torch.empty(0, dtype=torch_dtype).element_size()
+    if need <= available:
+        return
+    gib = 2**30
+    smaller = (
+        f"load it with --dtype bfloat16 (~{params * 2 / gib:.1f} GiB), or "
+        if torch_dtype == torch.float32
+        else ""
+    )
+    raise UserError(
+        f"{target.name} holds {params / 1e9:.2f} B parameters: ~{need / gib:.1f} GiB of {dtype} weights, "
+        f"{available / gib:.1f} GiB available here; {smaller}free memory or use a larger machine"
+    )
 
 
 def _weights_fingerprint(folder: Path) -> str:

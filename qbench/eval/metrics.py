@@ -309,9 +309,14 @@ def forward_rows(
     need += 4 * copies * rows * window * output_width(model) + 8 * 3 * 256 * output_width(model)
     available = available_memory()
     if available is not None and need > available:
+        held = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.parameters()}.values())
+        what = f"logits over a {output_width(model):,}-token vocabulary" + (
+            ", attention maps" if attention else ""
+        )
         raise UserError(
-            f"one forward pass of a {window}-token window needs ~{need / 2**30:.1f} GiB, "
-            f"{available / 2**30:.1f} GiB available; use a smaller --window"
+            f"one forward pass of a {window}-token window needs ~{need / 2**30:.1f} GiB ({what}), "
+            f"{available / 2**30:.1f} GiB available beside the model's {held / 2**30:.1f} GiB of weights; use a "
+            "smaller --window (both scale with it), or load the model with --dtype bfloat16 to free half its weights"
         )
     return rows
 

@@ -1,8 +1,12 @@
 """``quantize(model, scheme, mode) -> new model``: the one entry point (torchao's ``quantize_``, minus the in-place).
 
 - The float model is never modified: the result is a deep copy in which each target linear is replaced. The copy
-  is built with ``copy.deepcopy(model, memo)`` where the memo maps every target layer to its replacement, so the
-  float weights of replaced layers are never duplicated.
+  is built with ``copy.deepcopy(model, memo)`` where the memo maps every target layer to its replacement and every
+  other parameter and buffer to a tensor sharing its storage, so a cell costs its model once: the copy holds only
+  what quantisation changed. A fake layer keeps the float weight it quantises by reference and fake-quantises it
+  in each forward (``FakeQuantLinear``'s ``shared`` storage); one whose weight an algorithm or a transform changed
+  holds integer codes and scales. Change a copy by replacing its tensors, never in place: an in-place write to a
+  shared tensor reaches the float model (a cast of the copy is safe: its parameters are its own objects).
 - Targets: every ``nn.Linear`` and transformers GPT-2 ``Conv1D`` (weight stored transposed, (in, out)), minus
   ``exclude`` (fnmatch patterns on module names; a pattern matching no linear layer is an error) and minus the
   LM head unless ``scheme.quantize_lm_head``. The LM head is a module named ``lm_head``, the model's
@@ -188,6 +192,7 @@ def _replacement(
     solved: tuple[Tensor, QParams | None] | None = None,
 ) -> nn.Module:
     weight, bias = linear_weight(module)
+    own = weight
     extra = {"act_static": static[0], "out_static": static[1]} if scheme.static else {}
     if solved is not None:  # an algorithm's weight and grid (GPTQ): the layer rounds onto exactly its codes
         weight, extra["weight_qparams"] = solved[0].to(weight.dtype), solved[1]
@@ -198,7 +203,12 @@ def _replacement(
         )
     if mode == "real" or scheme.method in BNB_METHODS:
         return _real_linear(weight, bias, scheme, input_scale=input_scale, rotation=rotation, **extra)
-    return FakeQuantLinear(weight, bias, scheme, input_scale=input_scale, rotation=rotation, **extra)
+    # the float model's own weight (not an algorithm's new one) is kept by reference and fake-quantised in each
+    # forward, so a fake cell adds no weight memory (module docstring)
+    shared = weight.data_ptr() == own.data_ptr() and weight.stride() == own.stride()
+    return FakeQuantLinear(
+        weight, bias, scheme, input_scale=input_scale, rotation=rotation, share_weight=shared, **extra
+    )
 
 
 def _calibrate(
@@ -223,6 +233,18 @@ def _calibrate(
     if missing:
         raise UserError(f"{why}: layer {missing[0]!r} never ran during calibration; exclude it")
     return observed
+
+
+def _shared_tensors(model: nn.Module) -> dict[int, Tensor]:
+    """A deep-copy memo entry for every parameter and buffer of ``model``: the copy shares their storage (evaluation
+    never writes weights), a tied pair stays tied, and each parameter is a new ``Parameter`` object so that a cast
+    of the copy (``.to(torch.bfloat16)`` sets ``param.data``) cannot reach the float model. Replaced layers are in
+    the memo themselves, so the copy never reaches their tensors through them."""
+    memo: dict[int, Tensor] = {
+        id(p): nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in model.parameters()
+    }
+    memo.update({id(b): b for b in model.buffers()})
+    return memo
 
 
 def _check_not_quantized(model: nn.Module) -> None:
@@ -300,6 +322,7 @@ def quantize(
         memo[id(module)] = _replacement(
             module, scheme, mode, scales.get(name), rotations.get(name), static, solved.get(name)
         )
+    memo.update(_shared_tensors(model))
     quantized = copy.deepcopy(model, memo)
     if scheme.quantize_lm_head and lm_head_names(model) & set(layers):
         config = getattr(quantized, "config", None)

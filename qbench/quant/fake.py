@@ -126,16 +126,35 @@ def describe(bits: int | None, granularity: Granularity, symmetric: bool, role: 
     return f"{role}{bits}{'' if symmetric else ' zp'} per-{words}"
 
 
-class FakeQuantLinear(Float32Buffers):
-    """y = Q_out(Q_act(R(x / s)) · Ŵᵀ + b), Ŵ = Q_w(R(W · diag(s))) precomputed (see the module docstring).
+# A call with fewer tokens than this (a decode step) keeps the Ŵ it derived for the next calls: generation then
+# holds one Ŵ per layer, as a stored Ŵ would, instead of re-quantising every weight for every token. Scoring
+# windows (hundreds of tokens a call) derive Ŵ per call and hold none.
+KEEP_BELOW_TOKENS = 16
 
-    ``weight`` is (out, in) — a transformers GPT-2 ``Conv1D`` weight must be transposed first. The fake-quantised
-    weight and the bias are frozen parameters (``requires_grad=False``); gradients reach the input through the
-    ops' straight-through estimator. A cast (``model.to(torch.bfloat16)``) casts the weight like any model's, but
-    keeps the SmoothQuant scale and the rotation in float32 (``qbench.quant.float32``).
+
+class FakeQuantLinear(Float32Buffers):
+    """y = Q_out(Q_act(R(x / s)) · Ŵᵀ + b), Ŵ = Q_w(R(W · diag(s))) (see the module docstring).
+
+    ``weight`` is (out, in) — a transformers GPT-2 ``Conv1D`` weight must be transposed first. How Ŵ is held
+    (``storage``), so that a quantised copy of a model costs the model once, not twice:
+
+    - ``"shared"`` (``share_weight=True`` and no input scale or rotation: round-to-nearest, and QuaRot's searched
+      grid on an unchanged weight): the float weight itself, by reference, fake-quantised again in every forward
+      — one layer's Ŵ alive at a time, no weight memory of its own.
+    - ``"codes"`` (an integer format whose weight a transform or an algorithm changed): the integer codes (int8 /
+      uint8, one byte a weight) and the float32 scales and zero points; Ŵ = s · (q − z) in every forward.
+    - ``"float"`` (a float format under a transform, or float weights under a transform): Ŵ as a frozen parameter.
+
+    A decode step (fewer than :data:`KEEP_BELOW_TOKENS` tokens in one call) keeps the Ŵ it derived for later calls.
+
+    All three give the same Ŵ bit for bit (``dequantize(quantize(w))`` equals ``fake_quantize(w)``), so a cell's
+    numbers do not depend on the storage. ``layer.weight`` reads Ŵ in every case (a fresh tensor unless
+    ``"float"``). The bias is the float model's own tensor, frozen; gradients reach the input through the ops'
+    straight-through estimator. A cast (``model.to(torch.bfloat16)``) casts Ŵ like any model's weight, but keeps
+    the SmoothQuant scale, the weight scales and the rotation in float32 (``qbench.quant.float32``).
     """
 
-    _float32_buffers = ("input_scale",)
+    _float32_buffers = ("input_scale", "weight_scale")
 
     def __init__(
         self,
@@ -148,20 +167,40 @@ class FakeQuantLinear(Float32Buffers):
         act_static: nn.Module | None = None,
         out_static: nn.Module | None = None,
         weight_qparams: QParams | None = None,
+        share_weight: bool = False,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.scheme = scheme
-        w = transform_weight(weight, input_scale, rotation)
-        if scheme.weight_bits is not None and scheme.format != INT:  # a float format (formats.py)
-            w = fake_quantize_format(w, scheme.format, scheme.weight_granularity, activation=False)
-        elif scheme.weight_bits is not None:
-            granularity = scheme.weight_granularity_for(self.in_features)  # a group ≥ the row: per channel
-            w = fake_quantize_weight(
-                w, scheme.weight_bits, granularity, scheme.weight_symmetric, weight_qparams
-            )
-        self.weight = nn.Parameter(w.to(weight.dtype), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self._weight_dtype = weight.dtype
+        self._granularity: Granularity | None = None  # the weight's integer grid (integer formats)
+        integer = scheme.weight_bits is not None and scheme.format == INT
+        if integer:  # a group as wide as the row or wider is per channel
+            self._granularity = scheme.weight_granularity_for(self.in_features)
+        self.register_buffer("weight_scale", None)
+        self.register_buffer("weight_zero_point", None)
+        if share_weight and input_scale is None and rotation is None:
+            # Ŵ derived from the float model's own tensor in every forward: the layer adds no weight memory
+            self.storage = "shared"
+            self.register_buffer("weight_source", weight.detach())
+            if weight_qparams is not None:  # a searched grid (QuaRot's wclip=mse) on the unchanged weight
+                self.weight_scale, self.weight_zero_point = weight_qparams.scale, weight_qparams.zero_point
+            self.dequantized_weight()  # fails now, as a stored Ŵ would, on NaN or a grid that does not fit
+        elif integer:
+            self.storage = "codes"
+            w = pad_to_groups(transform_weight(weight, input_scale, rotation), self._granularity)
+            bits, symmetric = scheme.weight_bits, scheme.weight_symmetric
+            qparams = given_or_chosen(w, bits, self._granularity, symmetric, weight_qparams)
+            self.register_buffer("weight_codes", quantize(w, qparams, bits, self._granularity, symmetric))
+            self.weight_scale, self.weight_zero_point = qparams.scale, qparams.zero_point
+        else:  # float weights or a float format, transformed: Ŵ itself
+            self.storage = "float"
+            w = transform_weight(weight, input_scale, rotation)
+            if scheme.weight_bits is not None:  # a float format (formats.py)
+                w = fake_quantize_format(w, scheme.format, scheme.weight_granularity, activation=False)
+            self.weight = nn.Parameter(w.to(weight.dtype), requires_grad=False)
+        # the bias is the float model's own tensor: no quantiser changes it, and evaluation never writes it
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.register_buffer(
             "input_scale", None if input_scale is None else input_scale.detach().float().clone()
         )
@@ -188,12 +227,57 @@ class FakeQuantLinear(Float32Buffers):
             x = clipped_fake_quantize(x, s.act_bits, gran, s.act_symmetric, s.act_clip_ratio)
         elif s.act_bits is not None:
             x = fake_quantize_activation(x, s.act_bits, s.act_granularity, s.act_symmetric)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self._forward_weight(x), self.bias)
         if self.out_static is not None:
             y = self.out_static(y)
         elif s.out_bits is not None:
             y = fake_quantize_activation(y, s.out_bits, s.out_granularity, s.out_symmetric)
         return y
+
+    def _forward_weight(self, x: Tensor) -> Tensor:
+        """Ŵ for this call: derived now, or kept from an earlier call of fewer than :data:`KEEP_BELOW_TOKENS`
+        tokens (decoding: re-deriving every weight for one token would cost more than the token's forward)."""
+        kept = self.__dict__.get("_kept")
+        if kept is not None:
+            return kept
+        w = self.dequantized_weight()
+        if self.storage != "float" and x.numel() < KEEP_BELOW_TOKENS * self.in_features:
+            self._kept = w  # a plain attribute: not state, dropped by a cast or a move (``_apply``)
+        return w
+
+    def dequantized_weight(self) -> Tensor:
+        """Ŵ (out, in) in the layer's weight dtype — the stored Ŵ, s · (q − z) of the stored codes, or the shared
+        float weight fake-quantised now; the same tensor in all three (``storage``: the class docstring)."""
+        if self.storage == "float":
+            return self._parameters["weight"]
+        qparams = None if self.weight_scale is None else QParams(self.weight_scale, self.weight_zero_point)
+        if self.storage == "codes":
+            w = dequantize(self.weight_codes, qparams, self._granularity, self._weight_dtype)
+            return w[..., : self.in_features] if w.shape[-1] != self.in_features else w  # ragged: the padding
+        source, s = self.weight_source, self.scheme
+        if s.weight_bits is None:
+            return source
+        if self._granularity is None:  # a float format
+            w = fake_quantize_format(source.float(), s.format, s.weight_granularity, activation=False)
+        else:
+            w = fake_quantize_weight(
+                source.float(), s.weight_bits, self._granularity, s.weight_symmetric, qparams
+            )
+        return w.to(source.dtype)
+
+    def __getattr__(self, name: str) -> Tensor | nn.Module:
+        # ``layer.weight`` reads Ŵ however it is stored (a fresh tensor when the layer holds codes: writing to it
+        # changes nothing)
+        if name == "weight" and self.__dict__.get("storage", "float") != "float":
+            return self.dequantized_weight().detach()
+        return super().__getattr__(name)
+
+    def _apply(self, fn, recurse=True):
+        # a cast (``.to(torch.bfloat16)``) moves the dtype Ŵ is dequantised to with it, as it would cast a stored Ŵ
+        super()._apply(fn, recurse)
+        self._kept = None
+        self._weight_dtype = fn(torch.empty(0, dtype=self._weight_dtype)).dtype
+        return self
 
     def extra_repr(self) -> str:
         s = self.scheme

@@ -91,3 +91,16 @@ def test_cuda_fp32_matmul_names_tf32_wherever_it_comes_from(monkeypatch):
     assert cuda_fp32_matmul() == "tf32"
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")  # cuBLAS itself refuses TF32
     assert cuda_fp32_matmul() == "ieee"
+
+
+@pytest.mark.parametrize("switches", [{}, {"pos": "rope", "tie_embeddings": False}])
+def test_a_dtype_cast_while_reading_equals_a_cast_after_loading(tmp_path, tokenizer, switches):
+    """Loading in bfloat16 casts each tensor as it is read (peak: the bf16 model and one float32 tensor); the model
+    is the float32 load cast, tensor for tensor, ties kept."""
+    model = build(small_vocab_config(**switches), seed=2)
+    save_checkpoint(tmp_path, model, tokenizer, provenance={"training": None})
+    direct = load_checkpoint(tmp_path, dtype=torch.bfloat16).model
+    cast = load_checkpoint(tmp_path).model.to(torch.bfloat16)
+    a, b = direct.state_dict(), cast.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    assert (direct.lm_head.weight is direct.transformer.wte.weight) == model.config.tie_embeddings

@@ -123,9 +123,9 @@ def test_a_model_that_breaks_under_a_scheme_is_recorded_and_the_grid_goes_on(ckp
 
     def poisoned(model, scheme, **kw):
         q = real_quantize(model, scheme, **kw)
-        if scheme.name == "absmax-coarse":
-            with torch.no_grad():
-                q.transformer.h[0].mlp.c_fc.bias.fill_(float("nan"))
+        if scheme.name == "absmax-coarse":  # a NaN bias of the copy's own (its float tensors are shared)
+            fc = q.transformer.h[0].mlp.c_fc
+            fc.bias = torch.nn.Parameter(torch.full_like(fc.bias, float("nan")), requires_grad=False)
         return q
 
     monkeypatch.setattr(quant, "quantize", poisoned)

@@ -97,5 +97,26 @@ def test_a_window_that_cannot_fit_is_refused_in_one_line(monkeypatch):
     from models.errors import UserError
 
     monkeypatch.setattr(metrics, "available_memory", lambda: 2**10)  # 1 KiB free
-    with pytest.raises(UserError, match=r"needs ~.* GiB, .* available; use a smaller --window"):
+    with pytest.raises(
+        UserError,
+        match=r"needs ~.* GiB \(logits over a 128-token vocabulary\), .* GiB available beside the model's .* GiB "
+        r"of weights; use a smaller --window .*--dtype bfloat16",
+    ):
         perplexity(tiny_llama(), windows(2, t=64))
+
+
+def test_a_model_larger_than_the_memory_left_is_refused_before_loading(monkeypatch, ckpt_dir, hf_llama_dir):
+    """The weights' size comes from the files' headers (no tensor read), at the dtype asked for."""
+    import qbench.eval.load as load
+    from models.errors import UserError
+
+    params = load.stored_parameters(ckpt_dir)
+    assert params == load.load_model(str(ckpt_dir)).model.num_parameters()
+    monkeypatch.setattr(
+        metrics, "available_memory", lambda: 3 * params
+    )  # float32 does not fit, bfloat16 does
+    with pytest.raises(UserError, match=r"float32 weights, .* available here; load it with --dtype bfloat16"):
+        load.load_model(str(ckpt_dir))
+    assert load.load_model(str(ckpt_dir), dtype="bfloat16").model is not None
+    with pytest.raises(UserError, match=r"B parameters: ~.* GiB of float32 weights"):
+        load.load_model(str(hf_llama_dir))

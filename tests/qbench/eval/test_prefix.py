@@ -100,8 +100,11 @@ def test_a_change_outside_the_blocks_means_no_replay():
     model = build(micro_config("llama", n_layer=3), seed=0).eval()
     copy = quantize(model, get_scheme(SCHEME), mode="fake", exclude=["*"], allow_empty=True)
     assert BlockPrefix(model).first_changed_block(copy) == 3  # nothing quantised: every block replays
-    with torch.no_grad():
-        copy.transformer.wte.weight[0, 0] += 1e-3  # the embedding differs: nothing before block 0 is shared
+    # the embedding differs (a tensor of its own: the copy shares the float model's storage, so an edit in place
+    # would reach the float model too): nothing before block 0 is shared
+    edited = copy.transformer.wte.weight.detach().clone()
+    edited[0, 0] += 1e-3
+    copy.transformer.wte.weight = torch.nn.Parameter(edited, requires_grad=False)
     assert BlockPrefix(model).first_changed_block(copy) == 0
     with_head = dataclasses.replace(get_scheme(SCHEME), quantize_lm_head=True)
     head = quantize(model, with_head, mode="fake", exclude=["transformer.*"])

@@ -133,8 +133,18 @@ def test_tied_head_stays_float_and_tied_by_default(gpt2):
     quantized = quantize(gpt2, "absmax-coarse")
     assert type(quantized.lm_head) is nn.Linear
     assert quantized.lm_head.weight is quantized.transformer.wte.weight  # the copy keeps the tie ...
-    assert quantized.lm_head.weight.data_ptr() != gpt2.lm_head.weight.data_ptr()  # ... on its own tensor
-    assert model_bytes(quantized) == model_bytes(gpt2)  # the tied matrix is counted once in both
+    assert quantized.lm_head.weight is not gpt2.lm_head.weight  # ... in a parameter of its own ...
+    assert (
+        quantized.lm_head.weight.data_ptr() == gpt2.lm_head.weight.data_ptr()
+    )  # ... sharing the float storage
+    assert model_bytes(quantized) == model_bytes(gpt2)  # every tensor shared, the tied matrix counted once
+    quantized.to(
+        torch.bfloat16
+    )  # a cast of the copy replaces its own parameters' data, never the float model's
+    assert (
+        gpt2.lm_head.weight.dtype == torch.float32
+        and gpt2.transformer.h[0].mlp.c_fc.weight.dtype == torch.float32
+    )
 
 
 def test_quantising_a_tied_head_does_not_quantise_the_embedding(gpt2):
@@ -145,10 +155,10 @@ def test_quantising_a_tied_head_does_not_quantise_the_embedding(gpt2):
     assert not torch.equal(quantized.lm_head.weight, gpt2.transformer.wte.weight)
     assert quantized.config.tie_word_embeddings is False and gpt2.config.tie_word_embeddings is True
     assert_same_state(gpt2, before)
-    vocab_by_dim = 128 * 64 * 4
-    assert (
-        model_bytes(quantized) == model_bytes(gpt2) + vocab_by_dim
-    )  # untied: the head is its own matrix now
+    # untied, yet no new matrix: the head fake-quantises the embedding's float storage in each forward
+    assert quantized.lm_head.storage == "shared"
+    assert quantized.lm_head.weight_source.data_ptr() == gpt2.transformer.wte.weight.data_ptr()
+    assert model_bytes(quantized) == model_bytes(gpt2)
 
 
 def test_lm_head_detection(gpt2, llama):

@@ -164,17 +164,34 @@ def load_model(
     return _load_transformers(target, torch_dtype, dtype, device, trust_remote_code, allow_unsafe_weights)
 
 
+# safetensors caps its own JSON header at 100 MB
+HEADER_LIMIT = 100 * 2**20
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files a load reads: the shards a ``model.safetensors.index.json`` names, else
+    ``model.safetensors`` (never a trainer's saved state, nor a second copy such as ``model.fp16.safetensors``)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return []
+        return [folder / name for name in shards if (folder / name).is_file()]
+    single = folder / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
 def stored_parameters(target: Path) -> int | None:
     """Parameters of the weights ``target`` holds, from the files' headers alone (safetensors' JSON header, GGUF's
     tensor infos); None when they cannot be read that way (pickle-based weights)."""
-    # the model's shards (model.safetensors, model-00001-of-00004.safetensors), not a trainer's saved state
-    files = [target] if target.is_file() else sorted(target.glob("model*.safetensors"))
+    files = [target] if target.is_file() else _weight_files(target)
     gguf = _gguf_in(target) if target.is_dir() else None
     if gguf is not None and not files:
         files = [gguf]
     total = 0
     for path in files:
-        if path.suffix == ".gguf":
+        if path.suffix.lower() == ".gguf":
             try:
                 from gguf import GGUFReader
             except ImportError:
@@ -187,6 +204,8 @@ def stored_parameters(target: Path) -> int | None:
         try:
             with open(path, "rb") as f:
                 size = int.from_bytes(f.read(8), "little")
+                if size > HEADER_LIMIT:  # not a safetensors header: do not read a whole file as one
+                    return None
                 header = json.loads(f.read(size))
             for name, info in header.items():
                 if name != "__metadata__":

@@ -309,7 +309,10 @@ def forward_rows(
     need += 4 * copies * rows * window * output_width(model) + 8 * 3 * 256 * output_width(model)
     available = available_memory()
     if available is not None and need > available:
-        held = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.parameters()}.values())
+        # what the model holds: a quantised copy keeps codes and shared weights as buffers, not parameters
+        from qbench.quant.apply import model_bytes
+
+        held = model_bytes(model)
         what = f"logits over a {output_width(model):,}-token vocabulary" + (
             ", attention maps" if attention else ""
         )

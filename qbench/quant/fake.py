@@ -3,7 +3,7 @@
 ``FakeQuantLinear(weight, bias, scheme, input_scale=s, rotation=R)`` computes, for x of shape (..., in)::
 
     x' = R(x / s)                                    # SmoothQuant scaling, Hadamard rotation (each optional)
-    W' = R(W · diag(s))  fake-quantised once          # the same transforms on the weight's rows
+    W' = R(W · diag(s))  fake-quantised (Ŵ)           # the same transforms on the weight's rows
     y  = Q_out( Q_act(x') · W'ᵀ + b )                 # Q_* = fake quantisation, activations per sequence
 
 which in float equals x · Wᵀ + b exactly: (x/s) · diag(s) · Wᵀ = x · Wᵀ, and R(u) = u · Rᵀ with R orthogonal,
@@ -126,9 +126,9 @@ def describe(bits: int | None, granularity: Granularity, symmetric: bool, role: 
     return f"{role}{bits}{'' if symmetric else ' zp'} per-{words}"
 
 
-# A call with fewer tokens than this (a decode step) keeps the Ŵ it derived for the next calls: generation then
-# holds one Ŵ per layer, as a stored Ŵ would, instead of re-quantising every weight for every token. Scoring
-# windows (hundreds of tokens a call) derive Ŵ per call and hold none.
+# Consecutive calls of fewer tokens than this (decode steps) keep the Ŵ they derived: generation then holds one Ŵ
+# per layer, as a stored Ŵ would, instead of re-quantising every weight for every token. Scoring windows (hundreds
+# of tokens a call) derive Ŵ per call and hold none; so does a single short call (the KV cache's probe).
 KEEP_BELOW_TOKENS = 16
 
 
@@ -145,7 +145,7 @@ class FakeQuantLinear(Float32Buffers):
       uint8, one byte a weight) and the float32 scales and zero points; Ŵ = s · (q − z) in every forward.
     - ``"float"`` (a float format under a transform, or float weights under a transform): Ŵ as a frozen parameter.
 
-    A decode step (fewer than :data:`KEEP_BELOW_TOKENS` tokens in one call) keeps the Ŵ it derived for later calls.
+    Decoding (consecutive calls of fewer than :data:`KEEP_BELOW_TOKENS` tokens) keeps the Ŵ it derived.
 
     All three give the same Ŵ bit for bit (``dequantize(quantize(w))`` equals ``fake_quantize(w)``), so a cell's
     numbers do not depend on the storage. ``layer.weight`` reads Ŵ in every case (a fresh tensor unless
@@ -235,14 +235,27 @@ class FakeQuantLinear(Float32Buffers):
         return y
 
     def _forward_weight(self, x: Tensor) -> Tensor:
-        """Ŵ for this call: derived now, or kept from an earlier call of fewer than :data:`KEEP_BELOW_TOKENS`
-        tokens (decoding: re-deriving every weight for one token would cost more than the token's forward)."""
+        """Ŵ for this call. Derived now, except while decoding: from the second consecutive call of fewer than
+        :data:`KEEP_BELOW_TOKENS` tokens on, Ŵ is kept (re-deriving every weight for one token would cost more than
+        the token's forward) until a larger call, a cast or an edit of what it was derived from. A single short
+        call (the KV cache's probe) keeps nothing; nor does a traced or inference-mode call."""
+        if self.storage == "float":
+            return self._parameters["weight"]
+        if x.numel() >= KEEP_BELOW_TOKENS * self.in_features:  # scoring windows: hold no Ŵ
+            self.__dict__.pop("_kept", None)
+            self._short_calls = 0
+            return self.dequantized_weight()
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+            return self.dequantized_weight()
+        source = self._buffers.get("weight_source" if self.storage == "shared" else "weight_codes")
+        key = (source.data_ptr(), source.device, None if source.is_inference() else source._version)
         kept = self.__dict__.get("_kept")
-        if kept is not None:
-            return kept
+        if kept is not None and kept[0] == key:
+            return kept[1]
         w = self.dequantized_weight()
-        if self.storage != "float" and x.numel() < KEEP_BELOW_TOKENS * self.in_features:
-            self._kept = w  # a plain attribute: not state, dropped by a cast or a move (``_apply``)
+        self._short_calls = self.__dict__.get("_short_calls", 0) + 1
+        if self._short_calls >= 2:
+            self._kept = (key, w)  # a plain attribute, not state
         return w
 
     def dequantized_weight(self) -> Tensor:
@@ -253,29 +266,41 @@ class FakeQuantLinear(Float32Buffers):
         qparams = None if self.weight_scale is None else QParams(self.weight_scale, self.weight_zero_point)
         if self.storage == "codes":
             w = dequantize(self.weight_codes, qparams, self._granularity, self._weight_dtype)
-            return w[..., : self.in_features] if w.shape[-1] != self.in_features else w  # ragged: the padding
+            # ragged rows: drop the padding, contiguous as a stored Ŵ was (a GEMM may pick its kernel by stride)
+            return w[..., : self.in_features].contiguous() if w.shape[-1] != self.in_features else w
         source, s = self.weight_source, self.scheme
         if s.weight_bits is None:
-            return source
+            return source.to(self._weight_dtype)
         if self._granularity is None:  # a float format
             w = fake_quantize_format(source.float(), s.format, s.weight_granularity, activation=False)
         else:
             w = fake_quantize_weight(
                 source.float(), s.weight_bits, self._granularity, s.weight_symmetric, qparams
             )
-        return w.to(source.dtype)
+        return w.to(self._weight_dtype)
 
     def __getattr__(self, name: str) -> Tensor | nn.Module:
         # ``layer.weight`` reads Ŵ however it is stored (a fresh tensor when the layer holds codes: writing to it
         # changes nothing)
         if name == "weight" and self.__dict__.get("storage", "float") != "float":
-            return self.dequantized_weight().detach()
+            w = self.dequantized_weight().detach()
+            source = self._buffers.get("weight_source")
+            # never the float model's own tensor (a float weight returned as it is): a write must not reach it
+            return w.clone() if source is not None and w.data_ptr() == source.data_ptr() else w
         return super().__getattr__(name)
 
     def _apply(self, fn, recurse=True):
-        # a cast (``.to(torch.bfloat16)``) moves the dtype Ŵ is dequantised to with it, as it would cast a stored Ŵ
-        super()._apply(fn, recurse)
-        self._kept = None
+        # A cast (``.to(torch.bfloat16)``) moves the dtype Ŵ comes out in, as it would cast a stored Ŵ: the shared
+        # float weight keeps its dtype (it follows moves only), so Ŵ stays bf16(Q(W)), never Q(bf16(W)).
+        source = self._buffers.get("weight_source")
+        if source is not None:
+            self._buffers["weight_source"] = None  # nn.Module._apply skips None buffers
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            if source is not None:
+                self._buffers["weight_source"] = source.to(fn(source.new_empty(0)).device)
+        self.__dict__.pop("_kept", None)
         self._weight_dtype = fn(torch.empty(0, dtype=self._weight_dtype)).dtype
         return self
 

@@ -120,3 +120,32 @@ def test_a_model_larger_than_the_memory_left_is_refused_before_loading(monkeypat
     assert load.load_model(str(ckpt_dir), dtype="bfloat16").model is not None
     with pytest.raises(UserError, match=r"B parameters: ~.* GiB of float32 weights"):
         load.load_model(str(hf_llama_dir))
+
+
+def test_the_weights_counted_are_the_files_a_load_reads(tmp_path):
+    """A sharded folder: the shards its index names; a single file: model.safetensors only (not a second copy in
+    another dtype, not a trainer's state); a file that is no safetensors: unknown, never read whole."""
+    import json
+
+    from safetensors.torch import save_file
+
+    import qbench.eval.load as load
+
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    sharded.mkdir(), single.mkdir()
+    save_file({"a": torch.zeros(3, 4)}, str(sharded / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.zeros(5)}, str(sharded / "model-00002-of-00002.safetensors"))
+    save_file(
+        {"a": torch.zeros(3, 4), "b": torch.zeros(5)}, str(sharded / "model.safetensors")
+    )  # consolidated too
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert load.stored_parameters(sharded) == 17
+    save_file({"w": torch.zeros(6, 7)}, str(single / "model.safetensors"))
+    save_file({"w": torch.zeros(6, 7, dtype=torch.float16)}, str(single / "model.fp16.safetensors"))
+    save_file({"m": torch.zeros(100)}, str(single / "trainer_state.safetensors"))
+    assert load.stored_parameters(single) == 42
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "model.safetensors").write_bytes(b"\xff" * 64)
+    assert load.stored_parameters(garbage) is None

@@ -116,17 +116,45 @@ def test_a_cell_of_a_1_3b_model_costs_its_model_once():
     assert figures["peak_over_base"] <= 1.3 * figures["weights"], figures
 
 
-def test_a_decode_step_keeps_its_weight_and_a_window_does_not(tiny):
+def test_decoding_keeps_its_weight_and_a_window_or_a_single_probe_does_not(tiny):
     from qbench.quant.fake import KEEP_BELOW_TOKENS
 
     linear = tiny.transformer.h[0].mlp.c_fc
     layer = FakeQuantLinear(linear.weight.detach(), None, get_scheme("absmax-coarse"), share_weight=True)
-    window = torch.randn(1, 2 * KEEP_BELOW_TOKENS, linear.in_features)
-    layer(window)
-    assert layer.__dict__.get("_kept") is None  # scoring: Ŵ derived per call, none held
     step = torch.randn(1, 1, linear.in_features)
     y = layer(step)
-    assert torch.equal(layer.__dict__["_kept"], layer.dequantized_weight())
+    assert "_kept" not in layer.__dict__  # one short call (the KV cache's probe) keeps nothing
+    assert torch.equal(layer(step), y)
+    _key, kept = layer.__dict__["_kept"]  # the second consecutive one: decoding
+    assert torch.equal(kept, layer.dequantized_weight())
     assert torch.equal(layer(step), y)  # the kept Ŵ computes what a derived one does
+    layer(torch.randn(1, 2 * KEEP_BELOW_TOKENS, linear.in_features))
+    assert "_kept" not in layer.__dict__  # scoring windows: dropped, none held
+    layer(step), layer(step)
     layer.to(torch.bfloat16)  # a cast drops it
-    assert layer.__dict__.get("_kept") is None
+    assert "_kept" not in layer.__dict__
+    with torch.inference_mode():
+        layer(step.bfloat16()), layer(step.bfloat16())
+    assert "_kept" not in layer.__dict__  # an inference-mode tensor kept would break a later backward
+
+
+@pytest.mark.parametrize("storage", ["shared", "codes"])
+def test_a_cast_of_a_quantised_layer_casts_its_rounded_weight(tiny, storage):
+    """bf16(Q(W)), as a stored Ŵ cast with its model — never Q(bf16(W)) — and the float weight is not written."""
+    linear = tiny.transformer.h[0].mlp.c_fc
+    w = linear.weight.detach()
+    scheme = get_scheme("zeropoint-int4-g128")
+    layer = FakeQuantLinear(w, linear.bias, scheme, share_weight=storage == "shared")
+    expected = fake_quantize_weight(
+        w.float(), 4, scheme.weight_granularity_for(w.shape[1]), scheme.weight_symmetric
+    ).to(torch.bfloat16)
+    layer.to(torch.bfloat16)
+    assert layer.storage == storage and torch.equal(layer.weight, expected)
+    assert linear.weight.dtype == torch.float32
+
+
+def test_an_unquantised_shared_weight_is_read_as_a_copy(tiny):
+    linear = tiny.transformer.h[0].mlp.c_fc
+    layer = FakeQuantLinear(linear.weight.detach(), None, get_scheme("absmax-fine:w=none"), share_weight=True)
+    assert layer.storage == "shared" and torch.equal(layer.weight, linear.weight)
+    assert layer.weight.data_ptr() != linear.weight.data_ptr()  # writing to it cannot reach the float model

@@ -228,7 +228,7 @@ def check_fits(target: Path, torch_dtype: torch.dtype, dtype: str) -> None:
     params = stored_parameters(target)
     if available is None or params is None:
         return
-    need = params * torch.empty(0, dtype=torch_dtype).element_size()
+    need = params * torch_dtype.itemsize
     if need <= available:
         return
     gib = 2**30

@@ -155,6 +155,8 @@ class FakeQuantLinear(Float32Buffers):
     """
 
     _float32_buffers = ("input_scale", "weight_scale")
+    # the shared float weight keeps its dtype through a cast, so Ŵ stays bf16(Q(W)), never Q(bf16(W))
+    _dtype_kept_buffers = ("weight_source",)
 
     def __init__(
         self,
@@ -290,16 +292,8 @@ class FakeQuantLinear(Float32Buffers):
         return super().__getattr__(name)
 
     def _apply(self, fn, recurse=True):
-        # A cast (``.to(torch.bfloat16)``) moves the dtype Ŵ comes out in, as it would cast a stored Ŵ: the shared
-        # float weight keeps its dtype (it follows moves only), so Ŵ stays bf16(Q(W)), never Q(bf16(W)).
-        source = self._buffers.get("weight_source")
-        if source is not None:
-            self._buffers["weight_source"] = None  # nn.Module._apply skips None buffers
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            if source is not None:
-                self._buffers["weight_source"] = source.to(fn(source.new_empty(0)).device)
+        # a cast (``.to(torch.bfloat16)``) moves the dtype Ŵ comes out in, as it would cast a stored Ŵ
+        super()._apply(fn, recurse)
         self.__dict__.pop("_kept", None)
         self._weight_dtype = fn(torch.empty(0, dtype=self._weight_dtype)).dtype
         return self

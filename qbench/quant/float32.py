@@ -16,13 +16,16 @@ from torch import Tensor, nn
 
 
 class Float32Buffers(nn.Module):
-    """Mixin: the buffers named in ``_float32_buffers`` follow device moves but never dtype casts."""
+    """Mixin: the buffers named in ``_float32_buffers`` follow device moves but never dtype casts (they stay
+    float32); those in ``_dtype_kept_buffers`` follow device moves and keep whatever dtype they have (a float
+    weight a layer quantises on the fly: its Ŵ is cast, the weight it is rounded from is not)."""
 
     _float32_buffers: tuple[str, ...] = ()
+    _dtype_kept_buffers: tuple[str, ...] = ()
 
     def _apply(self, fn, recurse=True):
         kept: dict[str, Tensor] = {}
-        for name in self._float32_buffers:
+        for name in (*self._float32_buffers, *self._dtype_kept_buffers):
             t = self._buffers.get(name)
             if t is not None and t.dtype.is_floating_point:
                 kept[name] = t
@@ -32,5 +35,6 @@ class Float32Buffers(nn.Module):
         finally:
             for name, t in kept.items():
                 target = fn(t.new_empty(0)).device  # where the cast sends tensors (.to, .cuda, .cpu, .half)
-                self._buffers[name] = t.to(target).float()
+                t = t.to(target)
+                self._buffers[name] = t.float() if name in self._float32_buffers else t
         return self

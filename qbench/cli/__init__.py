@@ -82,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# The commands whose peak resident memory is printed when they finish: those that evaluate many cells.
-MEMORY_REPORTED = ("card", "run", "sweep", "sensitivity", "grid", "score", "algorithms", "plan", "demo")
+# Every command that loads a model prints its peak resident memory when it finishes; these only read or write
+# files (and ``train`` reports its own)
+MEMORY_QUIET = ("init", "ls", "env", "compare", "data")
 
 
 def peak_memory_gib() -> float:
@@ -129,9 +130,18 @@ def _main(argv: list[str]) -> int:
             build_parser().print_help()
             return 0
         check_native_target()
+        loads = hasattr(args, "device") and not getattr(args, "from_json", None)  # a re-render loads nothing
+        if getattr(args, "dtype", None) == "auto" and loads:
+            from qbench.eval.load import resolve_dtype
+
+            # a device map places the model on the GPUs when there are any, whatever --device says
+            device = "cuda" if getattr(args, "device_map", None) else args.device
+            args.dtype = resolve_dtype(args.dtype, device)  # records name the dtype that ran
         code = COMMANDS[args.command](args) or 0
-        if args.command in MEMORY_REPORTED and code == 0:
-            console.print(f"[dim]peak memory {peak_memory_gib():.2f} GiB (resident, this process)[/]")
+        if args.command not in MEMORY_QUIET and code == 0:
+            # beside what a command writes to stdout as data (`--output-path -`), the line goes to stderr
+            out = err_console if getattr(args, "output_path", None) == "-" else console
+            out.print(f"[dim]peak memory {peak_memory_gib():.2f} GiB (resident, this process)[/]")
         return code
     except UserError as e:
         err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)

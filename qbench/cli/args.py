@@ -7,13 +7,14 @@ One definition of ``--ckpt``, the loading switches and the perplexity protocol's
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from models.errors import UserError
 from qbench.cli.budgets import EVAL_TOKENS
 from qbench.eval.llamacpp_protocol import PROTOCOLS, QBENCH
+from qbench.eval.placement import DEVICE_MAPS
 from qbench.eval.sampling import SAMPLES
 from qbench.quant.kv_options import KV_BITS, KV_SCHEME_NAMES, KV_SCHEME_SYNTAX
 
@@ -55,8 +56,32 @@ def add_load_arguments(parser: argparse.ArgumentParser, many: bool = False) -> N
         help="qbench checkpoint, transformers folder, ckpts/NAME, or hub name"
         + (" (repeatable)" if many else ""),
     )
-    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto | float32 | bfloat16 | float16; auto = bfloat16 on a GPU that computes in it, float32 on the "
+        "CPU (default: auto)",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default: cpu)")
+    parser.add_argument(
+        "--device-map",
+        choices=DEVICE_MAPS,
+        help="place the model with accelerate instead of all on --device (default: off): auto fills the GPUs, "
+        "then the CPU, up to --max-memory, and offloads the rest to disk, one layer loaded per call; "
+        "balanced / balanced_low_0 / sequential as in transformers — docs/evaluating.md",
+    )
+    parser.add_argument(
+        "--max-memory",
+        action="append",
+        metavar="DEVICE=SIZE",
+        help="with --device-map: what each device may hold, e.g. --max-memory cpu=4GiB --max-memory 0=70GiB "
+        "(repeatable; default: what accelerate finds free)",
+    )
+    parser.add_argument(
+        "--offload-folder",
+        help="with --device-map: where offloaded weights that need a copy are written (default: a temporary "
+        "folder removed at exit; safetensors weights are read in place and need none)",
+    )
     parser.add_argument(
         "--trust-remote-code", action="store_true", help="allow a transformers model's own code"
     )
@@ -150,6 +175,20 @@ def protocol_from_args(args: argparse.Namespace, outlier_windows: int = 8) -> Pr
     )
 
 
+def placement_from_args(args: argparse.Namespace) -> Any:
+    """``--device-map``, ``--max-memory`` and ``--offload-folder`` as a ``qbench.eval.placement.Placement`` (None
+    when no device map is asked for, so nothing of accelerate is imported)."""
+    device_map = getattr(args, "device_map", None)
+    if device_map is None:
+        if getattr(args, "max_memory", None) or getattr(args, "offload_folder", None):
+            flag = "--max-memory" if args.max_memory else "--offload-folder"
+            raise UserError(f"{flag} needs --device-map (e.g. --device-map auto)")
+        return None
+    from qbench.eval.placement import Placement, parse_max_memory
+
+    return Placement(device_map, parse_max_memory(args.max_memory), args.offload_folder)
+
+
 def load_from_args(args: argparse.Namespace) -> LoadedModel:
     from qbench.eval.load import load_model
 
@@ -159,6 +198,7 @@ def load_from_args(args: argparse.Namespace) -> LoadedModel:
         device=args.device,
         trust_remote_code=args.trust_remote_code,
         allow_unsafe_weights=args.allow_unsafe_weights,
+        placement=placement_from_args(args),
     )
 
 

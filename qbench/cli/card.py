@@ -15,6 +15,7 @@ from qbench.cli.args import (
     add_resolve_argument,
     add_tolerance_arguments,
     console,
+    placement_from_args,
     seed_value,
     tolerance_from_args,
 )
@@ -118,6 +119,7 @@ def config(args: argparse.Namespace):
         device=args.device,
         trust_remote_code=args.trust_remote_code,
         allow_unsafe_weights=args.allow_unsafe_weights,
+        placement=placement_from_args(args),
         command=getattr(args, "command_line", None),
         overwrite=args.overwrite,
         calib_data=args.calib_data,

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from qbench.cli.args import add_calibration_arguments, add_kv_arguments, add_model_arguments, seed_value
+from qbench.cli.args import (
+    add_calibration_arguments,
+    add_kv_arguments,
+    add_model_arguments,
+    placement_from_args,
+    seed_value,
+)
 from qbench.cli.base import SEED_HELP, add_output_argument, console, print_wide
 from qbench.cli.budgets import EVAL_TOKENS
 
@@ -57,6 +63,7 @@ def grid_spec(args: argparse.Namespace, models: list[str]):
         quantize_lm_head=args.quantize_lm_head,
         trust_remote_code=args.trust_remote_code,
         allow_unsafe_weights=args.allow_unsafe_weights,
+        placement=placement_from_args(args),
         kv=kv,
         calibration=calibration_from_args(args),
     )

@@ -41,6 +41,10 @@ def run(args: argparse.Namespace) -> int | None:
     rank, world_size, _ = ranks.world()
     if args.nproc_per_node < 1:
         raise UserError(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
+    if args.nproc_per_node > 1 and getattr(args, "device_map", None):
+        raise UserError(
+            "--nproc-per-node gives each rank one device; --device-map spreads one model over them all — use one"
+        )
     if args.nproc_per_node > 1 and world_size == 1:  # relaunch this very command under torchrun
         return ranks.launch(shlex.split(args.command_line)[1:], args.nproc_per_node)
     spec = grid_spec(args, args.ckpt)

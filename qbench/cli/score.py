@@ -18,6 +18,7 @@ from qbench.cli.args import (
     console,
     kv_from_args,
     load_from_args,
+    placement_from_args,
     protocol_from_args,
 )
 from qbench.cli.base import add_output_argument
@@ -192,6 +193,7 @@ def _sweep_config(args: argparse.Namespace, protocol: Protocol, kv: KVConfig | N
         attention=not args.no_attention,
         trust_remote_code=args.trust_remote_code,
         allow_unsafe_weights=args.allow_unsafe_weights,
+        placement=placement_from_args(args),
     )
     validate(cfg)
     return cfg

@@ -27,6 +27,7 @@ from qbench.cli.args import (
     console,
     kv_from_args,
     load_from_args,
+    placement_from_args,
     protocol_from_args,
     seed_value,
     tolerance_from_args,
@@ -92,6 +93,7 @@ def _spec(args: argparse.Namespace, lm, out: Path):
         quantize_lm_head=args.quantize_lm_head,
         trust_remote_code=args.trust_remote_code,
         allow_unsafe_weights=args.allow_unsafe_weights,
+        placement=placement_from_args(args),
         kv=kv_from_args(args),
         calibration=calibration_from_args(args),
     )

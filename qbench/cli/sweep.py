@@ -11,6 +11,7 @@ from qbench.cli.args import (
     add_model_arguments,
     add_resolve_argument,
     add_tolerance_arguments,
+    placement_from_args,
     seed_value,
 )
 from qbench.cli.base import SEED_HELP, add_output_argument, console
@@ -96,6 +97,7 @@ def sweep_config(args: argparse.Namespace):
         attention=not args.no_attention,
         trust_remote_code=args.trust_remote_code,
         allow_unsafe_weights=args.allow_unsafe_weights,
+        placement=placement_from_args(args),
         calibration=calibration_from_args(args),
     )
     from qbench.studies.resolve import resolve_cap

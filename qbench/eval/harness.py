@@ -141,6 +141,7 @@ class GridSpec:
     attention: bool = True  # attention statistics need the O(T^2) reference path
     trust_remote_code: bool = False
     allow_unsafe_weights: bool = False
+    placement: Any = None  # qbench.eval.placement.Placement: a device map instead of all on ``device``
     quantize_lm_head: bool = False  # the schemes' documented default keeps the LM head in float
     baseline_path: Path | None = None  # where fp.json lives, when not output_path (sensitivity's many cells)
     kv: KVConfig | None = None  # KV-cache quantisation on top of every cell's scheme (None: float cache)
@@ -359,7 +360,9 @@ def float_scheme() -> Any:
 
 def nonfinite_weights(model: torch.nn.Module) -> str | None:
     """``"the float weights hold N NaN/inf value(s) (first in NAME)"``, or None when every parameter is finite."""
-    bad = [(name, int((~p.isfinite()).sum())) for name, p in model.named_parameters()]
+    from qbench.quant.offload import parameter_values
+
+    bad = [(name, int((~p.isfinite()).sum())) for name, p in parameter_values(model)]
     bad = [(name, n) for name, n in bad if n]
     if not bad:
         return None
@@ -450,6 +453,7 @@ class ModelEvaluation:
                 device=self.spec.device,
                 trust_remote_code=self.spec.trust_remote_code,
                 allow_unsafe_weights=self.spec.allow_unsafe_weights,
+                placement=self.spec.placement,
             )
         return self._lm
 
@@ -822,7 +826,9 @@ class ModelEvaluation:
         ids = kv_calibration_windows(
             self.lm.tokenizer, self.spec.protocol, self.windows.window, self.spec.calibration
         )
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        from qbench.quant.offload import execution_device
+
+        device = execution_device(model)
         scales = calibrate_kv_scales(model, calibration_batches(ids.to(device)))
         layers = sorted(scales)
         return {

@@ -29,6 +29,7 @@ from torch import nn
 from models.checkpoint import is_checkpoint, load_checkpoint
 from models.errors import UserError, unknown_choice
 from models.transformer import merge_projections
+from qbench.eval.placement import Placement
 
 CKPT_ROOT = Path("ckpts")
 DTYPES = {
@@ -65,9 +66,21 @@ def check_device(device: str) -> torch.device:
     return parsed
 
 
+def resolve_dtype(name: str, device: str) -> str:
+    """``auto`` → bfloat16 on a GPU that computes in it (Ampere and later), float32 elsewhere: the CPU's float32
+    is every record's baseline, and a GPU's bf16 halves the memory at a stated cost (docs/evaluating.md)."""
+    if name != "auto":
+        return name
+    try:
+        gpu = torch.device(device).type == "cuda" and torch.cuda.is_available()
+    except (RuntimeError, ValueError):  # a misspelt device: check_device names it
+        return "float32"
+    return "bfloat16" if gpu and torch.cuda.is_bf16_supported() else "float32"
+
+
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
-        raise unknown_choice("dtype", name, DTYPES)
+        raise unknown_choice("dtype", name, [*DTYPES, "auto"])
     return DTYPES[name]
 
 
@@ -128,11 +141,19 @@ def load_model(
     device: str = "cpu",
     trust_remote_code: bool = False,
     allow_unsafe_weights: bool = False,
+    placement: Placement | None = None,
 ) -> LoadedModel:
-    """Load what ``spec`` names (see the module docstring) in eval mode."""
+    """Load what ``spec`` names (see the module docstring) in eval mode. ``dtype="auto"``: bfloat16 on a GPU,
+    float32 on the CPU. ``placement``: a device map (``qbench.eval.placement``) instead of all on ``device``."""
     check_device(device)
+    dtype = resolve_dtype(dtype, device)
     torch_dtype = parse_dtype(dtype)
     target = resolve(spec)
+    placement = placement or Placement()
+    if placement.active:
+        return _load_placed(
+            target, spec, torch_dtype, dtype, placement, trust_remote_code, allow_unsafe_weights
+        )
     if isinstance(target, Path) and torch.device(device).type == "cpu":
         check_fits(target, torch_dtype, dtype)
     if isinstance(target, Path) and is_checkpoint(target):
@@ -257,6 +278,50 @@ def _weights_fingerprint(folder: Path) -> str:
     return h.hexdigest()
 
 
+def _load_placed(
+    target: Path | str,
+    spec: str,
+    torch_dtype: torch.dtype,
+    dtype: str,
+    placement: Placement,
+    trust_remote_code: bool,
+    allow_unsafe_weights: bool,
+) -> LoadedModel:
+    """``target`` placed by accelerate's device map (``qbench.eval.placement``)."""
+    from qbench.eval import placement as placing
+
+    if isinstance(target, Path) and target.is_file():
+        raise UserError(
+            f"{target.name}: a GGUF file is dequantised whole into memory before it could be placed, so "
+            "--device-map cannot help; convert it once to a safetensors folder (transformers: from_pretrained(folder, "
+            "gguf_file=...).save_pretrained(out); docs/evaluating.md)"
+        )
+    if isinstance(target, Path) and is_checkpoint(target):
+        from models.checkpoint import _load_tokenizer, read_meta
+
+        meta = read_meta(target)
+        model = placing.dispatch_checkpoint(target, meta, torch_dtype, placement)
+        tokenizer = _load_tokenizer(target, model.config) if meta.get("tokenizer") else None
+        if tokenizer is None:
+            raise UserError(f"checkpoint {target} has no tokenizer files; re-save it with its tokenizer")
+        description = {
+            "kind": "qbench",
+            "path": str(target),
+            "config": model.config.to_dict(),
+            "fingerprint": meta["weights"]["sha256"],
+            "parameters": model.num_parameters(),
+            "dtype": dtype,
+            "provenance": meta.get("provenance", {}),
+            "placement": placing.describe(model, placement),
+        }
+        return LoadedModel(model, tokenizer, _folder_name(target), str(target), description)
+    loaded = _load_transformers(
+        target, torch_dtype, dtype, "cpu", trust_remote_code, allow_unsafe_weights, placement
+    )
+    loaded.description["placement"] = placing.describe(loaded.model, placement)
+    return loaded
+
+
 def _load_transformers(
     target: Path | str,
     torch_dtype: torch.dtype,
@@ -264,6 +329,7 @@ def _load_transformers(
     device: str,
     trust_remote_code: bool,
     allow_unsafe_weights: bool,
+    placement: Placement | None = None,
 ) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -283,6 +349,10 @@ def _load_transformers(
         dtype=torch_dtype,
         use_safetensors=None if allow_unsafe_weights else True,
     )
+    if placement is not None and placement.active:
+        from qbench.eval.placement import transformers_kwargs
+
+        kwargs.update(transformers_kwargs(placement))
     try:
         model = AutoModelForCausalLM.from_pretrained(str(target), **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(
@@ -291,7 +361,7 @@ def _load_transformers(
     except (OSError, ValueError) as e:
         where = str(target) if local else f"hub model {target!r} (is a hub reachable? HF_HUB_OFFLINE set?)"
         raise UserError(f"cannot load {where}: {str(e).splitlines()[0]}") from None
-    model = model.to(device).eval()
+    model = (model if placement is not None and placement.active else model.to(device)).eval()
     name = _folder_name(target) if local else str(target).replace("/", "--")
     n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     description = {

@@ -627,7 +627,14 @@ def linear_ranges(
             handle.remove()
     per_layer = {}
     for name, s in sums.items():
-        weight = linear_weight(layers[name])[0].float()
+        weight = linear_weight(layers[name])[0]
+        if weight.is_meta:  # offloaded by a device map (qbench.eval.placement): read it from where it lives
+            from qbench.quant.linears import is_conv1d
+            from qbench.quant.offload import offloaded_tensor
+
+            weight = offloaded_tensor(model, f"{name}.weight")
+            weight = weight.t() if is_conv1d(layers[name]) else weight
+        weight = weight.float()
         rms = math.sqrt(s["sumsq"] / max(s["count"], 1))
         per_layer[name] = {
             "lm_head": name in heads,

@@ -7,6 +7,9 @@
   in each forward (``FakeQuantLinear``'s ``shared`` storage); one whose weight an algorithm or a transform changed
   holds integer codes and scales. Change a copy by replacing its tensors, never in place: an in-place write to a
   shared tensor reaches the float model (a cast of the copy is safe: its parameters are its own objects).
+- A model placed by accelerate (``qbench.eval.placement``: ``device_map``) is copied without its hooks and the copy
+  gets hooks of its own (``qbench.quant.offload``); where weights are offloaded, only schemes that quantise one
+  layer as it is loaded apply (``offload.offload_problem``), anything else is a ``UserError``.
 - Targets: every ``nn.Linear`` and transformers GPT-2 ``Conv1D`` (weight stored transposed, (in, out)), minus
   ``exclude`` (fnmatch patterns on module names; a pattern matching no linear layer is an error) and minus the
   LM head unless ``scheme.quantize_lm_head``. The LM head is a module named ``lm_head``, the model's
@@ -275,6 +278,11 @@ def quantize(
             f"scheme {scheme.name!r}: no real kernel for format {scheme.format!r}; run it with mode='fake'"
         )
     _check_not_quantized(model)
+    from qbench.quant import offload
+
+    offloaded = offload.is_offloaded(model)
+    if offloaded and offload.offload_problem(scheme, mode):
+        raise UserError(offload.offload_problem(scheme, mode))
     if scheme.method == "gguf":  # llama.cpp quantises and runs its own file type (qbench.quant.llamacpp)
         from qbench.quant.llamacpp import quantize_llama_cpp
 
@@ -323,7 +331,12 @@ def quantize(
             module, scheme, mode, scales.get(name), rotations.get(name), static, solved.get(name)
         )
     memo.update(_shared_tensors(model))
+    hooked = offload.hooks(model)  # accelerate's (a device map): the copy gets hooks of its own
+    memo.update(offload.copy_memo(model))
     quantized = copy.deepcopy(model, memo)
+    if hooked:
+        offload.strip(quantized, hooked)
+        offload.rehook(model, quantized, layers)
     if scheme.quantize_lm_head and lm_head_names(model) & set(layers):
         config = getattr(quantized, "config", None)
         if config is not None and getattr(config, "tie_word_embeddings", False):
@@ -389,7 +402,9 @@ def _own_tensors(module: nn.Module) -> list[Tensor]:
 
 
 def model_bytes(model: nn.Module, _seen: set[int] | None = None) -> int:
-    """Bytes the model really holds, each storage once (tied tensors count once).
+    """Bytes the model really holds, each storage once (tied tensors count once); a tensor a device map
+    offloads (``meta`` between calls) counts at its size, wherever it lives, so the figure is the placement's
+    invariant.
 
     A module with an ``nbytes()`` method (the real kernels' packed layers, whose caches are not buffers)
     reports itself and everything below it; elsewhere a module's own tensors count, then its children's.
@@ -398,7 +413,17 @@ def model_bytes(model: nn.Module, _seen: set[int] | None = None) -> int:
     if callable(getattr(model, "nbytes", None)):
         return int(model.nbytes())
     total = 0
+    for name, t in [*model._parameters.items(), *model._buffers.items()]:
+        if t is not None and t.is_meta:  # offloaded by a device map: held elsewhere, counted at its size once
+            from qbench.quant.offload import source_key
+
+            key = source_key(model, name) or ("meta", id(t))
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
     for t in _own_tensors(model):
+        if t.is_meta:
+            continue
         key = t.data_ptr() if t.is_quantized else t.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)

@@ -223,7 +223,9 @@ def _hooks(
 
 
 def _model_device(model: nn.Module) -> torch.device:
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
+    from qbench.quant.offload import execution_device
+
+    return execution_device(model)
 
 
 class _HeadReached(Exception):

@@ -187,7 +187,10 @@ class FakeQuantLinear(Float32Buffers):
             self.register_buffer("weight_source", weight.detach())
             if weight_qparams is not None:  # a searched grid (QuaRot's wclip=mse) on the unchanged weight
                 self.weight_scale, self.weight_zero_point = weight_qparams.scale, weight_qparams.zero_point
-            self.dequantized_weight()  # fails now, as a stored Ŵ would, on NaN or a grid that does not fit
+            if (
+                not weight.is_meta
+            ):  # an offloaded weight (qbench.quant.offload) is checked in its first forward
+                self.dequantized_weight()  # fails now, as a stored Ŵ would, on NaN or a grid that does not fit
         elif integer:
             self.storage = "codes"
             w = pad_to_groups(transform_weight(weight, input_scale, rotation), self._granularity)
@@ -247,7 +250,11 @@ class FakeQuantLinear(Float32Buffers):
             self.__dict__.pop("_kept", None)
             self._short_calls = 0
             return self.dequantized_weight()
-        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        if (
+            torch.compiler.is_compiling()
+            or torch.is_inference_mode_enabled()
+            or not self.__dict__.get("keep_decoded", True)  # offloaded: one layer's weight resident at a time
+        ):
             return self.dequantized_weight()
         source = self._buffers.get("weight_source" if self.storage == "shared" else "weight_codes")
         key = (source.data_ptr(), source.device, None if source.is_inference() else source._version)

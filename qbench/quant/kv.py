@@ -166,10 +166,18 @@ def apply_kv(model: nn.Module, config: KVConfig) -> nn.Module:
     ``model`` is not modified. The copy shares the float weights with it (KV quantisation changes activations
     only, and evaluation never writes weights), so it costs almost no memory.
     """
+    from qbench.quant import offload
+
     _check_config(config)
     _check_not_kv(model)
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    return attach_kv(copy.deepcopy(model, shared), config)
+    hooked = offload.hooks(model)  # a model placed by accelerate: the copy gets hooks of its own
+    shared.update(offload.copy_memo(model))
+    kv_copy = copy.deepcopy(model, shared)
+    if hooked:
+        offload.strip(kv_copy, hooked)
+        offload.rehook(model, kv_copy, {})
+    return attach_kv(kv_copy, config)
 
 
 def attach_kv(model: nn.Module, config: KVConfig) -> nn.Module:
@@ -217,8 +225,9 @@ PROBE_TOKENS = 4  # a probe forward is this long: enough for every layer to run,
 
 def probe_ids(model: nn.Module) -> Tensor:
     """(1, PROBE_TOKENS) token ids 0, 1, ... on the model's device, for probe forwards."""
-    device = next(iter(model.parameters())).device
-    return torch.arange(PROBE_TOKENS, device=device)[None]
+    from qbench.quant.offload import execution_device
+
+    return torch.arange(PROBE_TOKENS, device=execution_device(model))[None]
 
 
 @torch.no_grad()

@@ -43,6 +43,7 @@ from qbench.quant.calibrate import (
     check_statistics_finite,
     stop_before_head,
 )
+from qbench.quant.offload import execution_device
 
 
 class _Captured(Exception):
@@ -166,7 +167,7 @@ def run_sequential(
     the caller calibrates on float inputs). The model's train/eval flags come back as they were; the model itself
     is never modified."""
     _, blocks = decoder_blocks(model, layers)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = execution_device(model)
     where = {id(m): n for n, m in layers.items()}
     per_block = [{where[id(m)]: m for m in b.modules() if id(m) in where} for b in blocks]
     inside = {n for group in per_block for n in group}

@@ -234,13 +234,31 @@ def prepare(
 
 @dataclass
 class Engine:
-    """One llama.cpp type ready to time: its generator, or why there is none; ``fields`` go into its record."""
+    """One llama.cpp type ready to time: its file (opened by :meth:`open`, one engine at a time), or why there is
+    none; ``fields`` go into its record."""
 
     type_name: str
     backend: str
-    generator: LlamaCppGenerator | None
+    file: Path | None
     error: str | None
     fields: dict[str, Any]
+    threads: int = 1
+    context: int = 512
+    generator: LlamaCppGenerator | None = None
+
+    def open(self) -> LlamaCppGenerator:
+        """Load the file into llama.cpp (its weights mapped, its KV cache allocated); ValueError/RuntimeError
+        when llama.cpp refuses it."""
+        if self.file is None:
+            raise RuntimeError(self.error or "no file")
+        self.generator = LlamaCppGenerator(self.file, self.threads, self.context)
+        self.fields["gguf_tensor_types"] = tensor_types(self.file)
+        return self.generator
+
+    def close(self) -> None:
+        if self.generator is not None:
+            self.generator.close()
+            self.generator = None
 
 
 @contextlib.contextmanager
@@ -248,7 +266,8 @@ def engines(
     model: Any, ckpt: str | None, types: Sequence[str], threads: int, context: int
 ) -> Iterator[list[Engine]]:
     """Every requested type as an :class:`Engine` (``prepare``'s GGUFs in a temporary folder, removed afterwards
-    with the generators closed: a 135M model's six files are ~1.5 GB)."""
+    with the generators closed: a 135M model's six files are ~1.5 GB on disk). No engine is open yet: the caller
+    opens each for its own measurement and closes it before the next (each maps its whole file)."""
     llama_cpp = require_llama_cpp()
     backend = f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}"
     system = system_info()
@@ -257,20 +276,13 @@ def engines(
         try:
             for type_name, file in prepare(model, None, ckpt, Path(tmp), types, threads).items():
                 fields = {"llama_cpp_type": type_name, "gguf_tensor_types": None, "llama_cpp_system": system}
-                generator, error = None, file if isinstance(file, str) else None
-                if error is None:
-                    try:
-                        generator = LlamaCppGenerator(file, threads, context)
-                    except (ValueError, RuntimeError) as err:
-                        error = f"{type(err).__name__}: {err}".splitlines()[0][:200]
-                    else:
-                        fields["gguf_tensor_types"] = tensor_types(file)
-                loaded.append(Engine(type_name, backend, generator, error, fields))
+                error = file if isinstance(file, str) else None
+                path = None if error is not None else file
+                loaded.append(Engine(type_name, backend, path, error, fields, threads, context))
             yield loaded
         finally:
             for engine in loaded:
-                if engine.generator is not None:
-                    engine.generator.close()
+                engine.close()
 
 
 def matched_schemes(types: Sequence[str]) -> list[str]:
@@ -290,7 +302,9 @@ def annotate(records: list[dict[str, Any]], model_name: str) -> None:
             target = f"{model_name} {match}" if match in ("fp32", "bf16") else f"{match} [real]"
         ours = by_name.get(target) if target else None
         rec["qbench_match"] = target
-        mine, theirs = (ours or {}).get("tokens_per_s"), rec.get("tokens_per_s")
+        # each row was timed beside the fp32 reference in its own round (``speed._measure``): the ratio of their
+        # speed-ups over the adjacent fp32 times cancels what drifted between the two rounds (fp32's own: 1)
+        mine, theirs = (ours or {}).get("speedup_best"), rec.get("speedup_best")
         rec["qbench_vs_llama_cpp"] = mine / theirs if mine and theirs else None
 
 

@@ -54,6 +54,11 @@ def as_transformers(lm: LoadedModel) -> nn.Module:
     """The model as a transformers model: itself, or our model converted with the same weights and dtype."""
     if not is_ours(lm.model):
         return lm.model
+    if getattr(lm.model, "hf_device_map", None):
+        raise UserError(
+            f"{lm.name}: a qbench checkpoint placed with --device-map cannot be converted for lm-eval (its "
+            "offloaded weights are not in memory); export it with `qbench export` and place the transformers folder"
+        )
     from models.hf import to_hf_model
 
     try:

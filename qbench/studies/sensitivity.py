@@ -427,6 +427,7 @@ def sensitivity(
         device=spec.device,
         trust_remote_code=spec.trust_remote_code,
         allow_unsafe_weights=spec.allow_unsafe_weights,
+        placement=spec.placement,
     )
     study = _Study(
         spec, lm, list(select_layers(lm.model, scheme)), on_cell, _prefix(spec, lm) if replay else None

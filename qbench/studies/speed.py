@@ -4,7 +4,11 @@
 one process, **interleaved**: every repeat runs each candidate once, round-robin, so a noisy neighbour or a clock
 change hits all candidates alike; speed is a ratio to float32 measured in the same run: ``speedup`` = median
 t_fp32 / median t (> 1 is faster) and ``speedup_best`` = min t_fp32 / min t, the steadier figure on a shared
-machine. Each candidate runs once untimed first (warm-up; that is where ``torch.compile`` compiles).
+machine. Layer candidates are all timed in one round-robin; whole-model candidates (a bf16 copy, each scheme's
+quantised copy, each llama.cpp engine) each in a round of their own beside fp32, their ratio against those
+adjacent fp32 times, and dropped before the next is built — one quantised model in memory at a time, so the
+peak does not grow with the number of schemes. Each candidate runs once untimed first (warm-up; that is where
+``torch.compile`` compiles).
 
 What is measured:
 
@@ -44,6 +48,7 @@ environment (glibc reads them at start-up, so set them before Python starts); th
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import os
 import statistics
@@ -83,6 +88,11 @@ class Candidate:
     weight_bytes: int | Callable[[], int] | None = None  # a callable is evaluated after the warm-up (caches)
     error: str | None = None
     traffic_bytes: int | None = None  # bandwidth records: bytes read + written per call
+    note: Any = None  # what a lazily built candidate's record adds (its decode engine)
+    # a model-sized candidate is built only for its own round and dropped after it (``_measure``): ``build``
+    # sets ``fn`` (and ``backend``, ``weight_bytes``) or raises; ``release`` drops what it built
+    build: Callable[[], None] | None = None
+    release: Callable[[], None] | None = None
 
 
 # --------------------------------------------------------------------------------------------- timing
@@ -360,8 +370,11 @@ def _synchronized(fn: Callable[[], Any]) -> Any:
     return out
 
 
-def _measure(candidates: list[Candidate], repeats: int, reference: str, common: dict[str, Any]) -> list[dict]:
-    _warm_up(candidates)
+def _timed(
+    candidates: list[Candidate], repeats: int, common: dict[str, Any], warm: bool = True
+) -> dict[int, list[float]]:
+    if warm:
+        _warm_up(candidates)
     for c in candidates:  # after the warm-up, so caches built on first use (int4 kernel layout) count
         if callable(c.weight_bytes):
             c.weight_bytes = c.weight_bytes()
@@ -369,8 +382,46 @@ def _measure(candidates: list[Candidate], repeats: int, reference: str, common: 
     fns = [c.fn for c in live]
     if common.get("device", "cpu") != "cpu":  # CUDA runs asynchronously: time to completion
         fns = [partial(_synchronized, fn) for fn in fns]
-    times = time_interleaved(fns, repeats)
-    return _records(candidates, {id(c): t for c, t in zip(live, times)}, reference, common)
+    return {id(c): t for c, t in zip(live, time_interleaved(fns, repeats))}
+
+
+def _measure(candidates: list[Candidate], repeats: int, reference: str, common: dict[str, Any]) -> list[dict]:
+    """Time ``candidates`` interleaved, ``repeats`` rounds; one record each, ratios against ``reference``.
+
+    Candidates with a ``build`` (a quantised copy of a whole model, a llama.cpp engine) exist one at a time: each
+    is built, timed interleaved with the reference alone for ``repeats`` rounds — its ratio is against those
+    adjacent reference times — and released before the next is built, so the memory held is the reference's plus
+    one candidate's, whatever the number of schemes. The reference's own record pools all its rounds."""
+    lazy = [c for c in candidates if c.build is not None]
+    eager = [c for c in candidates if c.build is None]
+    live_eager = [c for c in eager if c.fn is not None]
+    times = _timed(eager, repeats, common) if not lazy or len(live_eager) > 1 else {}
+    ref = next(c for c in candidates if c.name == reference)
+    records: dict[int, dict[str, Any]] = {}
+    pooled = list(times.get(id(ref), []))
+    if lazy and not times:
+        _warm_up([ref])
+    for c in lazy:
+        try:
+            try:
+                c.build()
+            except CANDIDATE_ERRORS as err:
+                c.fn, c.error = None, str(err).splitlines()[0][:200]  # as a layer row says it
+            _warm_up([c])
+            live = c.fn is not None and ref.fn is not None
+            round_times = _timed([ref, c], repeats, common, warm=False) if live else {}
+            pooled += round_times.get(id(ref), [])
+            records[id(c)] = _records([ref, c], round_times, reference, common)[1]
+        finally:
+            if c.release is not None:
+                c.release()
+            c.fn = None
+            gc.collect()  # the candidate's model is gone before the next one is built
+    if id(ref) in times or pooled:
+        times[id(ref)] = pooled
+    for c, rec in zip(eager, _records(eager, times, reference, common)):
+        records[id(c)] = rec
+    return [records[id(c)] for c in candidates]
 
 
 def _layer_records(
@@ -474,12 +525,60 @@ def _model_records(
     ids = torch.randint(0, vocab, (batch, min(tokens, context)), device=common["device"])
     fp32 = Candidate("model", f"{name} fp32", _prefill(model, ids), backend="torch")
     fp32.weight_bytes = partial(model_bytes, model)
-    model16 = _bf16(model)
-    bf16 = Candidate("model", f"{name} bf16", _prefill(model16, ids), backend="torch")
-    bf16.weight_bytes = partial(model_bytes, model16)
-    candidates = [fp32, bf16, *_scheme_candidates("model", model, ids, schemes, modes, ids, runner=_prefill)]
+    bf16 = _lazy("model", f"{name} bf16", lambda: _bf16(model), lambda m: (_prefill(m, ids), None), "torch")
+    candidates = [fp32, bf16]
+    for scheme in schemes:
+        for mode in modes:
+
+            def build(scheme: str = scheme, mode: str = mode) -> nn.Module:
+                return _quantized(model, scheme, mode, ids).eval()
+
+            candidates.append(
+                _lazy(
+                    "model",
+                    f"{scheme} [{mode}]",
+                    build,
+                    lambda q: (_prefill(q, ids), None),
+                    mode,
+                    scheme=scheme,
+                    mode=mode,
+                )
+            )
     extra = {**common, "model": name, "model_tokens": ids.numel()}
     return _measure(candidates, repeats, fp32.name, extra)
+
+
+def _lazy(
+    kind: str,
+    name: str,
+    make: Callable[[], nn.Module],
+    run: Callable[[nn.Module], tuple[Callable[[], Any], Any]],
+    backend: str,
+    scheme: str | None = None,
+    mode: str | None = None,
+    on_release: Callable[[Candidate, nn.Module], None] | None = None,
+) -> Candidate:
+    """A whole-model candidate built only for its own round (``_measure``): ``make`` builds the model, ``run``
+    gives its timed call (and anything its record should say, kept as ``c.note``); ``on_release`` sees the
+    candidate and its model once more before the model is dropped (per-model figures taken while it exists)."""
+    c = Candidate(kind, name, None, scheme, mode, backend)
+    held: dict[str, nn.Module] = {}
+
+    def build() -> None:
+        held["model"] = m = make()
+        c.fn, c.note = run(m)
+        if mode == "real" or (mode is None and scheme is not None):
+            c.backend = _backend_of(m, "real")
+        c.weight_bytes = partial(model_bytes, m)
+
+    def release() -> None:
+        m = held.pop("model", None)
+        if m is not None and on_release is not None:
+            on_release(c, m)
+        c.weight_bytes = c.weight_bytes() if callable(c.weight_bytes) else c.weight_bytes
+
+    c.build, c.release = build, release
+    return c
 
 
 def greedy_generate(model: nn.Module, prompt: Tensor, new_tokens: int) -> Tensor:
@@ -594,9 +693,14 @@ def _generate_records(
         extra = []
         for e in loaded:
             c = Candidate("generate", f"llama.cpp {e.type_name}", None, backend=e.backend, error=e.error)
-            if e.generator is not None:
-                c.fn = e.generator.generate  # bound to the prompt in _generation, which owns it
-                c.weight_bytes = e.generator.weight_bytes()
+            if e.error is None:  # opened for its own round only: each engine maps its whole file
+
+                def build(c: Candidate = c, e: Any = e) -> None:
+                    generator = e.open()
+                    c.fn = generator.generate  # bound to the prompt in _generation, which owns it
+                    c.weight_bytes = generator.weight_bytes()
+
+                c.build, c.release = build, e.close
             extra.append((c, e.fields))
         records = _generation(model, name, vocab, new_tokens, repeats, schemes, common, via, extra)
     llamacpp.annotate(records, name)
@@ -623,54 +727,63 @@ def _generation(
         how += ", q/k/v and gate/up fused"
     prompt = torch.randint(0, vocab, (1, PROMPT_TOKENS), device=common["device"])
     calibration = torch.randint(0, vocab, (2, PROMPT_TOKENS * 4), device=common["device"])
+    from qbench.studies.overhead import linear_kernel_ms
+
+    on_cpu = common["device"] == "cpu"  # CUDA kernels run asynchronously: not timed one by one here
+    kernels_ms: dict[str, float | None] = {}  # the linear layers' kernels of each net, taken while it exists
+
+    def generate(net: nn.Module) -> tuple[Callable[[], Any], str]:
+        return _generator(net, prompt, new_tokens, via)  # through its decode engine (where it serves the net)
+
+    def kernels(c: Candidate, net: nn.Module) -> None:
+        if on_cpu and c.fn is not None:
+            kernels_ms[c.name] = linear_kernel_ms(net)
+
     fp32 = Candidate("generate", f"{name} fp32", None)
     fp32.backend, fp32.weight_bytes = "torch", partial(model_bytes, gen_model)
-    gen16 = _bf16(gen_model)
-    bf16 = Candidate("generate", f"{name} bf16", None)
-    bf16.backend, bf16.weight_bytes = "torch", partial(model_bytes, gen16)
+    fp32.fn, fp32.note = generate(gen_model)
+    bf16 = _lazy("generate", f"{name} bf16", lambda: _bf16(gen_model), generate, "torch", on_release=kernels)
     candidates = [fp32, bf16]
-    nets: dict[str, nn.Module] = {
-        fp32.name: gen_model,
-        bf16.name: gen16,
-    }  # what each candidate generates with
     fields_of: dict[str, dict[str, Any]] = {}
     for scheme in schemes:
-        c = Candidate("generate", f"{scheme} [real]", None, scheme, "real", "real")
         # the fused copy where quantising it equals quantising the layers apart, else the separate layers
         fused = fusable(scheme)
+        source = gen_model if fused else separate
+
+        def build(scheme: str = scheme, source: nn.Module = source) -> nn.Module:
+            return _quantized(source, scheme, "real", calibration).eval()
+
+        c = _lazy("generate", f"{scheme} [real]", build, generate, "real", scheme, "real", on_release=kernels)
         if not fused:
             fields_of[c.name] = {"via": how_separate}
-        try:
-            q = _quantized(gen_model if fused else separate, scheme, "real", calibration).eval()
-        except CANDIDATE_ERRORS as err:
-            c.error = f"{type(err).__name__}: {err}".splitlines()[0][:200]
-        else:
-            nets[c.name] = q
-            c.backend, c.weight_bytes = _backend_of(q, "real"), partial(model_bytes, q)
         candidates.append(c)
-    for c in candidates:  # each generates through its decode engine (the runtime where it serves the net)
-        if c.name in nets:
-            c.fn, engine = _generator(nets[c.name], prompt, new_tokens, via)
-            fields_of.setdefault(c.name, {})["decode"] = engine
     for c, fields in extra_candidates:
-        if c.fn is not None:
-            c.fn = partial(c.fn, prompt[0].tolist(), new_tokens)
+        if c.build is not None:
+            opened = c.build
+
+            def bound(c: Candidate = c, opened: Callable[[], None] = opened) -> None:
+                opened()
+                c.fn = partial(c.fn, prompt[0].tolist(), new_tokens)
+
+            c.build = bound
         candidates.append(c)
         fields_of[c.name] = fields
     extra = {**common, "model": name, "new_tokens": new_tokens, "prompt_tokens": PROMPT_TOKENS, "via": how}
     extra["repeats"] = repeats  # capped: one call generates every token
+    if on_cpu:
+        kernels_ms[fp32.name] = None  # measured after the rounds, on the float model that stays
     records = _measure(candidates, repeats, fp32.name, extra)
-    for rec in records:
+    if on_cpu:
+        kernels_ms[fp32.name] = linear_kernel_ms(gen_model)
+    for c, rec in zip(candidates, records):
         rec.update(fields_of.get(rec["name"], {}))
-    from qbench.studies.overhead import linear_kernel_ms
-
-    on_cpu = common["device"] == "cpu"  # CUDA kernels run asynchronously: not timed one by one here
+        if c.note is not None and c.kind == "generate" and not rec["name"].startswith("llama.cpp"):
+            rec["decode"] = c.note
     for rec in records:
         rec["tokens_per_s"] = new_tokens / (rec["ms_min"] * 1e-3) if rec["ms_min"] else None
         # the linear layers' kernels alone per step against the measured time per token (the 16-token prompt's
         # prefill spread over the steps): what the rest — attention, norms, Python — costs
-        timed = on_cpu and rec["ms_min"] and rec["name"] in nets
-        kernels = linear_kernel_ms(nets[rec["name"]]) if timed else None
+        kernels = kernels_ms.get(rec["name"]) if rec["ms_min"] else None
         per_token = rec["ms_min"] / new_tokens if rec["ms_min"] else None
         rec["linear_kernels_ms"] = kernels
         rec["ms_per_token"] = per_token

@@ -350,6 +350,7 @@ class SweepConfig:
     attention: bool = True
     trust_remote_code: bool = False
     allow_unsafe_weights: bool = False
+    placement: Any = None  # qbench.eval.placement.Placement (None: all on ``device``)
     baseline_path: Path | None = None  # where the float records live if not output_path (shared with a grid)
     # where calibrated schemes and an fp8 scale=calib KV cache take their windows (qbench.quant.calibrate;
     # None: the default, the train split of the protocol's corpus)
@@ -369,6 +370,7 @@ def _load(cfg: SweepConfig, model: str) -> Any:
         device=cfg.device,
         trust_remote_code=cfg.trust_remote_code,
         allow_unsafe_weights=cfg.allow_unsafe_weights,
+        placement=cfg.placement,
     )
 
 
@@ -387,6 +389,7 @@ def _grid_spec(cfg: SweepConfig, models: list[str], schemes: list[str], kv: Any 
         attention=cfg.attention,
         trust_remote_code=cfg.trust_remote_code,
         allow_unsafe_weights=cfg.allow_unsafe_weights,
+        placement=cfg.placement,
         baseline_path=cfg.baseline_path,
         kv=kv,
         **({} if cfg.calibration is None else {"calibration": cfg.calibration}),

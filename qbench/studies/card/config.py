@@ -38,6 +38,7 @@ class CardConfig:
     device: str = "cpu"
     trust_remote_code: bool = False
     allow_unsafe_weights: bool = False
+    placement: Any = None  # qbench.eval.placement.Placement (None: all on ``device``)
     command: str | None = None
     # --resolve: re-evaluate undecided format and KV rows at doubling tokens up to this many (None: off)
     resolve_tokens: int | None = None
@@ -88,6 +89,7 @@ def _shared(cfg: CardConfig) -> dict[str, Any]:
         "device": cfg.device,
         "trust_remote_code": cfg.trust_remote_code,
         "allow_unsafe_weights": cfg.allow_unsafe_weights,
+        "placement": cfg.placement,
     }
 
 

@@ -174,6 +174,7 @@ def _load(cfg: CardConfig, model: str, sources: dict[str, str], first: tuple[str
         device=cfg.device,
         trust_remote_code=cfg.trust_remote_code,
         allow_unsafe_weights=cfg.allow_unsafe_weights,
+        placement=cfg.placement,
     )
     if sources.setdefault(lm.name, lm.source) != lm.source:
         raise UserError(

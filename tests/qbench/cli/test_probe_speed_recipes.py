@@ -263,3 +263,14 @@ def test_recipes_lr_from_still_names_a_recipe_the_sweep_did_not_choose_for(tmp_p
         capsys,
         "chose no learning rate for vanilla (it has: paper)",
     )
+
+
+def test_speed_json_on_stdout_stays_json_with_the_peak_memory_line_on_stderr(capsys):
+    from qbench.cli import main
+
+    args = ["speed", "--model", "tiny", "--no-layer", "--no-kv", "--no-generate", "--scheme", "absmax-fine"]
+    assert main([*args, "--repeats", "1", "--model-tokens", "8", "--output-path", "-"]) == 0
+    out, err = capsys.readouterr()
+    payload = json.loads(out)  # nothing but the records on stdout
+    assert any(r["name"] == "absmax-fine [real]" for r in payload["records"])
+    assert "peak memory" in err

@@ -33,14 +33,19 @@ def test_missing_package_is_one_line(monkeypatch):
 
 
 def test_annotate_divides_the_matched_qbench_row():
+    # each row's speed-up over the fp32 times of its own round; tokens/s of different rounds (the machine got
+    # slower during the Q8_0 round: 210 tokens/s) must not be compared directly
     records = [
-        {"kind": "generate", "name": "m fp32", "tokens_per_s": 100.0},
-        {"kind": "generate", "name": "absmax-fine [real]", "tokens_per_s": 999.0},  # float head: not matched
-        {"kind": "generate", "name": "absmax-fine:head=true [real]", "tokens_per_s": 150.0},
-        {"kind": "generate", "name": "llama.cpp F32", "llama_cpp_type": "F32", "tokens_per_s": 200.0},
-        {"kind": "generate", "name": "llama.cpp Q8_0", "llama_cpp_type": "Q8_0", "tokens_per_s": 300.0},
-        {"kind": "generate", "name": "llama.cpp Q4_0", "llama_cpp_type": "Q4_0", "tokens_per_s": None},
-    ]
+        {"kind": "generate", "name": "m fp32", "tokens_per_s": 100.0, "speedup_best": 1.0},
+        {"kind": "generate", "name": "absmax-fine [real]", "tokens_per_s": 999.0, "speedup_best": 9.9},  # float head
+        {"kind": "generate", "name": "absmax-fine:head=true [real]", "tokens_per_s": 150.0, "speedup_best": 1.5},
+        {"kind": "generate", "name": "llama.cpp F32", "llama_cpp_type": "F32", "tokens_per_s": 200.0,
+         "speedup_best": 2.0},
+        {"kind": "generate", "name": "llama.cpp Q8_0", "llama_cpp_type": "Q8_0", "tokens_per_s": 210.0,
+         "speedup_best": 3.0},
+        {"kind": "generate", "name": "llama.cpp Q4_0", "llama_cpp_type": "Q4_0", "tokens_per_s": None,
+         "speedup_best": None},
+    ]  # fmt: skip
     llamacpp.annotate(records, "m")
     f32, q8, q4 = records[3:]
     assert f32["qbench_match"] == "m fp32" and f32["qbench_vs_llama_cpp"] == pytest.approx(0.5)
@@ -112,11 +117,24 @@ def test_across_runs_pools_only_the_same_comparison():
     assert "- (no run)" in llamacpp.across_runs_table(llamacpp.across_runs([_run(None)]))
 
 
-def test_generation_rows_from_llama_cpp(tmp_path):
+def test_generation_rows_from_llama_cpp(tmp_path, monkeypatch):
     pytest.importorskip("llama_cpp")
     pytest.importorskip("gguf")
     from qbench.studies.speed import format_speed_table, run_speed
 
+    open_now, most_open = [0], [0]  # each engine maps its whole file: one open at a time
+
+    class Counted(llamacpp.LlamaCppGenerator):
+        def __post_init__(self):
+            super().__post_init__()
+            open_now[0] += 1
+            most_open[0] = max(most_open[0], open_now[0])
+
+        def close(self):
+            open_now[0] -= 1
+            super().close()
+
+    monkeypatch.setattr(llamacpp, "LlamaCppGenerator", Counted)
     records = run_speed(
         threads=1,
         repeats=1,
@@ -141,6 +159,7 @@ def test_generation_rows_from_llama_cpp(tmp_path):
     assert rows["absmax-fine:head=true [real]"]["error"] is None
     table = format_speed_table(records)
     assert "llama.cpp Q8_0" in table and "qbench / llama.cpp" in table
+    assert most_open[0] == 1 and open_now[0] == 0
 
 
 def test_generator_follows_the_greedy_protocol(tmp_path):

@@ -383,3 +383,40 @@ def test_fused_projections_quantise_as_the_separate_layers_where_fusable():
         for path in ("c-gemv", None):
             with torch.inference_mode(), paths.force(path):
                 assert torch.equal(a(x), b(x)), (scheme, path)
+
+
+def test_whole_model_figures_hold_one_quantised_model_at_a_time(monkeypatch):
+    """Prefill and generation build each scheme's copy for its own round and drop it before the next: the
+    memory held is the float model's plus one copy's, whatever the number of schemes."""
+    import gc
+    import weakref
+
+    from qbench.studies import speed
+
+    built, most_alive = [], [0]
+    real_quantized = speed._quantized
+
+    def counting(model, scheme, mode, calibration):
+        gc.collect()
+        alive = sum(ref() is not None for ref in built)
+        most_alive[0] = max(most_alive[0], alive)
+        q = real_quantized(model, scheme, mode, calibration)
+        built.append(weakref.ref(q))
+        return q
+
+    monkeypatch.setattr(speed, "_quantized", counting)
+    recs = run_speed(
+        repeats=2, schemes=["absmax-fine", "zeropoint-int4", "absmax-coarse"], modes=["fake", "real"],
+        model="tiny", model_tokens=8, new_tokens=3, layer=False, kv=False, threads=1,
+    )  # fmt: skip
+    assert len(built) == 3 * 2 + 3  # prefill: every scheme × mode; generation: every scheme, real
+    assert most_alive[0] == 0  # when a copy is built, no earlier copy is left
+    gc.collect()
+    assert all(ref() is None for ref in built)
+    for kind in ("model", "generate"):
+        rows = {r["name"]: r for r in recs if r["kind"] == kind}
+        fp32 = rows.pop("tiny fp32")
+        assert len(fp32["ms_repeats"]) == 2 * len(rows)  # the reference is timed beside every candidate
+        for r in rows.values():
+            assert r["error"] is None and len(r["ms_repeats"]) == 2 and r["speedup"] > 0
+            assert r["weight_bytes"] > 0

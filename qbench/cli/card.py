@@ -25,6 +25,15 @@ NAME = "card"
 HELP = "one page per model: outliers, attention sink, deployable formats, breaking points, KV cache, verdict"
 
 
+# What a card costs on 2 CPU cores, float32 (docs/card.md, "Memory and time": measured for the 124 M model's quick
+# and standard cards and the 1.4 B model's float evaluation, the rest estimated from them)
+COSTS = (
+    "Cost on 2 CPU cores, float32: a 124 M-parameter model quick ~12 min / 1.9 GiB, standard ~40 min / 3.3 GiB, "
+    "full ~3 h; a 1.4 B model quick ~1.5 h / 6.2 GiB (3.9 GiB with --dtype bfloat16), standard ~5 h, full ~1 day "
+    "(estimated); on one GPU minutes (docs/card.md)"
+)
+
+
 def budget_help() -> str:
     """What each budget measures, from the budgets themselves (``qbench.studies.card`` imports no torch)."""
     from qbench.studies.card.plan import BUDGETS, FORMATS, KV_KEEP_SINKS, KV_MIN_WINDOW
@@ -36,7 +45,7 @@ def budget_help() -> str:
         + f". Quick's formats: {', '.join(labels[s] for s in quick.formats)}; standard and full: all "
         f"{len(FORMATS)} ({', '.join(f.label for f in FORMATS)}). KV rows on windows of at least "
         f"{KV_MIN_WINDOW:,} tokens (the model's context when shorter); --kv-scheme replaces them by one scheme at "
-        f"the budget's widths, plain and with --kv-keep-sinks {KV_KEEP_SINKS}"
+        f"the budget's widths, plain and with --kv-keep-sinks {KV_KEEP_SINKS}. {COSTS}"
     )
 
 

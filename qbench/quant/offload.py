@@ -196,6 +196,7 @@ def rehook(model: nn.Module, copy: nn.Module, replaced: Mapping[str, nn.Module])
     the copy replaced, by name (a GPT-2 ``Conv1D`` stores its weight transposed)."""
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 
+    from qbench.quant.fake import FakeQuantLinear
     from qbench.quant.linears import is_conv1d
 
     for name, hook in hooks(model).items():
@@ -222,9 +223,9 @@ def rehook(model: nn.Module, copy: nn.Module, replaced: Mapping[str, nn.Module])
                     else:
                         own[rel] = tensor
                 weights_map = QuantizedWeights(h.weights_map, renamed, own)
-                if any(isinstance(m, nn.Module) and getattr(m, "storage", None) for m in target.modules()):
-                    for m in target.modules():
-                        m.__dict__["keep_decoded"] = False  # a kept Ŵ per layer would hold the whole model
+                for m in target.modules():
+                    if isinstance(m, FakeQuantLinear):
+                        m.keep_decoded = False  # a kept Ŵ per layer would hold the whole model
             add_hook_to_module(
                 target,
                 AlignDevicesHook(
